@@ -1,0 +1,504 @@
+"""The Backend seam: one abstract class every device implements (seed: ``vt/backend.h``).
+
+An inference engine talks to hardware through a narrow interface: allocate, copy, make
+queues (streams), record and wait on events, capture graphs.  This module defines that
+interface with Pythonic names for the seed's methods, plus the small handle classes it
+passes around:
+
+* :class:`Buffer` -- memory returned by ``alloc``/``alloc_pinned``; usable by kernels on its
+  target through :meth:`Buffer.view` (a numpy view on cpu, a device array on cuda/cudasim);
+* :class:`Queue`  -- an ordered stream of work (a CUDA stream, or a host queue);
+* :class:`Event`  -- a marker recorded into a queue; completes when the queue reaches it;
+* :class:`GraphHandle` -- a captured sequence of queue work that can be replayed.
+
+Semantics every backend keeps (they are what the seed's comments promise):
+
+* work on one queue runs in submission order; work on two queues is unordered unless a
+  ``queue_wait_event`` orders it;
+* ``record_event(e, q)`` captures "everything submitted to q so far"; re-recording moves
+  the marker; ``query_event`` never blocks; ``synchronize_event`` blocks until it fires;
+* an error inside queued work is *sticky*: it is raised by the next ``synchronize``.
+
+Validation happens here, at the public boundary, so every backend rejects bad input with
+the same clear message naming the argument.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from vtnumba.backend.device import Device, DeviceType
+
+_ids = itertools.count(1)
+
+
+def check_nbytes(name: str, value, *, allow_zero: bool = True) -> int:
+    """A byte count: a non-negative int (``bool`` and floats are refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}={value!r} must be an int number of bytes, got {type(value).__name__}")
+    value = int(value)
+    if value < 0 or (value == 0 and not allow_zero):
+        expected = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}={value} is not a valid size; expected {expected}")
+    return value
+
+
+class Buffer:
+    """A block of memory owned by one backend on one device.
+
+    ``array`` is the raw storage as a 1-D ``uint8`` array of the target's kind (numpy on cpu,
+    a numba device array on cuda/cudasim); ``view`` reinterprets a byte range as typed
+    elements for kernels.  A freed buffer refuses every use.
+    """
+
+    def __init__(self, backend: "Backend", device: Device, nbytes: int, array, *, pinned: bool = False,
+                 ptr: int | None = None, owner: Any = None):
+        self.backend = backend
+        self.device = device
+        self.nbytes = nbytes
+        self.pinned = pinned
+        self.id = next(_ids)
+        self._array = array
+        self._ptr = ptr
+        self._owner = owner  # whatever keeps the memory alive (a larger slab, a numba allocation)
+        self.freed = False
+
+    @property
+    def array(self):
+        self._check_live("buffer")
+        return self._array
+
+    @property
+    def ptr(self) -> int:
+        """The address of the first byte (host address on cpu/cudasim, device address on cuda)."""
+        self._check_live("buffer")
+        return self._ptr if self._ptr is not None else 0
+
+    def _check_live(self, what: str) -> None:
+        if self.freed:
+            raise RuntimeError(f"{what} #{self.id} ({self.nbytes} bytes on {self.device}) was already freed")
+
+    def view(self, dtype=np.uint8, shape=None, offset: int = 0):
+        """A typed view of ``nbytes`` starting at byte ``offset``, shaped ``shape``.
+
+        Without ``shape`` the view covers the rest of the buffer.  The view aliases the
+        buffer's memory: kernels that write it write the buffer.
+        """
+        self._check_live("buffer")
+        dtype = np.dtype(dtype)
+        offset = check_nbytes("offset", offset)
+        if shape is None:
+            count = (self.nbytes - offset) // dtype.itemsize
+            shape = (count,)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        count = int(np.prod(shape, dtype=np.int64))
+        need = count * dtype.itemsize
+        if offset % dtype.itemsize:
+            raise ValueError(f"offset={offset} is not a multiple of {dtype.name}'s itemsize {dtype.itemsize}")
+        if offset + need > self.nbytes:
+            raise ValueError(
+                f"view of shape={shape} {dtype.name} at offset={offset} needs {need} bytes but buffer #{self.id} "
+                f"has only {self.nbytes - offset} bytes after the offset")
+        raw = self._array[offset:offset + need]
+        return raw.view(dtype).reshape(shape) if count else raw.view(dtype)[:0].reshape(shape)
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else "live"
+        kind = "pinned " if self.pinned else ""
+        return f"<{kind}Buffer #{self.id} {self.nbytes} B on {self.device} ({state})>"
+
+
+class Queue:
+    """An ordered queue of work on one device (a CUDA stream, or a host queue)."""
+
+    def __init__(self, backend: "Backend", name: str | None = None):
+        self.backend = backend
+        self.id = next(_ids)
+        self.name = name or f"queue{self.id}"
+        self.destroyed = False
+
+    def __repr__(self) -> str:
+        return f"<Queue {self.name} on {self.backend.device}{' (destroyed)' if self.destroyed else ''}>"
+
+
+class Event:
+    """A marker in a queue.  ``blocking`` events make ``synchronize_event`` sleep, not spin."""
+
+    def __init__(self, backend: "Backend", blocking: bool = False):
+        self.backend = backend
+        self.blocking = blocking
+        self.id = next(_ids)
+        self.destroyed = False
+        self.recorded = False  # an event never recorded counts as complete (CUDA semantics)
+
+    def __repr__(self) -> str:
+        return f"<Event #{self.id} on {self.backend.device}{' (destroyed)' if self.destroyed else ''}>"
+
+
+class GraphHandle:
+    """A captured graph that can be replayed on a queue until destroyed."""
+
+    def __init__(self, backend: "Backend", native: Any):
+        self.backend = backend
+        self.native = native
+        self.id = next(_ids)
+        self.destroyed = False
+
+
+class Backend(abc.ABC):
+    """The device seam.  Subclasses implement the ``_``-prefixed primitives; the public
+    methods validate arguments and keep the bookkeeping every backend shares."""
+
+    device_type: DeviceType
+
+    def __init__(self, device: Device):
+        self.device = device
+        self._lock = threading.RLock()
+        self._live_buffers: dict[int, Buffer] = {}
+        self._queues: set[int] = set()
+        self._events: set[int] = set()
+        self._capturing: dict[int, Any] = {}
+        self._default_graph: GraphHandle | None = None
+
+    # ------------------------------------------------------------------ description
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    @abc.abstractmethod
+    def unified_memory(self) -> bool:
+        """True when host and device share one address space (no copies needed)."""
+
+    @abc.abstractmethod
+    def device_capability(self) -> tuple[int, int]:
+        """(major, minor) compute capability; (0, 0) for the CPU."""
+
+    def supports_aux_stream(self) -> bool:
+        """Can work on a second queue overlap work on the first?"""
+        return True
+
+    def supports_graph_capture(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ memory
+    def alloc(self, nbytes: int) -> Buffer:
+        """Allocate ``nbytes`` of device memory, 64-byte aligned."""
+        nbytes = check_nbytes("nbytes", nbytes)
+        buf = self._alloc(nbytes)
+        with self._lock:
+            self._live_buffers[buf.id] = buf
+        return buf
+
+    def free(self, buf: Buffer) -> None:
+        self._check_own_buffer("buf", buf)
+        with self._lock:
+            if buf.freed or buf.id not in self._live_buffers:
+                raise RuntimeError(f"double free: buffer #{buf.id} ({buf.nbytes} bytes) was already freed")
+            del self._live_buffers[buf.id]
+            buf.freed = True
+        self._free(buf)
+
+    def alloc_pinned(self, nbytes: int) -> Buffer:
+        """Page-locked host memory (0 bytes still returns a valid, freeable block)."""
+        nbytes = check_nbytes("nbytes", nbytes)
+        buf = self._alloc_pinned(nbytes)
+        with self._lock:
+            self._live_buffers[buf.id] = buf
+        return buf
+
+    def free_pinned(self, buf: Buffer) -> None:
+        if isinstance(buf, Buffer) and not buf.pinned:
+            raise ValueError(f"free_pinned(buf) got buffer #{buf.id}, which is not pinned; use free()")
+        self.free(buf)
+
+    def memset(self, q: Queue, buf: Buffer, value: int, nbytes: int | None = None, offset: int = 0) -> None:
+        """Set ``nbytes`` bytes of ``buf`` from ``offset`` to ``value`` (0..255), in queue order."""
+        self._check_queue(q)
+        self._check_own_buffer("buf", buf)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= 255:
+            raise ValueError(f"value={value!r} must be a byte value, an int in 0..255")
+        offset = check_nbytes("offset", offset)
+        nbytes = buf.nbytes - offset if nbytes is None else check_nbytes("nbytes", nbytes)
+        if offset + nbytes > buf.nbytes:
+            raise ValueError(f"memset of nbytes={nbytes} at offset={offset} runs past the end of buffer "
+                             f"#{buf.id} ({buf.nbytes} bytes)")
+        self._memset(q, buf, int(value), nbytes, offset)
+
+    def copy(self, q: Queue, dst, src, nbytes: int, *, dst_offset: int = 0, src_offset: int = 0) -> None:
+        """Copy ``nbytes`` from ``src`` to ``dst`` in queue order (H2D, D2H, D2D or H2H).
+
+        ``dst``/``src`` are :class:`Buffer` objects or contiguous arrays (numpy on the host,
+        device arrays on cuda).  Asynchronous on queues that are: keep both alive and
+        unchanged until the queue has passed the copy.
+        """
+        self._check_queue(q)
+        nbytes = check_nbytes("nbytes", nbytes)
+        dst_offset = check_nbytes("dst_offset", dst_offset)
+        src_offset = check_nbytes("src_offset", src_offset)
+        d_size = self._extent("dst", dst)
+        s_size = self._extent("src", src)
+        if dst_offset + nbytes > d_size:
+            raise ValueError(f"copy of nbytes={nbytes} at dst_offset={dst_offset} runs past the end of dst "
+                             f"({d_size} bytes)")
+        if src_offset + nbytes > s_size:
+            raise ValueError(f"copy of nbytes={nbytes} at src_offset={src_offset} runs past the end of src "
+                             f"({s_size} bytes)")
+        self._copy(q, dst, src, nbytes, dst_offset, src_offset)
+
+    def _extent(self, name: str, obj) -> int:
+        if isinstance(obj, Buffer):
+            obj._check_live(name)
+            return obj.nbytes
+        nbytes = getattr(obj, "nbytes", None)
+        if nbytes is None:
+            raise TypeError(f"{name} must be a Buffer or an array, got {type(obj).__name__}")
+        flags = getattr(obj, "flags", None)
+        if flags is not None and not (flags["C_CONTIGUOUS"] if not isinstance(flags, dict) else flags.get("C_CONTIGUOUS", True)):
+            raise ValueError(f"{name} must be C-contiguous")
+        return int(nbytes)
+
+    # ------------------------------------------------------------------ queues
+    def create_queue(self, name: str | None = None) -> Queue:
+        q = self._create_queue(name)
+        with self._lock:
+            self._queues.add(q.id)
+        return q
+
+    def destroy_queue(self, q: Queue) -> None:
+        """Wait for the queue's work, then release it.  Destroying twice is an error."""
+        self._check_queue(q)
+        try:
+            self.synchronize(q)
+        finally:
+            with self._lock:
+                self._queues.discard(q.id)
+            q.destroyed = True
+            self._destroy_queue(q)
+
+    def synchronize(self, q: Queue | None = None) -> None:
+        """Block until all work submitted to ``q`` (or every queue, if None) has finished."""
+        if q is None:
+            self._synchronize_all()
+            return
+        self._check_queue(q)
+        self._synchronize(q)
+
+    def flush_pending(self, q: Queue | None = None) -> None:
+        """Hand any batched-up work to the device now (a no-op where submission is immediate)."""
+        if q is not None:
+            self._check_queue(q)
+
+    def submit(self, q: Queue, fn: Callable[[Any], None], name: str = "op", **trace_args) -> None:
+        """Run ``fn(native_stream)`` in queue order.
+
+        This is how kernels and host functions reach a queue.  On the cpu backend ``fn``
+        does the work itself (on the queue's thread in threaded mode); on cuda it *launches*
+        device work into the stream it is given, which is then ordered like any copy.
+        """
+        self._check_queue(q)
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        self._submit(q, fn, name, trace_args)
+
+    def launch_host_func(self, q: Queue, fn: Callable[[], None], name: str = "host_func") -> None:
+        """Run a host function once everything before it on ``q`` has finished (cuLaunchHostFunc)."""
+        self._check_queue(q)
+        self._launch_host_func(q, fn, name)
+
+    # ------------------------------------------------------------------ events
+    def create_event(self, blocking: bool = False) -> Event:
+        ev = self._create_event(bool(blocking))
+        with self._lock:
+            self._events.add(ev.id)
+        return ev
+
+    def destroy_event(self, e: Event) -> None:
+        self._check_event(e)
+        with self._lock:
+            self._events.discard(e.id)
+        e.destroyed = True
+        self._destroy_event(e)
+
+    def record_event(self, e: Event, q: Queue) -> None:
+        self._check_event(e)
+        self._check_queue(q)
+        e.recorded = True
+        self._record_event(e, q)
+
+    def synchronize_event(self, e: Event) -> None:
+        self._check_event(e)
+        self._synchronize_event(e)
+
+    def query_event(self, e: Event) -> bool:
+        """True once the event's queue has passed it (never blocks)."""
+        self._check_event(e)
+        return self._query_event(e)
+
+    def queue_wait_event(self, q: Queue, e: Event) -> None:
+        """Make later work on ``q`` wait until ``e`` (as recorded now) has fired."""
+        self._check_queue(q)
+        self._check_event(e)
+        self._queue_wait_event(q, e)
+
+    def elapsed_ms(self, start: Event, end: Event) -> float:
+        """Milliseconds between two completed events (blocks until both fired)."""
+        self._check_event(start, "start")
+        self._check_event(end, "end")
+        for name, ev in (("start", start), ("end", end)):
+            if not ev.recorded:
+                raise RuntimeError(f"elapsed_ms: event {name} (#{ev.id}) was never recorded")
+        return self._elapsed_ms(start, end)
+
+    # ------------------------------------------------------------------ graphs
+    def begin_capture(self, q: Queue) -> None:
+        self._check_queue(q)
+        if not self.supports_graph_capture():
+            raise RuntimeError(f"{self.name} on {self.device} does not support graph capture "
+                               "(only a real CUDA GPU does); check supports_graph_capture() first")
+        if q.id in self._capturing:
+            raise RuntimeError(f"{q} is already capturing; end_capture first")
+        self._capturing[q.id] = self._begin_capture(q)
+
+    def end_capture_graph(self, q: Queue) -> GraphHandle:
+        """End capture on ``q`` and return a handle to the captured graph."""
+        self._check_queue(q)
+        if q.id not in self._capturing:
+            raise RuntimeError(f"{q} is not capturing; call begin_capture first")
+        state = self._capturing.pop(q.id)
+        return GraphHandle(self, self._end_capture(q, state))
+
+    def replay_graph(self, q: Queue, graph: GraphHandle) -> None:
+        self._check_queue(q)
+        if not isinstance(graph, GraphHandle) or graph.backend is not self:
+            raise ValueError("graph must be a GraphHandle made by this backend's end_capture_graph")
+        if graph.destroyed:
+            raise RuntimeError(f"graph #{graph.id} was destroyed")
+        self._replay(q, graph.native)
+
+    def destroy_graph(self, graph: GraphHandle) -> None:
+        if not isinstance(graph, GraphHandle) or graph.backend is not self:
+            raise ValueError("graph must be a GraphHandle made by this backend")
+        if graph.destroyed:
+            raise RuntimeError(f"graph #{graph.id} was already destroyed")
+        graph.destroyed = True
+        self._destroy_graph(graph.native)
+
+    def end_capture(self, q: Queue) -> None:
+        """Seed's single-graph API: end capture and keep the graph as the default one."""
+        if self._default_graph is not None and not self._default_graph.destroyed:
+            self.destroy_graph(self._default_graph)
+        self._default_graph = self.end_capture_graph(q)
+
+    def replay(self, q: Queue) -> None:
+        if self._default_graph is None or self._default_graph.destroyed:
+            raise RuntimeError("replay: nothing captured; call begin_capture/end_capture first")
+        self.replay_graph(q, self._default_graph)
+
+    def _begin_capture(self, q):  # pragma: no cover - only real CUDA implements capture
+        raise NotImplementedError
+
+    def _end_capture(self, q, state):  # pragma: no cover
+        raise NotImplementedError
+
+    def _replay(self, q, native):  # pragma: no cover
+        raise NotImplementedError
+
+    def _destroy_graph(self, native):  # pragma: no cover
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ teardown
+    def live_buffers(self) -> list[Buffer]:
+        with self._lock:
+            return list(self._live_buffers.values())
+
+    def close(self) -> None:
+        """Synchronize every queue (outstanding buffers stay owned by their users)."""
+        self._synchronize_all()
+
+    # ------------------------------------------------------------------ validation helpers
+    def _check_queue(self, q) -> None:
+        if not isinstance(q, Queue):
+            raise TypeError(f"q must be a Queue, got {type(q).__name__}")
+        if q.backend is not self:
+            raise ValueError(f"q={q} belongs to another backend ({q.backend.name} on {q.backend.device}), "
+                             f"not {self.name} on {self.device}")
+        if q.destroyed or q.id not in self._queues:
+            raise RuntimeError(f"q={q.name} was destroyed; create a new queue")
+
+    def _check_event(self, e, name: str = "e") -> None:
+        if not isinstance(e, Event):
+            raise TypeError(f"{name} must be an Event, got {type(e).__name__}")
+        if e.backend is not self:
+            raise ValueError(f"{name}=event #{e.id} belongs to another backend ({e.backend.name} on "
+                             f"{e.backend.device}), not {self.name} on {self.device}")
+        if e.destroyed or e.id not in self._events:
+            raise RuntimeError(f"{name}=event #{e.id} was destroyed")
+
+    def _check_own_buffer(self, name: str, buf) -> None:
+        if not isinstance(buf, Buffer):
+            raise TypeError(f"{name} must be a Buffer, got {type(buf).__name__}")
+        if buf.backend is not self:
+            raise ValueError(f"{name}=buffer #{buf.id} belongs to {buf.backend.name} on {buf.device}, "
+                             f"not {self.name} on {self.device}")
+        if buf.freed:
+            raise RuntimeError(f"{name}=buffer #{buf.id} was already freed")
+
+    # ------------------------------------------------------------------ primitives
+    @abc.abstractmethod
+    def _alloc(self, nbytes: int) -> Buffer: ...
+
+    @abc.abstractmethod
+    def _free(self, buf: Buffer) -> None: ...
+
+    @abc.abstractmethod
+    def _alloc_pinned(self, nbytes: int) -> Buffer: ...
+
+    @abc.abstractmethod
+    def _memset(self, q: Queue, buf: Buffer, value: int, nbytes: int, offset: int) -> None: ...
+
+    @abc.abstractmethod
+    def _copy(self, q: Queue, dst, src, nbytes: int, dst_offset: int, src_offset: int) -> None: ...
+
+    @abc.abstractmethod
+    def _create_queue(self, name: str | None) -> Queue: ...
+
+    @abc.abstractmethod
+    def _destroy_queue(self, q: Queue) -> None: ...
+
+    @abc.abstractmethod
+    def _synchronize(self, q: Queue) -> None: ...
+
+    @abc.abstractmethod
+    def _synchronize_all(self) -> None: ...
+
+    @abc.abstractmethod
+    def _submit(self, q: Queue, fn, name: str, trace_args: dict) -> None: ...
+
+    @abc.abstractmethod
+    def _launch_host_func(self, q: Queue, fn, name: str) -> None: ...
+
+    @abc.abstractmethod
+    def _create_event(self, blocking: bool) -> Event: ...
+
+    @abc.abstractmethod
+    def _destroy_event(self, e: Event) -> None: ...
+
+    @abc.abstractmethod
+    def _record_event(self, e: Event, q: Queue) -> None: ...
+
+    @abc.abstractmethod
+    def _synchronize_event(self, e: Event) -> None: ...
+
+    @abc.abstractmethod
+    def _query_event(self, e: Event) -> bool: ...
+
+    @abc.abstractmethod
+    def _queue_wait_event(self, q: Queue, e: Event) -> None: ...
+
+    @abc.abstractmethod
+    def _elapsed_ms(self, start: Event, end: Event) -> float: ...

@@ -1,0 +1,244 @@
+"""The CPU backend: host memory, and queues that are either synchronous or real threads.
+
+Seed semantics (``threaded=False``, the default): every queue operation runs at once, on
+the calling thread, so an event is complete the moment it is recorded.  Simple, and what
+the seed's CPU backend does -- but it hides every ordering bug, because nothing is ever
+"still running".
+
+Threaded mode (``CPUBackend(threaded=True)`` or ``VTNUMBA_CPU_QUEUES=threaded``): each
+queue is a worker thread that runs its operations in order.  Events complete when their
+queue reaches them, ``query_event`` really can answer False, ``queue_wait_event`` really
+blocks the waiting queue, and ``elapsed_ms`` measures real time.  numpy and BLAS release
+the GIL for large copies and matmuls, so two queues genuinely overlap.  This is the mode
+in which a missing ``record_stream`` or ``queue_wait_event`` shows up without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as _queue
+import threading
+
+import numpy as np
+
+from vtnumba import trace
+from vtnumba.backend.base import Backend, Buffer, Event, Queue
+from vtnumba.backend.device import CPU, Device, DeviceType
+
+ALIGNMENT = 64
+
+
+def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
+    """A 1-D uint8 array of ``nbytes`` whose first byte is ``alignment``-aligned."""
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    start = (-raw.ctypes.data) % alignment
+    return raw[start:start + nbytes]
+
+
+def host_bytes(obj, name: str = "array") -> np.ndarray:
+    """The bytes of a Buffer or contiguous host array, as a flat uint8 view (no copy)."""
+    if isinstance(obj, Buffer):
+        return obj.array
+    if not isinstance(obj, np.ndarray):
+        raise TypeError(f"{name} must be a Buffer or a numpy array on the cpu backend, got {type(obj).__name__}")
+    if not obj.flags["C_CONTIGUOUS"]:
+        raise ValueError(f"{name} must be C-contiguous")
+    return obj.reshape(-1).view(np.uint8)
+
+
+class _Mark:
+    """One recording of an event: fires once, remembers when."""
+
+    __slots__ = ("done", "time_ns")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.time_ns = 0
+
+    def fire(self) -> None:
+        self.time_ns = trace.now_ns()
+        self.done.set()
+
+
+class _CPUEvent(Event):
+    def __init__(self, backend, blocking):
+        super().__init__(backend, blocking)
+        self.mark = _Mark()
+        self.mark.fire()  # never recorded = complete, as in CUDA
+
+
+class _CPUQueue(Queue):
+    """A host queue.  In threaded mode it owns a worker thread and a FIFO of operations."""
+
+    def __init__(self, backend, name, threaded: bool):
+        super().__init__(backend, name)
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._submitted = 0
+        self._completed = 0
+        self._ops: _queue.SimpleQueue | None = None
+        if threaded:
+            self._ops = _queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, name=f"vtnumba-{self.name}", daemon=True)
+            self._thread.start()
+
+    # Work runs either inline (sync mode) or on the worker; both paths trace the same way.
+    def _execute(self, name: str, fn, args: dict) -> None:
+        rec = trace.RECORDER
+        t0 = trace.now_ns() if rec is not None else 0
+        try:
+            if self.error is None:  # after a failure the queue is poisoned until synchronized
+                fn()
+        except BaseException as exc:  # noqa: BLE001 - sticky error, re-raised by synchronize
+            self.error = exc
+        finally:
+            if rec is not None:
+                rec.add(name, "queue", f"cpu:{self.name}", t0, trace.now_ns(), args)
+
+    def put(self, name: str, fn, args: dict | None = None) -> None:
+        if self._ops is None:
+            # Synchronous (seed) mode: run now and let errors reach the caller directly.
+            with trace.span(name, "queue", f"cpu:{self.name}", **(args or {})):
+                fn()
+            return
+        with self._cond:
+            self._submitted += 1
+        self._ops.put((name, fn, args or {}))
+
+    def _run(self) -> None:
+        while True:
+            item = self._ops.get()
+            if item is None:
+                return
+            self._execute(*item)
+            with self._cond:
+                self._completed += 1
+                self._cond.notify_all()
+
+    def drain(self) -> None:
+        if self._ops is not None:
+            with self._cond:
+                self._cond.wait_for(lambda: self._completed == self._submitted)
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError(f"an operation on queue {self.name} failed: {err!r}") from err
+
+    def busy(self) -> bool:
+        with self._cond:
+            return self._completed != self._submitted
+
+    def stop(self) -> None:
+        if self._ops is not None:
+            self._ops.put(None)
+            self._thread.join()
+
+
+class CPUBackend(Backend):
+    """Host memory and host queues (see the module docstring for the two queue modes)."""
+
+    device_type = DeviceType.CPU
+
+    def __init__(self, device: Device = CPU, threaded: bool | None = None):
+        if device.type is not DeviceType.CPU:
+            raise ValueError(f"device={device} must be a CPU device for CPUBackend")
+        super().__init__(device)
+        if threaded is None:
+            threaded = os.environ.get("VTNUMBA_CPU_QUEUES", "sync").lower() == "threaded"
+        self.threaded = bool(threaded)
+        self._all_queues: dict[int, _CPUQueue] = {}
+
+    @property
+    def name(self) -> str:
+        return "CPUBackend(threaded)" if self.threaded else "CPUBackend"
+
+    def unified_memory(self) -> bool:
+        return True
+
+    def device_capability(self) -> tuple[int, int]:
+        return (0, 0)
+
+    def supports_aux_stream(self) -> bool:
+        # Only threaded queues can overlap; synchronous ones run everything in turn.
+        return self.threaded
+
+    # ---------------------------------------------------------------- memory
+    def _alloc(self, nbytes: int) -> Buffer:
+        arr = aligned_empty(nbytes)
+        return Buffer(self, self.device, nbytes, arr, ptr=arr.ctypes.data)
+
+    def _alloc_pinned(self, nbytes: int) -> Buffer:
+        # Host memory is already "pinned" from the CPU's point of view; a zero-byte request
+        # still gets a real (aligned, empty) block that free_pinned accepts.
+        arr = aligned_empty(nbytes)
+        return Buffer(self, self.device, nbytes, arr, pinned=True, ptr=arr.ctypes.data)
+
+    def _free(self, buf: Buffer) -> None:
+        buf._array = None  # drop the reference; numpy frees the memory with the last view
+
+    def _memset(self, q, buf, value, nbytes, offset) -> None:
+        view = buf.array[offset:offset + nbytes]
+        q.put("memset", lambda: view.fill(value), {"bytes": nbytes})
+
+    def _copy(self, q, dst, src, nbytes, dst_offset, src_offset) -> None:
+        d = host_bytes(dst, "dst")[dst_offset:dst_offset + nbytes]
+        s = host_bytes(src, "src")[src_offset:src_offset + nbytes]
+        q.put("copy", lambda: np.copyto(d, s), {"bytes": nbytes})
+
+    # ---------------------------------------------------------------- queues
+    def _create_queue(self, name) -> Queue:
+        q = _CPUQueue(self, name, self.threaded)
+        self._all_queues[q.id] = q
+        return q
+
+    def _destroy_queue(self, q) -> None:
+        self._all_queues.pop(q.id, None)
+        q.stop()
+
+    def _synchronize(self, q) -> None:
+        rec = trace.RECORDER
+        t0 = trace.now_ns() if rec is not None else 0
+        q.drain()
+        if rec is not None:
+            rec.add("synchronize", "host", "host", t0, trace.now_ns(), {"queue": q.name})
+
+    def _synchronize_all(self) -> None:
+        for q in list(self._all_queues.values()):
+            q.drain()
+
+    def _submit(self, q, fn, name, trace_args) -> None:
+        q.put(name, lambda: fn(None), trace_args)
+
+    def _launch_host_func(self, q, fn, name) -> None:
+        q.put(name, fn)
+
+    # ---------------------------------------------------------------- events
+    def _create_event(self, blocking) -> Event:
+        return _CPUEvent(self, blocking)
+
+    def _destroy_event(self, e) -> None:
+        pass
+
+    def _record_event(self, e, q) -> None:
+        mark = _Mark()
+        e.mark = mark  # later waits see this recording; earlier waiters keep the old mark
+        q.put("record_event", mark.fire, {"event": e.id})
+
+    def _synchronize_event(self, e) -> None:
+        e.mark.done.wait()
+
+    def _query_event(self, e) -> bool:
+        return e.mark.done.is_set()
+
+    def _queue_wait_event(self, q, e) -> None:
+        mark = e.mark  # capture the recording as of now, like cudaStreamWaitEvent
+        q.put("wait_event", mark.done.wait, {"event": e.id})
+
+    def _elapsed_ms(self, start, end) -> float:
+        start.mark.done.wait()
+        end.mark.done.wait()
+        return (end.mark.time_ns - start.mark.time_ns) / 1e6
+
+    def close(self) -> None:
+        super().close()
+        for q in list(self._all_queues.values()):
+            q.stop()

@@ -1,0 +1,55 @@
+"""Devices and dtypes: *where* memory lives and *what* it holds (seed: ``vt::Device``).
+
+A :class:`Device` is a ``(DeviceType, index)`` pair.  ``Device(t, 0)`` is the type's
+default device and shares the type-level registry slot (see :mod:`vtnumba.backend.registry`).
+Indices run from 0 to :data:`MAX_DEVICES_PER_TYPE` - 1, as in the seed's fixed-size table.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_DEVICES_PER_TYPE = 16
+
+
+class DeviceType(enum.Enum):
+    """The kinds of device vtnumba knows: the host CPU and CUDA GPUs (real or simulated)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device: its type and its index among the devices of that type."""
+
+    type: DeviceType
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.type, str):
+            try:
+                object.__setattr__(self, "type", DeviceType(self.type.lower()))
+            except ValueError:
+                raise ValueError(f"Device type={self.type!r} is not a DeviceType; expected 'cpu' or 'cuda'") from None
+        if not isinstance(self.type, DeviceType):
+            raise TypeError(f"Device type={self.type!r} must be a DeviceType, got {type(self.type).__name__}")
+        if isinstance(self.index, bool) or not isinstance(self.index, (int, np.integer)):
+            raise TypeError(f"Device index={self.index!r} must be an int")
+        if not 0 <= int(self.index) < MAX_DEVICES_PER_TYPE:
+            raise ValueError(
+                f"Device index={self.index} out of range; expected 0 <= index < {MAX_DEVICES_PER_TYPE}"
+            )
+        object.__setattr__(self, "index", int(self.index))
+
+    def __str__(self) -> str:
+        return f"{self.type.value}:{self.index}"
+
+
+CPU = Device(DeviceType.CPU, 0)

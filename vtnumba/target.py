@@ -1,0 +1,131 @@
+"""Choosing the execution target once per process: ``cuda``, ``cudasim`` or ``cpu``.
+
+vtnumba runs the same code three ways (see ``docs/architecture``):
+
+* ``cuda``    -- ``@cuda.jit`` kernels on a real GPU, CUDA streams and events;
+* ``cudasim`` -- the same kernels in numba's CUDA simulator (host memory seen as device);
+* ``cpu``     -- host reference kernels (numpy / ``@numba.njit``), host queues.
+
+The choice must be made *before* anything imports ``numba.cuda``: the simulator is
+selected by the environment variable ``NUMBA_ENABLE_CUDASIM=1`` which numba reads once,
+at import time.  That is why this module never imports ``numba.cuda`` itself unless it has
+to probe for a GPU, and why the CLI parses ``--target`` before importing anything heavy.
+
+``VTNUMBA_TARGET=auto|cuda|cudasim|cpu`` sets the default; ``select_target()`` (called by
+the CLI with its ``--target`` flag) overrides it.  ``auto`` means ``cuda`` when a GPU is
+usable, else ``cpu``.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import sys
+from dataclasses import dataclass
+
+TARGETS = ("auto", "cuda", "cudasim", "cpu")
+
+
+@dataclass(frozen=True)
+class TargetChoice:
+    """The target this process runs on, and a sentence saying why."""
+
+    name: str
+    reason: str
+
+    @property
+    def simulator(self) -> bool:
+        return self.name == "cudasim"
+
+    @property
+    def uses_cuda_kernels(self) -> bool:
+        return self.name in ("cuda", "cudasim")
+
+
+_choice: TargetChoice | None = None
+
+
+def _validate(name: str, where: str) -> str:
+    if not isinstance(name, str) or name.lower() not in TARGETS:
+        raise ValueError(f"{where}={name!r} is not a target; expected one of {', '.join(TARGETS)}")
+    return name.lower()
+
+
+def _numba_cuda_imported() -> bool:
+    return "numba.cuda" in sys.modules
+
+
+def _simulator_requested() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+def gpu_usable() -> tuple[bool, str]:
+    """Is a real CUDA GPU usable from this process?  Returns ``(usable, why)``.
+
+    A cheap look for the driver library comes first, so machines without a GPU never pay
+    for importing ``numba.cuda`` (and never lock the process out of the simulator).
+    """
+    if _simulator_requested():
+        return False, "NUMBA_ENABLE_CUDASIM=1 is set, so numba.cuda is the simulator"
+    if ctypes.util.find_library("cuda") is None and not os.path.exists("/dev/nvidiactl"):
+        return False, "no CUDA driver (libcuda) found"
+    try:
+        from numba import cuda
+
+        if cuda.is_available():
+            return True, f"CUDA GPU found: {cuda.get_current_device().name}"
+        return False, "numba.cuda reports no usable GPU"
+    except Exception as exc:  # a broken driver install must not crash 'auto'
+        return False, f"probing the GPU failed: {exc}"
+
+
+def select_target(name: str | None = None) -> TargetChoice:
+    """Choose the process-wide target (``name`` overrides ``VTNUMBA_TARGET``).
+
+    Calling it again with the same resolved target is harmless; asking for a different one
+    after kernels were set up raises, because numba cannot switch simulator mode in place.
+    """
+    global _choice
+    source = "--target" if name is not None else "VTNUMBA_TARGET"
+    requested = _validate(name if name is not None else os.environ.get("VTNUMBA_TARGET", "auto"), source)
+
+    if requested == "auto":
+        ok, why = gpu_usable()
+        resolved = TargetChoice("cuda", f"auto: {why}") if ok else TargetChoice("cpu", f"auto: {why}; using the cpu target")
+    elif requested == "cudasim":
+        resolved = TargetChoice("cudasim", f"{source}=cudasim: kernels run in numba's CUDA simulator")
+    elif requested == "cuda":
+        resolved = TargetChoice("cuda", f"{source}=cuda")
+    else:
+        resolved = TargetChoice("cpu", f"{source}=cpu: host reference kernels")
+
+    if _choice is not None and _choice.name != resolved.name:
+        raise RuntimeError(
+            f"the target is already {_choice.name!r} in this process; cannot switch to {resolved.name!r} "
+            "(choose it once, before anything imports numba.cuda)"
+        )
+    if resolved.name == "cudasim":
+        if _numba_cuda_imported() and not _simulator_requested():
+            raise RuntimeError(
+                "target 'cudasim' was requested after numba.cuda was imported without the simulator; "
+                "set VTNUMBA_TARGET=cudasim (or NUMBA_ENABLE_CUDASIM=1) before starting Python"
+            )
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    os.environ["VTNUMBA_TARGET"] = resolved.name  # child processes (mpiexec -n) inherit the choice
+    _choice = resolved
+    return resolved
+
+
+def current_target() -> TargetChoice:
+    """The process's target, choosing it from the environment on first use."""
+    return _choice if _choice is not None else select_target()
+
+
+def target_name() -> str:
+    return current_target().name
+
+
+def _reset_for_tests() -> None:
+    """Forget the choice (tests only: numba's simulator mode itself cannot be reset)."""
+    global _choice
+    _choice = None

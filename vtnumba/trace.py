@@ -1,0 +1,146 @@
+"""Timeline tracing of queue work and MPI exchanges (Chrome trace-event JSON).
+
+When ``VTNUMBA_TRACE=<path>`` is set (or :func:`enable` is called), every queue operation
+the backends run -- kernel launches, copies, memsets, event records and waits, host
+synchronisations -- and every MPI exchange in :mod:`vtnumba.dist` is recorded with start
+and end timestamps and the queue ("track") it ran on.  :func:`flush` writes one JSON file
+per rank that Perfetto / ``chrome://tracing`` load; :mod:`vtnumba.tracing_tools` merges the
+ranks and draws a PNG.
+
+When tracing is off, :data:`RECORDER` is ``None`` and the hot paths pay one global lookup
+and one ``is None`` test -- nothing measurable.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+
+
+class Recorder:
+    """Collects complete ("X") events for one process."""
+
+    def __init__(self, path: str, rank: int | None = None):
+        self.path = path
+        self.rank = rank
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+        self._tracks: dict[str, int] = {}
+        self.pid = os.getpid()
+
+    def track_id(self, track: str) -> int:
+        with self._lock:
+            if track not in self._tracks:
+                self._tracks[track] = len(self._tracks) + 1
+            return self._tracks[track]
+
+    def add(self, name: str, cat: str, track: str, start_ns: int, end_ns: int, args: dict | None = None) -> None:
+        ev = {"name": name, "cat": cat, "ph": "X", "ts": start_ns / 1000.0,
+              "dur": max(end_ns - start_ns, 0) / 1000.0, "tid": self.track_id(track), "track": track}
+        if args:
+            ev["args"] = {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
+                          for k, v in args.items()}
+        with self._lock:
+            self.events.append(ev)
+
+    def to_json(self) -> dict:
+        rank = self.rank if self.rank is not None else _mpi_rank()
+        pid = rank if rank is not None else self.pid
+        with self._lock:
+            events = [dict(e, pid=pid) for e in self.events]
+            tracks = dict(self._tracks)
+        meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                 "args": {"name": f"rank {rank}" if rank is not None else f"pid {self.pid}"}}]
+        meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track}}
+                 for track, tid in tracks.items()]
+        return {"traceEvents": meta + events, "displayTimeUnit": "ms",
+                "otherData": {"rank": rank, "clock": "time.perf_counter_ns (CLOCK_MONOTONIC)"}}
+
+    def rank_path(self) -> str:
+        rank = self.rank if self.rank is not None else _mpi_rank()
+        base = self.path[:-5] if self.path.endswith(".json") else self.path
+        return f"{base}.rank{rank if rank is not None else 0}.json"
+
+    def flush(self) -> str:
+        out = self.rank_path()
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(self.to_json(), f)
+        return out
+
+
+def _mpi_rank() -> int | None:
+    import sys
+
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            return MPI.COMM_WORLD.Get_rank()
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return None
+
+
+RECORDER: Recorder | None = None
+now_ns = time.perf_counter_ns
+
+
+def enable(path: str, rank: int | None = None) -> Recorder:
+    """Start recording; events are written to ``<path>.rank<R>.json`` by :func:`flush`."""
+    global RECORDER
+    RECORDER = Recorder(path, rank)
+    return RECORDER
+
+
+def disable() -> None:
+    global RECORDER
+    RECORDER = None
+
+
+def enabled() -> bool:
+    return RECORDER is not None
+
+
+def record(name: str, cat: str, track: str, start_ns: int, end_ns: int, **args) -> None:
+    rec = RECORDER
+    if rec is not None:
+        rec.add(name, cat, track, start_ns, end_ns, args)
+
+
+class span:
+    """``with span("allgather", "mpi", "mpi:tp"):`` records the block's duration when tracing."""
+
+    __slots__ = ("name", "cat", "track", "args", "t0")
+
+    def __init__(self, name: str, cat: str, track: str, **args):
+        self.name, self.cat, self.track, self.args = name, cat, track, args
+
+    def __enter__(self):
+        self.t0 = now_ns() if RECORDER is not None else 0
+        return self
+
+    def __exit__(self, *exc):
+        rec = RECORDER
+        if rec is not None:
+            rec.add(self.name, self.cat, self.track, self.t0, now_ns(), self.args)
+        return False
+
+
+def flush() -> str | None:
+    """Write this process's trace file (also done automatically at exit)."""
+    return RECORDER.flush() if RECORDER is not None else None
+
+
+def _enable_from_env() -> None:
+    path = os.environ.get("VTNUMBA_TRACE")
+    if path and RECORDER is None:
+        enable(path)
+        atexit.register(flush)
+
+
+_enable_from_env()
