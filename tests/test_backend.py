@@ -1,0 +1,322 @@
+"""The Backend seam on every backend available here: cpu (sync), cpu (threaded), cudasim.
+
+A real GPU adds a fourth parameter (``VTNUMBA_TARGET=cuda``)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import vtnumba
+from vtnumba.backend import (CPU, MAX_DEVICES_PER_TYPE, Buffer, CPUBackend, Device, DeviceResourceOps, DeviceType,
+                             get_backend, register_backend, try_get_backend, unregister_backend)
+from vtnumba.backend import registry
+from conftest import ON_GPU
+
+KINDS = ["cpu", "cpu-threaded", "cudasim"] + (["cuda"] if ON_GPU else [])
+
+
+def make_backend(kind):
+    if kind == "cpu":
+        return CPUBackend()
+    if kind == "cpu-threaded":
+        return CPUBackend(threaded=True)
+    from vtnumba.backend.cuda import CUDABackend
+
+    return CUDABackend()
+
+
+@pytest.fixture(params=[k for k in KINDS if k != "cudasim" or not ON_GPU])
+def backend(request):
+    b = make_backend(request.param)
+    yield b
+    b.close()
+
+
+def to_host(backend, buf, q):
+    out = np.empty(buf.nbytes, np.uint8)
+    backend.copy(q, out, buf, buf.nbytes)
+    backend.synchronize(q)
+    return out
+
+
+def test_alignment_and_metadata(backend):
+    for n in (1, 7, 64, 1000, 4097):
+        b = backend.alloc(n)
+        assert b.nbytes == n and b.device == backend.device
+        if not getattr(backend, "simulator", True) or isinstance(backend, CPUBackend) or backend.device.type is DeviceType.CUDA:
+            assert b.ptr % 64 == 0, f"alloc({n}) returned address {b.ptr:#x}, not 64-byte aligned"
+        backend.free(b)
+
+
+def test_zero_byte_allocations(backend):
+    b = backend.alloc(0)
+    p = backend.alloc_pinned(0)
+    assert b.nbytes == 0 and p.nbytes == 0 and p.pinned
+    backend.free(b)
+    backend.free_pinned(p)
+
+
+def test_memset_and_copy_every_direction(backend, rng):
+    q = backend.create_queue()
+    n = 1031
+    src = rng.integers(0, 256, n, dtype=np.uint8)
+    pinned = backend.alloc_pinned(n)
+    pinned.view(np.uint8)[:] = src
+    d1, d2 = backend.alloc(n), backend.alloc(n)
+    backend.memset(q, d1, 0xAB)
+    assert (to_host(backend, d1, q) == 0xAB).all()
+    backend.copy(q, d1, pinned, n)  # H2D
+    backend.copy(q, d2, d1, n)  # D2D
+    out = np.full(n, 7, np.uint8)
+    backend.copy(q, out, d2, n)  # D2H into a plain array
+    backend.synchronize(q)
+    np.testing.assert_array_equal(out, src)
+    # Partial copies with offsets, and a partial memset.
+    backend.memset(q, d2, 3, nbytes=10, offset=5)
+    backend.copy(q, out, d2, 20, dst_offset=100, src_offset=0)
+    backend.synchronize(q)
+    expect = src[:20].copy()
+    expect[5:15] = 3
+    np.testing.assert_array_equal(out[100:120], expect)
+    h2h = np.zeros(n, np.uint8)
+    backend.copy(q, h2h, src, n)  # H2H
+    backend.synchronize(q)
+    np.testing.assert_array_equal(h2h, src)
+    for b in (d1, d2):
+        backend.free(b)
+    backend.free_pinned(pinned)
+    backend.destroy_queue(q)
+
+
+def test_typed_views_alias_the_buffer(backend, rng):
+    q = backend.create_queue()
+    b = backend.alloc(64 * 4)
+    vals = rng.standard_normal(64).astype(np.float32)
+    backend.copy(q, b, vals, vals.nbytes)
+    backend.synchronize(q)
+    v = b.view(np.float32, (8, 8))
+    assert v.shape == (8, 8)
+    host = np.empty((8, 8), np.float32)
+    backend.copy(q, host, v, host.nbytes)
+    backend.synchronize(q)
+    np.testing.assert_array_equal(host.ravel(), vals)
+    with pytest.raises(ValueError, match="needs 1024 bytes"):
+        b.view(np.float32, (16, 16))
+    backend.free(b)
+    backend.destroy_queue(q)
+
+
+def test_two_queues_ordered_by_queue_wait_event(backend, rng):
+    """The consumer queue waits for the producer's event, so it reads the new bytes."""
+    producer, consumer = backend.create_queue("producer"), backend.create_queue("consumer")
+    n = 4096
+    data = rng.integers(1, 255, n, dtype=np.uint8)
+    dev = backend.alloc(n)
+    backend.memset(producer, dev, 0)
+    backend.synchronize(producer)
+    gate = threading.Event()
+    threaded = isinstance(backend, CPUBackend) and backend.threaded
+    if threaded:
+        backend.launch_host_func(producer, gate.wait)  # hold the producer so ordering matters
+    backend.copy(producer, dev, data, n)
+    ev = backend.create_event()
+    backend.record_event(ev, producer)
+    backend.queue_wait_event(consumer, ev)
+    out = np.zeros(n, np.uint8)
+    backend.copy(consumer, out, dev, n)
+    done = backend.create_event()
+    backend.record_event(done, consumer)
+    if threaded:
+        assert not backend.query_event(done), "consumer ran before the producer's event fired"
+        gate.set()
+    backend.synchronize(consumer)
+    np.testing.assert_array_equal(out, data)
+    backend.free(dev)
+
+
+def test_query_event_false_while_gated_then_true():
+    b = CPUBackend(threaded=True)
+    q = b.create_queue()
+    gate = threading.Event()
+    e = b.create_event()
+    b.launch_host_func(q, gate.wait)
+    b.record_event(e, q)
+    assert b.query_event(e) is False
+    assert b.query_event(e) is False  # still not blocking, still False
+    gate.set()
+    b.synchronize_event(e)
+    assert b.query_event(e) is True
+    b.close()
+
+
+def test_elapsed_ms_non_negative_and_ordered(backend):
+    q = backend.create_queue()
+    evs = [backend.create_event() for _ in range(3)]
+    buf = backend.alloc(1 << 16)
+    backend.record_event(evs[0], q)
+    backend.memset(q, buf, 1)
+    backend.record_event(evs[1], q)
+    backend.memset(q, buf, 2)
+    backend.record_event(evs[2], q)
+    backend.synchronize(q)
+    a, b_ = backend.elapsed_ms(evs[0], evs[1]), backend.elapsed_ms(evs[0], evs[2])
+    assert 0 <= a <= b_
+    for e in evs:
+        backend.destroy_event(e)
+    backend.free(buf)
+
+
+def test_queue_errors_are_sticky_until_synchronize():
+    b = CPUBackend(threaded=True)
+    q = b.create_queue()
+
+    def boom(_stream):
+        raise ZeroDivisionError("inside a queued op")
+
+    b.submit(q, boom, name="boom")
+    with pytest.raises(RuntimeError, match="inside a queued op"):
+        b.synchronize(q)
+    b.synchronize(q)  # the error was reported once; the queue is usable again
+    b.close()
+
+
+def test_capability_flags(backend):
+    assert isinstance(backend.unified_memory(), bool)
+    cap = backend.device_capability()
+    assert isinstance(cap, tuple) and len(cap) == 2
+    if not backend.supports_graph_capture():
+        q = backend.create_queue()
+        with pytest.raises(RuntimeError, match="does not support graph capture"):
+            backend.begin_capture(q)
+        with pytest.raises(RuntimeError, match="nothing captured"):
+            backend.replay(q)
+
+
+# ---------------------------------------------------------------- bad input
+def test_bad_sizes_name_the_argument(backend):
+    for bad, exc in ((-1, ValueError), (1.5, TypeError), ("8", TypeError), (True, TypeError)):
+        with pytest.raises(exc, match="nbytes"):
+            backend.alloc(bad)
+    with pytest.raises(ValueError, match="nbytes=-4"):
+        backend.alloc_pinned(-4)
+
+
+def test_copy_beyond_end_and_bad_memset(backend):
+    q = backend.create_queue()
+    b = backend.alloc(100)
+    host = np.zeros(200, np.uint8)
+    with pytest.raises(ValueError, match="past the end of dst"):
+        backend.copy(q, b, host, 101)
+    with pytest.raises(ValueError, match="past the end of src"):
+        backend.copy(q, host, b, 60, src_offset=50)
+    with pytest.raises(ValueError, match="value=300"):
+        backend.memset(q, b, 300)
+    with pytest.raises(ValueError, match="past the end"):
+        backend.memset(q, b, 1, nbytes=10, offset=95)
+    with pytest.raises(TypeError, match="src must be a Buffer or an array"):
+        backend.copy(q, b, [1, 2, 3], 3)
+    backend.free(b)
+
+
+def test_destroyed_queue_and_event_refused(backend):
+    q = backend.create_queue("doomed")
+    e = backend.create_event()
+    backend.destroy_queue(q)
+    backend.destroy_event(e)
+    b = backend.alloc(8)
+    with pytest.raises(RuntimeError, match="doomed was destroyed"):
+        backend.memset(q, b, 0)
+    with pytest.raises(RuntimeError, match="destroyed"):
+        backend.destroy_queue(q)
+    with pytest.raises(RuntimeError, match="was destroyed"):
+        backend.query_event(e)
+    backend.free(b)
+
+
+def test_foreign_event_queue_and_buffer_refused(backend):
+    other = CPUBackend()
+    q, oq = backend.create_queue(), other.create_queue()
+    e_other = other.create_event()
+    with pytest.raises(ValueError, match="belongs to another backend"):
+        backend.record_event(e_other, q)
+    with pytest.raises(ValueError, match="belongs to another backend"):
+        backend.synchronize(oq)
+    ob = other.alloc(8)
+    with pytest.raises(ValueError, match="belongs to"):
+        backend.free(ob)
+
+
+def test_double_free_and_use_after_free(backend):
+    b = backend.alloc(32)
+    backend.free(b)
+    with pytest.raises(RuntimeError, match="already freed"):
+        backend.free(b)
+    with pytest.raises(RuntimeError, match="already freed"):
+        b.view(np.uint8)
+    p = backend.alloc(16)
+    with pytest.raises(ValueError, match="not pinned"):
+        backend.free_pinned(p)
+
+
+def test_elapsed_needs_recorded_events():
+    b = CPUBackend()
+    e1, e2 = b.create_event(), b.create_event()
+    with pytest.raises(RuntimeError, match="never recorded"):
+        b.elapsed_ms(e1, e2)
+
+
+# ---------------------------------------------------------------- devices and registry
+def test_device_validation():
+    assert Device(DeviceType.CUDA, 3).index == 3
+    assert Device("cpu", 0) == CPU
+    with pytest.raises(ValueError, match="index=16 out of range"):
+        Device(DeviceType.CUDA, MAX_DEVICES_PER_TYPE)
+    with pytest.raises(ValueError, match="index=-1"):
+        Device(DeviceType.CPU, -1)
+    with pytest.raises(TypeError, match="index"):
+        Device(DeviceType.CPU, 1.0)
+    with pytest.raises(ValueError, match="not a DeviceType"):
+        Device("tpu", 0)
+
+
+def test_registry_by_type_and_device():
+    saved = {d: try_get_backend(d) for d in registry.registered_devices()}
+    try:
+        for d in list(saved):
+            unregister_backend(d)
+        assert try_get_backend(DeviceType.CUDA) is None
+        with pytest.raises(RuntimeError, match="no backend registered for device cuda:0"):
+            get_backend(DeviceType.CUDA)
+        with pytest.raises(RuntimeError, match="no backend registered for device cuda:5"):
+            get_backend(Device(DeviceType.CUDA, 5))
+        cpu = CPUBackend()
+        register_backend(DeviceType.CPU, cpu)
+        # The type-level slot is index 0.
+        assert get_backend(Device(DeviceType.CPU, 0)) is cpu
+        assert get_backend(DeviceType.CPU) is cpu
+        cpu2 = CPUBackend(Device(DeviceType.CPU, 2))
+        register_backend(Device(DeviceType.CPU, 2), cpu2)
+        assert get_backend(Device(DeviceType.CPU, 2)) is cpu2 and get_backend(DeviceType.CPU) is cpu
+        with pytest.raises(ValueError, match="serves cpu devices"):
+            register_backend(DeviceType.CUDA, cpu)
+        with pytest.raises(ValueError, match="already registered"):
+            register_backend(DeviceType.CPU, cpu2, replace=False)
+        buf = DeviceResourceOps.alloc(CPU, 128)
+        q = vtnumba.create_queue(CPU)
+        assert buf.backend is cpu and q.backend is cpu
+        vtnumba.free(CPU, buf)
+        vtnumba.destroy_queue(CPU, q)
+        with pytest.raises(TypeError, match="must be a Device or a DeviceType"):
+            get_backend(42)
+    finally:
+        for d in registry.registered_devices():
+            unregister_backend(d)
+        for d, b in saved.items():
+            register_backend(d, b)
+
+
+def test_public_names_on_package():
+    for name in ("Backend", "get_backend", "try_get_backend", "register_backend", "Device", "DeviceType",
+                 "DeviceResourceOps", "alloc", "free", "create_queue", "destroy_queue", "CUDABackend"):
+        assert getattr(vtnumba, name) is not None

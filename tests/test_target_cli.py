@@ -1,0 +1,102 @@
+"""Target selection, dtypes and the command line (run as a user would, in subprocesses)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from vtnumba.backend.dtype import DType, as_dtype, check_dtype_supported, supported_dtypes
+
+
+def run_cli(*args, env_extra=None, mpiexec=0, timeout=120):
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
+    env.update(env_extra or {})
+    cmd = [sys.executable, "-m", "vtnumba", *args]
+    if mpiexec:
+        cmd = ["mpiexec", "-n", str(mpiexec), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_info_json_cpu():
+    proc = run_cli("info", "--json", "--target", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    for key in ("python", "numpy", "numba", "numba_cuda", "mpi4py", "mpi_library", "target", "target_reason",
+                "gpu", "simulator"):
+        assert key in info
+    assert info["target"] == "cpu" and info["simulator"] is False and info["gpu"] == "none"
+    assert "MPICH" in info["mpi_library"] or "Open MPI" in info["mpi_library"]
+
+
+def test_info_cudasim_and_auto_reason():
+    sim = json.loads(run_cli("info", "--json", "--target", "cudasim").stdout)
+    assert sim["target"] == "cudasim" and sim["simulator"] is True
+    auto = run_cli("info", "--json", env_extra={"VTNUMBA_TARGET": "auto"})
+    data = json.loads(auto.stdout)
+    assert data["target"] in ("cpu", "cuda") and data["target_reason"].startswith("auto:")
+
+
+def test_info_under_mpiexec_reports_rank_and_size():
+    proc = run_cli("info", "--json", "--target", "cpu", mpiexec=2)
+    assert proc.returncode == 0, proc.stderr
+    dec = json.JSONDecoder()
+    text, seen, pos = proc.stdout, set(), 0
+    while pos < len(text):
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos >= len(text):
+            break
+        obj, pos = dec.raw_decode(text, pos)
+        seen.add((obj["mpi_rank"], obj["mpi_size"]))
+    assert seen == {(0, 2), (1, 2)}
+
+
+def test_bad_target_is_refused_clearly():
+    proc = run_cli("info", "--target", "tpu")
+    assert proc.returncode == 2 and "invalid choice: 'tpu'" in proc.stderr
+    proc = run_cli("info", env_extra={"VTNUMBA_TARGET": "gpu9"})
+    assert proc.returncode != 0 and "VTNUMBA_TARGET='gpu9' is not a target" in proc.stderr
+
+
+def test_help_lists_every_command():
+    proc = run_cli("--help")
+    for cmd in ("info", "demo", "embed", "bench", "trace"):
+        assert cmd in proc.stdout
+
+
+def test_runtime_demo_under_mpiexec():
+    proc = run_cli("demo", "runtime", "--target", "cpu", mpiexec=2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT: PASS" in proc.stdout
+    # Threaded cpu queues were really held: the event query answered False on both ranks.
+    rows = [l for l in proc.stdout.splitlines() if "CPUBackend(threaded)" in l]
+    assert len(rows) == 2 and all(" False " in r for r in rows)
+
+
+def test_select_target_refuses_switch_after_choice():
+    from vtnumba import target
+
+    saved = target._choice
+    try:
+        target._reset_for_tests()
+        target.select_target("cpu")
+        with pytest.raises(RuntimeError, match="already 'cpu'"):
+            target.select_target("cudasim")
+    finally:
+        target._choice = saved
+
+
+def test_dtypes():
+    assert as_dtype("fp16") is DType.FLOAT16 and as_dtype(np.float32) is DType.FLOAT32
+    assert DType.FLOAT16.itemsize == 2 and DType.FLOAT32.to_numpy() == np.float32
+    assert DType.BFLOAT16 not in supported_dtypes("cpu")
+    assert DType.BFLOAT16 in supported_dtypes("cuda", (9, 0))
+    with pytest.raises(TypeError, match="numba's simulator has no bfloat16"):
+        check_dtype_supported("bf16", "cudasim")
+    with pytest.raises(TypeError, match="bfloat16 has no numpy dtype"):
+        DType.BFLOAT16.to_numpy()
+    with pytest.raises(TypeError, match="dtype=.*int8.* is not supported"):
+        as_dtype(np.int8)

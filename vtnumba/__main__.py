@@ -1,0 +1,7 @@
+"""``python -m vtnumba`` -- see :mod:`vtnumba.cli`."""
+
+import sys
+
+from vtnumba.cli import main
+
+sys.exit(main())

@@ -1,0 +1,79 @@
+"""``vtnumba info``: what this process runs on, and why.
+
+Prints the versions of the stack (Python, numpy, numba, numba-cuda, mpi4py and the MPI
+library), the chosen target and the reason for the choice, the GPU (name and compute
+capability) or "none", whether kernels run in numba's simulator, and the MPI rank and
+size when started under ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def under_mpiexec() -> bool:
+    return any(v in os.environ for v in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "HYDRA_CONTROL_FD"))
+
+
+def collect_info() -> dict:
+    from vtnumba.target import current_target
+
+    choice = current_target()
+    info = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "numpy": _version("numpy"),
+        "numba": _version("numba"),
+        "numba_cuda": _version("numba-cuda"),
+        "mpi4py": _version("mpi4py"),
+        "target": choice.name,
+        "target_reason": choice.reason,
+        "simulator": choice.simulator,
+        "gpu": "none",
+        "compute_capability": None,
+    }
+    try:
+        from mpi4py import MPI
+
+        info["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0].strip()
+        if under_mpiexec() or MPI.COMM_WORLD.Get_size() > 1:
+            info["mpi_rank"] = MPI.COMM_WORLD.Get_rank()
+            info["mpi_size"] = MPI.COMM_WORLD.Get_size()
+    except Exception as exc:  # MPI missing must not hide everything else
+        info["mpi_library"] = f"unavailable ({exc})"
+    if choice.name == "cuda":
+        from numba import cuda
+
+        dev = cuda.get_current_device()
+        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+        info["gpu"] = name
+        info["compute_capability"] = list(dev.compute_capability)
+    elif choice.name == "cudasim":
+        info["gpu"] = "none (kernels run in numba's CUDA simulator)"
+    return info
+
+
+def print_info(as_json: bool = False) -> int:
+    info = collect_info()
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return 0
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        if key == "compute_capability" and value is None:
+            value = "n/a"
+        print(f"{key:<{width}}  {value}")
+    sys.stdout.flush()
+    return 0
