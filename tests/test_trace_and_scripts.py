@@ -1,0 +1,111 @@
+"""Tracing (per-rank files, merge, validation, PNG), the bench schema, and gpu_check's dry run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ON_GPU
+from vtnumba import trace
+from vtnumba.bench.schema import row, suite, validate_all, validate_suite
+from vtnumba.bench.timing import Stats
+from vtnumba.tracing_tools import draw_timeline, merge_traces, rank_files, validate_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
+    env.update(extra)
+    return env
+
+
+def test_recorder_spans_and_queue_ops(tmp_path):
+    from vtnumba import CPUBackend
+
+    rec = trace.enable(str(tmp_path / "t"), rank=0)
+    try:
+        b = CPUBackend(threaded=True)
+        q = b.create_queue("work")
+        buf = b.alloc(1 << 16)
+        b.memset(q, buf, 1)
+        b.copy(q, buf, bytes_array := __import__("numpy").ones(1 << 16, "uint8"), 1 << 16)
+        with trace.span("exchange", "mpi", "mpi:test", bytes=3):
+            pass
+        b.synchronize(q)
+        path = trace.flush()
+    finally:
+        trace.disable()
+    data = json.loads(Path(path).read_text())
+    names = [e["name"] for e in data["traceEvents"] if e["ph"] == "X"]
+    queue_ops = [e["name"] for e in data["traceEvents"] if e["ph"] == "X" and e["track"] == "cpu:work"]
+    assert queue_ops == ["memset", "copy"] and "exchange" in names and "synchronize" in names
+    validate_trace(data)
+    assert rec.rank == 0 and path.endswith(".rank0.json")
+
+
+def test_tracing_off_records_nothing():
+    assert trace.RECORDER is None
+    with trace.span("x", "mpi", "t"):
+        pass
+    trace.record("y", "queue", "t", 0, 1)
+    assert trace.RECORDER is None
+
+
+def test_validate_trace_catches_overlap_on_one_queue():
+    evs = [{"name": "a", "ph": "X", "pid": 0, "tid": 1, "ts": 0.0, "dur": 10.0, "cat": "queue"},
+           {"name": "b", "ph": "X", "pid": 0, "tid": 1, "ts": 5.0, "dur": 1.0, "cat": "queue"}]
+    with pytest.raises(ValueError, match="b starts before a ended"):
+        validate_trace({"traceEvents": evs})
+    with pytest.raises(ValueError, match="lacks 'pid'"):
+        validate_trace({"traceEvents": [{"name": "a", "ph": "X", "tid": 1}]})
+
+
+def test_traced_two_rank_run_merges_and_draws(tmp_path):
+    prefix = tmp_path / "rt"
+    proc = subprocess.run([sys.executable, "-m", "vtnumba", "trace", "--out", str(prefix), "--", "mpiexec", "-n", "2",
+                           sys.executable, "-m", "vtnumba", "demo", "runtime", "--target", "cpu"],
+                          capture_output=True, text=True, env=clean_env(), timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(rank_files(str(prefix))) == 2
+    merged = json.loads((tmp_path / "rt.json").read_text())
+    validate_trace(merged)
+    pids = {e["pid"] for e in merged["traceEvents"] if e["ph"] == "X"}
+    assert pids == {0, 1}
+    tracks = {e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"cpu:copy", "cpu:compute"} <= tracks
+    # Queue order is kept: on the copy queue, the copy comes after the gate it waited for.
+    copy_q = [e["name"] for e in sorted(merged["traceEvents"], key=lambda e: e.get("ts", 0))
+              if e["ph"] == "X" and e["pid"] == 0 and e["track"] == "cpu:copy"]
+    assert copy_q.index("gate") < copy_q.index("copy")
+    png = tmp_path / "rt.png"
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_trace_without_command_is_an_error():
+    proc = subprocess.run([sys.executable, "-m", "vtnumba", "trace"], capture_output=True, text=True, env=clean_env())
+    assert proc.returncode == 2 and "needs a command" in proc.stderr
+
+
+def test_bench_schema_validation():
+    st = Stats(0.01, 0.009, 0.012, 10)
+    s = suite("x", "cpu", 1, [row("c", "impl", 1024, "bytes", "GB/s", 1.5, st)], {"a / b": 2.0}, {"memcpy GB/s": 20})
+    validate_suite(s)
+    validate_all({"machine": {}, "suites": [s]})
+    bad = dict(s, results=[{"case": "c"}])
+    with pytest.raises(ValueError, match="field 'impl'"):
+        validate_suite(bad)
+    with pytest.raises(ValueError, match="lacks 'ratios'"):
+        validate_suite({k: v for k, v in s.items() if k != "ratios"})
+
+
+@pytest.mark.skipif(ON_GPU, reason="the dry run is for machines without a GPU")
+def test_gpu_check_dry_run_without_gpu(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                          env=clean_env(OUT=str(tmp_path), PYTHON=sys.executable), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no GPU" in proc.stdout
+    assert (tmp_path / "summary.txt").read_text().strip() == "no GPU"
