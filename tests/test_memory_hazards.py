@@ -1,0 +1,225 @@
+"""The seed's record_stream hazard, reproduced end to end, and the checker that catches it.
+
+The scenario (the encoder-cache worker's): a block on the main queue holds an embedding;
+a copy on a side queue reads it out; main frees the block, allocates again and writes.
+Without ``record_stream(block, side)`` the allocator hands main the same memory at once,
+and if the side copy has not run yet it reads main's new bytes.  We hold the side queue
+at a gate before its copy so the copy has *certainly* not run -- no luck involved.
+"""
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from vtnumba.backend import CPUBackend
+from vtnumba.memory import (CachingAllocator, HazardError, HazardReport, active_checker, check_hazards,
+                            hazard_checks_off, note_use)
+from test_memory_support import Holder, make_backend
+
+N = 4096
+OLD, NEW = 0xAB, 0xCD
+
+
+def _seed_hazard(backend, *, record_stream: bool, hold):
+    """Run the scenario; returns (bytes the side copy read, reallocated-at-same-address?)."""
+    alloc = CachingAllocator(backend)
+    main, side = backend.create_queue("main"), backend.create_queue("side")
+    block = alloc.allocate(N, main)
+    ptr = block.ptr
+    backend.memset(main, block, OLD)                 # the "embedding"
+    written = backend.create_event()
+    backend.record_event(written, main)
+    backend.queue_wait_event(side, written)          # side reads only after main wrote
+    hold(side)                                       # ... and not yet: held at the gate
+    out = np.zeros(N, np.uint8)
+    backend.copy(side, out, block, N)                # side reads the block (queued)
+    note_use(block, side)                            # what library code tells the checker
+    if record_stream:
+        alloc.record_stream(block, side)             # the fix: tell the allocator too
+    alloc.free(block)
+    again = alloc.allocate(N, main)                  # main allocates again ...
+    same = again.ptr == ptr
+    backend.memset(main, again, NEW)                 # ... and overwrites
+    backend.synchronize(main)
+    return alloc, again, out, same, side
+
+
+def _gate_holder(backend):
+    gates = []
+
+    def hold(q):
+        g = threading.Event()
+        gates.append(g)
+        backend.launch_host_func(q, lambda: g.wait(10.0), name="gate")
+
+    def release():
+        for g in gates:
+            g.set()
+
+    return hold, release
+
+
+@pytest.fixture
+def threaded():
+    b = CPUBackend(threaded=True)
+    yield b
+    b.close()
+
+
+def test_without_record_stream_the_copy_reads_wrong_bytes(threaded):
+    hold, release = _gate_holder(threaded)
+    with hazard_checks_off():    # (even under VTNUMBA_CHECK_HAZARDS=1)
+        alloc, again, out, same, side = _seed_hazard(threaded, record_stream=False, hold=hold)
+    release()
+    threaded.synchronize(side)
+    assert same, "without record_stream the freed memory is reissued at once"
+    assert (out == NEW).all(), "the side copy should have read the new owner's bytes (the hazard)"
+    alloc.free(again)
+
+
+def test_checker_flags_the_missing_record_stream(threaded):
+    hold, release = _gate_holder(threaded)
+    with check_hazards("record") as checker:
+        alloc, again, out, same, side = _seed_hazard(threaded, record_stream=False, hold=hold)
+        release()
+        threaded.synchronize(side)
+        assert len(checker.reports) == 1
+        report = checker.reports[0]
+        assert isinstance(report, HazardReport) and report.kind == "reuse-before-complete"
+        assert report.block_id == again.id and report.queues == ["main", "side"]
+        msg = report.message
+        assert f"record_stream(block #{report.other_block_id}, side) before free" in msg
+        assert "queue 'side'" in msg and "queue 'main'" in msg
+        assert (out == NEW).all()                    # record mode: the corruption still happens
+        alloc.free(again)
+
+
+def test_checker_in_raise_mode_refuses_the_reuse(threaded):
+    hold, release = _gate_holder(threaded)
+    alloc = CachingAllocator(threaded)
+    main, side = threaded.create_queue("main"), threaded.create_queue("side")
+    with check_hazards() as checker:
+        block = alloc.allocate(N, main)
+        hold(side)
+        out = np.zeros(N, np.uint8)
+        threaded.copy(side, out, block, N)
+        note_use(block, side)
+        alloc.free(block)
+        with pytest.raises(HazardError, match=r"call record_stream\(block #\d+, side\) before free") as err:
+            alloc.allocate(N, main)
+        assert err.value.report is checker.reports[0]
+        alloc.check_invariants()                     # the refused block went back to the pool
+        assert alloc.stats()["active_blocks"] == 0
+        release()
+        threaded.synchronize(side)
+        fine = alloc.allocate(N, main)               # side finished: the reuse is now safe
+        assert len(checker.reports) == 1
+        alloc.free(fine)
+
+
+def test_with_record_stream_nothing_is_flagged_and_bytes_are_intact(threaded):
+    hold, release = _gate_holder(threaded)
+    with check_hazards() as checker:
+        alloc, again, out, same, side = _seed_hazard(threaded, record_stream=True, hold=hold)
+        assert not same, "with record_stream the memory must wait for the side queue"
+        assert alloc.stats()["blocks_waiting_on_events"] == 1
+        release()
+        threaded.synchronize(side)
+        assert (out == OLD).all(), "the side copy must read the original bytes"
+        assert checker.reports == []
+        alloc.free(again)
+        alloc.process_events()
+        alloc.check_invariants()
+
+
+def test_use_after_free_is_reported(threaded):
+    alloc = CachingAllocator(threaded)
+    main, side = threaded.create_queue("main"), threaded.create_queue("side")
+    with check_hazards() as checker:
+        block = alloc.allocate(100, main)
+        alloc.free(block)
+        with pytest.raises(HazardError, match=r"use after free: block #\d+ \(100 B, allocated on queue 'main'\) "
+                                              r"is used on queue 'side'"):
+            note_use(block, side)
+        assert checker.reports[0].kind == "use-after-free"
+
+
+def test_simulator_and_sync_cpu():
+    """On synchronous backends every use completes at once, so nothing is flagged; with a
+    lagging stream emulated (a GPU's reality) the same checker flags the reuse."""
+    for kind in ("cudasim", "cpu"):
+        backend = make_backend(kind)
+        for lagging in (False, True):
+            holder = Holder(backend)
+            try:
+                with check_hazards("record") as checker:
+                    hold = holder.hold if lagging else (lambda q: None)
+                    alloc, again, out, same, side = _seed_hazard(backend, record_stream=False, hold=hold)
+                    assert same
+                    assert len(checker.reports) == (1 if lagging else 0), (kind, lagging)
+                    alloc.free(again)
+                holder.release()
+                with check_hazards() as checker:
+                    hold = holder.hold if lagging else (lambda q: None)
+                    alloc, again, out, same, side = _seed_hazard(backend, record_stream=True, hold=hold)
+                    assert same is (not lagging) and checker.reports == []
+                    holder.release()
+                    alloc.free(again)
+            finally:
+                holder.close()
+
+
+def test_check_hazards_nests_and_restores():
+    before = active_checker()    # None, or the environment's checker
+    with check_hazards("record") as outer:
+        assert active_checker() is outer
+        with check_hazards() as inner:
+            assert active_checker() is inner and inner.on_hazard == "raise"
+            with hazard_checks_off():
+                assert active_checker() is None
+                with hazard_checks_off():
+                    assert active_checker() is None
+                assert active_checker() is None
+            assert active_checker() is inner
+        assert active_checker() is outer
+    assert active_checker() is before
+    with pytest.raises(ValueError, match="on_hazard='warn' must be one of raise, record"):
+        with check_hazards("warn"):
+            pass
+
+
+def test_note_use_bad_input(threaded):
+    alloc = CachingAllocator(threaded)
+    q = threaded.create_queue()
+    b = alloc.allocate(10, q)
+    with pytest.raises(TypeError, match="note_use\\(block=...\\) needs a Block"):
+        note_use(threaded.alloc(10), q)
+    with pytest.raises(TypeError, match="note_use\\(queue=...\\) needs a Queue"):
+        note_use(b, "side")
+    with pytest.raises(ValueError, match="belongs to CPUBackend, not to the block's backend"):
+        note_use(b, CPUBackend().create_queue())
+    with hazard_checks_off():
+        note_use(b, q)  # checker off: a no-op
+    alloc.free(b)
+
+
+def _run(code, env_value):
+    env = {k: v for k, v in os.environ.items()}
+    env["VTNUMBA_CHECK_HAZARDS"] = env_value
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_environment_variable_turns_the_checker_on():
+    code = ("from vtnumba.memory import active_checker\n"
+            "c = active_checker(); print(type(c).__name__, c.on_hazard)")
+    assert _run(code, "1").stdout.split() == ["HazardChecker", "raise"]
+    assert _run(code, "record").stdout.split() == ["HazardChecker", "record"]
+    off = _run("from vtnumba.memory import active_checker; print(active_checker())", "0")
+    assert off.stdout.strip() == "None"
+    bad = _run("import vtnumba.memory", "maybe")
+    assert bad.returncode != 0 and "VTNUMBA_CHECK_HAZARDS='maybe' is not understood" in bad.stderr
