@@ -11,7 +11,11 @@ Importing vtnumba never imports ``numba.cuda``: the target (and with it numba's 
 switch) is chosen first -- see :mod:`vtnumba.target`.
 """
 
-from vtnumba.backend import (
+from vtnumba._threads import share_cores_between_local_ranks
+
+share_cores_between_local_ranks()  # must run before numpy (imported below) loads BLAS
+
+from vtnumba.backend import (  # noqa: E402
     CPU,
     Backend,
     Buffer,
@@ -33,7 +37,7 @@ from vtnumba.backend import (
     register_backend,
     try_get_backend,
 )
-from vtnumba.target import current_target, select_target
+from vtnumba.target import current_target, select_target  # noqa: E402
 
 __version__ = "0.1.0"
 
