@@ -1,0 +1,245 @@
+"""Matmul: the CUDA ladder in the simulator, the host reference at realistic sizes, and bad input.
+
+Every run uses fresh random inputs, poisons the output with NaN first (so an element the
+kernel forgets to write shows up), and compares with float64 numpy.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+
+from vtnumba.backend.cpu import CPUBackend
+from vtnumba.backend.cuda import CUDABackend, fake_device_array
+from vtnumba.kernels import VARIANTS, linear, linear_rows_to, matmul, matmul_rows_host
+
+TOL = {np.float32: 1e-5, np.float16: 1e-2}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_barriers():
+    # Barrier-heavy simulated kernels run 3-4x faster with a shorter GIL switch interval.
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5e-4)
+    yield
+    sys.setswitchinterval(old)
+
+
+def dev(a):
+    return fake_device_array(a)
+
+
+def rel_err(out, ref):
+    ref = np.asarray(ref, dtype=np.float64)
+    return np.linalg.norm(np.asarray(out, dtype=np.float64) - ref) / np.linalg.norm(ref)
+
+
+def make(rng, shape, dtype=np.float32):
+    # Standard normal values: never zero, both signs, so cancellation errors show.
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def nan_out(shape):
+    return np.full(shape, np.nan, dtype=np.float32)
+
+
+# Shapes cover 1, 7, 33 and 65 along each of M, K, N, both B layouts, both dtypes, with and
+# without bias; kept small because the simulator runs ~7000 threads/s.
+SIM_CASES = [
+    (1, 65, 33, False, np.float32, True),
+    (65, 7, 1, True, np.float32, False),
+    (33, 33, 7, True, np.float16, True),
+    (7, 1, 65, False, np.float16, False),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("M,K,N,trans,dtype,with_bias", SIM_CASES)
+def test_ladder_in_simulator(rng, variant, M, K, N, trans, dtype, with_bias):
+    a = make(rng, (M, K), dtype)
+    b = make(rng, (N, K) if trans else (K, N), dtype)
+    bias = make(rng, N) if with_bias else None
+    out = nan_out((M, N))
+    fn = linear if trans else matmul
+    d_out = dev(out)
+    ret = fn(dev(a), dev(b), None if bias is None else dev(bias), d_out, variant=variant)
+    assert ret is d_out
+    assert np.isfinite(out).all(), "some output element was never written"
+    b64 = (b.T if trans else b).astype(np.float64)
+    ref = a.astype(np.float64) @ b64 + (0 if bias is None else bias)
+    assert rel_err(out, ref) <= TOL[dtype]
+    # float32 accumulation: exact-ish against the (rounded) float16 inputs too.
+    assert rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("M,K,N,trans", [(130, 3, 2, False), (2, 9, 131, True)])
+def test_regtile_with_several_blocks(rng, M, K, N, trans):
+    # regtile's 128 x 128 tiles: the shapes above exercise block rows/columns past the first.
+    a, b, bias = make(rng, (M, K)), make(rng, (N, K) if trans else (K, N)), make(rng, N)
+    out = nan_out((M, N))
+    (linear if trans else matmul)(dev(a), dev(b), dev(bias), dev(out), variant="regtile")
+    ref = a.astype(np.float64) @ (b.T if trans else b).astype(np.float64) + bias
+    assert np.isfinite(out).all() and rel_err(out, ref) <= 1e-5
+
+
+def test_float16_against_unrounded_data(rng):
+    # The float16 error budget (1e-2) holds against the float32 data before rounding.
+    a32, b32 = make(rng, (33, 65)), make(rng, (65, 7))
+    out = nan_out((33, 7))
+    matmul(dev(a32.astype(np.float16)), dev(b32.astype(np.float16)), out=dev(out), variant="naive")
+    assert rel_err(out, a32.astype(np.float64) @ b32) <= 1e-2
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rows_to_destinations_in_simulator(rng, variant):
+    # M=7 rows over 4 destinations of R=3: dest 2 gets one real row + 2 zero rows, dest 3 only zeros.
+    M, K, N, R = 7, 5, 9, 3
+    x, w, bias = make(rng, (M, K)), make(rng, (N, K)), make(rng, N)
+    dests = [nan_out((R, N)) for _ in range(4)]
+    linear_rows_to(dev(x), dev(w), dev(bias), [dev(d) for d in dests], R, variant=variant)
+    full = np.concatenate(dests)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64) + bias
+    assert np.isfinite(full).all()
+    assert rel_err(full[:M], ref) <= 1e-5
+    assert (full[M:] == 0).all()
+
+
+def test_rows_to_host_matches_simulator(rng):
+    M, K, N, R = 10, 33, 7, 4
+    x, w, bias = make(rng, (M, K)), make(rng, (N, K)), make(rng, N)
+    host = [nan_out((R, N)) for _ in range(3)]
+    sim = [nan_out((R, N)) for _ in range(3)]
+    linear_rows_to(x, w, bias, host, R)
+    linear_rows_to(dev(x), dev(w), dev(bias), [dev(d) for d in sim], R, variant="regtile")
+    assert rel_err(np.concatenate(sim), np.concatenate(host)) <= 1e-5
+    assert (np.concatenate(host)[M:] == 0).all()
+
+
+# ---------------------------------------------------------------------------- host reference
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_host_matmul_realistic(rng, dtype):
+    a, b, bias = make(rng, (512, 1024), dtype), make(rng, (1024, 768), dtype), make(rng, 768)
+    out = nan_out((512, 768))
+    assert matmul(a, b, bias, out=out) is out
+    ref = a.astype(np.float64) @ b.astype(np.float64) + bias
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+def test_host_linear_and_rows_to_realistic(rng):
+    T, K, H, tp = 1000, 384, 512, 3
+    R = -(-T // tp)
+    x, w, bias = make(rng, (T, K)), make(rng, (H, K)), make(rng, H)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64) + bias
+    out = linear(x, w, bias)
+    assert out.dtype == np.float32 and out.shape == (T, H)
+    assert rel_err(out, ref) <= 1e-5
+    dests = [nan_out((R, H)) for _ in range(tp)]
+    linear_rows_to(x, w, bias, dests, R)
+    full = np.concatenate(dests)
+    assert rel_err(full[:T], ref) <= 1e-5 and (full[T:] == 0).all()
+
+
+def test_host_rows_to_float16(rng):
+    x, w = make(rng, (33, 65), np.float16), make(rng, (7, 65), np.float16)
+    dests = [nan_out((16, 7)) for _ in range(3)]
+    linear_rows_to(x, w, None, dests, 16)
+    full = np.concatenate(dests)
+    assert rel_err(full[:33], x.astype(np.float64) @ w.T.astype(np.float64)) <= 1e-5
+    assert (full[33:] == 0).all()
+
+
+def test_kernel_contract_host_reference(rng):
+    # matmul_rows_host is the kernels' contract: rows m0.. of a, zero padding after m_valid.
+    a, b = make(rng, (9, 4)), make(rng, (4, 5))
+    c = nan_out((6, 5))
+    matmul_rows_host(a, b, None, c, 5, 4, False)
+    np.testing.assert_allclose(c[:4], a[5:9] @ b, rtol=1e-5)
+    assert (c[4:] == 0).all()
+
+
+# ---------------------------------------------------------------------------- queues
+def test_cpu_queues_run_in_order(rng):
+    a, b = make(rng, (64, 32)), make(rng, (32, 48))
+    ref = a.astype(np.float64) @ b
+    for backend in (CPUBackend(), CPUBackend(threaded=True)):
+        q = backend.create_queue("mm")
+        out = nan_out((64, 48))
+        matmul(a, b, out=out, queue=q)
+        backend.synchronize(q)
+        assert rel_err(out, ref) <= 1e-5
+        backend.destroy_queue(q)
+        backend.close()
+
+
+def test_simulated_cuda_queue_with_buffers(rng):
+    backend = CUDABackend()
+    q = backend.create_queue("mm")
+    M, K, N = 7, 33, 5
+    bufs = [backend.alloc(n * 4) for n in (M * K, K * N, M * N)]
+    a, b, c = bufs[0].view(np.float32, (M, K)), bufs[1].view(np.float32, (K, N)), bufs[2].view(np.float32, (M, N))
+    ha, hb = make(rng, (M, K)), make(rng, (K, N))
+    backend.copy(q, a, ha, ha.nbytes)
+    backend.copy(q, b, hb, hb.nbytes)
+    matmul(a, b, out=c, queue=q, variant="naive")
+    host = np.empty((M, N), np.float32)
+    backend.copy(q, host, c, host.nbytes)
+    backend.synchronize(q)
+    assert rel_err(host, ha.astype(np.float64) @ hb) <= 1e-5
+    backend.destroy_queue(q)
+    for buf in bufs:
+        backend.free(buf)
+
+
+def test_queue_of_the_wrong_kind_is_refused(rng):
+    a, b = make(rng, (3, 4)), make(rng, (4, 5))
+    cuda_backend, cpu_backend = CUDABackend(), CPUBackend()
+    qc, qh = cuda_backend.create_queue(), cpu_backend.create_queue()
+    with pytest.raises(TypeError, match="numpy arrays need a cpu backend queue"):
+        matmul(a, b, queue=qc)
+    with pytest.raises(TypeError, match="device arrays need a cuda backend queue"):
+        matmul(dev(a), dev(b), out=dev(nan_out((3, 5))), queue=qh)
+    with pytest.raises(ValueError, match="belongs to"):
+        matmul(a, b, queue=qh, backend=CPUBackend())
+    with pytest.raises(TypeError, match="queue must be a vtnumba Queue"):
+        matmul(a, b, queue="stream0")
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_bad_inputs_name_the_argument(rng):
+    a, b = make(rng, (4, 6)), make(rng, (6, 5))
+    with pytest.raises(ValueError, match=r"a must be a 2-D array"):
+        matmul(a[0], b)
+    with pytest.raises(TypeError, match=r"b has dtype float64; expected float32 or float16"):
+        matmul(a, b.astype(np.float64))
+    with pytest.raises(TypeError, match=r"must have the same dtype"):
+        matmul(a, b.astype(np.float16))
+    with pytest.raises(ValueError, match=r"b has shape \(5, 5\) but a has K=6"):
+        matmul(a, make(rng, (5, 5)))
+    with pytest.raises(ValueError, match=r"w has shape \(6, 5\) but x has K=6"):
+        linear(a, b)
+    with pytest.raises(ValueError, match=r"C-contiguous"):
+        matmul(make(rng, (4, 12))[:, ::2], b)
+    with pytest.raises(ValueError, match=r"bias has shape \(4,\); expected \(5,\)"):
+        matmul(a, b, bias=make(rng, 4))
+    with pytest.raises(TypeError, match=r"out has dtype float16; expected float32"):
+        matmul(a, b, out=np.empty((4, 5), np.float16))
+    with pytest.raises(ValueError, match=r"out has shape \(5, 5\)"):
+        matmul(a, b, out=np.empty((5, 5), np.float32))
+    with pytest.raises(ValueError, match=r"variant='fast' is not a matmul variant"):
+        matmul(a, b, variant="fast")
+    with pytest.raises(TypeError, match=r"numpy for a, out and device arrays for b"):
+        matmul(a, dev(b), out=np.empty((4, 5), np.float32))
+    with pytest.raises(TypeError, match=r"a must be a numpy array .* got builtins.list"):
+        matmul([[1.0]], b)
+
+
+def test_rows_to_bad_inputs(rng):
+    x, w = make(rng, (7, 4)), make(rng, (5, 4))
+    with pytest.raises(ValueError, match=r"rows_per_dest=0 must be a positive int"):
+        linear_rows_to(x, w, None, [nan_out((3, 5))], 0)
+    with pytest.raises(ValueError, match=r"dests hold len\(dests\) \* rows_per_dest = 2 \* 3 = 6 rows"):
+        linear_rows_to(x, w, None, [nan_out((3, 5)), nan_out((3, 5))], 3)
+    with pytest.raises(ValueError, match=r"dests\[1\] has shape \(2, 5\)"):
+        linear_rows_to(x, w, None, [nan_out((3, 5)), nan_out((2, 5)), nan_out((3, 5))], 3)
+    with pytest.raises(TypeError, match=r"dests must be a non-empty list"):
+        linear_rows_to(x, w, None, [], 3)

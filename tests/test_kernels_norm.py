@@ -1,0 +1,241 @@
+"""Fused residual add + RMSNorm / LayerNorm: CUDA kernel in the simulator, host reference, bad input."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from vtnumba.backend.cpu import CPUBackend
+from vtnumba.backend.cuda import CUDABackend, fake_device_array
+from vtnumba.kernels import add_norm_rows_host, fused_add_layer_norm, fused_add_rms_norm
+
+EPS = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_barriers():
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5e-4)
+    yield
+    sys.setswitchinterval(old)
+
+
+def dev(a):
+    return None if a is None else fake_device_array(a)
+
+
+def rel_err(out, ref):
+    ref = np.asarray(ref, dtype=np.float64)
+    return np.linalg.norm(np.asarray(out, dtype=np.float64) - ref) / np.linalg.norm(ref)
+
+
+def make(rng, shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def reference(y, residual, weight, eps, bias=None, norm_bias=None, layer=False):
+    """float64 numpy, the textbook formulas."""
+    z = y.astype(np.float64)
+    if bias is not None:
+        z = z + bias
+    if residual is not None:
+        z = z + residual
+    if layer:
+        mu = z.mean(-1, keepdims=True)
+        out = (z - mu) / np.sqrt(((z - mu) ** 2).mean(-1, keepdims=True) + eps) * weight
+        if norm_bias is not None:
+            out = out + norm_bias
+    else:
+        out = z / np.sqrt((z * z).mean(-1, keepdims=True) + eps) * weight
+    return out, z
+
+
+def inputs(rng, R, H, *, bias=True, residual=True, norm_bias=True):
+    return dict(y=make(rng, (R, H)), residual=make(rng, (R, H)) if residual else None, weight=make(rng, H),
+                bias=make(rng, H) if bias else None, norm_bias=make(rng, H) if norm_bias else None)
+
+
+def call(layer, arrs, out, new_residual, wrap=lambda a: a, **kw):
+    w = {k: wrap(v) for k, v in arrs.items()}
+    if layer:
+        return fused_add_layer_norm(w["y"], w["residual"], w["weight"], w["norm_bias"], EPS, bias=w["bias"],
+                                    out=wrap(out), new_residual=wrap(new_residual), **kw)
+    return fused_add_rms_norm(w["y"], w["residual"], w["weight"], EPS, bias=w["bias"], out=wrap(out),
+                              new_residual=wrap(new_residual), **kw)
+
+
+# (R, H): 1, 7, 33, 65 rows and columns, plus H=300 > block size (threads stride the row).
+SIM_SHAPES = [(1, 65), (7, 33), (33, 7), (65, 1), (2, 300)]
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("R,H", SIM_SHAPES)
+def test_kernel_in_simulator(rng, R, H, layer):
+    arrs = inputs(rng, R, H, norm_bias=layer)
+    out, new_res = np.full((R, H), np.nan, np.float32), np.full((R, H), np.nan, np.float32)
+    call(layer, arrs, out, new_res, dev)
+    assert np.isfinite(out).all() and np.isfinite(new_res).all()
+    ref, z = reference(arrs["y"], arrs["residual"], arrs["weight"], EPS, arrs["bias"], arrs["norm_bias"], layer)
+    assert rel_err(out, ref) <= 1e-5
+    assert rel_err(new_res, z) <= 1e-6
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_kernel_optional_arguments_and_in_place(rng, layer):
+    # No bias, no norm_bias, no residual ...
+    arrs = inputs(rng, 7, 33, bias=False, residual=False, norm_bias=False)
+    out, new_res = np.full((7, 33), np.nan, np.float32), np.full((7, 33), np.nan, np.float32)
+    call(layer, arrs, out, new_res, dev)
+    ref, z = reference(arrs["y"], None, arrs["weight"], EPS, layer=layer)
+    assert rel_err(out, ref) <= 1e-5 and rel_err(new_res, z) <= 1e-6
+    # ... and the residual stream updated in place (new_residual is residual).
+    arrs = inputs(rng, 7, 33, norm_bias=layer)
+    ref, z = reference(arrs["y"], arrs["residual"], arrs["weight"], EPS, arrs["bias"], arrs["norm_bias"], layer)
+    res = arrs["residual"]
+    d_res = dev(res)
+    w = {k: dev(v) for k, v in arrs.items() if k != "residual"}
+    if layer:
+        fused_add_layer_norm(w["y"], d_res, w["weight"], w["norm_bias"], EPS, bias=w["bias"], out=dev(out),
+                             new_residual=d_res)
+    else:
+        fused_add_rms_norm(w["y"], d_res, w["weight"], EPS, bias=w["bias"], out=dev(out), new_residual=d_res)
+    assert rel_err(out, ref) <= 1e-5 and rel_err(res, z) <= 1e-6
+
+
+def test_kernel_allocates_outputs_and_matches_host(rng):
+    arrs = inputs(rng, 7, 65, norm_bias=True)
+    d_out, d_res = fused_add_layer_norm(dev(arrs["y"]), dev(arrs["residual"]), dev(arrs["weight"]),
+                                        dev(arrs["norm_bias"]), EPS, bias=dev(arrs["bias"]))
+    h_out, h_res = fused_add_layer_norm(arrs["y"], arrs["residual"], arrs["weight"], arrs["norm_bias"], EPS,
+                                        bias=arrs["bias"])
+    assert isinstance(h_out, np.ndarray) and not isinstance(d_out, np.ndarray)
+    assert rel_err(d_out.copy_to_host(), h_out) <= 1e-5
+    assert rel_err(d_res.copy_to_host(), h_res) <= 1e-6
+
+
+def test_row_range_contract_leaves_other_rows(rng):
+    # add_norm_rows_host / the kernel take a row range; rows outside it keep their contents.
+    R, H = 9, 33
+    arrs = inputs(rng, R, H)
+    sentinel = np.float32(7.25)
+    for kind in ("host", "cuda"):
+        out, new_res = np.full((R, H), sentinel), np.full((R, H), sentinel)
+        if kind == "host":
+            add_norm_rows_host(arrs["y"], arrs["bias"], arrs["residual"], arrs["weight"], None, EPS, False, out,
+                               new_res, 3, 6)
+        else:
+            from vtnumba.backend.cuda import SIM_LAUNCH_LOCK
+            from vtnumba.kernels.norm_cuda import launch_add_norm_rows
+
+            with SIM_LAUNCH_LOCK:
+                launch_add_norm_rows(dev(arrs["y"]), dev(arrs["bias"]), dev(arrs["residual"]), dev(arrs["weight"]),
+                                     None, EPS, False, dev(out), dev(new_res), 3, 6, 0)
+        ref, z = reference(arrs["y"], arrs["residual"], arrs["weight"], EPS, arrs["bias"])
+        assert rel_err(out[3:6], ref[3:6]) <= 1e-5, kind
+        assert rel_err(new_res[3:6], z[3:6]) <= 1e-6, kind
+        assert (out[:3] == sentinel).all() and (out[6:] == sentinel).all(), kind
+        assert (new_res[:3] == sentinel).all() and (new_res[6:] == sentinel).all(), kind
+
+
+# ---------------------------------------------------------------------------- host reference
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("R,H", [(2048, 1024), (256, 4096), (33, 384)])
+def test_host_reference_realistic(rng, R, H, layer):
+    arrs = inputs(rng, R, H, norm_bias=layer)
+    out, new_res = np.full((R, H), np.nan, np.float32), np.full((R, H), np.nan, np.float32)
+    call(layer, arrs, out, new_res)
+    ref, z = reference(arrs["y"], arrs["residual"], arrs["weight"], EPS, arrs["bias"], arrs["norm_bias"], layer)
+    assert rel_err(out, ref) <= 1e-5
+    assert rel_err(new_res, z) <= 1e-6
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3])
+@pytest.mark.parametrize("h", [1, 7, 33, 1001])
+def test_streaming_stores_match_plain_stores(rng, h, offset):
+    # Large outputs are written with non-temporal stores (scalar head up to a 32-byte boundary,
+    # 8-float vectors, scalar tail); check every alignment and tail against the plain path.
+    from vtnumba.kernels.norm import _add_norm_rows
+
+    R = 5
+    y, res, w, nb = make(rng, (R, h)), make(rng, (R, h)), make(rng, h), make(rng, h)
+    outs = []
+    for stream in (False, True):
+        flat = np.full(2 * R * h + offset + 16, np.nan, np.float32)
+        out = flat[offset:offset + R * h].reshape(R, h)  # C-contiguous, deliberately misaligned
+        new_res = flat[offset + R * h:offset + 2 * R * h].reshape(R, h)
+        _add_norm_rows(y, nb, True, res, True, w, nb, True, EPS, True, out, new_res, 0, R, stream)
+        assert np.isfinite(flat[offset:offset + 2 * R * h]).all()
+        assert np.isnan(flat[:offset]).all() and np.isnan(flat[offset + 2 * R * h:]).all()
+        outs.append((out.copy(), new_res.copy()))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("R,H", [(7, 33), (1024, 2048)])  # plain and streaming stores
+def test_host_fully_in_place(rng, R, H):
+    # out may be y and new_residual may be residual: row r is read completely before it is written.
+    arrs = inputs(rng, R, H)
+    ref, z = reference(arrs["y"], arrs["residual"], arrs["weight"], EPS, arrs["bias"], arrs["norm_bias"], True)
+    y, res = arrs["y"], arrs["residual"]
+    fused_add_layer_norm(y, res, arrs["weight"], arrs["norm_bias"], EPS, bias=arrs["bias"], out=y, new_residual=res)
+    assert rel_err(y, ref) <= 1e-5 and rel_err(res, z) <= 1e-6
+
+
+def test_host_layer_norm_with_large_mean(rng):
+    # var = mean((z - mean)^2), not E[z^2] - mean^2: the latter loses every digit here.
+    y = (1000.0 + rng.standard_normal((16, 512))).astype(np.float32)
+    weight = make(rng, 512)
+    out, _ = fused_add_layer_norm(y, None, weight, None, EPS)
+    ref, _ = reference(y, None, weight, EPS, layer=True)
+    assert rel_err(out, ref) <= 1e-4
+
+
+def test_threaded_queue_runs_host_reference(rng):
+    backend = CPUBackend(threaded=True)
+    q = backend.create_queue("norm")
+    arrs = inputs(rng, 64, 256, norm_bias=False)
+    out, new_res = np.full((64, 256), np.nan, np.float32), np.full((64, 256), np.nan, np.float32)
+    call(False, arrs, out, new_res, queue=q)
+    backend.synchronize(q)
+    ref, _ = reference(arrs["y"], arrs["residual"], arrs["weight"], EPS, arrs["bias"])
+    assert rel_err(out, ref) <= 1e-5
+    backend.destroy_queue(q)
+    backend.close()
+
+
+def test_simulated_cuda_queue(rng):
+    backend = CUDABackend()
+    q = backend.create_queue("norm")
+    arrs = inputs(rng, 3, 40, norm_bias=False)
+    out, new_res = np.full((3, 40), np.nan, np.float32), np.full((3, 40), np.nan, np.float32)
+    call(False, arrs, out, new_res, dev, queue=q)
+    backend.synchronize(q)
+    ref, _ = reference(arrs["y"], arrs["residual"], arrs["weight"], EPS, arrs["bias"])
+    assert rel_err(out, ref) <= 1e-5
+    backend.destroy_queue(q)
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_bad_inputs_name_the_argument(rng):
+    y, res, w = make(rng, (4, 8)), make(rng, (4, 8)), make(rng, 8)
+    with pytest.raises(ValueError, match=r"residual has shape \(4, 7\); expected \(4, 8\)"):
+        fused_add_rms_norm(y, make(rng, (4, 7)), w, EPS)
+    with pytest.raises(ValueError, match=r"weight has shape \(9,\); expected \(8,\)"):
+        fused_add_rms_norm(y, res, make(rng, 9), EPS)
+    with pytest.raises(TypeError, match=r"y has dtype float64; expected float32"):
+        fused_add_rms_norm(y.astype(np.float64), res, w, EPS)
+    with pytest.raises(ValueError, match=r"y \(shape \(4, 4\)\) must be C-contiguous"):
+        fused_add_rms_norm(y[:, ::2], None, make(rng, 4), EPS)
+    with pytest.raises(ValueError, match=r"eps=0.0 must be a positive finite float"):
+        fused_add_rms_norm(y, res, w, 0.0)
+    with pytest.raises(TypeError, match=r"eps='1e-5' must be a float"):
+        fused_add_rms_norm(y, res, w, "1e-5")
+    with pytest.raises(ValueError, match=r"norm_bias has shape \(3,\)"):
+        fused_add_layer_norm(y, res, w, make(rng, 3), EPS)
+    with pytest.raises(ValueError, match=r"out and new_residual must be different arrays"):
+        same = np.empty((4, 8), np.float32)
+        fused_add_rms_norm(y, res, w, EPS, out=same, new_residual=same)
+    with pytest.raises(ValueError, match=r"new_residual has shape \(3, 8\)"):
+        fused_add_rms_norm(y, res, w, EPS, new_residual=np.empty((3, 8), np.float32))
+    with pytest.raises(TypeError, match=r"numpy for y, weight and device arrays for residual"):
+        fused_add_rms_norm(y, dev(res), w, EPS)

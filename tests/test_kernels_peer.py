@@ -1,0 +1,193 @@
+"""Peer reduce fused with the norm, and the gather copy: simulator kernels, host reference, bad input."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from vtnumba.backend.cpu import CPUBackend
+from vtnumba.backend.cuda import CUDABackend, fake_device_array
+from vtnumba.kernels import gather_rows, peer_reduce_norm
+from vtnumba.kernels.peer_cuda import MAX_DESTS, MAX_SOURCES
+
+EPS = 1e-5
+SENTINEL = np.float32(-3.5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_barriers():
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5e-4)
+    yield
+    sys.setswitchinterval(old)
+
+
+def dev(a):
+    return None if a is None else fake_device_array(a)
+
+
+def rel_err(out, ref):
+    ref = np.asarray(ref, dtype=np.float64)
+    return np.linalg.norm(np.asarray(out, dtype=np.float64) - ref) / np.linalg.norm(ref)
+
+
+def make(rng, shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def reference(sources, bias, residual, weight, norm_bias, eps, layer):
+    z = sum(s.astype(np.float64) for s in sources)
+    if bias is not None:
+        z = z + bias
+    if residual is not None:
+        z = z + residual
+    if layer:
+        mu = z.mean(-1, keepdims=True)
+        out = (z - mu) / np.sqrt(((z - mu) ** 2).mean(-1, keepdims=True) + eps) * weight
+        return (out + norm_bias if norm_bias is not None else out), z
+    return z / np.sqrt((z * z).mean(-1, keepdims=True) + eps) * weight, z
+
+
+def problem(rng, tp, R, H, layer, *, bias=True, residual=True):
+    return dict(sources=[make(rng, (R, H)) for _ in range(tp)], bias=make(rng, H) if bias else None,
+                residual=make(rng, (R, H)) if residual else None, weight=make(rng, H),
+                norm_bias=make(rng, H) if layer else None)
+
+
+def run(p, layer, out, new_res, wrap=lambda a: a, rows=None, **kw):
+    return peer_reduce_norm([wrap(s) for s in p["sources"]], wrap(p["bias"]), wrap(p["residual"]), wrap(p["weight"]),
+                            wrap(p["norm_bias"]), EPS, wrap(out), wrap(new_res), norm="layer" if layer else "rms",
+                            rows=rows, **kw)
+
+
+# (tp, R, H): one, two and three sources; odd shapes 1, 7, 33, 65.
+SIM_CASES = [(1, 7, 33), (2, 33, 7), (3, 1, 65), (2, 65, 1)]
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("tp,R,H", SIM_CASES)
+def test_kernel_in_simulator(rng, tp, R, H, layer):
+    p = problem(rng, tp, R, H, layer)
+    out, new_res = np.full((R, H), np.nan, np.float32), np.full((R, H), np.nan, np.float32)
+    run(p, layer, out, new_res, dev)
+    assert np.isfinite(out).all() and np.isfinite(new_res).all()
+    ref, z = reference(p["sources"], p["bias"], p["residual"], p["weight"], p["norm_bias"], EPS, layer)
+    assert rel_err(out, ref) <= 1e-5 and rel_err(new_res, z) <= 1e-6
+
+
+@pytest.mark.parametrize("wrap", [None, dev], ids=["host", "sim"])
+def test_row_range_leaves_other_rows_untouched(rng, wrap):
+    wrap = wrap or (lambda a: a)
+    R, H = 7, 33
+    p = problem(rng, 2, R, H, True)
+    out, new_res = np.full((R, H), SENTINEL), np.full((R, H), SENTINEL)
+    run(p, True, out, new_res, wrap, rows=(2, 5))
+    ref, z = reference(p["sources"], p["bias"], p["residual"], p["weight"], p["norm_bias"], EPS, True)
+    assert rel_err(out[2:5], ref[2:5]) <= 1e-5 and rel_err(new_res[2:5], z[2:5]) <= 1e-6
+    for a in (out, new_res):
+        assert (a[:2] == SENTINEL).all() and (a[5:] == SENTINEL).all()
+    # An empty range touches nothing.
+    run(p, True, out, new_res, wrap, rows=(4, 4))
+    assert (out[:2] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("wrap", [None, dev], ids=["host", "sim"])
+def test_more_sources_than_one_launch_takes(rng, wrap):
+    # tp > MAX_SOURCES: the surplus is folded into new_residual first, which may be residual itself.
+    wrap = wrap or (lambda a: a)
+    tp, R, H = MAX_SOURCES + 3, 3, 5
+    p = problem(rng, tp, R, H, False)
+    ref, z = reference(p["sources"], p["bias"], p["residual"], p["weight"], None, EPS, False)
+    out = np.full((R, H), np.nan, np.float32)
+    res = p["residual"]
+    d_res = wrap(res)
+    peer_reduce_norm([wrap(s) for s in p["sources"]], wrap(p["bias"]), d_res, wrap(p["weight"]), None, EPS,
+                     wrap(out), d_res, norm="rms", rows=(1, 3))
+    assert rel_err(out[1:], ref[1:]) <= 1e-5 and rel_err(res[1:], z[1:]) <= 1e-6
+    assert np.isnan(out[0]).all()
+
+
+def test_no_residual_no_bias_simulator_matches_host(rng):
+    p = problem(rng, 3, 5, 20, True, bias=False, residual=False)
+    host = [np.full((5, 20), np.nan, np.float32) for _ in range(2)]
+    sim = [np.full((5, 20), np.nan, np.float32) for _ in range(2)]
+    run(p, True, *host)
+    run(p, True, *sim, dev)
+    assert rel_err(sim[0], host[0]) <= 1e-5 and rel_err(sim[1], host[1]) <= 1e-6
+    ref, _ = reference(p["sources"], None, None, p["weight"], p["norm_bias"], EPS, True)
+    assert rel_err(host[0], ref) <= 1e-5
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_host_reference_realistic(rng, layer):
+    tp, R, H = 4, 1024, 1024
+    p = problem(rng, tp, R, H, layer)
+    out, new_res = np.full((R, H), np.nan, np.float32), np.full((R, H), np.nan, np.float32)
+    run(p, layer, out, new_res)
+    ref, z = reference(p["sources"], p["bias"], p["residual"], p["weight"], p["norm_bias"], EPS, layer)
+    assert rel_err(out, ref) <= 1e-5 and rel_err(new_res, z) <= 1e-6
+
+
+# ---------------------------------------------------------------------------- gather
+@pytest.mark.parametrize("ndest", [1, 3, MAX_DESTS + 2])
+def test_gather_in_simulator_and_host(rng, ndest):
+    n, H, T, off = 3, 7, 9, 4
+    src = make(rng, (n, H))
+    for wrap in (lambda a: a, dev):
+        dests = [np.full((T, H), SENTINEL) for _ in range(ndest)]
+        gather_rows(wrap(src), [wrap(d) for d in dests], off)
+        for d in dests:
+            assert (d[off:off + n] == src).all()
+            assert (d[:off] == SENTINEL).all() and (d[off + n:] == SENTINEL).all()
+
+
+def test_gather_on_queues(rng):
+    src = make(rng, (65, 33))
+    backend = CPUBackend(threaded=True)
+    q = backend.create_queue("gather")
+    dests = [np.full((130, 33), SENTINEL) for _ in range(2)]
+    gather_rows(src, dests, 65, queue=q)
+    backend.synchronize(q)
+    assert all((d[65:] == src).all() and (d[:65] == SENTINEL).all() for d in dests)
+    backend.destroy_queue(q)
+    backend.close()
+    cuda_backend = CUDABackend()
+    cq = cuda_backend.create_queue("gather")
+    dests = [np.full((65, 33), SENTINEL) for _ in range(2)]
+    gather_rows(dev(src), [dev(d) for d in dests], 0, queue=cq)
+    cuda_backend.synchronize(cq)
+    assert all((d == src).all() for d in dests)
+    cuda_backend.destroy_queue(cq)
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_bad_inputs_name_the_argument(rng):
+    R, H = 4, 8
+    s = [make(rng, (R, H)) for _ in range(2)]
+    w, out, nr = make(rng, H), np.empty((R, H), np.float32), np.empty((R, H), np.float32)
+    with pytest.raises(ValueError, match=r"sources\[1\] has shape \(4, 7\); expected \(4, 8\)"):
+        peer_reduce_norm([s[0], make(rng, (R, 7))], None, None, w, None, EPS, out, nr)
+    with pytest.raises(TypeError, match=r"sources must be a non-empty list of arrays, got list \(empty\)"):
+        peer_reduce_norm([], None, None, w, None, EPS, out, nr)
+    with pytest.raises(ValueError, match=r"norm='l2' is not supported"):
+        peer_reduce_norm(s, None, None, w, None, EPS, out, nr, norm="l2")
+    with pytest.raises(ValueError, match=r"norm_bias is only used by norm='layer'"):
+        peer_reduce_norm(s, None, None, w, w, EPS, out, nr, norm="rms")
+    with pytest.raises(ValueError, match=r"rows=\(3, 9\) is not a valid row range; expected 0 <= start <= stop <= 4"):
+        peer_reduce_norm(s, None, None, w, None, EPS, out, nr, rows=(3, 9))
+    with pytest.raises(TypeError, match=r"rows=5 must be None or a \(start, stop\) pair"):
+        peer_reduce_norm(s, None, None, w, None, EPS, out, nr, rows=5)
+    with pytest.raises(ValueError, match=r"out and new_residual are required"):
+        peer_reduce_norm(s, None, None, w, None, EPS, None, nr)
+    with pytest.raises(ValueError, match=r"must not be one of the sources"):
+        peer_reduce_norm(s, None, None, w, None, EPS, out, s[1])
+    with pytest.raises(TypeError, match=r"numpy for .* and device arrays for sources\[1\]"):
+        peer_reduce_norm([s[0], dev(s[1])], None, None, w, None, EPS, out, nr)
+    with pytest.raises(ValueError, match=r"dests\[0\] has 5 rows; rows \[3, 7\) do not fit"):
+        gather_rows(s[0], [np.empty((5, H), np.float32)], 3)
+    with pytest.raises(ValueError, match=r"dests\[0\] has shape \(9, 7\)"):
+        gather_rows(s[0], [np.empty((9, 7), np.float32)], 0)
+    with pytest.raises(ValueError, match=r"row_offset=-1 must be a non-negative int"):
+        gather_rows(s[0], [np.empty((9, H), np.float32)], -1)
+    with pytest.raises(TypeError, match=r"dests must be a non-empty list"):
+        gather_rows(s[0], np.empty((9, H), np.float32), 0)

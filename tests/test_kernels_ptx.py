@@ -1,0 +1,31 @@
+"""Every @cuda.jit kernel compiles to PTX for sm_80 and sm_90 (no GPU needed).
+
+The simulator type-checks nothing, so this is what catches a kernel that would fail on a
+GPU.  compile_ptx needs the real numba.cuda, and this test process runs with the simulator
+on (tests/conftest.py), so one subprocess with NUMBA_ENABLE_CUDASIM=0 compiles them all.
+NVVM comes from pip with the test extra ``numba-cuda[cu13]``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+EXPECTED = {"naive", "smem", "regtile", "fused_add_norm", "peer_reduce_norm", "sum_sources", "gather_rows"}
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    proc = subprocess.run([sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", "80", "90"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.stdout, f"no output; stderr:\n{proc.stderr[-3000:]}"
+    report = json.loads(proc.stdout)
+    failed = [f"{e['name']} {e['sig']} cc{e['cc']}: {e.get('error')}" for e in report["results"] if not e["ok"]]
+    assert not failed, "\n".join(failed)
+    assert report["unlisted"] == [], f"kernels without a PTX signature: {report['unlisted']}"
+    assert {e["name"] for e in report["results"]} == EXPECTED
+    assert {e["cc"] for e in report["results"]} == {"8.0", "9.0"}
+    assert proc.returncode == 0

@@ -1,0 +1,330 @@
+"""``vtnumba bench kernels``: the kernel ladder measured against stock baselines in the same run.
+
+On every target (the host references are what the ``cpu`` target runs):
+
+* **fused add + norm** (RMSNorm and LayerNorm) vs. the same math in plain numpy: the
+  speed-up, and the fused kernel's bandwidth as a fraction of measured memcpy bandwidth;
+* **peer reduce + norm** (tp = 2) vs. numpy summing the sources and then normalising;
+* **host matmul** GFLOP/s (``linear``, float32 and float16 inputs) vs. numpy's BLAS ``x @ w.T``.
+
+On a real GPU (``cuda`` target) additionally: each step of the matmul ladder (naive, smem,
+regtile) in GFLOP/s and as a fraction of cuBLAS through CuPy or torch when one is installed,
+and the fused norm's bandwidth vs. a device-to-device copy.  With ``ptxas`` on PATH the
+suite also lists registers / shared memory / spills per kernel (``kernel_resources``).
+
+**How bandwidth is counted.**  ``timing.memcpy_bandwidth_gbs`` reports bytes *copied* per
+second; a copy of n bytes reads n and writes n.  To compare like with like this suite
+counts *traffic* (bytes read + bytes written) for everything, and times the memcpy baseline
+as ``np.copyto`` between the norm's own arrays, in the same interleaved rounds as the norms
+and their numpy baselines (a shared machine's bandwidth drifts; alternating keeps the
+ratios fair).  A fused norm that moves its 4 arrays (read y and residual, write
+new_residual and out) at memcpy speed scores 1.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+
+import numpy as np
+
+from vtnumba.bench import schema
+from vtnumba.bench.timing import Stats, measure, memcpy_bandwidth_gbs
+from vtnumba.target import current_target
+
+EPS = 1e-5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--norm-shape", default=None, metavar="ROWSxH",
+                        help="shape of the norm benchmarks (default 8192x4096, 1024x1024 with --quick)")
+    parser.add_argument("--ptxas", action="store_true",
+                        help="report registers/shared memory/spills per kernel (needs ptxas on PATH)")
+
+
+def _parse_shape(text: str) -> tuple[int, int]:
+    try:
+        rows, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--norm-shape={text!r} must look like ROWSxH, e.g. 8192x4096") from None
+    if rows < 1 or h < 1:
+        raise ValueError(f"--norm-shape={text!r} must have positive sizes")
+    return rows, h
+
+
+def _settings(args) -> dict:
+    quick = bool(getattr(args, "quick", False))
+    shape = getattr(args, "norm_shape", None)
+    sizes = getattr(args, "sizes", None)
+    return {
+        "quick": quick,
+        "norm_shape": _parse_shape(shape) if shape else ((1024, 1024) if quick else (8192, 4096)),
+        "mm_sizes": [int(s) for s in sizes] if sizes else ([256] if quick else [1024, 2048]),
+        "repeat": 3 if quick else 10,
+    }
+
+
+# ---------------------------------------------------------------------------- host (cpu) part
+def _numpy_norm(y, bias, residual, weight, norm_bias, layer):
+    """The same math written the obvious way in numpy (the stock baseline)."""
+    z = y + bias + residual
+    if layer:
+        mean = z.mean(axis=-1, keepdims=True)
+        var = ((z - mean) ** 2).mean(axis=-1, keepdims=True)
+        return (z - mean) / np.sqrt(var + EPS) * weight + norm_bias, z
+    return z / np.sqrt((z * z).mean(axis=-1, keepdims=True) + EPS) * weight, z
+
+
+def _interleaved(fns: dict, rounds: int, repeat: int) -> dict:
+    """Time several functions in alternating rounds and pool each one's samples.
+
+    On a shared machine the available memory bandwidth drifts; alternating the contenders
+    exposes them to the same conditions, so their *ratios* stay meaningful.
+    """
+    samples = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm up (first-call compilation, page faults of fresh outputs)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
+    out = {}
+    for name, times in samples.items():
+        arr = np.asarray(times)
+        out[name] = Stats(float(np.median(arr)), float(np.percentile(arr, 10)), float(np.percentile(arr, 90)),
+                          len(times))
+    return out
+
+
+def _bench_host_norms(cfg, results, ratios, baselines):
+    from vtnumba.kernels import fused_add_layer_norm, fused_add_rms_norm, peer_reduce_norm
+
+    rows, h = cfg["norm_shape"]
+    rng = np.random.default_rng(0)
+    y, res, peer = (rng.standard_normal((rows, h), dtype=np.float32) for _ in range(3))
+    weight, bias, norm_bias = (rng.standard_normal(h, dtype=np.float32) for _ in range(3))
+    out, new_res = np.empty_like(y), np.empty_like(y)
+    fns = {
+        "rmsnorm": lambda: fused_add_rms_norm(y, res, weight, EPS, bias=bias, out=out, new_residual=new_res),
+        "rmsnorm numpy": lambda: _numpy_norm(y, bias, res, weight, None, False),
+        "layernorm": lambda: fused_add_layer_norm(y, res, weight, norm_bias, EPS, bias=bias, out=out,
+                                                  new_residual=new_res),
+        "layernorm numpy": lambda: _numpy_norm(y, bias, res, weight, norm_bias, True),
+        # Peer reduce (tp = 2) + norm vs. numpy summing the sources, then the same norm.
+        "peer_reduce_rmsnorm_tp2": lambda: peer_reduce_norm([y, peer], bias, res, weight, None, EPS, out, new_res),
+        "peer_reduce_rmsnorm_tp2 numpy": lambda: _numpy_norm(y + peer, bias, res, weight, None, False),
+        # The memcpy baseline on the same arrays, timed in the same rounds.
+        "memcpy": lambda: np.copyto(out, y),
+    }
+    st = _interleaved(fns, rounds=2 if cfg["quick"] else 4, repeat=max(1, cfg["repeat"] // 3))
+    elem = rows * h * 4
+    copy_gbs = 2 * elem / st["memcpy"].median_s / 1e9  # traffic: read n + write n
+    results.append(schema.row("memcpy", "numpy.copyto", rows * h, "elements", "GB/s (traffic)", copy_gbs,
+                              st["memcpy"]))
+    baselines["memcpy traffic GB/s (norm arrays, interleaved)"] = copy_gbs
+    # traffic: read y, residual (+ peer); write new_residual, out
+    for case, traffic in (("rmsnorm", 4 * elem), ("layernorm", 4 * elem), ("peer_reduce_rmsnorm_tp2", 5 * elem)):
+        fused, base = st[case], st[f"{case} numpy"]
+        gbs = traffic / fused.median_s / 1e9
+        results.append(schema.row(case, "vtnumba-fused-host", rows * h, "elements", "GB/s", gbs, fused))
+        results.append(schema.row(case, "numpy", rows * h, "elements", "GB/s", traffic / base.median_s / 1e9, base))
+        ratios[f"{case} fused / numpy (speed-up)"] = base.median_s / fused.median_s
+        ratios[f"{case} fused GB/s / memcpy traffic GB/s"] = gbs / copy_gbs
+
+
+def _bench_host_matmul(cfg, results, ratios):
+    from vtnumba.kernels import linear
+
+    rng = np.random.default_rng(1)
+    for n in cfg["mm_sizes"]:
+        x = rng.standard_normal((n, n), dtype=np.float32)
+        w = rng.standard_normal((n, n), dtype=np.float32)
+        out = np.empty((n, n), np.float32)
+        flops = 2.0 * n ** 3
+        st_v = measure(lambda: linear(x, w, out=out), repeat=cfg["repeat"], warmup=1)
+        st_b = measure(lambda: np.matmul(x, w.T, out=out), repeat=cfg["repeat"], warmup=1)
+        results.append(schema.row("linear_fp32", "vtnumba-host", n, "M=N=K", "GFLOP/s", flops / st_v.median_s / 1e9,
+                                  st_v))
+        results.append(schema.row("linear_fp32", "numpy-blas", n, "M=N=K", "GFLOP/s", flops / st_b.median_s / 1e9,
+                                  st_b))
+        ratios[f"linear_fp32 n={n} vtnumba / numpy"] = st_b.median_s / st_v.median_s
+        x16, w16 = x.astype(np.float16), w.astype(np.float16)
+        st_h = measure(lambda: linear(x16, w16, out=out), repeat=cfg["repeat"], warmup=1)
+        results.append(schema.row("linear_fp16_in_fp32_acc", "vtnumba-host", n, "M=N=K", "GFLOP/s",
+                                  flops / st_h.median_s / 1e9, st_h))
+
+
+# ---------------------------------------------------------------------------- device part
+def _time_on_queue(backend, q, fn, repeat: int, inner: int) -> Stats:
+    """Per-call time of ``fn`` (which enqueues work on ``q``): ``inner`` calls back to back,
+    then a queue synchronize, ``repeat`` samples.  Launch overhead overlaps device work."""
+    def batch():
+        for _ in range(inner):
+            fn()
+        backend.synchronize(q)
+
+    st = measure(batch, repeat=repeat, warmup=1)
+    return Stats(st.median_s / inner, st.p10_s / inner, st.p90_s / inner, st.samples)
+
+
+def _baseline_gemm(n: int):
+    """A cuBLAS SGEMM through CuPy or torch, as ``(name, call, sync)``, or None."""
+    try:
+        import cupy as cp
+
+        a, b = cp.random.standard_normal((n, n), dtype=cp.float32), cp.random.standard_normal((n, n), dtype=cp.float32)
+        c = cp.empty((n, n), dtype=cp.float32)
+        return "cupy(cuBLAS)", lambda: cp.matmul(a, b, out=c), cp.cuda.Device().synchronize
+    except Exception:  # noqa: BLE001 - not installed or no device: try torch
+        pass
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        torch.backends.cuda.matmul.allow_tf32 = False  # compare with true float32 SGEMM
+        a, b = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
+        c = torch.empty(n, n, device="cuda")
+        return "torch(cuBLAS)", lambda: torch.matmul(a, b, out=c), torch.cuda.synchronize
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: bool = False) -> None:
+    """The ladder, the fused norm and a device copy on a CUDA backend.
+
+    In the simulator (``simulator=True``) the sizes are tiny and the numbers measure the
+    simulator, not a GPU; the run only shows that the path works end to end.
+    """
+    from numba import cuda
+
+    from vtnumba.kernels import VARIANTS, fused_add_rms_norm, matmul
+
+    q = backend.create_queue("bench")
+    rng = np.random.default_rng(2)
+    try:
+        mm_sizes = [16] if simulator else ([1024] if cfg["quick"] else [2048, 4096])
+        repeat, inner = (1, 1) if simulator else (cfg["repeat"], 5)
+        for n in mm_sizes:
+            a = cuda.to_device(rng.standard_normal((n, n), dtype=np.float32))
+            b = cuda.to_device(rng.standard_normal((n, n), dtype=np.float32))
+            c = cuda.device_array((n, n), np.float32)
+            flops = 2.0 * n ** 3
+            base = None if simulator else _baseline_gemm(n)
+            if base is not None:
+                name, call, sync = base
+                st = measure(lambda: (call(), sync()), repeat=repeat, warmup=2)
+                results.append(schema.row("matmul_fp32", name, n, "M=N=K", "GFLOP/s", flops / st.median_s / 1e9, st))
+            for variant in VARIANTS:
+                if variant == "naive" and n > 2048 and not cfg["quick"]:
+                    continue  # minutes of naive matmul add nothing to the ladder's story
+                st = _time_on_queue(backend, q, lambda: matmul(a, b, out=c, queue=q, variant=variant), repeat, inner)
+                gflops = flops / st.median_s / 1e9
+                results.append(schema.row("matmul_fp32", f"vtnumba-{variant}", n, "M=N=K", "GFLOP/s", gflops, st))
+                if base is not None:
+                    base_row = [r for r in results if r["impl"] == base[0] and r["size"] == n][-1]
+                    ratios[f"matmul_fp32 n={n} {variant} / cuBLAS"] = gflops / base_row["value"]
+            if base is None and not simulator:
+                notes.append("no CuPy or torch: ladder not compared with cuBLAS")
+
+        rows, h = (4, 64) if simulator else cfg["norm_shape"]
+        y = cuda.to_device(rng.standard_normal((rows, h), dtype=np.float32))
+        res = cuda.to_device(rng.standard_normal((rows, h), dtype=np.float32))
+        w = cuda.to_device(rng.standard_normal(h, dtype=np.float32))
+        bias = cuda.to_device(rng.standard_normal(h, dtype=np.float32))
+        out, new_res = cuda.device_array((rows, h), np.float32), cuda.device_array((rows, h), np.float32)
+        traffic = 4 * rows * h * 4
+        st = _time_on_queue(backend, q, lambda: fused_add_rms_norm(y, res, w, EPS, bias=bias, out=out,
+                                                                   new_residual=new_res, queue=q), repeat, inner)
+        norm_gbs = traffic / st.median_s / 1e9
+        results.append(schema.row("rmsnorm", "vtnumba-fused-cuda", rows * h, "elements", "GB/s", norm_gbs, st))
+        nbytes = rows * h * 4
+        st_c = _time_on_queue(backend, q, lambda: backend.copy(q, out, y, nbytes), repeat, inner)
+        copy_gbs = 2 * nbytes / st_c.median_s / 1e9
+        results.append(schema.row("device_copy", "cuMemcpyDtoD", nbytes, "bytes", "GB/s (traffic)", copy_gbs, st_c))
+        baselines["device copy traffic GB/s"] = copy_gbs
+        ratios["rmsnorm fused cuda GB/s / device copy traffic GB/s"] = norm_gbs / copy_gbs
+    finally:
+        backend.destroy_queue(q)
+
+
+def _ptxas_resources(notes) -> list[dict]:
+    """Registers / shared memory / spills per kernel, from a subprocess without the simulator."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    proc = subprocess.run([sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", "80", "90", "--ptxas"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    try:
+        report = json.loads(proc.stdout)
+    except ValueError:
+        notes.append(f"ptxas report failed: {proc.stderr.strip()[-300:]}")
+        return []
+    out = []
+    for e in report["results"]:
+        usage = e.get("ptxas") or {}
+        out.append({"kernel": e["name"], "sig": e["sig"], "cc": e["cc"], **usage})
+        if usage.get("version_lowered"):
+            note = f"ptxas: PTX .version lowered to {usage['version_lowered']} for the resource report only"
+            if note not in notes:
+                notes.append(note)
+    return out
+
+
+# ---------------------------------------------------------------------------- entry point
+def run(args) -> dict:
+    cfg = _settings(args)
+    target = current_target().name
+    results: list = []
+    ratios: dict = {}
+    notes: list = []
+    memcpy = memcpy_bandwidth_gbs()
+    baselines = {"memcpy GB/s (bytes copied)": memcpy, "memcpy traffic GB/s (read + write)": 2 * memcpy}
+    notes.append("GB/s counts traffic (bytes read + bytes written); see vtnumba.bench.kernels docstring")
+
+    _bench_host_norms(cfg, results, ratios, baselines)
+    _bench_host_matmul(cfg, results, ratios)
+
+    if target == "cuda":
+        from vtnumba.backend.default import default_backend
+
+        bench_device(cfg, default_backend(), results, ratios, baselines, notes)
+    elif target == "cudasim":
+        notes.append("cudasim: the CUDA kernels are tested, not timed, in the simulator; host references measured")
+
+    suite = schema.suite("kernels", target, 1, results, ratios, baselines, notes)
+    if getattr(args, "ptxas", False):
+        if shutil.which("ptxas"):
+            suite["kernel_resources"] = _ptxas_resources(suite["notes"])
+        else:
+            suite["notes"].append("--ptxas: no ptxas on PATH; resource report skipped")
+    return suite
+
+
+def main(argv=None) -> int:
+    """``python -m vtnumba.bench.kernels [--quick] [--json PATH]`` (the CLI wires the same run)."""
+    import json
+
+    parser = argparse.ArgumentParser(description="vtnumba kernel benchmarks")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sizes", nargs="*", type=int, default=None, help="square matmul sizes")
+    parser.add_argument("--json", default=None, help="write the result here")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    result = run(args)
+    text = json.dumps(result, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

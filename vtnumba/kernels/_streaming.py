@@ -1,0 +1,90 @@
+"""Non-temporal ("streaming") stores for the host loops: write big outputs without reading them first.
+
+A normal store to a line that is not in cache makes the CPU *read* the line first (a
+read-for-ownership) so it can merge the new bytes in.  For a fused norm over ``[8192, 4096]``
+float32 that nobody reads again soon, that means DRAM sees: read y, read residual, read
+new_residual (RFO), write new_residual, read out (RFO), write out -- six streams where four
+carry data.  Non-temporal stores (x86 ``movntps``/``vmovntps``, AArch64 ``stnp``) write whole
+lines through write-combining buffers with no read, which is how large memcpys run at full
+speed; with them the fused norm runs at memcpy speed instead of about two thirds of it.
+
+numba has no API for them, so :func:`_stream8` is a small ``@intrinsic``: one 32-byte vector
+store of 8 float32 tagged ``!nontemporal`` in the LLVM IR.  :func:`store_row` streams a
+scratch row into ``dst[r]``: scalar stores up to the first 32-byte boundary, 32-byte
+streaming stores, scalar stores for the tail.
+
+Two rules come with them:
+
+* **Ordering.**  Streaming stores are weakly ordered: other threads may see later ordinary
+  stores first.  :func:`store_fence` (LLVM ``fence seq_cst``, an ``mfence`` on x86) must run
+  before anything that publishes the result -- the host loops call it before returning, so
+  a queue's completion (an event, a flag) is never seen before the data.
+* **Only for outputs bigger than the cache.**  A small output that the next operation reads
+  would be found in cache; streaming it would push it out to DRAM.  Callers stream only
+  when the call writes at least :data:`STREAM_MIN_BYTES`.
+"""
+
+from __future__ import annotations
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# Stream only when a call writes more than a core's share of cache could hold (L2 is 1-2 MiB
+# per core on current x86 servers); below this the plain-store path is used.
+STREAM_MIN_BYTES = 8 << 20
+
+
+@intrinsic
+def _stream8(typingctx, dst, r, i, src):
+    """``dst[r, i:i+8] = src[i:i+8]`` as one non-temporal 32-byte store; ``&dst[r, i]`` must be
+    32-byte aligned (the caller guarantees it)."""
+    sig = types.void(dst, r, i, src)
+
+    def codegen(context, builder, signature, args):
+        dty, _, _, sty = signature.args
+        d = context.make_array(dty)(context, builder, args[0])
+        s = context.make_array(sty)(context, builder, args[3])
+        dptr = cgutils.get_item_pointer(context, builder, dty, d, [args[1], args[2]], wraparound=False)
+        sptr = cgutils.get_item_pointer(context, builder, sty, s, [args[2]], wraparound=False)
+        vec = ir.VectorType(ir.FloatType(), 8)
+        value = builder.load(builder.bitcast(sptr, vec.as_pointer()), align=4)  # scratch row: any alignment
+        store = builder.store(value, builder.bitcast(dptr, vec.as_pointer()), align=32)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def store_fence(typingctx):
+    """Order every earlier store (streaming ones included) before every later one."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(inline="always")
+def store_row(dst, r, src, stream):
+    """``dst[r, :] = src`` (float32); with ``stream`` through non-temporal stores."""
+    h = src.shape[0]
+    if not stream:
+        for i in range(h):
+            dst[r, i] = src[i]
+        return
+    addr = dst.ctypes.data + r * dst.strides[0]
+    head = min(h, ((32 - addr % 32) % 32) // 4)  # float32 arrays are 4-byte aligned
+    for i in range(head):
+        dst[r, i] = src[i]
+    i = head
+    while i + 8 <= h:
+        _stream8(dst, r, i, src)
+        i += 8
+    for k in range(i, h):
+        dst[r, k] = src[k]

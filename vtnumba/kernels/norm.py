@@ -1,0 +1,163 @@
+"""Fused residual add + RMSNorm / LayerNorm: one pass over memory, float32 accumulation.
+
+After every attention and MLP block a transformer adds the block's output (plus its bias)
+to the residual stream and normalises the sum.  Done with separate numpy operations that
+is five or six passes over ``[rows, H]`` arrays (add, add, square, mean, scale, scale);
+fused it is one: read ``y`` and ``residual``, write ``new_residual`` and ``out``::
+
+    z            = y + bias + residual          # the new residual stream
+    RMSNorm:   out = z * rsqrt(mean(z^2) + eps) * weight
+    LayerNorm: out = (z - mean(z)) * rsqrt(var(z) + eps) * weight + norm_bias
+
+``residual`` may be None (then ``z = y + bias``) and so may ``bias`` / ``norm_bias``.
+``new_residual`` may be the ``residual`` array itself (in-place update of the stream), and
+``out`` may be ``y``: each element is read before it is written, by the same thread.
+
+Two implementations with one contract, :func:`add_norm_rows_host` (the host reference, a
+``@numba.njit`` loop) and :func:`vtnumba.kernels.norm_cuda.launch_add_norm_rows` (one
+CUDA block per row, block reduction in shared memory -- see that module).  The public
+functions pick one from the array type (numpy -> host, device array -> CUDA).
+
+**Why njit for the host.**  A row of ``H`` floats fits in L1, so a loop that builds ``z``
+for one row in a scratch row, keeps the running sum in a register, then normalises the
+scratch row and writes both outputs touches DRAM once per input and output byte -- numpy
+cannot express that without full-size temporaries (five or six passes over memory).
+``fastmath`` lets LLVM reorder the float32 sums so they vectorise (SIMD lanes keep
+separate partial sums); ``nogil`` lets a threaded queue run it beside other work.  Large
+outputs are written with non-temporal stores (:mod:`vtnumba.kernels._streaming`), which
+skip the read-for-ownership a normal store to an uncached line costs.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from vtnumba.kernels._common import check_array, check_eps, common_kind, empty, run
+from vtnumba.kernels._streaming import STREAM_MIN_BYTES, store_fence, store_row
+
+_F32 = (np.float32,)
+
+
+# ---------------------------------------------------------------------------- host reference
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def _finish_row(z, o, partial, weight, norm_bias, has_norm_bias, eps, is_layer):
+    """Normalise the scratch row ``z`` into the scratch row ``o``, given pass 1's sum
+    (of ``z^2`` for RMSNorm, of ``z`` for LayerNorm); mirrors the CUDA ``normalize_row``."""
+    h = z.shape[0]
+    inv_h = np.float32(1.0) / np.float32(h)
+    if is_layer:
+        mean = partial * inv_h
+        sq = np.float32(0.0)
+        for i in range(h):  # var = mean((z - mean)^2): no cancellation when |mean| >> std
+            d = z[i] - mean
+            sq += d * d
+        inv = np.float32(1.0) / np.sqrt(sq * inv_h + eps)
+        if has_norm_bias:
+            for i in range(h):
+                o[i] = (z[i] - mean) * inv * weight[i] + norm_bias[i]
+        else:
+            for i in range(h):
+                o[i] = (z[i] - mean) * inv * weight[i]
+    else:
+        inv = np.float32(1.0) / np.sqrt(partial * inv_h + eps)
+        for i in range(h):
+            o[i] = z[i] * inv * weight[i]
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def _add_norm_rows(y, bias, has_bias, residual, has_residual, weight, norm_bias, has_norm_bias, eps, is_layer,
+                   out, new_residual, r0, r1, stream):
+    h = y.shape[1]
+    eps32 = np.float32(eps)
+    z = np.empty(h, np.float32)  # scratch rows: they stay in L1 between the passes
+    o = np.empty(h, np.float32)
+    for r in range(r0, r1):
+        s = np.float32(0.0)
+        # The flags are loop-invariant; LLVM unswitches the loop into branch-free copies.
+        for i in range(h):
+            v = y[r, i]
+            if has_bias:
+                v += bias[i]
+            if has_residual:
+                v += residual[r, i]
+            z[i] = v
+            s += v if is_layer else v * v
+        _finish_row(z, o, s, weight, norm_bias, has_norm_bias, eps32, is_layer)
+        # Inputs of row r are fully read before its outputs are written: in-place is safe.
+        store_row(new_residual, r, z, stream)
+        store_row(out, r, o, stream)
+    if stream:
+        store_fence()  # streaming stores visible before the caller reports completion
+
+
+def add_norm_rows_host(y, bias, residual, weight, norm_bias, eps, is_layer, out, new_residual, r0, r1) -> None:
+    """Host reference of the fused add + norm over rows ``[r0, r1)`` (same arguments as
+    :func:`vtnumba.kernels.norm_cuda.launch_add_norm_rows`, minus the stream)."""
+    # numba functions take no None: pass same-typed placeholders that the flags never read.
+    stream = 2 * (int(r1) - int(r0)) * y.shape[1] * 4 >= STREAM_MIN_BYTES
+    _add_norm_rows(y, weight if bias is None else bias, bias is not None,
+                   y if residual is None else residual, residual is not None,
+                   weight, weight if norm_bias is None else norm_bias, norm_bias is not None,
+                   float(eps), bool(is_layer), out, new_residual, int(r0), int(r1), stream)
+
+
+def _launch(y, bias, residual, weight, norm_bias, eps, is_layer, out, new_residual, r0, r1, stream):
+    from vtnumba.kernels.norm_cuda import launch_add_norm_rows
+
+    launch_add_norm_rows(y, bias, residual, weight, norm_bias, eps, is_layer, out, new_residual, r0, r1, stream)
+
+
+# ---------------------------------------------------------------------------- public API
+def _fused_add_norm(name, y, residual, weight, norm_bias, eps, bias, out, new_residual, is_layer, queue, backend):
+    kind = common_kind({"y": y, "residual": residual, "weight": weight, "bias": bias, "norm_bias": norm_bias,
+                        "out": out, "new_residual": new_residual})
+    check_array("y", y, ndim=2, dtypes=_F32)
+    rows, h = y.shape
+    if residual is not None:
+        check_array("residual", residual, ndim=2, dtypes=_F32, shape=(rows, h))
+    check_array("weight", weight, ndim=1, dtypes=_F32, shape=(h,))
+    if bias is not None:
+        check_array("bias", bias, ndim=1, dtypes=_F32, shape=(h,))
+    if norm_bias is not None:
+        check_array("norm_bias", norm_bias, ndim=1, dtypes=_F32, shape=(h,))
+    eps = check_eps(eps)
+    if out is None:
+        out = empty(kind, (rows, h), np.float32)
+    if new_residual is None:
+        new_residual = empty(kind, (rows, h), np.float32)
+    check_array("out", out, ndim=2, dtypes=_F32, shape=(rows, h))
+    check_array("new_residual", new_residual, ndim=2, dtypes=_F32, shape=(rows, h))
+    if out is new_residual:
+        raise ValueError("out and new_residual must be different arrays (z is re-read after out is written)")
+    args = (y, bias, residual, weight, norm_bias, eps, is_layer, out, new_residual, 0, rows)
+    run(kind, name, queue, backend,
+        host_fn=lambda: add_norm_rows_host(*args),
+        launch_fn=lambda stream: _launch(*args, stream),
+        bytes=(4 if residual is not None else 3) * rows * h * 4)
+    return out, new_residual
+
+
+def fused_add_rms_norm(y, residual, weight, eps, bias=None, out=None, new_residual=None, queue=None, backend=None):
+    """``z = y + bias + residual``; ``out = z * rsqrt(mean(z^2) + eps) * weight``.
+
+    ``y``, ``residual``, ``out``, ``new_residual``: float32 ``[rows, H]``; ``weight``, ``bias``:
+    float32 ``[H]``.  ``residual``/``bias`` may be None; ``out``/``new_residual`` are allocated
+    when None.  Returns ``(out, new_residual)``.
+    """
+    return _fused_add_norm("fused_add_rms_norm", y, residual, weight, None, eps, bias, out, new_residual, False,
+                           queue, backend)
+
+
+def fused_add_layer_norm(y, residual, weight, norm_bias, eps, bias=None, out=None, new_residual=None, queue=None,
+                         backend=None):
+    """``z = y + bias + residual``; ``out = (z - mean) * rsqrt(var + eps) * weight + norm_bias``.
+
+    Same arrays as :func:`fused_add_rms_norm` plus ``norm_bias [H]`` (may be None).
+    Returns ``(out, new_residual)``.
+    """
+    return _fused_add_norm("fused_add_layer_norm", y, residual, weight, norm_bias, eps, bias, out, new_residual,
+                           True, queue, backend)
+
+
+__all__ = ["fused_add_rms_norm", "fused_add_layer_norm", "add_norm_rows_host"]

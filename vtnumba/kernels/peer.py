@@ -1,0 +1,206 @@
+"""TPSP's exchange arithmetic: peer reduce fused with the norm, and the gather copy.
+
+In TPSP (seed: ``tpsp_cuda.py``) every rank computes a partial ``x @ W.T`` over its K
+shard and writes the rows of rank r's token shard into rank r's *inbox* (see
+:func:`vtnumba.kernels.linear_rows_to`).  Once the peers have signalled, rank r owns
+``tp`` partial copies of its ``R`` rows -- its own partial plus one inbox slot per peer --
+and finishes the layer in one pass::
+
+    z               = sum_k sources[k][rows] (+ bias) (+ residual[rows])   # reduce-scatter result + residual
+    new_residual    = z
+    out             = RMSNorm(z) or LayerNorm(z)
+
+then copies ``out`` into every rank's *gather slot* (the all-gather), :func:`gather_rows`.
+
+Fusing the sum into the norm saves a full write and re-read of the reduced rows: each
+source is read once, ``new_residual`` and ``out`` are written once.  ``rows=(start, stop)``
+restricts the work to a row range -- TPSP's microchunks, where chunk i+1's matmul overlaps
+chunk i's exchange; rows outside the range are not touched.
+
+Host reference: :func:`peer_reduce_norm_rows_host` (``@numba.njit``, row by row: the row
+being built stays in an L1 scratch row while each source is added, then it is normalised
+and written exactly as :mod:`vtnumba.kernels.norm` does).  CUDA: :mod:`vtnumba.kernels.peer_cuda`, whose docstring
+explains the fixed maximum of 8 source arguments per launch.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from vtnumba.kernels._common import check_array, check_eps, common_kind, run
+from vtnumba.kernels._streaming import STREAM_MIN_BYTES, store_fence, store_row
+from vtnumba.kernels.norm import _finish_row
+
+_F32 = (np.float32,)
+NORMS = ("rms", "layer")
+
+
+# ---------------------------------------------------------------------------- host reference
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def _reduce_add_norm_rows(sources, bias, has_bias, residual, has_residual, weight, norm_bias, has_norm_bias, eps,
+                          is_layer, out, new_residual, r0, r1, stream):
+    h = new_residual.shape[1]
+    eps32 = np.float32(eps)
+    z = np.empty(h, np.float32)  # scratch rows, L1-resident (see vtnumba.kernels.norm)
+    o = np.empty(h, np.float32)
+    s0 = sources[0]
+    for r in range(r0, r1):
+        # Build z: the first source with bias and residual, ...
+        for i in range(h):
+            v = s0[r, i]
+            if has_bias:
+                v += bias[i]
+            if has_residual:
+                v += residual[r, i]
+            z[i] = v
+        # ... then each further source (each read once from DRAM; z stays in L1).
+        for k in range(1, len(sources)):
+            src = sources[k]
+            for i in range(h):
+                z[i] += src[r, i]
+        s = np.float32(0.0)
+        for i in range(h):
+            s += z[i] if is_layer else z[i] * z[i]
+        _finish_row(z, o, s, weight, norm_bias, has_norm_bias, eps32, is_layer)
+        store_row(new_residual, r, z, stream)
+        store_row(out, r, o, stream)
+    if stream:
+        store_fence()
+
+
+def peer_reduce_norm_rows_host(sources, bias, residual, weight, norm_bias, eps, is_layer, out, new_residual,
+                               r0, r1) -> None:
+    """Host reference over rows ``[r0, r1)`` (same arguments as
+    :func:`vtnumba.kernels.peer_cuda.launch_peer_reduce_norm`, minus the stream)."""
+    if int(r1) <= int(r0):
+        return
+    # A tuple of same-typed arrays compiles to a homogeneous tuple numba can index in a loop.
+    stream = 2 * (int(r1) - int(r0)) * new_residual.shape[1] * 4 >= STREAM_MIN_BYTES
+    _reduce_add_norm_rows(tuple(sources), weight if bias is None else bias, bias is not None,
+                          new_residual if residual is None else residual, residual is not None,
+                          weight, weight if norm_bias is None else norm_bias, norm_bias is not None,
+                          float(eps), bool(is_layer), out, new_residual, int(r0), int(r1), stream)
+
+
+def gather_rows_host(src, dests, row_offset: int) -> None:
+    """``dest[row_offset : row_offset + n] = src`` for every destination (numpy copies)."""
+    n = src.shape[0]
+    for dest in dests:
+        np.copyto(dest[row_offset:row_offset + n], src)
+
+
+def _launch_reduce(*args):
+    from vtnumba.kernels.peer_cuda import launch_peer_reduce_norm
+
+    launch_peer_reduce_norm(*args)
+
+
+def _launch_gather(*args):
+    from vtnumba.kernels.peer_cuda import launch_gather_rows
+
+    launch_gather_rows(*args)
+
+
+# ---------------------------------------------------------------------------- validation
+def _check_rows(rows, nrows: int) -> tuple[int, int]:
+    if rows is None:
+        return 0, nrows
+    try:
+        start, stop = rows
+    except (TypeError, ValueError):
+        raise TypeError(f"rows={rows!r} must be None or a (start, stop) pair of ints") from None
+    for v in (start, stop):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"rows={rows!r} must be None or a (start, stop) pair of ints")
+    start, stop = int(start), int(stop)
+    if not 0 <= start <= stop <= nrows:
+        raise ValueError(f"rows=({start}, {stop}) is not a valid row range; expected 0 <= start <= stop <= {nrows}")
+    return start, stop
+
+
+def _check_list(name: str, value) -> list:
+    if not isinstance(value, (list, tuple)) or len(value) == 0:
+        raise TypeError(f"{name} must be a non-empty list of arrays, got "
+                        f"{type(value).__name__}{' (empty)' if isinstance(value, (list, tuple)) else ''}")
+    return list(value)
+
+
+# ---------------------------------------------------------------------------- public API
+def peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, out, new_residual, norm: str = "rms",
+                     rows=None, queue=None, backend=None):
+    """Sum the same rows of ``sources``, add ``bias`` and ``residual``, normalise; one pass.
+
+    ``sources``: list of ``tp`` float32 ``[R, H]`` arrays (own partial + peers' inbox
+    slots).  ``bias``, ``weight``, ``norm_bias``: float32 ``[H]`` (``bias``/``norm_bias`` may
+    be None; ``norm_bias`` only with ``norm="layer"``).  ``residual``: ``[R, H]`` or None.
+    ``out``, ``new_residual``: ``[R, H]``, written only in ``rows`` (default: all R rows);
+    ``new_residual`` may be ``residual`` (in-place update).  Returns ``(out, new_residual)``.
+    """
+    if norm not in NORMS:
+        raise ValueError(f"norm={norm!r} is not supported; expected 'rms' or 'layer'")
+    sources = _check_list("sources", sources)
+    arrays = {f"sources[{k}]": s for k, s in enumerate(sources)}
+    arrays.update(bias=bias, residual=residual, weight=weight, norm_bias=norm_bias, out=out,
+                  new_residual=new_residual)
+    kind = common_kind(arrays)
+    check_array("sources[0]", sources[0], ndim=2, dtypes=_F32)
+    R, h = sources[0].shape
+    for k, src in enumerate(sources[1:], start=1):
+        check_array(f"sources[{k}]", src, ndim=2, dtypes=_F32, shape=(R, h))
+    if residual is not None:
+        check_array("residual", residual, ndim=2, dtypes=_F32, shape=(R, h))
+    check_array("weight", weight, ndim=1, dtypes=_F32, shape=(h,))
+    if bias is not None:
+        check_array("bias", bias, ndim=1, dtypes=_F32, shape=(h,))
+    if norm_bias is not None:
+        if norm != "layer":
+            raise ValueError("norm_bias is only used by norm='layer'; pass None for norm='rms'")
+        check_array("norm_bias", norm_bias, ndim=1, dtypes=_F32, shape=(h,))
+    if out is None or new_residual is None:
+        raise ValueError("out and new_residual are required [R, H] float32 arrays (TPSP owns these buffers)")
+    check_array("out", out, ndim=2, dtypes=_F32, shape=(R, h))
+    check_array("new_residual", new_residual, ndim=2, dtypes=_F32, shape=(R, h))
+    if out is new_residual:
+        raise ValueError("out and new_residual must be different arrays (z is re-read after out is written)")
+    if any(out is s or new_residual is s for s in sources):
+        raise ValueError("out and new_residual must not be one of the sources")
+    eps = check_eps(eps)
+    r0, r1 = _check_rows(rows, R)
+    args = (sources, bias, residual, weight, norm_bias, eps, norm == "layer", out, new_residual, r0, r1)
+    run(kind, "peer_reduce_norm", queue, backend,
+        host_fn=lambda: peer_reduce_norm_rows_host(*args),
+        launch_fn=lambda stream: _launch_reduce(*args, stream),
+        sources=len(sources), rows=r1 - r0)
+    return out, new_residual
+
+
+def gather_rows(src, dests, row_offset: int = 0, queue=None, backend=None):
+    """Copy ``src [n, H]`` into rows ``[row_offset, row_offset + n)`` of every array in ``dests``.
+
+    The all-gather's copy: every rank's gather slot receives this rank's normalised rows.
+    ``dests``: list of float32 ``[T, H]`` arrays with ``row_offset + n <= T``; other rows are
+    not touched.  Returns ``dests``.
+    """
+    dests = _check_list("dests", dests)
+    kind = common_kind({"src": src, **{f"dests[{k}]": d for k, d in enumerate(dests)}})
+    check_array("src", src, ndim=2, dtypes=_F32)
+    n, h = src.shape
+    if isinstance(row_offset, bool) or not isinstance(row_offset, (int, np.integer)) or row_offset < 0:
+        raise ValueError(f"row_offset={row_offset!r} must be a non-negative int")
+    row_offset = int(row_offset)
+    for k, dest in enumerate(dests):
+        check_array(f"dests[{k}]", dest, ndim=2, dtypes=_F32, shape=(None, h))
+        if row_offset + n > dest.shape[0]:
+            raise ValueError(f"dests[{k}] has {dest.shape[0]} rows; rows [{row_offset}, {row_offset + n}) "
+                             f"do not fit (row_offset={row_offset}, src has {n} rows)")
+        if dest is src:
+            raise ValueError(f"dests[{k}] is src; the gather copies between different arrays")
+    run(kind, "gather_rows", queue, backend,
+        host_fn=lambda: gather_rows_host(src, dests, row_offset),
+        launch_fn=lambda stream: _launch_gather(src, dests, row_offset, stream),
+        bytes=n * h * 4 * (1 + len(dests)), dests=len(dests))
+    return dests
+
+
+__all__ = ["NORMS", "peer_reduce_norm", "gather_rows", "peer_reduce_norm_rows_host", "gather_rows_host"]
