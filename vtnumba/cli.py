@@ -22,6 +22,35 @@ def _add_target(p: argparse.ArgumentParser) -> None:
                    help="execution target (default: $VTNUMBA_TARGET or 'auto' = cuda if a GPU is usable, else cpu)")
 
 
+BENCH_HELP = {
+    "kernels": "fused host norm vs numpy, host matmul vs BLAS; on a GPU the matmul ladder vs cuBLAS",
+    "memory": "cached vs uncached allocation",
+    "ec": "encoder-cache save/load throughput vs memcpy",
+    "peer": "peer-buffer reduce-scatter / all-gather vs mpi4py collectives (mpiexec -n 2)",
+    "tpsp": "fused TPSP vs matmul alone and the unfused mpi4py forward (mpiexec -n 2)",
+    "model": "MiniLM encoder with TPSP vs the regular forward (and sentence-transformers if installed)",
+    "all": "every suite above, one JSON document",
+}
+
+
+def _add_bench_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", nargs="?", const="-", default=None,
+                   help="write the results as JSON to PATH (or stdout with no PATH)")
+    p.add_argument("--plot", metavar="DIR", default=None, help="write perf_report-style PNG plots into DIR")
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds, not minutes)")
+
+
+def add_suite_arguments(name: str, p: argparse.ArgumentParser) -> None:
+    """Let a benchmark suite add its own flags (its ``add_arguments(parser)``, if any).
+
+    Suite modules import nothing heavy at module level, so this is cheap."""
+    import importlib
+
+    add = getattr(importlib.import_module(f"vtnumba.bench.{name}"), "add_arguments", None)
+    if add is not None:
+        add(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vtnumba",
@@ -52,13 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON list of {text, embedding}")
     p.add_argument("texts", nargs="+", metavar="TEXT")
 
-    p = sub.add_parser("bench", help="benchmarks against stock baselines (numpy/BLAS, mpi4py, memcpy)")
-    _add_target(p)
-    p.add_argument("suite", choices=BENCH_SUITES + ("all",))
-    p.add_argument("--json", metavar="PATH", nargs="?", const="-", default=None,
-                   help="write the results as JSON to PATH (or stdout with no PATH)")
-    p.add_argument("--plot", metavar="DIR", default=None, help="write perf_report-style PNG plots into DIR")
-    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds, not minutes)")
+    p = sub.add_parser("bench", help="benchmarks against stock baselines (numpy/BLAS, mpi4py, memcpy)",
+                       description="Each suite measures vtnumba against its stock baseline in the same run. "
+                                   "Multi-rank suites (peer, tpsp, model) need mpiexec -n 2 or more.")
+    suites = p.add_subparsers(dest="suite", metavar="SUITE", required=True)
+    for name in BENCH_SUITES + ("all",):
+        sp = suites.add_parser(name, help=BENCH_HELP[name])
+        _add_target(sp)
+        _add_bench_common(sp)
+        if name != "all":
+            add_suite_arguments(name, sp)
 
     p = sub.add_parser("trace", help="run a command with VTNUMBA_TRACE set, then merge and draw the timeline",
                        usage="vtnumba trace [--out PREFIX] -- COMMAND ...")

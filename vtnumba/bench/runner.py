@@ -44,6 +44,24 @@ def _progress(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
+def suite_args(name: str, args):
+    """The namespace a suite's ``run`` gets: its own flags' defaults under the common flags.
+
+    ``vtnumba bench all`` parses only the common flags (--quick, --json, --plot); each
+    suite still sees every attribute its ``add_arguments`` defines."""
+    import argparse
+
+    from vtnumba.cli import add_suite_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_suite_arguments(name, parser)
+    ns = parser.parse_args([])
+    for key, value in vars(args).items():
+        if not hasattr(ns, key) or args.suite == name:
+            setattr(ns, key, value)
+    return ns
+
+
 def run_suite(name: str, args, comm) -> dict | None:
     """Run one suite on the ranks it needs; returns the result on rank 0 (None elsewhere)."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -57,7 +75,7 @@ def run_suite(name: str, args, comm) -> dict | None:
     t0 = time.perf_counter()
     result = None
     if name in MULTI_RANK or rank == 0:
-        result = module.run(args)
+        result = module.run(suite_args(name, args))
     comm.Barrier()
     if rank == 0 and result is not None:
         validate_suite(result)

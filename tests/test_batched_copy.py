@@ -1,0 +1,214 @@
+"""batched_copy: many (src, dst, nbytes) descriptors in one queued call, vs. its host reference."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from vtnumba.backend.cpu import CPUBackend
+from vtnumba.kernels.batched_copy import (
+    address_of,
+    batched_copy,
+    batched_copy_reference,
+    check_descriptors,
+    host_batched_copy,
+)
+
+POISON = 0xAB
+
+
+def _cuda_sim():
+    from vtnumba.backend.cuda import CUDABackend
+
+    be = CUDABackend()
+    if not be.simulator:  # these tests poke device memory from the host
+        pytest.skip("real GPU: see test_real_gpu_batched_copy_h2d_and_d2h")
+    return be
+
+
+BACKENDS = {
+    "cpu-sync": lambda: CPUBackend(),
+    "cpu-threaded": lambda: CPUBackend(threaded=True),
+    "cudasim": _cuda_sim,
+}
+
+
+@pytest.fixture(params=list(BACKENDS))
+def backend(request):
+    be = BACKENDS[request.param]()
+    yield be
+    be.close()
+
+
+def _host(buf):
+    from vtnumba.backend.cuda import sim_host_view
+
+    return sim_host_view(buf.array) if not isinstance(buf.array, np.ndarray) else buf.array
+
+
+def _random_descriptors(rng, n, src_size, dst_size):
+    """n copies with random sizes (some 0), into disjoint destination ranges."""
+    sizes = rng.integers(0, 97, size=n)
+    sizes[rng.random(n) < 0.1] = 0
+    # Disjoint destination ranges: a random permutation of slots of width 97, then a random gap.
+    slots = rng.permutation(dst_size // 97)[:n]
+    dst_off = slots * 97 + rng.integers(0, 97 - sizes + 1)
+    src_off = rng.integers(0, src_size - sizes + 1)
+    return src_off.astype(np.int64), dst_off.astype(np.int64), sizes.astype(np.int64)
+
+
+@pytest.mark.parametrize("n", [1, 7, 33, 65])
+def test_random_descriptors_into_poisoned_destination(backend, rng, n):
+    src = backend.alloc(4096)
+    dst = backend.alloc(97 * 80)
+    q = backend.create_queue("t")
+    _host(src)[:] = rng.integers(0, 256, 4096, dtype=np.uint8)
+    _host(dst)[:] = POISON
+    so, do, sz = _random_descriptors(rng, n, 4096, dst.nbytes)
+    src_ptrs = (src.ptr + so).astype(np.uint64)
+    dst_ptrs = (dst.ptr + do).astype(np.int64)  # int64 and uint64 both accepted
+    total = batched_copy(src_ptrs, dst_ptrs, sz, queue=q, backend=backend)
+    backend.synchronize(q)
+    assert total == int(sz.sum())
+
+    expect = np.full(dst.nbytes, POISON, np.uint8)
+    s = _host(src)
+    for a, b, k in zip(so, do, sz):
+        expect[b:b + k] = s[a:a + k]
+    np.testing.assert_array_equal(_host(dst), expect)
+
+    # The reference, same signature, into a fresh poisoned destination, agrees byte for byte.
+    ref = backend.alloc(dst.nbytes)
+    _host(ref)[:] = POISON
+    batched_copy_reference(src_ptrs, (ref.ptr + do).astype(np.uint64), sz, queue=q, backend=backend)
+    np.testing.assert_array_equal(_host(ref), _host(dst))
+    backend.destroy_queue(q)
+
+
+def test_no_queue_means_done_on_return(rng):
+    be = CPUBackend(threaded=True)
+    a = rng.integers(0, 256, 1000, dtype=np.uint8)
+    b = np.zeros(1000, np.uint8)
+    batched_copy([a.ctypes.data], [b.ctypes.data], [1000], backend=be)
+    np.testing.assert_array_equal(a, b)
+    be.close()
+
+
+def test_runs_in_queue_order_on_threaded_queues(rng):
+    """The copy waits behind earlier work on its queue and is visible after synchronize."""
+    be = CPUBackend(threaded=True)
+    q = be.create_queue("gated")
+    gate = threading.Event()
+    be.launch_host_func(q, lambda: gate.wait(10))
+    a = rng.integers(1, 256, 4096, dtype=np.uint8)
+    b = np.zeros(4096, np.uint8)
+    done = be.create_event()
+    batched_copy(np.array([a.ctypes.data], np.uint64), np.array([b.ctypes.data], np.uint64),
+                 np.array([4096], np.uint64), queue=q, backend=be)
+    be.record_event(done, q)
+    assert not be.query_event(done)
+    assert not b.any(), "the copy ran before the work queued ahead of it"
+    gate.set()
+    be.synchronize(q)
+    np.testing.assert_array_equal(a, b)
+    be.close()
+
+
+def test_empty_batch_and_zero_sizes_are_noops(backend):
+    q = backend.create_queue()
+    assert batched_copy(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64), q, backend) == 0
+    # A null address is fine when its size is 0.
+    assert batched_copy([0], [0], [0], q, backend) == 0
+    backend.destroy_queue(q)
+
+
+def test_overlapping_source_and_destination_within_one_descriptor(rng):
+    a = rng.integers(0, 256, 100, dtype=np.uint8)
+    expect = a.copy()
+    expect[10:60] = a[0:50]
+    batched_copy([a.ctypes.data], [a.ctypes.data + 10], [50], backend=CPUBackend())
+    np.testing.assert_array_equal(a, expect)  # memmove semantics
+
+
+@pytest.mark.parametrize("bad, exc, words", [
+    (dict(sizes=np.array([4, -1])), ValueError, ["sizes[1]=-1", "negative"]),
+    (dict(sizes=np.array([4])), ValueError, ["differ in length", "len(sizes)=1"]),
+    (dict(src_ptrs=np.array([1.0, 2.0])), TypeError, ["src_ptrs", "integer", "float64"]),
+    (dict(dst_ptrs=np.zeros((2, 1), np.uint64) + 8), ValueError, ["dst_ptrs", "1-D"]),
+    (dict(dst_ptrs=np.array([8, 0], np.uint64)), ValueError, ["dst_ptrs[1]", "null address", "sizes[1]=4"]),
+    (dict(src_ptrs=np.array([True, True])), TypeError, ["src_ptrs", "bool"]),
+])
+def test_bad_descriptors_are_refused(bad, exc, words):
+    args = dict(src_ptrs=np.array([8, 16], np.uint64), dst_ptrs=np.array([8, 16], np.uint64),
+                sizes=np.array([4, 4], np.int64))
+    args.update(bad)
+    with pytest.raises(exc) as ei:
+        check_descriptors(args["src_ptrs"], args["dst_ptrs"], args["sizes"])
+    for w in words:
+        assert w in str(ei.value)
+    with pytest.raises(exc):  # batched_copy validates before touching anything
+        batched_copy(args["src_ptrs"], args["dst_ptrs"], args["sizes"], backend=CPUBackend())
+
+
+def test_bad_arguments():
+    be = CPUBackend()
+    with pytest.raises(ValueError, match="src_access_order='sideways'"):
+        batched_copy([8], [8], [0], backend=be, src_access_order="sideways")
+    with pytest.raises(TypeError, match="backend must be a Backend"):
+        batched_copy([8], [8], [0], backend="cpu")
+    with pytest.raises(TypeError, match="q must be a Queue"):
+        batched_copy([8], [8], [1], queue="q0", backend=be)
+
+
+def test_high_bit_addresses_survive_as_uint64():
+    """Device addresses can have the high bit set: int64 input is reinterpreted, not converted."""
+    ptrs = np.array([-8], dtype=np.int64)
+    src, _, _ = check_descriptors(ptrs, ptrs, np.array([0]))
+    assert src.dtype == np.uint64 and int(src[0]) == 2**64 - 8
+
+
+def test_address_of(rng):
+    be = CPUBackend()
+    buf = be.alloc(64)
+    assert address_of(buf) == buf.ptr
+    a = rng.standard_normal(8)
+    assert address_of(a) == a.ctypes.data
+    with pytest.raises(ValueError, match="C-contiguous"):
+        address_of(a[::2])
+    with pytest.raises(TypeError, match="cannot take the address"):
+        address_of([1, 2])
+    sim = _cuda_sim()
+    sbuf = sim.alloc(64)
+    assert address_of(sbuf.view(np.float32, (16,))) == sbuf.ptr
+
+
+def test_host_loop_matches_ctypes_reference(rng):
+    src = rng.integers(0, 256, 5000, dtype=np.uint8)
+    d1 = np.full(5000, POISON, np.uint8)
+    d2 = d1.copy()
+    so, do, sz = _random_descriptors(rng, 40, 5000, 5000)
+    s = (src.ctypes.data + so).astype(np.uint64)
+    host_batched_copy(s, (d1.ctypes.data + do).astype(np.uint64), sz.astype(np.uint64))
+    batched_copy_reference(s, (d2.ctypes.data + do).astype(np.uint64), sz, backend=CPUBackend())
+    np.testing.assert_array_equal(d1, d2)
+    assert (d1 != POISON).any()
+
+
+@pytest.mark.cuda
+def test_real_gpu_batched_copy_h2d_and_d2h(rng):  # pragma: no cover - needs a GPU
+    from vtnumba.backend.cuda import CUDABackend
+
+    be = CUDABackend()
+    q = be.create_queue()
+    host = be.alloc_pinned(4096)
+    host.array[:] = rng.integers(0, 256, 4096, dtype=np.uint8)
+    dev = be.alloc(4096)
+    back = be.alloc_pinned(4096)
+    back.array[:] = POISON
+    so = np.array([0, 1000, 3000], np.int64)
+    sz = np.array([1000, 2000, 1096], np.int64)
+    batched_copy((host.ptr + so).astype(np.uint64), (dev.ptr + so).astype(np.uint64), sz, q, be,
+                 src_access_order="any")
+    batched_copy((dev.ptr + so).astype(np.uint64), (back.ptr + so).astype(np.uint64), sz, q, be)
+    be.synchronize(q)
+    np.testing.assert_array_equal(back.array, host.array)

@@ -1,0 +1,173 @@
+"""ECSharedRegion: the /dev/shm file both sides map -- layout, lifecycle, validation."""
+
+import os
+import stat
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from vtnumba.ec import ECRegionConfig, ECRegionError, create_ec_shared_region, region_path
+from vtnumba.ec.region import HEADER_BYTES
+
+
+def _ec_files():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("vtnumba_ec_")}
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_files():
+    before = _ec_files()
+    yield
+    assert _ec_files() == before, "a test left a region file in /dev/shm"
+
+
+@pytest.fixture
+def engine(request):
+    return f"t{os.getpid()}_{abs(hash(request.node.nodeid)) % 10**8}"
+
+
+def test_create_layout_mode_and_cleanup(engine):
+    cfg = ECRegionConfig(engine_id=engine, hidden_size=24, dtype="float16", region_bytes=10_000, create=True)
+    region = create_ec_shared_region(cfg)
+    path = region_path(engine)
+    assert region.path == path == f"/dev/shm/vtnumba_ec_{engine}.mmap"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert region.block_size_bytes == 48
+    assert region.num_blocks == 10_000 // 48
+    assert region.blocks.shape == (208, 48) and region.blocks.dtype == np.int8
+    assert os.path.getsize(path) == HEADER_BYTES + 208 * 48
+    assert region.base_ptr % 4096 == 0  # the blocks start page-aligned
+    assert region.is_creator
+    region.cleanup()
+    assert not os.path.exists(path) and region.closed
+    region.cleanup()  # twice is harmless
+
+
+def test_opener_sees_creator_writes_and_only_creator_unlinks(engine, rng):
+    with create_ec_shared_region(engine_id=engine, hidden_size=8, dtype="float32", region_bytes=4096,
+                                 create=True) as creator:
+        opener = create_ec_shared_region(engine_id=engine, hidden_size=8, dtype=np.float32)  # adopts the size
+        assert opener.num_blocks == creator.num_blocks == 128 and not opener.is_creator
+        data = rng.integers(-128, 127, size=(3, 32), dtype=np.int8)
+        creator.blocks[5:8] = data
+        np.testing.assert_array_equal(opener.blocks[5:8], data)  # same physical pages
+        opener.blocks[100] = 7
+        assert (creator.blocks[100] == 7).all()
+        opener.cleanup()
+        assert os.path.exists(creator.path), "an opener must not unlink the creator's file"
+    assert not os.path.exists(region_path(engine))
+
+
+def test_early_unlink_keeps_the_mappings(engine):
+    creator = create_ec_shared_region(engine_id=engine, hidden_size=4, dtype="float32", region_bytes=1024,
+                                      create=True)
+    opener = create_ec_shared_region(engine_id=engine, hidden_size=4, dtype="float32")
+    assert creator.unlink() and not os.path.exists(creator.path)
+    assert not creator.unlink()  # idempotent
+    assert not opener.unlink()  # only the creator unlinks
+    creator.blocks[3] = 42
+    assert (opener.blocks[3] == 42).all()
+    opener.cleanup()
+    creator.cleanup()
+
+
+def test_second_creator_is_refused(engine):
+    with create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=1024, create=True):
+        with pytest.raises(ECRegionError, match=f"engine_id='{engine}'.*already exists"):
+            create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=1024, create=True)
+
+
+def test_region_smaller_than_one_block(engine):
+    with pytest.raises(ValueError, match=r"region_bytes=100 is smaller than one block.*256 bytes"):
+        create_ec_shared_region(engine_id=engine, hidden_size=64, dtype="float32", region_bytes=100, create=True)
+    assert not os.path.exists(region_path(engine))
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(hidden_size=16, dtype="float32"), ["hidden_size=16", "hidden_size=8"]),
+    (dict(hidden_size=8, dtype="float16"), ["dtype=float16", "dtype=float32"]),
+    (dict(hidden_size=8, dtype="float32", region_bytes=999_999), ["region_bytes=999999", "producer's region"]),
+])
+def test_consumer_config_mismatch(engine, kwargs, words):
+    with create_ec_shared_region(engine_id=engine, hidden_size=8, dtype="float32", region_bytes=4096,
+                                 create=True):
+        with pytest.raises(ValueError) as ei:
+            create_ec_shared_region(engine_id=engine, **kwargs)
+        for w in words:
+            assert w in str(ei.value)
+
+
+def test_opener_of_a_missing_region(engine):
+    with pytest.raises(ECRegionError, match="does not exist.*create=True"):
+        create_ec_shared_region(engine_id=engine, hidden_size=4)
+
+
+def test_opener_waits_for_the_creator(engine):
+    box = {}
+
+    def create_later():
+        time.sleep(0.2)
+        box["r"] = create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=2048, create=True)
+
+    t = threading.Thread(target=create_later)
+    t.start()
+    opener = create_ec_shared_region(engine_id=engine, hidden_size=4, open_timeout_s=10)
+    t.join()
+    assert opener.num_blocks == box["r"].num_blocks == 128
+    opener.cleanup()
+    box["r"].cleanup()
+
+
+def test_pin_memory_is_a_reported_noop_off_gpu(engine):
+    from vtnumba.backend.cpu import CPUBackend
+
+    with create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=1024, create=True) as r:
+        assert r.pin_memory(CPUBackend()) is False
+        assert "no-op" in r.pin_status and not r.is_pinned
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(engine_id="a/b", hidden_size=4), ValueError, ["engine_id='a/b'"]),
+    (dict(engine_id="ok", hidden_size=0), ValueError, ["hidden_size=0"]),
+    (dict(engine_id="ok", hidden_size=4, dtype="bfloat16"), TypeError, ["bfloat16"]),
+    (dict(engine_id="ok", hidden_size=4, dtype="nonsense"), TypeError, ["nonsense"]),
+    (dict(engine_id="ok", hidden_size=4, create=True), ValueError, ["region_bytes=None", "creator"]),
+    (dict(engine_id="ok", hidden_size=4, region_bytes=-1), ValueError, ["region_bytes=-1"]),
+])
+def test_bad_config(kwargs, exc, words):
+    with pytest.raises(exc) as ei:
+        ECRegionConfig(**kwargs)
+    for w in words:
+        assert w in str(ei.value)
+
+
+def test_check_block_ids(engine):
+    with create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=16 * 10, create=True) as r:
+        np.testing.assert_array_equal(r.check_block_ids([0, 9]), [0, 9])
+        with pytest.raises(ValueError, match="block id 10, outside the region's 0..9"):
+            r.check_block_ids([3, 10], "saves['h']")
+        with pytest.raises(ValueError, match="block id -1"):
+            r.check_block_ids([-1])
+        with pytest.raises(TypeError, match="int block ids"):
+            r.check_block_ids(["x"])
+
+
+def test_use_after_cleanup(engine):
+    r = create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=1024, create=True)
+    r.cleanup()
+    with pytest.raises(RuntimeError, match="cleaned up"):
+        _ = r.base_ptr
+    with pytest.raises(RuntimeError, match="after cleanup"):
+        r.pin_memory()
+
+
+def test_cleanup_with_a_live_view_does_not_crash(engine):
+    r = create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=1024, create=True)
+    view = r.blocks[2]
+    view[:] = 5
+    with pytest.warns(ResourceWarning, match="still alive"):
+        r.cleanup()
+    assert not os.path.exists(r.path)
+    assert (view == 5).all()  # the mapping lives on with the view, nothing dangles

@@ -1,0 +1,133 @@
+"""ECScheduler and the per-step metadata: saves -> ready, loads -> exactly-once release."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+from vtnumba.ec import ECConnectorMetadata, ECScheduler, ECWorkerMetadata
+
+
+def test_producer_allocates_one_block_per_row_and_marks_ready_on_completion():
+    s = ECScheduler("producer", 10)
+    ids = s.request_save("img", 4)
+    assert list(ids) == [0, 1, 2, 3]
+    assert s.request_save("img", 4) is None  # already has an entry (save in flight)
+    meta = s.build_connector_meta()
+    assert list(meta.saves["img"]) == [0, 1, 2, 3] and meta.loads == {}
+    assert not s.build_connector_meta()  # handed out once
+    assert not s.has_cache_item("img") and s.has_pending_work()
+    up = s.update_connector_output(ECWorkerMetadata(completed_saves=["img"]))
+    assert up.ready == ["img"] and s.has_cache_item("img") and not s.has_pending_work()
+    # A replayed report is stale, not an error.
+    assert s.update_connector_output(ECWorkerMetadata(completed_saves=["img"])).ready == []
+    assert s.stats["stale_reports"] == 1
+
+
+def test_producer_without_room_schedules_nothing():
+    s = ECScheduler("producer", 4)
+    s.request_save("a", 3)
+    assert s.request_save("b", 2) is None  # a is not ready: cannot be evicted
+    assert s.stats["saves_without_room"] == 1
+    assert list(s.build_connector_meta().saves) == ["a"]
+
+
+def test_consumer_release_needs_every_rank_exactly_once():
+    s = ECScheduler("consumer", 8, expected_load_reports=2)
+    t1 = s.request_load("img", [4, 5])
+    assert s.request_load("img", [4, 5]) is None  # one load per hash per step
+    meta = s.build_connector_meta()
+    tid, ids = meta.loads["img"]
+    assert tid == t1 and list(ids) == [4, 5]
+    assert s.update_connector_output(ECWorkerMetadata(completed_loads=[t1])).released == []  # 1 of 2
+    assert s.outstanding_loads() == {t1: ("img", 1)}
+    assert s.update_connector_output(ECWorkerMetadata(completed_loads=[t1])).released == ["img"]
+    # A replay (a third report, or a late duplicate) must not release again.
+    assert s.update_connector_output(ECWorkerMetadata(completed_loads=[t1])).released == []
+    assert s.stats["stale_reports"] == 1 and s.stats["loads_completed"] == 1
+    t2 = s.request_load("img", [4, 5])
+    assert t2 != t1, "every dispatch gets a fresh transfer id"
+
+
+def test_aggregated_reports_from_two_ranks_in_one_update():
+    s = ECScheduler("consumer", 8, expected_load_reports=2)
+    t = s.request_load("x", [1])
+    s.build_connector_meta()
+    agg = ECWorkerMetadata.aggregate_all([ECWorkerMetadata(completed_loads=[t]), None,
+                                          ECWorkerMetadata(completed_loads=[t])])
+    assert agg.completed_loads == [t, t]
+    assert s.update_connector_output(agg).released == ["x"]
+    assert ECWorkerMetadata.aggregate_all([None, None]) is None
+
+
+def test_role_both_pins_and_unpins_its_own_cache():
+    s = ECScheduler("both", 6, expected_load_reports=1)
+    s.request_save("a", 3)
+    assert s.request_load("a") is None  # not ready yet
+    s.build_connector_meta()
+    s.update_connector_output(ECWorkerMetadata(completed_saves=["a"]))
+    t = s.request_load("a")
+    assert s.cache.lookup("a").pinned
+    assert s.request_save("b", 6) is None  # a is pinned: no room even with eviction
+    meta = s.build_connector_meta()
+    assert list(meta.loads["a"][1]) == [0, 1, 2]
+    up = s.update_connector_output(ECWorkerMetadata(completed_loads=[t, t]))  # duplicate in one report
+    assert up.released == ["a"] and not s.cache.lookup("a").pinned
+    assert s.request_save("b", 6) is not None  # now a can be evicted
+    with pytest.raises(ValueError, match="without block_ids"):
+        s.request_load("b", [0])
+
+
+def test_producer_serves_remote_reads():
+    s = ECScheduler("producer", 4)
+    s.request_save("a", 2)
+    s.build_connector_meta()
+    assert s.grant_read("a") is None  # not ready
+    s.update_connector_output(ECWorkerMetadata(completed_saves=["a"]))
+    ids = s.grant_read("a")
+    assert list(ids) == [0, 1] and s.cache.lookup("a").pinned
+    s.release_read("a")
+    assert not s.cache.lookup("a").pinned
+    with pytest.raises(KeyError, match="mm_hash 'ghost'"):
+        s.release_read("ghost")
+    assert (s.stats["reads_granted"], s.stats["reads_refused"]) == (1, 1)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="role='encoder'"):
+        ECScheduler("encoder", 4)
+    with pytest.raises(ValueError, match="expected_load_reports=0"):
+        ECScheduler("consumer", 4, expected_load_reports=0)
+    c = ECScheduler("consumer", 4)
+    with pytest.raises(ValueError, match="block id 4 is outside the region's 0..3"):
+        c.request_load("h", [2, 4])
+    with pytest.raises(ValueError, match="needs the block_ids"):
+        c.request_load("h")
+    with pytest.raises(RuntimeError, match="request_save needs a producer.*role='consumer'"):
+        c.request_save("h", 1)
+    p = ECScheduler("producer", 4)
+    with pytest.raises(RuntimeError, match="request_load needs a consumer"):
+        p.request_load("h", [0])
+    with pytest.raises(ValueError, match="can never fit"):
+        p.request_save("h", 5)
+    with pytest.raises(TypeError, match="ECWorkerMetadata or None"):
+        p.update_connector_output({"completed_saves": []})
+
+
+def test_metadata_validation_and_pickling():
+    m = ECConnectorMetadata(saves={"a": np.arange(3)}, loads={"b": (np.int64(7), [1, 2])})
+    assert m.loads["b"][0] == 7 and type(m.loads["b"][0]) is int
+    m2 = pickle.loads(pickle.dumps(m))
+    assert list(m2.saves["a"]) == [0, 1, 2] and m2.loads["b"] == (7, [1, 2])
+    with pytest.raises(TypeError, match="transfer_id"):
+        ECConnectorMetadata(loads={"b": ("7", [1])})
+    with pytest.raises(TypeError, match="pair"):
+        ECConnectorMetadata(loads={"b": [1, 2, 3]})
+    with pytest.raises(TypeError, match="mm_hash str"):
+        ECConnectorMetadata(saves={3: [1]})
+    with pytest.raises(TypeError, match="integer array"):
+        ECConnectorMetadata(saves={"a": np.zeros(2)})
+    w = ECWorkerMetadata(["a"], [1]).aggregate(ECWorkerMetadata(["b"], [2]))
+    assert w.completed_saves == ["a", "b"] and w.completed_loads == [1, 2]
+    with pytest.raises(TypeError, match="cannot aggregate"):
+        w.aggregate("x")

@@ -1,0 +1,472 @@
+"""ECWorker: the seed's save/load cases, completion ordering, pools, and load-buffer lifetime."""
+
+import gc
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import vtnumba.ec.worker as worker_mod
+from vtnumba.backend.cpu import CPUBackend
+from vtnumba.ec import (
+    ECConnectorMetadata,
+    ECScheduler,
+    ECWorker,
+    coalesce_runs,
+    create_ec_shared_region,
+)
+
+SENTINEL = -77  # int8 poison in every block before a test
+
+
+def _cuda_sim():
+    from vtnumba.backend.cuda import CUDABackend
+
+    return CUDABackend()
+
+
+# "sim-or-gpu": numba's simulator in the test suite, a real GPU under VTNUMBA_TARGET=cuda.
+BACKENDS = {"cpu-sync": lambda: CPUBackend(), "cpu-threaded": lambda: CPUBackend(threaded=True),
+            "sim-or-gpu": _cuda_sim}
+
+
+def _ec_files():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("vtnumba_ec_")}
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_files():
+    before = _ec_files()
+    yield
+    assert _ec_files() == before, "a test left a region file in /dev/shm"
+
+
+@pytest.fixture(params=list(BACKENDS))
+def backend(request):
+    be = BACKENDS[request.param]()
+    yield be
+    be.close()
+
+
+@pytest.fixture
+def threaded():
+    be = CPUBackend(threaded=True)
+    yield be
+    be.close()
+
+
+class Env:
+    """A region poisoned with SENTINEL, a worker on it, and helpers to make device outputs."""
+
+    def __init__(self, backend, name, hidden=8, dtype=np.float32, blocks=32, **worker_kw):
+        self.backend, self.hidden, self.dtype = backend, hidden, np.dtype(dtype)
+        self.region = create_ec_shared_region(engine_id=name, hidden_size=hidden, dtype=dtype,
+                                              region_bytes=blocks * hidden * self.dtype.itemsize, create=True)
+        self.region.blocks[:] = SENTINEL
+        self.worker = ECWorker(self.region, backend=backend, **worker_kw)
+        self._keep = []
+
+    @property
+    def bs(self):
+        return self.region.block_size_bytes
+
+    def device(self, host):
+        buf = self.backend.alloc(host.nbytes)
+        self.backend.copy(self.worker.compute_queue, buf, np.ascontiguousarray(host), host.nbytes)
+        self._keep.append(buf)
+        return buf.view(host.dtype, host.shape)
+
+    def close(self):
+        try:
+            self.worker.shutdown()
+        finally:
+            self.region.cleanup()
+
+
+@pytest.fixture
+def env_factory(request):
+    envs = []
+
+    def make(backend, **kw):
+        name = f"w{os.getpid()}_{abs(hash(request.node.nodeid)) % 10**8}_{len(envs)}"
+        envs.append(Env(backend, name, **kw))
+        return envs[-1]
+
+    yield make
+    for e in envs:
+        e.close()
+
+
+def host_of(arr):
+    if isinstance(arr, np.ndarray):
+        return arr
+    if hasattr(arr, "_ary"):  # the simulator's device array wraps host memory
+        from vtnumba.backend.cuda import sim_host_view
+
+        return sim_host_view(arr)
+    return arr.copy_to_host()  # a real GPU
+
+
+def complete(worker, timeout=10.0):
+    """Poll like an engine loop until a report arrives."""
+    deadline = time.monotonic() + timeout
+    while True:
+        meta = worker.build_connector_worker_meta()
+        if meta is not None:
+            return meta
+        assert time.monotonic() < deadline, "no completion report"
+        time.sleep(0.001)
+
+
+def save(env, outputs: dict, saves: dict):
+    enc = {h: env.device(v) for h, v in outputs.items()}
+    meta = ECConnectorMetadata(saves=saves)
+    for h in saves:
+        env.worker.save_caches(enc, h, meta)
+    env.worker.flush_saves()
+    return meta
+
+
+def as_bytes(a):
+    return np.ascontiguousarray(a).reshape(-1).view(np.int8)
+
+
+# ------------------------------------------------------------------------------ the seed's cases
+def test_exact_fit_save_leaves_everything_else_untouched(backend, env_factory, rng):
+    env = env_factory(backend)
+    out = rng.standard_normal((3, env.hidden)).astype(np.float32)
+    save(env, {"h": out}, {"h": [5, 6, 7]})
+    assert complete(env.worker).completed_saves == ["h"]
+    np.testing.assert_array_equal(env.region.blocks[5:8].reshape(-1), as_bytes(out))
+    assert (env.region.blocks[:5] == SENTINEL).all() and (env.region.blocks[8:] == SENTINEL).all()
+
+
+def test_partial_last_block_is_trimmed(backend, env_factory, rng):
+    env = env_factory(backend)
+    out = rng.standard_normal((5, env.hidden // 2)).astype(np.float32)  # 2.5 blocks of bytes
+    save(env, {"h": out}, {"h": [10, 11, 12]})
+    complete(env.worker)
+    flat = env.region.blocks[10:13].reshape(-1)
+    n = out.nbytes
+    np.testing.assert_array_equal(flat[:n], as_bytes(out))
+    assert (flat[n:] == SENTINEL).all(), "bytes after the output's end were written"
+    assert (env.region.blocks[13] == SENTINEL).all()
+
+
+def test_blocks_the_output_never_reaches_get_no_descriptor(backend, env_factory, rng):
+    env = env_factory(backend)
+    out = rng.standard_normal((2, env.hidden)).astype(np.float32)
+    save(env, {"h": out}, {"h": [0, 1, 5, 6, 9]})  # sized by placeholders: 5 blocks for 2 rows
+    complete(env.worker)
+    np.testing.assert_array_equal(env.region.blocks[0:2].reshape(-1), as_bytes(out))
+    assert (env.region.blocks[2:] == SENTINEL).all()
+    assert env.worker.stats["save"]["descriptors"] == 1, "unused blocks must not get descriptors"
+
+
+def test_only_tp_rank_zero_saves(backend, env_factory, rng):
+    env = env_factory(backend, tp_rank=1)
+    save(env, {"h": rng.standard_normal((2, env.hidden)).astype(np.float32)}, {"h": [0, 1]})
+    assert env.worker.inflight() == (0, 0)
+    assert env.worker.build_connector_worker_meta() is None
+    assert (env.region.blocks == SENTINEL).all()
+
+
+def test_oversize_output_raises_the_seeds_assertion(backend, env_factory, rng):
+    env = env_factory(backend)
+    out = rng.standard_normal((3, env.hidden)).astype(np.float32)
+    with pytest.raises(AssertionError, match=r"EC: encoder output exceeds allocated blocks for mm_hash=h: "
+                                             r"96 bytes but only 64 allocated \(2 blocks × 32\)\. shape=\[3, 8\]"):
+        save(env, {"h": out}, {"h": [0, 1]})
+    assert (env.region.blocks == SENTINEL).all()
+
+
+def test_several_hashes_one_batched_copy(backend, env_factory, rng):
+    env = env_factory(backend)
+    outs = {h: rng.standard_normal((r, env.hidden)).astype(np.float32) for h, r in (("a", 2), ("b", 3), ("c", 1))}
+    calls = []
+    real = worker_mod.batched_copy
+
+    def spy(*args, **kw):
+        calls.append(len(args[2]))
+        return real(*args, **kw)
+
+    worker_mod.batched_copy = spy
+    try:
+        save(env, outs, {"a": [3, 4], "b": [9, 10, 11], "c": [5]})
+    finally:
+        worker_mod.batched_copy = real
+    assert calls == [3], "expected ONE batched copy with one descriptor per run"
+    assert complete(env.worker).completed_saves == ["a", "b", "c"]
+    assert env.worker.stats["save"]["transfers"] == 1
+    for h, ids in (("a", [3, 4]), ("b", [9, 10, 11]), ("c", [5])):
+        np.testing.assert_array_equal(env.region.blocks[ids].reshape(-1), as_bytes(outs[h]))
+
+
+def test_loads_have_the_right_shape_dtype_and_bytes_on_every_rank(backend, env_factory, rng):
+    env = env_factory(backend, dtype=np.float16, hidden=16)
+    data = {h: rng.standard_normal((r, 16)).astype(np.float16) for h, r in (("x", 4), ("y", 1), ("z", 3))}
+    ids = {"x": [7, 8, 9, 10], "y": [2], "z": [20, 21, 22]}
+    for h, b in ids.items():
+        env.region.blocks[b] = data[h].view(np.int8).reshape(len(b), -1)
+    second = ECWorker(env.region, backend=backend, tp_rank=1)  # another TP rank on the same region
+    try:
+        meta = ECConnectorMetadata(loads={h: (i, b) for i, (h, b) in enumerate(ids.items())})
+        caches = [{}, {}]
+        for w, cache in zip((env.worker, second), caches):
+            w.start_load_caches(cache, meta)
+            assert sorted(complete(w).completed_loads) == [0, 1, 2]
+        for cache in caches:
+            for h, arr in data.items():
+                got = cache[h]
+                assert got.shape == (len(ids[h]), 16) and got.dtype == np.float16
+                np.testing.assert_array_equal(host_of(got).view(np.int16), arr.view(np.int16))
+    finally:
+        second.shutdown()
+
+
+def test_round_trip_through_the_scheduler(backend, env_factory, rng):
+    env = env_factory(backend, blocks=24)
+    sched = ECScheduler("both", env.region.num_blocks)
+    data = {f"h{i}": rng.standard_normal((int(r), env.hidden)).astype(np.float32)
+            for i, r in enumerate(rng.integers(3, 7, size=10))}
+    loaded = {}
+    for h, arr in data.items():
+        assert sched.request_save(h, arr.shape[0]) is not None
+        meta = sched.build_connector_meta()
+        enc = {h: env.device(arr)}
+        env.worker.save_caches(enc, h, meta)
+        env.worker.flush_saves()
+        assert sched.update_connector_output(complete(env.worker)).ready == [h]
+        tid = sched.request_load(h)
+        cache = {}
+        env.worker.start_load_caches(cache, sched.build_connector_meta())
+        assert sched.update_connector_output(complete(env.worker)).released == [h]
+        assert tid is not None
+        loaded[h] = host_of(cache[h]).copy()
+    for h, arr in data.items():  # including entries whose blocks were later evicted and reused
+        np.testing.assert_array_equal(loaded[h], arr)
+    assert sched.cache.stats.evictions > 0
+
+
+def test_descriptor_buffers_are_reused(backend, env_factory, rng):
+    env = env_factory(backend)
+    out = rng.standard_normal((2, env.hidden)).astype(np.float32)
+    for step in range(5):
+        save(env, {"h": out}, {"h": [2 * step, 2 * step + 1]})
+        complete(env.worker)
+    pool = env.worker._buf_pool
+    assert pool.allocations == 1 and pool.reuses == 4
+    assert len(env.worker._all_queues) == 1, "the copy queue should be recycled too"
+
+
+def test_shutdown_drains_inflight_transfers(threaded, env_factory, rng):
+    env = env_factory(threaded)
+    out = rng.standard_normal((4, env.hidden)).astype(np.float32)
+    gate = threading.Event()
+    enc = {"h": env.device(out)}
+    threaded.launch_host_func(env.worker.compute_queue, lambda: gate.wait(10))  # the "model" is still running
+    meta = ECConnectorMetadata(saves={"h": [0, 1, 2, 3]})
+    env.worker.save_caches(enc, "h", meta)
+    env.worker.flush_saves()
+    t = threading.Thread(target=env.worker.shutdown)
+    t.start()
+    time.sleep(0.1)
+    assert t.is_alive(), "shutdown returned while a copy was still queued"
+    assert (env.region.blocks == SENTINEL).all()
+    gate.set()
+    t.join(10)
+    assert not t.is_alive()
+    np.testing.assert_array_equal(env.region.blocks[:4].reshape(-1), as_bytes(out))
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        env.worker.flush_saves()
+
+
+# ------------------------------------------------------------------------------ completion ordering
+def test_save_is_not_reported_before_the_copy_ran(threaded, env_factory, rng):
+    env = env_factory(threaded)
+    out = rng.standard_normal((3, env.hidden)).astype(np.float32)
+    gate = threading.Event()
+    enc = {"h": env.device(out)}
+    # The save is gated behind the compute queue; hold that queue.
+    threaded.launch_host_func(env.worker.compute_queue, lambda: gate.wait(10))
+    meta = ECConnectorMetadata(saves={"h": [1, 2, 3]})
+    env.worker.save_caches(enc, "h", meta)
+    env.worker.flush_saves()
+    for _ in range(20):
+        assert env.worker.build_connector_worker_meta() is None
+        time.sleep(0.005)
+    assert (env.region.blocks == SENTINEL).all(), "the save ran before the compute queue allowed it"
+    gate.set()
+    report = complete(env.worker)
+    assert report.completed_saves == ["h"] and report.completed_loads == []
+    np.testing.assert_array_equal(env.region.blocks[1:4].reshape(-1), as_bytes(out))
+    assert env.worker.build_connector_worker_meta() is None  # reported exactly once
+
+
+def test_loads_are_reported_in_order_each_exactly_once(threaded, env_factory, rng, monkeypatch):
+    env = env_factory(threaded)
+    env.region.blocks[:8] = rng.integers(-100, 100, size=(8, env.bs), dtype=np.int8)
+    gates = [threading.Event(), None]
+    real = worker_mod.batched_copy
+
+    def delayed(src, dst, sizes, queue=None, backend=None, **kw):
+        g = gates.pop(0)
+        if g is not None:  # inject a delay in front of this copy on its queue
+            backend.launch_host_func(queue, lambda: g.wait(10))
+        return real(src, dst, sizes, queue=queue, backend=backend, **kw)
+
+    monkeypatch.setattr(worker_mod, "batched_copy", delayed)
+    first_gate = gates[0]
+    c1, c2 = {}, {}
+    env.worker.start_load_caches(c1, ECConnectorMetadata(loads={"a": (11, [0, 1])}))
+    env.worker.start_load_caches(c2, ECConnectorMetadata(loads={"b": (12, [4, 5, 6])}))
+    # The second copy finishes first, but nothing may be reported before the first.
+    threaded.synchronize_event(env.worker._inflight_loads[1].end_event)
+    for _ in range(10):
+        assert env.worker.build_connector_worker_meta() is None
+    first_gate.set()
+    reports = []
+    deadline = time.monotonic() + 10
+    while sum(len(r.completed_loads) for r in reports) < 2 and time.monotonic() < deadline:
+        m = env.worker.build_connector_worker_meta()
+        if m is not None:
+            reports.append(m)
+    assert [t for r in reports for t in r.completed_loads] == [11, 12]
+    assert env.worker.build_connector_worker_meta() is None
+    np.testing.assert_array_equal(host_of(c1["a"]).view(np.int8).reshape(2, -1), env.region.blocks[0:2])
+    np.testing.assert_array_equal(host_of(c2["b"]).view(np.int8).reshape(3, -1), env.region.blocks[4:7])
+
+
+def test_compute_queue_sees_loaded_bytes(threaded, env_factory, rng, monkeypatch):
+    """Work queued on the compute queue after start_load_caches waits for the copy."""
+    env = env_factory(threaded)
+    env.region.blocks[3:5] = rng.integers(-100, 100, size=(2, env.bs), dtype=np.int8)
+    gate = threading.Event()
+    real = worker_mod.batched_copy
+
+    def delayed(src, dst, sizes, queue=None, backend=None, **kw):
+        backend.launch_host_func(queue, lambda: gate.wait(10))
+        return real(src, dst, sizes, queue=queue, backend=backend, **kw)
+
+    monkeypatch.setattr(worker_mod, "batched_copy", delayed)
+    cache, seen = {}, {}
+    env.worker.start_load_caches(cache, ECConnectorMetadata(loads={"a": (0, [3, 4])}))
+    view = cache["a"]
+    threaded.launch_host_func(env.worker.compute_queue, lambda: seen.update(a=view.copy()))  # "a kernel"
+    time.sleep(0.05)
+    assert not seen, "compute-queue work ran before the load copy finished"
+    gate.set()
+    threaded.synchronize(env.worker.compute_queue)
+    np.testing.assert_array_equal(seen["a"].view(np.int8).reshape(2, -1), env.region.blocks[3:5])
+
+
+# ------------------------------------------------------------------------------ descriptors
+def test_coalesce_runs_matches_a_naive_split(rng):
+    for _ in range(50):
+        ids = rng.permutation(40)[: int(rng.integers(1, 40))]
+        ids = np.sort(ids) if rng.random() < 0.5 else ids
+        slots, first, num = coalesce_runs(ids.tolist())
+        runs, start = [], 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or ids[i] != ids[i - 1] + 1:
+                runs.append((start, ids[start], i - start))
+                start = i
+        assert list(zip(slots.tolist(), first.tolist(), num.tolist())) == [(a, int(b), c) for a, b, c in runs]
+    assert [x.size for x in coalesce_runs([])] == [0, 0, 0]
+
+
+def test_loads_are_sorted_by_first_block_and_coalesce_across_hashes(backend, env_factory, rng):
+    env = env_factory(backend)
+    env.region.blocks[:] = rng.integers(-100, 100, size=env.region.blocks.shape, dtype=np.int8)
+    cache = {}
+    env.worker.start_load_caches(cache, ECConnectorMetadata(loads={"late": (1, [7, 8]), "early": (2, [5, 6])}))
+    assert complete(env.worker).completed_loads == [2, 1]  # in the sorted order
+    assert env.worker.stats["load"]["descriptors"] == 1, "blocks 5..8 are one run"
+    np.testing.assert_array_equal(host_of(cache["early"]).view(np.int8).reshape(2, -1), env.region.blocks[5:7])
+    np.testing.assert_array_equal(host_of(cache["late"]).view(np.int8).reshape(2, -1), env.region.blocks[7:9])
+
+
+def test_save_descriptors_equal_block_runs(backend, env_factory, rng):
+    env = env_factory(backend)
+    out = rng.standard_normal((5, env.hidden)).astype(np.float32)
+    ids = [3, 4, 5, 9, 10]
+    save(env, {"h": out}, {"h": ids})
+    complete(env.worker)
+    assert env.worker.stats["save"]["descriptors"] == len(coalesce_runs(ids)[0]) == 2
+    np.testing.assert_array_equal(env.region.blocks[ids].reshape(-1), as_bytes(out))
+
+
+def test_empty_output_is_still_reported(backend, env_factory):
+    env = env_factory(backend)
+    save(env, {"h": np.zeros((0, env.hidden), np.float32)}, {"h": []})
+    assert complete(env.worker).completed_saves == ["h"]
+
+
+# ------------------------------------------------------------------------------ load buffers
+def test_load_buffer_waits_for_views_and_the_compute_queue(threaded, env_factory):
+    env = env_factory(threaded, allocator=None)
+    live_before = len(threaded.live_buffers())
+    cache = {}
+    env.worker.start_load_caches(cache, ECConnectorMetadata(loads={"a": (0, [0, 1])}))
+    complete(env.worker)
+    dest = env.worker._destinations.pending()[0]
+    gate = threading.Event()
+    threaded.launch_host_func(env.worker.compute_queue, lambda: gate.wait(10))  # a kernel still reading
+    sliced = cache["a"][1:]  # a view of the view keeps the buffer in use too
+    del cache
+    gc.collect()
+    env.worker.build_connector_worker_meta()
+    assert not dest.views_dead and not dest.freed
+    del sliced
+    gc.collect()
+    for _ in range(5):
+        env.worker.build_connector_worker_meta()
+    assert dest.views_dead and not dest.freed, "freed while the compute queue could still read it"
+    gate.set()
+    threaded.synchronize(env.worker.compute_queue)
+    env.worker.build_connector_worker_meta()
+    assert dest.freed and len(threaded.live_buffers()) == live_before
+
+
+def test_load_buffer_goes_back_to_the_caching_allocator(threaded, env_factory):
+    env = env_factory(threaded)
+    alloc = env.worker.allocator
+    assert alloc is not None
+    cache = {}
+    env.worker.start_load_caches(cache, ECConnectorMetadata(loads={"a": (0, [0, 1, 2])}))
+    complete(env.worker)
+    assert alloc.stats()["active_blocks"] == 1
+    del cache
+    gc.collect()
+    env.worker.build_connector_worker_meta()
+    threaded.synchronize(env.worker.compute_queue)
+    env.worker.build_connector_worker_meta()
+    s = alloc.stats()
+    assert s["active_blocks"] == 0 and s["num_frees"] == 1 and s["events_recorded"] == 1  # record_stream
+    cache = {}
+    env.worker.start_load_caches(cache, ECConnectorMetadata(loads={"b": (1, [3, 4, 5])}))
+    complete(env.worker)
+    assert alloc.stats()["cache_hits"] >= 1, "the freed buffer should be reused"
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_bad_input(backend, env_factory, rng):
+    env = env_factory(backend)
+    out = {"h": env.device(rng.standard_normal((1, env.hidden)).astype(np.float32))}
+    with pytest.raises(KeyError, match="mm_hash 'ghost'"):
+        env.worker.save_caches(out, "ghost", ECConnectorMetadata(saves={"ghost": [0]}))
+    with pytest.raises(ValueError, match=r"saves\['h'\] contains block id 32"):
+        env.worker.save_caches(out, "h", ECConnectorMetadata(saves={"h": [32]}))
+    with pytest.raises(ValueError, match=r"loads\['h'\] contains block id -3"):
+        env.worker.start_load_caches({}, ECConnectorMetadata(loads={"h": (0, [-3])}))
+    assert env.worker.inflight() == (0, 0) and (env.region.blocks == SENTINEL).all()
+    with pytest.raises(ValueError, match="dtype=float16 differs from the region's dtype=float32"):
+        ECWorker(env.region, backend=backend, dtype=np.float16)
+    with pytest.raises(ValueError, match="tp_rank=-1"):
+        ECWorker(env.region, backend=backend, tp_rank=-1)
+    with pytest.raises(TypeError, match="ECSharedRegion"):
+        ECWorker("region", backend=backend)
+    with pytest.raises(ValueError, match="max_inflight=-1"):
+        env.worker.wait(-1)

@@ -1,0 +1,304 @@
+"""``vtnumba bench ec``: encoder-cache save and load throughput against memcpy, in one run.
+
+What is measured, per entry size (4 KiB .. 64 MiB by default):
+
+* **save** -- :meth:`ECWorker.save_caches` + :meth:`~ECWorker.flush_saves` of one entry from a
+  device buffer into the shared region, until :meth:`~ECWorker.build_connector_worker_meta`
+  reports it complete (the time a producer pays before the entry can be marked ready);
+* **load** -- :meth:`~ECWorker.start_load_caches` of that entry into a device buffer, until
+  its completion is reported;
+* **memcpy** -- ``np.copyto`` of the same number of bytes (the stock baseline), and the
+  machine's large-copy memcpy bandwidth (:func:`vtnumba.bench.timing.memcpy_bandwidth_gbs`).
+
+Entries rotate through four slots of a region sized for them, so every save writes blocks
+another entry just left (as under eviction).  The ``fragmented`` case lays an entry out in
+runs of 8 blocks with gaps between, to show what the descriptor count costs.  The
+"descriptors" rows report how many copy descriptors each entry needed; the benchmark
+checks that this equals the number of block runs (:func:`vtnumba.ec.coalesce_runs`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from vtnumba.bench import schema
+from vtnumba.bench.timing import Stats, memcpy_bandwidth_gbs
+
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+QUICK_SIZES = (4 * KiB, 1 * MiB, 16 * MiB)
+HIDDEN, DTYPE = 1024, np.float16  # one block = one row = 2 KiB
+SLOTS = 4
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--sizes", nargs="*", type=int, default=None,
+                        help="entry sizes in bytes (multiples of 2048; default 4 KiB .. 64 MiB)")
+
+
+def _stats(times: list[float]) -> Stats:
+    a = np.asarray(times)
+    return Stats(float(np.median(a)), float(np.percentile(a, 10)), float(np.percentile(a, 90)), len(times))
+
+
+def _label(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+class _Case:
+    """One entry size: a region with rotating slots, a worker, a source entry on the device."""
+
+    def __init__(self, backend, nbytes: int, fragmented: bool, tag: str):
+        from vtnumba.ec import ECConnectorMetadata, ECRegionConfig, ECWorker, create_ec_shared_region
+
+        self.backend = backend
+        block = HIDDEN * np.dtype(DTYPE).itemsize
+        self.rows = rows = max(nbytes // block, 1)
+        self.nbytes = rows * block
+        if fragmented:
+            # Runs of 8 blocks with an 8-block gap after each: the region needs twice the rows.
+            run = 8
+            ids = np.array([s + k for s in range(0, 2 * rows, 2 * run) for k in range(run)][:rows], np.int64)
+            self.slot_ids = [ids]
+            num_blocks = 2 * rows + run
+        else:
+            self.slot_ids = [np.arange(s * rows, (s + 1) * rows, dtype=np.int64) for s in range(SLOTS)]
+            num_blocks = SLOTS * rows
+        cfg = ECRegionConfig(engine_id=f"bench{os.getpid()}_{tag}", hidden_size=HIDDEN, dtype=DTYPE,
+                             region_bytes=num_blocks * block, create=True)
+        self.region = create_ec_shared_region(cfg)
+        try:
+            self.worker = ECWorker(self.region, backend=backend)
+            self.src_buf = backend.alloc(self.nbytes)
+            self.src = self.src_buf.view(DTYPE, (rows, HIDDEN))
+            self.host = np.random.default_rng(nbytes).standard_normal((rows, HIDDEN)).astype(DTYPE)
+            backend.copy(self.worker.compute_queue, self.src_buf, self.host, self.host.nbytes)
+            backend.synchronize(self.worker.compute_queue)
+        except BaseException:
+            self.region.cleanup()
+            raise
+        self.enc = {"e": self.src}
+        # Block ids as int64 arrays, as ECScheduler sends them.
+        self.save_metas = [ECConnectorMetadata(saves={"e": ids}) for ids in self.slot_ids]
+        self.load_metas = [ECConnectorMetadata(loads={"e": (i, ids)}) for i, ids in enumerate(self.slot_ids)]
+        self._turn = {"save": 0, "load": 0, "memcpy_save": 2, "memcpy_load": 2}  # each rotates on its own; the
+        # baselines run two slots apart, so neither finds the bytes the other just touched in cache
+        self.loaded: dict = {}
+
+    def _next(self, what: str, items: list):
+        k = self._turn[what]
+        self._turn[what] = k + 1
+        return items[k % len(items)]
+
+    # -- one step, waited for: latency
+    def _complete(self) -> None:
+        w = self.worker
+        while w.build_connector_worker_meta() is None:  # poll like an engine loop
+            w.wait()
+
+    def save(self) -> None:
+        meta = self._next("save", self.save_metas)
+        self.worker.save_caches(self.enc, "e", meta)
+        self.worker.flush_saves()
+        self._complete()
+
+    def load(self) -> None:
+        self.loaded.clear()  # drop the previous views: their buffer goes back to the allocator
+        meta = self._next("load", self.load_metas)
+        self.worker.start_load_caches(self.loaded, meta)
+        self._complete()
+
+    # -- the same bytes moved by np.copyto between the same buffers: the fair baseline
+    def memcpy_save(self) -> None:
+        ids = self._next("memcpy_save", self.slot_ids)
+        blocks = self.region.blocks
+        np.copyto(blocks[ids[0]:ids[0] + self.rows].reshape(-1), _host_bytes(self.src).view(np.int8).reshape(-1))
+
+    def memcpy_load(self, out) -> None:
+        ids = self._next("memcpy_load", self.slot_ids)
+        np.copyto(out, self.region.blocks[ids[0]:ids[0] + self.rows].reshape(-1))
+
+    # -- many steps back to back, at most SLOTS-1 copies in flight: throughput
+    def pipelined(self, direction: str, steps: int) -> float:
+        w = self.worker
+        live: list = []
+        t0 = time.perf_counter()
+        for k in range(steps):
+            if direction == "save":
+                w.save_caches(self.enc, "e", self.save_metas[k % len(self.save_metas)])
+                w.flush_saves()
+            else:
+                out: dict = {}
+                w.start_load_caches(out, self.load_metas[k % len(self.load_metas)])
+                live.append(out)
+            w.wait(SLOTS - 2)
+            if w.build_connector_worker_meta() is not None and len(live) > SLOTS:
+                del live[:-SLOTS]  # the consumer is done with old entries
+        w.wait()
+        w.build_connector_worker_meta()
+        return time.perf_counter() - t0
+
+    def check_loaded(self) -> None:
+        got = _host_bytes(self.loaded["e"])
+        if not np.array_equal(got.view(np.uint8), self.host.view(np.uint8)):
+            raise RuntimeError(f"bench ec: loaded bytes differ from the saved entry ({_label(self.nbytes)})")
+
+    def descriptors_per_save(self) -> float:
+        st = self.worker.stats["save"]
+        return st["descriptors"] / max(st["transfers"], 1)
+
+    def close(self) -> None:
+        self.loaded.clear()
+        try:
+            self.worker.shutdown()
+        finally:
+            self.region.cleanup()
+
+
+def _bench_size(backend, nbytes: int, repeat: int, fragmented: bool, tag: str, pipelined_backend=None) -> dict:
+    """Measure one entry size; returns Stats per implementation plus descriptor counts.
+
+    The implementations are timed *interleaved* (ec save, memcpy save, ec load, memcpy
+    load, repeat), so a busy machine slows all of them alike and the ratios stay fair.
+    """
+    from vtnumba.ec import coalesce_runs
+
+    out = {}
+    case = _Case(backend, nbytes, fragmented, tag)
+    try:
+        dst = np.empty(case.nbytes, np.int8)
+        fns = {"ec save": case.save, "ec load": case.load}
+        if not fragmented:  # memcpy_save writes each slot as one contiguous range
+            fns = {"ec save": case.save, "memcpy save": case.memcpy_save, "ec load": case.load,
+                   "memcpy load": lambda: case.memcpy_load(dst)}
+        for _ in range(2):  # warm up: queues, events, the allocator, the caches
+            for fn in fns.values():
+                fn()
+        times = {k: [] for k in fns}
+        for _ in range(repeat):
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+        case.check_loaded()
+        out.update({k: _stats(v) for k, v in times.items()})
+        out["descriptors"] = case.descriptors_per_save()
+        out["runs"] = len(coalesce_runs(case.slot_ids[0])[0])
+    finally:
+        case.close()
+    if pipelined_backend is not None:
+        case = _Case(pipelined_backend, nbytes, False, tag + "p")
+        try:
+            steps = 8
+            dst = np.empty(case.nbytes, np.int8)
+            memcpy = {"save": case.memcpy_save, "load": lambda: case.memcpy_load(dst)}
+            for d in ("save", "load"):
+                case.pipelined(d, steps)  # warm up: queues, events, the allocator's segments
+                pipe, ref = [], []
+                for _ in range(max(repeat // 3, 3)):  # interleaved with its own memcpy reference
+                    pipe.append(case.pipelined(d, steps) / steps)
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        memcpy[d]()
+                    ref.append((time.perf_counter() - t0) / steps)
+                out[f"ec {d} pipelined"] = _stats(pipe)
+                out[f"memcpy {d} beside pipelined"] = _stats(ref)
+        finally:
+            case.close()
+    return out
+
+
+def _host_bytes(arr) -> np.ndarray:
+    if isinstance(arr, np.ndarray):
+        return arr
+    return _host(arr)
+
+
+def _host(arr):
+    from vtnumba.backend.cuda import sim_host_view
+
+    try:
+        return sim_host_view(arr)
+    except TypeError:
+        return arr.copy_to_host()
+
+
+def run(args) -> dict:
+    from vtnumba.backend.cpu import CPUBackend
+    from vtnumba.backend.default import default_backend
+    from vtnumba.target import current_target
+
+    quick = bool(getattr(args, "quick", False))
+    sizes = getattr(args, "sizes", None) or (QUICK_SIZES if quick else DEFAULT_SIZES)
+    block = HIDDEN * np.dtype(DTYPE).itemsize
+    for s in sizes:
+        if s <= 0 or s % block:
+            raise ValueError(f"--sizes: {s} is not a positive multiple of the {block}-byte block")
+    backend = default_backend()
+    target = current_target().name
+    # Pipelining needs queues that run beside the Python thread: threaded cpu queues.
+    threaded = CPUBackend(threaded=True) if target == "cpu" else None
+    big_memcpy = memcpy_bandwidth_gbs(16 * MiB if quick else 64 * MiB)
+    results, ratios, notes = [], {}, []
+    try:
+        for n in sizes:
+            repeat = 5 if quick else (10 if n >= 16 * MiB else 30)
+            pipe = threaded if (threaded is not None and n <= 16 * MiB) else None
+            r = _bench_size(backend, n, repeat, False, f"c{n}", pipe)
+            if r["descriptors"] != r["runs"]:
+                raise RuntimeError(f"bench ec: {r['descriptors']} descriptors per entry but {r['runs']} block runs "
+                                   f"({_label(n)})")
+            gbs = {k: n / st.median_s / 1e9 for k, st in r.items() if isinstance(st, Stats)}
+            for impl, st in r.items():
+                if isinstance(st, Stats):
+                    results.append(schema.row("ec transfer", impl, n, "bytes", "GB/s", gbs[impl], st))
+            results.append(schema.row("ec descriptors/entry", "ec save", n, "bytes", "descriptors",
+                                      r["descriptors"], _stats([0.0])))
+            for d in ("save", "load"):
+                ratios[f"{d} {_label(n)} / memcpy same buffers"] = gbs[f"ec {d}"] / gbs[f"memcpy {d}"]
+                if f"ec {d} pipelined" in gbs:
+                    ratios[f"{d} {_label(n)} pipelined / memcpy same buffers"] = \
+                        gbs[f"ec {d} pipelined"] / gbs[f"memcpy {d} beside pipelined"]
+                ratios[f"{d} {_label(n)} / memcpy bandwidth"] = gbs[f"ec {d}"] / big_memcpy
+        frag = 1 * MiB
+        if not quick or frag in sizes:
+            r = _bench_size(backend, frag, 5 if quick else 20, True, "frag")
+            if r["descriptors"] != r["runs"]:
+                raise RuntimeError(f"bench ec: fragmented entry used {r['descriptors']} descriptors for "
+                                   f"{r['runs']} runs")
+            for impl in ("ec save", "ec load"):
+                results.append(schema.row("ec transfer fragmented", impl, frag, "bytes", "GB/s",
+                                          frag / r[impl].median_s / 1e9, r[impl]))
+            results.append(schema.row("ec descriptors/entry fragmented", "ec save", frag, "bytes", "descriptors",
+                                      r["descriptors"], _stats([0.0])))
+    finally:
+        if threaded is not None:
+            threaded.close()
+    notes.append(f"block = one row of {HIDDEN} x {np.dtype(DTYPE).name} = {block} B; entries rotate through "
+                 f"{SLOTS} region slots; descriptors per entry equal the number of block runs (checked)")
+    notes.append("'memcpy same buffers' = np.copyto of the same bytes between the same buffers (region slot <-> "
+                 "device buffer), so cache effects match; 'memcpy bandwidth' = large-copy baseline of this run")
+    notes.append(f"ec save/load = one entry on {backend.name}, waited for: descriptor building, the batched copy, "
+                 "its events and the completion report; 'pipelined' = 8 steps back to back on threaded cpu "
+                 f"queues with up to {SLOTS - 2} copies in flight (the copies overlap the next step's Python work)")
+    if target == "cuda":
+        notes.append("on a GPU the saves are D2H and the loads H2D copies; memcpy is still the host baseline")
+    return schema.suite("ec", target, 1, results, ratios, {"memcpy GB/s": big_memcpy}, notes)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    add_arguments(p)
+    res = run(p.parse_args())
+    for r in res["results"]:
+        print(f"{r['case']:<32} {r['impl']:<20} {r['size']:>10} {r['value']:10.3f} {r['metric']}")
+    for k, v in res["ratios"].items():
+        print(f"{k:<40} {v:.3f}")
+    print(res["baselines"], *res["notes"], sep="\n")
+    time.sleep(0)

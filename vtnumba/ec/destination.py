@@ -1,0 +1,220 @@
+"""Load destinations: the device buffers loads copy into, and when they may be freed.
+
+Seed: the ``dst_buf.record_stream(compute_stream)`` line in ``ECCPUWorker.start_load_caches``.
+
+A load copies every entry of the step into *one* contiguous device buffer (on a copy
+queue) and hands out per-``mm_hash`` views of it; the model then reads those views on the
+*compute* queue.  The buffer is in use by two queues.  A caching allocator only tracks the
+queue a block was allocated on, so if the buffer went back to the pool the moment the
+last view died, a later allocation could overwrite it while reads queued on the compute
+queue still need it.  ``record_stream`` closes that hole: "before reusing this memory,
+also wait for everything queued on the compute queue *at the time it is freed*".
+
+This module implements exactly that rule for a step's load buffer:
+
+1. the buffer may be returned only after (a) the load copy's end event fired and (b) no
+   handed-out view (nor anything sliced from one) is alive any more;
+2. at that moment an event is recorded on the compute queue; the memory is returned when
+   that event fires -- or, with a caching allocator, the allocator is told
+   ``record_stream(block, compute_queue)`` at allocation and does the waiting itself.
+
+"No view is alive" is detected exactly on the host targets: the views are built on a small
+owner object that exposes the buffer through ``__array_interface__``, so every numpy array
+derived from them keeps the owner alive, and a ``weakref.finalize`` on the owner fires
+when the last one dies -- the same thing a tensor's storage refcount does.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+
+from vtnumba.backend.base import Backend, Event, Queue
+
+__all__ = ["LoadDestination", "LoadDestinations"]
+
+
+class _HostOwner:
+    """Exposes a host byte range to numpy; arrays made from it keep it (and the memory) alive."""
+
+    def __init__(self, ptr: int, nbytes: int, keep):
+        self.__array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+        self._keep = keep  # the allocation itself: alive as long as any derived array
+
+
+class LoadDestination:
+    """One step's contiguous load buffer (see module docstring for its life)."""
+
+    def __init__(self, memory, ptr: int, nbytes: int):
+        self.memory = memory          # a Buffer (or an allocator block)
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.copy_done = False        # the load's end event fired
+        self.views_dead = False       # set by a finalizer when the last derived array died
+        self.live_views = 0           # real-GPU path: handed-out views not yet collected
+        self.release_event: Event | None = None
+        self.from_allocator = False
+        self.freed = False
+        self._owner_array = None      # host targets: the owner-backed byte array views are cut from
+
+    def __repr__(self) -> str:
+        return (f"<LoadDestination {self.nbytes} B copy_done={self.copy_done} views_dead={self.views_dead} "
+                f"freed={self.freed}>")
+
+
+class LoadDestinations:
+    """Allocates load buffers, hands out typed views, and frees buffers once it is safe."""
+
+    def __init__(self, backend: Backend, compute_queue: Queue, allocator=None):
+        self.backend = backend
+        self.compute_queue = compute_queue
+        self.allocator = allocator
+        self._host = backend.device_type.value == "cpu" or bool(getattr(backend, "simulator", False))
+        self._simulator = bool(getattr(backend, "simulator", False))
+        self._lock = threading.Lock()
+        self._live: list[LoadDestination] = []
+        self.freed_count = 0
+
+    # ------------------------------------------------------------------ allocation and views
+    def allocate(self, nbytes: int, copy_queue: Queue) -> LoadDestination:
+        from vtnumba.kernels.batched_copy import address_of
+
+        from_allocator = self.allocator is not None and nbytes > 0
+        if from_allocator:
+            # Allocated for the copy queue, which writes it first...
+            memory = self.allocator.allocate(nbytes, copy_queue)
+            # ...and, seed: dst_buf.record_stream(compute_stream) -- the allocator waits for
+            # the compute queue's reads before it reissues this memory.
+            self.allocator.record_stream(memory, self.compute_queue)
+        else:
+            memory = self.backend.alloc(nbytes)
+        dest = LoadDestination(memory, address_of(memory) if nbytes else 0, nbytes)
+        dest.from_allocator = from_allocator
+        if self._host:
+            host_bytes = self._host_array(memory)
+            owner = _HostOwner(dest.ptr if nbytes else host_bytes.ctypes.data, nbytes, host_bytes)
+            dest._owner_array = np.asarray(owner)  # dropped by seal() once the views exist
+            weakref.finalize(owner, _mark_views_dead, dest)
+        with self._lock:
+            self._live.append(dest)
+        return dest
+
+    def _host_array(self, memory) -> np.ndarray:
+        arr = memory.array if hasattr(memory, "array") else memory
+        if self._simulator:
+            from vtnumba.backend.cuda import sim_host_view
+
+            arr = sim_host_view(arr)
+        return arr
+
+    def view(self, dest: LoadDestination, dtype, shape, offset: int):
+        """A typed array on the target aliasing ``dest``'s bytes ``offset .. offset+size``."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        nbytes = count * dtype.itemsize
+        if self._host:
+            raw = dest._owner_array[offset:offset + nbytes]
+            arr = raw.view(dtype).reshape(shape)
+            if self._simulator:
+                from vtnumba.backend.cuda import fake_device_array
+
+                arr = fake_device_array(arr)
+            return arr
+        arr = dest.memory.view(dtype, shape, offset)  # a numba device array on a real GPU
+        with self._lock:
+            dest.live_views += 1
+        weakref.finalize(arr, _drop_view, dest)
+        return arr
+
+    def seal(self, dest: LoadDestination) -> None:
+        """All views are handed out: from now on only they keep the buffer in use."""
+        if self._host:
+            dest._owner_array = None
+        elif dest.live_views == 0:
+            dest.views_dead = True
+
+    def copy_finished(self, dest: LoadDestination) -> None:
+        dest.copy_done = True
+
+    # ------------------------------------------------------------------ freeing
+    def reclaim(self) -> int:
+        """Free every buffer whose copy finished, whose views died and whose compute-queue
+        reads are done.  Non-blocking; returns how many were freed."""
+        freed = 0
+        if self.allocator is not None:
+            # Let the allocator take back blocks whose compute-queue events have fired.
+            self.allocator.process_events()
+        with self._lock:
+            candidates = list(self._live)
+        for dest in candidates:
+            if not (dest.copy_done and dest.views_dead):
+                continue
+            if dest.from_allocator:
+                self._free(dest)  # the allocator holds it back until the compute queue caught up
+                freed += 1
+                continue
+            if dest.release_event is None:
+                # record_stream's rule: wait for what the compute queue has queued *now*.
+                dest.release_event = self.backend.create_event()
+                self.backend.record_event(dest.release_event, self.compute_queue)
+            if self.backend.query_event(dest.release_event):
+                self._free(dest)
+                freed += 1
+        return freed
+
+    def _free(self, dest: LoadDestination) -> None:
+        with self._lock:
+            if dest.freed:
+                return
+            dest.freed = True
+            self._live.remove(dest)
+        if dest.release_event is not None:
+            self.backend.destroy_event(dest.release_event)
+            dest.release_event = None
+        if dest.from_allocator:
+            self.allocator.free(dest.memory)
+        else:
+            self.backend.free(dest.memory)
+        self.freed_count += 1
+
+    def pending(self) -> list[LoadDestination]:
+        with self._lock:
+            return list(self._live)
+
+    def drain(self) -> int:
+        """Shutdown: wait for the compute queue, free every buffer nobody views any more.
+
+        Buffers whose views are still alive are left to their views: on the host the views
+        own the memory (the backend no longer tracks it), so nothing dangles.
+        """
+        self.backend.synchronize(self.compute_queue)
+        n = 0
+        for dest in self.pending():
+            dest.copy_done = True
+            if dest.views_dead:
+                if dest.release_event is not None and not self.backend.query_event(dest.release_event):
+                    self.backend.synchronize_event(dest.release_event)
+                self._free(dest)
+                n += 1
+            elif not dest.from_allocator:
+                # Hand the memory over to the views.  backend.free only drops the backend's
+                # reference: the views still reference the bytes (the numpy base on the
+                # host, numba's allocation on a GPU), so nothing dangles and nothing leaks.
+                with self._lock:
+                    dest.freed = True
+                    self._live.remove(dest)
+                self.backend.free(dest.memory)
+        return n
+
+
+def _mark_views_dead(dest: LoadDestination) -> None:
+    # Runs at garbage-collection time, on whatever thread: only flip a flag.
+    dest.views_dead = True
+
+
+def _drop_view(dest: LoadDestination) -> None:
+    dest.live_views -= 1
+    if dest.live_views <= 0:
+        dest.views_dead = True

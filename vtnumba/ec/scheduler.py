@@ -1,0 +1,223 @@
+"""ECScheduler: the scheduler side of the encoder-cache connector, for producer, consumer or both.
+
+Seed: ``ECCPUScheduler`` in vLLM's CPU connector.  It turns "this request needs the
+encoder output of ``mm_hash``" into per-step :class:`~vtnumba.ec.ECConnectorMetadata` for
+the workers, and the workers' :class:`~vtnumba.ec.ECWorkerMetadata` back into cache state.
+
+Roles:
+
+* ``producer`` (the encoder process) owns the :class:`~vtnumba.ec.EmbeddingCache`:
+  :meth:`~ECScheduler.request_save` allocates one block per embedding row and schedules a
+  save; a completed save marks the entry ready.  It also serves a remote consumer's reads:
+  :meth:`~ECScheduler.grant_read` pins a ready entry and returns its block ids (so it cannot
+  be evicted while the consumer copies it), :meth:`~ECScheduler.release_read` unpins it.
+* ``consumer`` (the prefill process) has no cache of its own -- the blocks belong to the
+  producer.  :meth:`~ECScheduler.request_load` takes the block ids the producer granted
+  and schedules a load under a fresh transfer id.  When every tensor-parallel rank has
+  reported that transfer, :meth:`~ECScheduler.update_connector_output` lists the entry as
+  *released*, and the caller tells the producer to unpin it.
+* ``both`` (one process does both, the seed's ``ec_both``): the same, with the pin taken and
+  released in the local cache.
+
+Exactly-once release: a load's expected report count is set at dispatch; each report
+counts down; at zero the transfer is *forgotten before* the pin is released, so a replayed
+or late report finds no transfer and is ignored (counted in ``stats["stale_reports"]``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vtnumba.ec.embedding_cache import EmbeddingCache
+from vtnumba.ec.metadata import ECConnectorMetadata, ECWorkerMetadata
+
+__all__ = ["ECScheduler", "ECUpdate", "ROLES"]
+
+ROLES = ("producer", "consumer", "both")
+
+
+@dataclass
+class ECUpdate:
+    """What one :meth:`ECScheduler.update_connector_output` changed."""
+
+    ready: list[str] = field(default_factory=list)     # saves that completed: now readable
+    released: list[str] = field(default_factory=list)  # loads every rank finished: pin released / to release
+
+
+class ECScheduler:
+    def __init__(self, role: str, num_blocks: int, *, expected_load_reports: int = 1,
+                 cache: EmbeddingCache | None = None):
+        if role not in ROLES:
+            raise ValueError(f"role={role!r}; expected one of {', '.join(ROLES)}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 0:
+            raise ValueError(f"num_blocks={num_blocks!r} must be a non-negative int")
+        if isinstance(expected_load_reports, bool) or not isinstance(expected_load_reports, int) \
+                or expected_load_reports < 1:
+            raise ValueError(f"expected_load_reports={expected_load_reports!r} must be an int >= 1 "
+                             "(the number of tensor-parallel ranks that load each entry)")
+        self.role = role
+        self.num_blocks = int(num_blocks)
+        self.is_producer = role in ("producer", "both")
+        self.is_consumer = role in ("consumer", "both")
+        if cache is not None and cache.num_blocks != self.num_blocks:
+            raise ValueError(f"cache has {cache.num_blocks} blocks but num_blocks={num_blocks}")
+        # A consumer-only scheduler has no cache: the producer owns the blocks and the pins.
+        self.cache = (cache or EmbeddingCache(self.num_blocks)) if self.is_producer else None
+        self.expected_load_reports = expected_load_reports
+        self._lock = threading.Lock()
+        self._pending_saves: dict[str, np.ndarray] = {}
+        self._pending_loads: dict[str, tuple[int, np.ndarray]] = {}
+        # transfer_id -> [mm_hash, reports still outstanding]
+        self._load_acks: dict[int, list] = {}
+        self._transfer_ids = itertools.count()
+        self.stats = {"saves_scheduled": 0, "saves_completed": 0, "saves_without_room": 0,
+                      "loads_scheduled": 0, "loads_completed": 0, "reads_granted": 0, "reads_refused": 0,
+                      "stale_reports": 0}
+
+    # ------------------------------------------------------------------ producer side
+    def _need(self, flag: bool, op: str, role: str) -> None:
+        if not flag:
+            raise RuntimeError(f"{op} needs a {role} scheduler; this one has role={self.role!r}")
+
+    def request_save(self, mm_hash: str, num_rows: int) -> np.ndarray | None:
+        """Allocate ``num_rows`` blocks for a new encoder output and schedule its save.
+
+        Returns the block ids, or None when no save is scheduled: the entry already exists
+        (cached, or its save is in flight), or the region has no room even after eviction.
+        """
+        self._need(self.is_producer, "request_save", "producer")
+        if not isinstance(mm_hash, str):
+            raise TypeError(f"mm_hash={mm_hash!r} must be a str")
+        with self._lock:
+            if mm_hash in self._pending_saves or self.cache.lookup(mm_hash) is not None:
+                return None
+            entry = self.cache.alloc(mm_hash, num_rows)
+            if entry is None:
+                self.stats["saves_without_room"] += 1
+                return None
+            self._pending_saves[mm_hash] = entry.block_array
+            self.stats["saves_scheduled"] += 1
+            return entry.block_array
+
+    def grant_read(self, mm_hash: str) -> np.ndarray | None:
+        """Pin a ready entry for a (remote) reader and return its block ids; None if not ready/absent."""
+        self._need(self.is_producer, "grant_read", "producer")
+        ids = self.cache.pin_if_ready(mm_hash)
+        self.stats["reads_granted" if ids is not None else "reads_refused"] += 1
+        return ids
+
+    def release_read(self, mm_hash: str) -> None:
+        """Unpin an entry granted by :meth:`grant_read` (KeyError if unknown)."""
+        self._need(self.is_producer, "release_read", "producer")
+        self.cache.unpin(mm_hash)
+
+    def has_cache_item(self, mm_hash: str) -> bool:
+        """Is ``mm_hash`` ready in the local cache (producer / both)?"""
+        if self.cache is None:
+            return False
+        entry = self.cache.lookup(mm_hash)
+        return entry is not None and entry.ready
+
+    # ------------------------------------------------------------------ consumer side
+    def request_load(self, mm_hash: str, block_ids=None) -> int | None:
+        """Schedule a load of ``mm_hash`` and return its fresh transfer id.
+
+        ``both``: pins the local entry (``block_ids`` must be None); returns None if it is not
+        ready.  ``consumer``: ``block_ids`` are the ids the producer granted (and pinned).
+        Returns None as well if a load of ``mm_hash`` is already scheduled this step.
+        """
+        self._need(self.is_consumer, "request_load", "consumer")
+        if not isinstance(mm_hash, str):
+            raise TypeError(f"mm_hash={mm_hash!r} must be a str")
+        with self._lock:
+            if mm_hash in self._pending_loads:
+                return None
+            if self.role == "both":
+                if block_ids is not None:
+                    raise ValueError("role='both' pins its own cache entry; call request_load(mm_hash) "
+                                     "without block_ids")
+                ids = self.cache.pin_if_ready(mm_hash)
+                if ids is None:
+                    return None
+            else:
+                if block_ids is None:
+                    raise ValueError(f"request_load({mm_hash!r}): a consumer needs the block_ids the producer "
+                                     "granted for it")
+                try:
+                    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+                except (TypeError, ValueError):
+                    raise TypeError(f"request_load({mm_hash!r}): block_ids={block_ids!r} must be int block ids") \
+                        from None
+                if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+                    bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
+                    raise ValueError(f"request_load({mm_hash!r}): block id {bad} is outside the region's "
+                                     f"0..{self.num_blocks - 1}")
+            tid = next(self._transfer_ids)
+            self._pending_loads[mm_hash] = (tid, ids)
+            self._load_acks[tid] = [mm_hash, self.expected_load_reports]
+            self.stats["loads_scheduled"] += 1
+            return tid
+
+    # ------------------------------------------------------------------ per step
+    def build_connector_meta(self) -> ECConnectorMetadata:
+        """Hand this step's scheduled saves and loads to the workers (and forget them here)."""
+        with self._lock:
+            meta = ECConnectorMetadata(saves=self._pending_saves, loads=self._pending_loads)
+            self._pending_saves, self._pending_loads = {}, {}
+        return meta
+
+    def update_connector_output(self, worker_meta: ECWorkerMetadata | None) -> ECUpdate:
+        """Apply the workers' completion reports (aggregated over ranks)."""
+        update = ECUpdate()
+        if worker_meta is None:
+            return update
+        if not isinstance(worker_meta, ECWorkerMetadata):
+            raise TypeError(f"worker_meta must be ECWorkerMetadata or None, got {type(worker_meta).__name__}")
+        with self._lock:
+            for mm_hash in worker_meta.completed_saves:
+                entry = self.cache.lookup(mm_hash) if self.cache is not None else None
+                if entry is None or entry.ready:
+                    self.stats["stale_reports"] += 1  # discarded meanwhile, or a replay
+                    continue
+                self.cache.mark_ready(mm_hash)
+                self.stats["saves_completed"] += 1
+                update.ready.append(mm_hash)
+            for tid in worker_meta.completed_loads:
+                pending = self._load_acks.get(tid)
+                if pending is None:
+                    self.stats["stale_reports"] += 1  # already released, or never dispatched here
+                    continue
+                pending[1] -= 1
+                if pending[1] > 0:
+                    continue
+                # Forget the transfer *before* releasing, so a replayed report is stale.
+                del self._load_acks[tid]
+                mm_hash = pending[0]
+                if self.role == "both":
+                    self.cache.unpin(mm_hash)
+                self.stats["loads_completed"] += 1
+                update.released.append(mm_hash)
+        return update
+
+    def outstanding_loads(self) -> dict[int, tuple[str, int]]:
+        """transfer_id -> (mm_hash, reports still expected), for loads dispatched and not released."""
+        with self._lock:
+            return {tid: (h, n) for tid, (h, n) in self._load_acks.items()}
+
+    def has_pending_work(self) -> bool:
+        """True while a scheduled save/load is undispatched or unconfirmed (keep stepping)."""
+        with self._lock:
+            if self._pending_saves or self._pending_loads or self._load_acks:
+                return True
+        # Saves in flight (not-ready) and reads in flight (pinned) both need more steps.
+        return self.cache is not None and self.cache.has_held_entries()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._pending_saves.clear()
+            self._pending_loads.clear()
+            self._load_acks.clear()
