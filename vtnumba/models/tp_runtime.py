@@ -1,0 +1,86 @@
+"""A MiniLM encoder on a tensor-parallel process group, with TPSP opened for it.
+
+This is where the model meets the runtime: :class:`TensorParallelEncoder` builds a
+:class:`~vtnumba.models.encoder.MiniLMEncoder` on a :mod:`vtnumba.dist` group and, when
+asked, opens TPSP (one handle per row-parallel projection: each layer's attention-output
+and output projections, 12 in all) through the target's TPSP backend.  The model then
+calls :class:`~vtnumba.tpsp.TPSPOp` after every row-parallel projection, which runs the
+fused op when the profile says the batch is worth it and the regular forward otherwise.
+
+With one rank there is nothing to exchange, so TPSP is not opened and the regular
+forward (a plain matmul + LayerNorm) runs.  If any rank cannot open TPSP (peer buffers
+unavailable, say), every rank learns it from the backend's all-ranks agreement and the
+encoder runs the regular forward everywhere.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from vtnumba.models.encoder import MiniLMEncoder
+
+# Tokens per forward the TPSP workspaces are sized for.  Batches of 64 typical sentences
+# are ~2,000 tokens; a batch above this limit takes the regular forward (TPSPOp checks).
+DEFAULT_MAX_BATCHED_TOKENS = 4096
+
+
+class TensorParallelEncoder:
+    """``MiniLMEncoder`` on ``group`` (a :class:`vtnumba.dist.ProcessGroup`), TPSP on or off.
+
+    Use as a context manager, or call :meth:`close` on every rank (closing TPSP is collective).
+    """
+
+    def __init__(self, group, *, use_tpsp: bool = True, max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
+                 search: bool = False, weights=None, **encoder_kwargs):
+        self.group = group
+        self.encoder = MiniLMEncoder(group, weights=weights, **encoder_kwargs)
+        self.max_batched_tokens = int(max_batched_tokens)
+        self.tpsp_backend = None
+        self.context = None
+        self.ops = None
+        if use_tpsp and group.size > 1:
+            self._open_tpsp(search)
+
+    def _open_tpsp(self, search: bool) -> None:
+        from vtnumba.backend import default_device
+        from vtnumba.tpsp import TPSPOp, TPSPOpsGroup, get_tpsp_backend, profile_tpsp
+        from vtnumba.tpsp.profiling import TPSPDisabledWarning
+
+        self.tpsp_backend = get_tpsp_backend(self.group.name, default_device())
+        ops_groups = [TPSPOpsGroup(name, proj, norm) for name, proj, norm in
+                      self.encoder.model.row_parallel_projections()]
+        with warnings.catch_warnings():
+            # A declined profile is reported by tpsp_enabled; no need for a warning per rank.
+            warnings.simplefilter("ignore", TPSPDisabledWarning)
+            self.context = profile_tpsp(self.tpsp_backend, ops_groups, max_batched_tokens=self.max_batched_tokens,
+                                        search=search)
+        self.ops = {g.name: TPSPOp(self.context, g.name, norm="layer", group=self.group) for g in ops_groups}
+        self.encoder.use_tpsp(self.ops)
+
+    @property
+    def tpsp_enabled(self) -> bool:
+        return self.context is not None
+
+    def use_tpsp(self) -> None:
+        if self.ops is None:
+            raise RuntimeError("TPSP was not opened for this encoder (one rank, or use_tpsp=False)")
+        self.encoder.use_tpsp(self.ops)
+
+    def use_regular(self) -> None:
+        self.encoder.use_regular()
+
+    def fused_calls(self) -> int:
+        return sum(op.fused_calls for op in (self.ops or {}).values())
+
+    def close(self) -> None:
+        """Close TPSP's handles and backend (collective over the group)."""
+        if self.tpsp_backend is not None:
+            backend, self.tpsp_backend = self.tpsp_backend, None
+            backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
