@@ -23,6 +23,11 @@ def run_embed(args) -> int:
         with TensorParallelEncoder(group, use_tpsp=not args.no_tpsp) as tpe:
             emb = tpe.encoder.encode(args.texts)
             mode = "TPSP" if tpe.tpsp_enabled and tpe.fused_calls() else "regular forward"
+    except ValueError as exc:
+        # Bad input: every rank raised the same error (the encoder's ranks agree first).
+        if group.rank == 0:
+            print(f"vtnumba embed: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         destroy_distributed()
     if group.rank != 0:
