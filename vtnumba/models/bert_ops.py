@@ -52,7 +52,7 @@ _RSQRT2 = 1.0 / math.sqrt(2.0)
 def fast_erf(x):
     """erf by Eigen's float32 rational approximation, evaluated in float64.
 
-    |error| < 1e-7 against ``math.erf`` (about 1.5 float32 ulp of 1).  Evaluating the same
+    The absolute error is below 1e-7 against ``math.erf`` (about 1.5 float32 ulp of 1).  Evaluating the same
     polynomial in float32 would be ~1.5x faster but 4x less accurate (3.8e-7).
     """
     z = min(max(np.float64(x), -4.0), 4.0)  # erf is +-1 to float32 precision beyond |x| = 4
