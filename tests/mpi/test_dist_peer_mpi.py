@@ -1,0 +1,415 @@
+"""Peer buffers, signals and the reference collectives across ranks (mpiexec -n 2 and -n 3).
+
+    mpiexec -n 2 python -m mpi4py -m pytest -p no:cacheprovider --with-mpi tests/mpi/test_dist_peer_mpi.py -q
+
+Checks are collective (allgathered before asserting) so a failure on one rank fails the
+test everywhere instead of leaving a peer blocked; every wait has a short timeout.
+"""
+
+import os
+import time
+import traceback
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import ON_GPU
+from vtnumba import dist
+from vtnumba.backend.cpu import CPUBackend
+from vtnumba.dist import shm
+from vtnumba.dist.peer_buffers import PeerAccessError
+
+COMM = MPI.COMM_WORLD
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(180)]
+TIMEOUT = 20.0
+
+
+def collectively(fn):
+    """Run ``fn`` on every rank; if it fails anywhere, fail everywhere with every rank's story."""
+    try:
+        fn()
+        err = None
+    except BaseException as exc:  # noqa: BLE001
+        err = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    errs = COMM.allgather(err)
+    bad = [f"--- rank {r}:\n{e}" for r, e in enumerate(errs) if e]
+    if bad:
+        pytest.fail("\n".join(bad), pytrace=False)
+
+
+def errors_everywhere(fn) -> list[str]:
+    """Run ``fn`` on every rank and return every rank's ``"Type: message"`` (or "no exception")."""
+    try:
+        fn()
+        got = "no exception"
+    except BaseException as exc:  # noqa: BLE001
+        got = f"{type(exc).__name__}: {exc}"
+    return COMM.allgather(got)
+
+
+def same_error_everywhere(exc_type, fn) -> str:
+    everyone = errors_everywhere(fn)
+    prefix = f"{exc_type.__name__}: "
+    assert all(g.startswith(prefix) for g in everyone), everyone
+    assert len(set(everyone)) == 1, everyone
+    return everyone[0][len(prefix):]
+
+
+def our_segments() -> list[str]:
+    """vtnumba segments in /dev/shm made by any rank of this job (names carry the creator's pid)."""
+    pids = COMM.allgather(os.getpid())
+    return [s for s in shm.list_segments() if any(f"-{p}-" in s for p in pids)]
+
+
+@pytest.fixture(scope="module")
+def tp():
+    dist.destroy_distributed()
+    g = dist.init_distributed()
+    yield g
+    dist.destroy_distributed()
+
+
+@pytest.fixture
+def shm_unchanged():
+    """/dev/shm holds the same entries of this job before and after the test, on every rank.
+
+    Only names made by this job's ranks count: other jobs on the machine may create and
+    remove vtnumba segments at the same time."""
+    COMM.Barrier()
+    before = our_segments()
+    yield
+    COMM.Barrier()
+    after = our_segments()
+    diffs = COMM.allgather((sorted(set(after) - set(before)), sorted(set(before) - set(after))))
+    assert all(d == ([], []) for d in diffs), f"/dev/shm changed: (added, removed) per rank: {diffs}"
+
+
+KINDS = ["cpu", "cudasim"] + (["cuda"] if ON_GPU else [])
+
+
+def make_backend(kind):
+    if kind == "cpu":
+        return CPUBackend()
+    from vtnumba.backend.cuda import CUDABackend
+
+    b = CUDABackend()
+    assert b.simulator == (kind == "cudasim")
+    return b
+
+
+@pytest.fixture(params=[k for k in KINDS if not (ON_GPU and k == "cudasim")])
+def backend(request):
+    return make_backend(request.param)
+
+
+def to_host(arr) -> np.ndarray:
+    if isinstance(arr, np.ndarray):
+        return arr
+    if hasattr(arr, "_ary"):
+        return arr._ary  # simulator: the live host memory itself
+    return arr.copy_to_host()
+
+
+def host_write(arr, values: np.ndarray) -> None:
+    if isinstance(arr, np.ndarray) or hasattr(arr, "_ary"):
+        to_host(arr)[...] = values
+    else:
+        arr.copy_to_device(values)
+
+
+def pattern(rank: int, n: int, salt: int = 0) -> np.ndarray:
+    return np.random.default_rng(1000 * salt + rank).standard_normal(n).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- peer memory
+def test_every_rank_reads_every_peers_pattern(tp, backend, shm_unchanged):
+    n, me = tp.size, tp.rank
+    count = 257  # odd, so buffers are not a round number of anything
+
+    def body():
+        with dist.PeerBuffers(count * 4 * 2, tp, backend, timeout_s=TIMEOUT) as pb:
+            assert not our_segments(), "names must be unlinked as soon as every rank has mapped them"
+            views = pb.views(np.float32, (2, count))
+            host_write(views[me][0], pattern(me, count))
+            dist.barrier(tp)
+            for j in range(n):
+                np.testing.assert_array_equal(to_host(views[j][0]), pattern(j, count), err_msg=f"peer {j}")
+                np.testing.assert_array_equal(to_host(pb.peer(j))[:count * 4],
+                                              pattern(j, count).view(np.uint8))
+            # remote writes: each rank writes into the next rank's second row
+            nxt = (me + 1) % n
+            host_write(views[nxt][1], pattern(me, count, salt=7))
+            dist.barrier(tp)
+            np.testing.assert_array_equal(to_host(views[me][1]), pattern((me - 1) % n, count, salt=7))
+            if pb.kind != "shm":
+                _kernel_reads_a_peer(pb, backend, views, me, n, count)
+            dist.barrier(tp)
+
+    collectively(body)
+
+
+def _kernel_reads_a_peer(pb, backend, views, me, n, count):
+    """A kernel (simulated, or real on a GPU) copies a peer's row into local memory."""
+    from vtnumba.kernels.reduce import launch
+
+    src = (me + 1) % n
+    q = pb.queue
+    dst = backend.alloc(count * 4)
+    dst_view = dst.view(np.float32, (1, count))
+    backend.submit(q, lambda stream: launch("copy_rows", stream, dst_view, views[src], 0, 1), name="peer_read")
+    backend.synchronize(q)
+    np.testing.assert_array_equal(to_host(dst_view)[0], pattern(src, count))
+    backend.free(dst)
+
+
+def test_a_rank_raising_mid_test_leaves_dev_shm_unchanged(tp, shm_unchanged):
+    me = tp.rank
+    errs = errors_everywhere(lambda: _raise_inside(tp, me))
+    assert errs[1].startswith("ZeroDivisionError") and all(e == "no exception" for r, e in enumerate(errs) if r != 1)
+
+
+def _raise_inside(tp, me):
+    with dist.PeerBuffers(4096, tp, CPUBackend(), timeout_s=TIMEOUT) as pb:
+        pb.views(np.uint8, 8)[me][:] = me
+        if me == 1:
+            raise ZeroDivisionError("rank 1 fails mid-test")  # __exit__ still closes collectively
+
+
+@pytest.mark.parametrize("stage", ["export", "open"])
+def test_one_rank_refusing_fails_every_rank_the_same_way(tp, stage, shm_unchanged):
+    n = tp.size
+    msg = same_error_everywhere(
+        PeerAccessError, lambda: dist.PeerBuffers(4096, tp, CPUBackend(), timeout_s=TIMEOUT, _fail_on_rank=n - 1,
+                                                  _fail_stage=stage))
+    assert f"PeerBuffers {stage}: failed on 1 of {n} ranks" in msg and f"rank {n - 1}: forced" in msg
+    got = COMM.allgather(dist.PeerBuffers.try_create(4096, tp, CPUBackend(), _fail_on_rank=0, _fail_stage=stage))
+    assert got == [None] * n
+
+
+def test_refusal_from_the_environment(tp, monkeypatch, shm_unchanged):
+    monkeypatch.setenv("VTNUMBA_FAIL_PEER_OPEN", "1")
+    t0 = time.perf_counter()
+    assert COMM.allgather(dist.PeerBuffers.try_create(4096, tp, CPUBackend())) == [None] * tp.size
+    assert time.perf_counter() - t0 < TIMEOUT / 2  # agreed, not timed out
+
+
+def test_sizes_that_differ_across_ranks(tp, shm_unchanged):
+    me = tp.rank
+    msg = same_error_everywhere(ValueError, lambda: dist.PeerBuffers(1024 * (me + 1), tp, CPUBackend()))
+    assert msg.startswith("PeerBuffers(nbytes=...) must be the same on every rank of group 'tp'; got rank 0: 1024, "
+                          "rank 1: 2048")
+    msg = same_error_everywhere(ValueError, lambda: dist.PeerBuffers(0 if me == 1 else 64, tp, CPUBackend()))
+    assert "rank 1: nbytes=0 is not a valid size" in msg
+
+
+# ---------------------------------------------------------------------------- signals
+def test_flags_order_data_across_ranks(tp, shm_unchanged):
+    """Ping-pong: producer writes data then raises a flag; the consumer must see the data."""
+    n, me = tp.size, tp.rank
+    steps = 200
+
+    def body():
+        with dist.PeerBuffers(4096, tp, CPUBackend(), timeout_s=TIMEOUT) as pb, \
+                dist.PeerSignals(tp, timeout_s=TIMEOUT) as sig:
+            inbox = pb.views(np.int64, (n, 8))  # inbox[r][j]: slot written by rank j
+            nxt, prv = (me + 1) % n, (me - 1) % n
+            for e in range(1, steps + 1):
+                sig.wait("consumed", e - 1, source=nxt)     # nxt finished reading my previous write
+                inbox[nxt][me][:] = e * 10 + me               # data first ...
+                sig.set("inbox_ready", nxt, e)              # ... then the flag (release)
+                sig.wait("inbox_ready", e, source=prv)      # acquire
+                assert (inbox[me][prv] == e * 10 + prv).all(), (e, inbox[me][prv])
+                sig.set("consumed", prv, e)
+            dist.barrier(tp)
+
+    collectively(body)
+
+
+def test_a_wait_whose_peer_never_signals_times_out(tp, shm_unchanged):
+    me = tp.rank
+
+    def body():
+        with dist.PeerSignals(tp, timeout_s=TIMEOUT) as sig:
+            if me == 0:
+                t0 = time.perf_counter()
+                try:
+                    sig.wait("gather_ready", 1, source=1, timeout_s=0.3)
+                    raise AssertionError("no timeout")
+                except RuntimeError as exc:
+                    assert str(exc) == ("rank 0 of group 'tp': timed out after 0.3 s waiting for flag 'gather_ready' "
+                                        "from rank 1 to reach 1; it is 0"), str(exc)
+                assert time.perf_counter() - t0 < 5
+            dist.barrier(tp)
+
+    collectively(body)
+
+
+def test_a_rank_leaving_its_signals_with_an_exception_releases_waiting_peers(tp, shm_unchanged):
+    me = tp.rank
+    t0 = time.perf_counter()
+
+    def run():
+        with dist.PeerSignals(tp, timeout_s=TIMEOUT) as sig:
+            if me == 1:
+                raise KeyError("boom")  # leaves mid-protocol: __exit__ aborts, then closes collectively
+            sig.wait("inbox_ready", 1, source=1)  # would wait TIMEOUT s without the abort
+
+    errs = errors_everywhere(run)
+    assert time.perf_counter() - t0 < TIMEOUT / 2, errs
+    assert errs[1] == "KeyError: 'boom'", errs
+    assert errs[0].startswith("RuntimeError: rank 0 of group 'tp': waiting for flag 'inbox_ready' >= 1 from rank 1, "
+                              "but rank 1 aborted"), errs
+
+
+# ---------------------------------------------------------------------------- collectives
+def _ts(n):
+    return sorted({t for t in (1, n - 1, n, 129) if t >= 1})
+
+
+@pytest.mark.parametrize("dtype,threaded", [(np.float32, False), (np.float64, False), (np.float32, True)])
+def test_reduce_scatter_and_all_gather_match_numpy_on_cpu(tp, dtype, threaded, shm_unchanged):
+    n, me = tp.size, tp.rank
+    H = 33
+
+    def body():
+        be = CPUBackend(threaded=threaded)  # threaded: the work runs on the queue's thread
+        with dist.PeerBuffers((129 + n) * H * 8 + 64, tp, be, timeout_s=TIMEOUT) as pb, \
+                dist.PeerSignals(tp, backend=be, timeout_s=TIMEOUT) as sig:
+            for T in _ts(n):
+                R = -(-T // n)
+                xs = [np.random.default_rng(100 * T + r).standard_normal((T, H)).astype(dtype) for r in range(n)]
+                total = np.zeros((n * R, H), np.float64)
+                total[:T] = np.sum([x.astype(np.float64) for x in xs], axis=0)
+                want = total[me * R:(me + 1) * R]
+                out = np.full((R, H), np.nan, dtype)
+                dist.reduce_scatter(pb, xs[me], out, sig)
+                np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=f"reduce_scatter T={T}")
+                ref = np.full((R, H), np.nan, dtype)
+                dist.mpi_reduce_scatter(xs[me], ref, tp)
+                np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+                # zero-copy input: produced straight into the peer buffer
+                xin = pb.views(dtype, (T, H), offset=64)[me]
+                sig.wait_consumed()  # peers may still read my buffer from the last step
+                xin[...] = xs[me]
+                out2 = np.full((R, H), np.nan, dtype)
+                dist.reduce_scatter(pb, xin, out2, sig, offset=64)
+                np.testing.assert_array_equal(out2, out)
+                # all-gather of the reduced shards reproduces the sum's first T rows
+                gathered = np.full((T, H), np.nan, dtype)
+                dist.all_gather(pb, out, gathered, sig)
+                np.testing.assert_allclose(gathered, total[:T], rtol=1e-5, atol=1e-5, err_msg=f"all_gather T={T}")
+                ref_g = np.full((T, H), np.nan, dtype)
+                dist.mpi_all_gather(out, ref_g, tp)
+                np.testing.assert_array_equal(gathered, ref_g)
+                full = np.full((n * R, H), np.nan, dtype)  # out may also hold every padded row
+                dist.all_gather(pb, out, full, sig)
+                np.testing.assert_array_equal(full[:T], gathered)
+                # in place: out lives in the peer buffer and the shard already sits in its rows
+                gin = pb.views(dtype, (n * R, H), offset=64)[me]
+                sig.wait_consumed()
+                gin[...] = np.nan
+                gin[me * R:(me + 1) * R] = out
+                dist.all_gather(pb, gin[me * R:(me + 1) * R], gin[:T], sig, offset=64)
+                np.testing.assert_array_equal(gin[:T], gathered)
+
+    collectively(body)
+
+
+def test_reduce_scatter_and_all_gather_on_the_simulator(tp, shm_unchanged):
+    from vtnumba.backend.cuda import CUDABackend, fake_device_array, sim_host_view
+
+    n, me = tp.size, tp.rank
+    H = 3
+
+    def body():
+        be = CUDABackend()
+        with dist.PeerBuffers(1024, tp, be, timeout_s=TIMEOUT) as pb, \
+                dist.PeerSignals(tp, backend=be, timeout_s=TIMEOUT) as sig:
+            for T in sorted({1, max(n - 1, 1), n, 7}):
+                R = -(-T // n)
+                xs = [np.random.default_rng(7 * T + r).standard_normal((T, H)).astype(np.float32) for r in range(n)]
+                total = np.zeros((n * R, H), np.float32)
+                total[:T] = np.sum(xs, axis=0)
+                out = fake_device_array(np.full((R, H), np.nan, np.float32))
+                dist.reduce_scatter(pb, fake_device_array(xs[me]), out, sig)
+                np.testing.assert_allclose(sim_host_view(out), total[me * R:(me + 1) * R], rtol=1e-5, atol=1e-6)
+                gathered = fake_device_array(np.full((T, H), np.nan, np.float32))
+                dist.all_gather(pb, out, gathered, sig)
+                np.testing.assert_allclose(sim_host_view(gathered), total[:T], rtol=1e-5, atol=1e-6)
+
+    collectively(body)
+
+
+def test_shapes_that_differ_across_ranks_fail_everywhere_and_the_channel_recovers(tp, shm_unchanged):
+    n, me = tp.size, tp.rank
+    be = CPUBackend()
+    with dist.PeerBuffers(4096, tp, be, timeout_s=TIMEOUT) as pb, \
+            dist.PeerSignals(tp, backend=be, timeout_s=TIMEOUT) as sig:
+        T = 4 * n + me  # a different token count on every rank: each call is locally consistent
+        R = -(-T // n)
+        msg = same_error_everywhere(ValueError, lambda: dist.reduce_scatter(
+            pb, np.ones((T, 4), np.float32), np.zeros((R, 4), np.float32), sig))
+        assert "reduce_scatter: ranks of group 'tp' called it with different arguments" in msg
+        # a bad argument on one rank only: it raises ValueError, the others fail fast (not after the timeout)
+        t0 = time.perf_counter()
+        errs = errors_everywhere(lambda: dist.all_gather(
+            pb, np.ones((2, 4), np.float32), np.zeros((2 * n + (me == 1), 4), np.float32), sig))
+        assert time.perf_counter() - t0 < TIMEOUT / 2
+        assert errs[1].startswith("ValueError: out has shape"), errs
+        assert all(e.startswith("RuntimeError: ") and "but rank 1 aborted" in e for r, e in enumerate(errs) if r != 1)
+        # and the next correct call works on every rank
+        out = np.full((2, 4), np.nan, np.float32)
+
+        def ok():
+            dist.reduce_scatter(pb, np.full((2 * n, 4), me + 1, np.float32), out, sig)
+            np.testing.assert_array_equal(out, np.full((2, 4), n * (n + 1) / 2, np.float32))
+
+        collectively(ok)
+
+
+@pytest.mark.cuda
+def test_cuda_ipc_collectives_on_a_real_gpu(tp, shm_unchanged):
+    """Real GPUs only: raw-handle CUDA IPC buffers, kernels reading peers, both collectives."""
+    from numba import cuda
+
+    from vtnumba.backend.cuda import CUDABackend
+
+    n, me = tp.size, tp.rank
+
+    def body():
+        be = CUDABackend()
+        with dist.PeerBuffers(1 << 20, tp, be, timeout_s=TIMEOUT) as pb, \
+                dist.PeerSignals(tp, backend=be, timeout_s=TIMEOUT) as sig:
+            assert pb.kind == "cuda_ipc"
+            for T in _ts(n):
+                H = 65
+                R = -(-T // n)
+                xs = [np.random.default_rng(3 * T + r).standard_normal((T, H)).astype(np.float32) for r in range(n)]
+                total = np.zeros((n * R, H), np.float32)
+                total[:T] = np.sum(xs, axis=0)
+                out = cuda.to_device(np.full((R, H), np.nan, np.float32))
+                dist.reduce_scatter(pb, cuda.to_device(xs[me]), out, sig)
+                np.testing.assert_allclose(out.copy_to_host(), total[me * R:(me + 1) * R], rtol=1e-5, atol=1e-5)
+                gathered = cuda.to_device(np.full((T, H), np.nan, np.float32))
+                dist.all_gather(pb, out, gathered, sig)
+                np.testing.assert_allclose(gathered.copy_to_host(), total[:T], rtol=1e-5, atol=1e-5)
+
+    collectively(body)
+
+
+def test_bench_peer_runs_under_mpi_and_follows_the_schema(tp):
+    import argparse
+
+    from vtnumba.bench import peer, schema
+
+    def body():
+        d = peer.run(argparse.Namespace(quick=True, sizes=[0.25], repeat=2))
+        schema.validate_suite(d)
+        assert d["ranks"] == tp.size and d["target"] == "cpu"
+        assert all(r["value"] > 0 and r["samples"] == 2 for r in d["results"])
+        for key in ("reduce_scatter peer-in-buffer/mpi4py @0.25MiB", "all_gather peer-in-place/mpi4py geomean"):
+            assert d["ratios"][key] > 0, key
+
+    collectively(body)
+    assert dist.is_initialized()  # run() leaves a distributed setup it did not create alone

@@ -1,0 +1,255 @@
+"""Reference collectives on one rank, and the row-sum kernels they use (vtnumba.kernels.reduce).
+
+Kernels: host references vs float64 numpy; the @cuda.jit kernels in the simulator vs the
+host references (fresh random inputs, NaN-poisoned outputs, odd shapes); and every kernel
+compiled to PTX for cc 8.0 and 9.0 in a subprocess with the simulator off.
+Multi-rank correctness of the collectives is in tests/mpi/test_dist_peer_mpi.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from vtnumba import dist
+from vtnumba.backend.cpu import CPUBackend
+from vtnumba.kernels import reduce as kr
+
+SHAPES = [(1, 1), (1, 7), (3, 33), (2, 65), (7, 5)]
+
+
+def poisoned(shape, dtype=np.float32):
+    return np.full(shape, np.nan, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------- host references
+@pytest.mark.parametrize("R,H", SHAPES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_host_references_match_float64_numpy(R, H, dtype, rng):
+    T = 2 * R + 1
+    a, b, c = (rng.standard_normal((T, H)).astype(dtype) for _ in range(3))
+    for row0, nrows in [(0, R), (R, R), (2 * R, 1), (T - 1, 1 if R >= 1 else 0), (0, 0)]:
+        nrows = min(nrows, R)
+        out = poisoned((R, H), dtype)
+        kr.copy_rows_host(out, a, row0, nrows)
+        want = np.zeros((R, H))
+        want[:nrows] = a[row0:row0 + nrows]
+        np.testing.assert_array_equal(out, want.astype(dtype))
+        out = poisoned((R, H), dtype)
+        kr.add_rows_host(out, a, b, row0, nrows)
+        want[:nrows] = a[row0:row0 + nrows].astype(np.float64) + b[row0:row0 + nrows]
+        np.testing.assert_allclose(out, want, rtol=1e-6)
+        kr.accumulate_rows_host(out, c, row0, nrows)
+        want[:nrows] += c[row0:row0 + nrows]
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+        assert not np.isnan(out).any()
+
+
+def test_accumulate_leaves_padding_rows_alone(rng):
+    out = rng.standard_normal((4, 3)).astype(np.float32)
+    keep = out[2:].copy()
+    kr.accumulate_rows_host(out, rng.standard_normal((5, 3)).astype(np.float32), 1, 2)
+    np.testing.assert_array_equal(out[2:], keep)
+
+
+# ---------------------------------------------------------------------------- simulator kernels
+@pytest.mark.parametrize("R,H", SHAPES)
+def test_cuda_kernels_match_host_references_in_the_simulator(R, H, rng):
+    from vtnumba.backend.cuda import fake_device_array, sim_host_view
+
+    T = R + 2
+    a, b, c = (rng.standard_normal((T, H)).astype(np.float32) for _ in range(3))
+    from numba import cuda
+
+    row0 = 1
+    nrows = R - 1 if R > 1 else 1  # R > 1: the last row is padding (zeros / untouched)
+
+    for name, args in [("copy_rows", (a,)), ("add_rows", (a, b)), ("accumulate_rows", (c,))]:
+        want = poisoned((R, H)) if name != "accumulate_rows" else rng.standard_normal((R, H)).astype(np.float32)
+        got = fake_device_array(want.copy())
+        kr.HOST_REFERENCES[name](want, *args, row0, nrows)
+        kr.launch(name, cuda.default_stream(), got, *[fake_device_array(x) for x in args], row0, nrows)
+        np.testing.assert_allclose(sim_host_view(got), want, rtol=1e-6, err_msg=name)
+
+
+def test_sum_rows_on_cpu_and_simulator_backends(rng):
+    from vtnumba.backend.cuda import CUDABackend, fake_device_array, sim_host_view
+
+    srcs = [rng.standard_normal((6, 7)).astype(np.float32) for _ in range(3)]
+    for be in (CPUBackend(), CUDABackend()):
+        q = be.create_queue()
+        if isinstance(be, CPUBackend):
+            out, args = poisoned((3, 7)), srcs
+        else:
+            out, args = fake_device_array(poisoned((3, 7))), [fake_device_array(s) for s in srcs]
+        for k in (1, 2, 3):
+            kr.sum_rows(out, args[:k], 4, 2, backend=be, queue=q)
+            be.synchronize(q)
+            w = np.zeros((3, 7), np.float32)
+            w[:2] = sum(s[4:6] for s in srcs[:k])
+            np.testing.assert_allclose(out if isinstance(out, np.ndarray) else sim_host_view(out), w, rtol=1e-6)
+        be.destroy_queue(q)
+
+
+def test_sum_rows_validation():
+    be = CPUBackend()
+    q = be.create_queue()
+    out = np.zeros((2, 3), np.float32)
+    a = np.zeros((4, 3), np.float32)
+    for args, exc, match in [
+        ((np.zeros(3, np.float32), [a], 0, 1), ValueError, "out must be a 2-D array"),
+        ((out, [], 0, 1), ValueError, "sources is empty"),
+        ((out, [a], -1, 1), ValueError, "row0=-1 must be a non-negative int"),
+        ((out, [a], 0, 3), ValueError, r"nrows=3 must be an int in 0..2"),
+        ((out, [np.zeros((4, 2), np.float32)], 0, 1), ValueError, r"sources\[0\] has shape \(4, 2\); expected"),
+        ((out, [a.astype(np.float64)], 0, 1), TypeError, "sources\\[0\\] has dtype float64; expected out's float32"),
+        ((out, [a], 3, 2), ValueError, r"rows \[3, 5\) run past sources\[0\]'s 4 rows"),
+    ]:
+        with pytest.raises(exc, match=match):
+            kr.sum_rows(*args, backend=be, queue=q)
+
+
+_PTX_SCRIPT = r"""
+import json
+from numba import cuda
+from vtnumba.kernels.reduce import kernel_sources
+out = {}
+for cc in [(8, 0), (9, 0)]:
+    for name, fn in kernel_sources().items():
+        for t in ("float32", "float16"):
+            n = 3 if name == "add_rows" else 2
+            sig = "void(" + ", ".join([t + "[:, ::1]"] * n) + ", int64, int64)"
+            ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
+            out[f"{name}/{t}/sm_{cc[0]}{cc[1]}"] = (".entry" in ptx, f".target sm_{cc[0]}{cc[1]}" in ptx)
+print(json.dumps(out))
+"""
+
+
+def test_every_kernel_compiles_to_ptx():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    env.pop("VTNUMBA_TARGET", None)
+    res = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True, text=True, timeout=240,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(got) == 3 * 2 * 2
+    bad = {k: v for k, v in got.items() if v != [True, True]}
+    assert not bad, bad
+
+
+# ---------------------------------------------------------------------------- collectives, one rank
+@pytest.fixture
+def group():
+    dist.destroy_distributed()
+    g = dist.init_distributed()
+    yield g
+    dist.destroy_distributed()
+
+
+@pytest.fixture(params=["cpu", "cudasim"])
+def setup(request, group):
+    if request.param == "cpu":
+        be = CPUBackend()
+        wrap = unwrap = lambda a: a  # noqa: E731
+    else:
+        from vtnumba.backend.cuda import CUDABackend, fake_device_array, sim_host_view
+
+        be = CUDABackend()
+        wrap, unwrap = fake_device_array, sim_host_view
+    with dist.PeerBuffers(4096, group, be) as pb, dist.PeerSignals(group, backend=be, timeout_s=10) as sig:
+        yield pb, sig, wrap, unwrap
+
+
+@pytest.mark.parametrize("T,H", [(1, 1), (3, 7), (5, 33)])
+def test_one_rank_collectives_are_copies(setup, T, H, rng):
+    pb, sig, wrap, unwrap = setup
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    out = wrap(poisoned((T, H)))
+    dist.reduce_scatter(pb, wrap(x), out, sig)
+    np.testing.assert_array_equal(unwrap(out), x)
+    g = wrap(poisoned((T, H)))
+    dist.all_gather(pb, out, g, sig)
+    np.testing.assert_array_equal(unwrap(g), x)
+    # zero-copy input: x produced directly in the local peer buffer, at an offset
+    (xin,) = pb.views(np.float32, (T, H), offset=64)
+    unwrap(xin)[...] = x + 1
+    out2 = wrap(poisoned((T, H)))
+    dist.reduce_scatter(pb, xin, out2, sig, offset=64)
+    np.testing.assert_array_equal(unwrap(out2), x + 1)
+    assert sig.epoch == 3
+    # in-place all-gather: out is the peer buffer, the shard already sits in its own rows
+    (gin,) = pb.views(np.float32, (T, H), offset=128)
+    unwrap(gin)[...] = x
+    dist.all_gather(pb, gin[0:T], gin, sig, offset=128)
+    np.testing.assert_array_equal(unwrap(gin), x)
+    # in place with the shard elsewhere: it is staged into out's rows
+    (gin2,) = pb.views(np.float32, (T, H), offset=1024)
+    unwrap(gin2)[...] = np.nan
+    dist.all_gather(pb, wrap(x - 1), gin2, sig, offset=1024)
+    np.testing.assert_array_equal(unwrap(gin2), x - 1)
+
+
+def test_mpi_baselines_one_rank(group, rng):
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    out = poisoned((5, 3))
+    dist.mpi_reduce_scatter(x, out, group)
+    np.testing.assert_array_equal(out, x)
+    g = poisoned((5, 3))
+    dist.mpi_all_gather(out, g, group, timeout_s=None)
+    np.testing.assert_array_equal(g, x)
+    with pytest.raises(TypeError, match="supports float32/float64/int32/int64"):
+        dist.mpi_reduce_scatter(x.astype(np.float16), out.astype(np.float16), group)
+    with pytest.raises(ValueError, match=r"out has shape \(4, 3\); expected \(R, H\) = \(5, 3\)"):
+        dist.mpi_reduce_scatter(x, poisoned((4, 3)), group)
+    with pytest.raises(ValueError, match=r"expected \(T, 3\) with 1 <= T <= tp\*R = 5"):
+        dist.mpi_all_gather(x, poisoned((6, 3)), group)
+
+
+def test_collective_argument_errors_keep_the_channel_usable(group, rng):
+    be = CPUBackend()
+    with dist.PeerBuffers(256, group, be) as pb, dist.PeerSignals(group, backend=be, timeout_s=5) as sig:
+        x = rng.standard_normal((4, 4)).astype(np.float32)
+        for args, kw, exc, match in [
+            ((x, poisoned((3, 4))), {}, ValueError, r"out has shape \(3, 4\); expected \(R, H\) = \(4, 4\)"),
+            ((x, poisoned((4, 4), np.float64)), {}, TypeError, "out has dtype float64; expected x's float32"),
+            ((x[:, :2], poisoned((4, 2))), {}, ValueError, "x .* must be C-contiguous"),
+            ((x, poisoned((4, 4))), {"offset": 2}, ValueError, "offset=2 must be a non-negative multiple of 4"),
+            ((x, poisoned((4, 4))), {"offset": 256}, ValueError, r"needs 320 bytes of peer buffer; pb has nbytes=256"),
+            ((np.zeros((0, 4), np.float32), poisoned((0, 4))), {}, ValueError, "at least one row"),
+        ]:
+            with pytest.raises(exc, match=match):
+                dist.reduce_scatter(pb, *args, sig, **kw)
+        with pytest.raises(ValueError, match=r"expected \(T, 4\) with 1 <= T <= tp\*R = 4"):
+            dist.all_gather(pb, x, poisoned((5, 4)), sig)
+        with pytest.raises(TypeError, match="signals must be a PeerSignals"):
+            dist.reduce_scatter(pb, x, poisoned((4, 4)), None)
+        with pytest.raises(TypeError, match="pb must be a PeerBuffers"):
+            dist.all_gather(None, x, poisoned((4, 4)), sig)
+        # every failed call used up its epoch consistently; the next real call works
+        out = poisoned((4, 4))
+        dist.reduce_scatter(pb, x, out, sig)
+        np.testing.assert_array_equal(out, x)
+    with dist.PeerSignals(group, names=("consumed",)) as few, dist.PeerBuffers(64, group, be) as pb2:
+        with pytest.raises(ValueError, match="signals needs a flag named 'inbox_ready'"):
+            dist.reduce_scatter(pb2, x, poisoned((4, 4)), few)
+
+
+def test_bench_peer_runs_on_one_rank_and_follows_the_schema():
+    import argparse
+
+    from vtnumba.bench import peer, schema
+
+    args = argparse.Namespace(quick=True, sizes=[0.25], repeat=2)
+    d = peer.run(args)
+    schema.validate_suite(d)
+    assert d["suite"] == "peer" and d["ranks"] == 1
+    impls = {(r["case"], r["impl"]) for r in d["results"]}
+    assert impls == {(c, i) for c in ("reduce_scatter", "all_gather") for i in ("peer-in-buffer", "peer-staged",
+                                                                                   "mpi4py")} | \
+        {("all_gather", "peer-in-place"), ("all_gather", "mpi4py-in-place")}
+    assert all(r["value"] > 0 for r in d["results"])
+    assert "reduce_scatter peer-in-buffer/mpi4py geomean" in d["ratios"]
+    assert any("1 rank" in n for n in d["notes"])

@@ -1,0 +1,286 @@
+"""PeerBuffers, shared-memory segments, signals and atomics on a one-rank group (plain pytest).
+
+Multi-rank behaviour is in tests/mpi/test_dist_peer_mpi.py; here the paths one rank can
+reach: layouts, views, lifetimes, failure hooks, /dev/shm hygiene, timeouts.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from vtnumba import dist
+from vtnumba.backend.cpu import CPUBackend
+from vtnumba.dist import _atomics, shm
+from vtnumba.dist.peer_buffers import PeerAccessError
+
+
+@pytest.fixture
+def group():
+    dist.destroy_distributed()
+    g = dist.init_distributed()
+    yield g
+    dist.destroy_distributed()
+
+
+@pytest.fixture(params=["cpu", "cudasim"])
+def backend(request):
+    if request.param == "cpu":
+        b = CPUBackend()
+    else:
+        from vtnumba.backend.cuda import CUDABackend
+
+        b = CUDABackend()
+        assert b.simulator
+    yield b
+    b.close()
+
+
+def host(arr):
+    from vtnumba.backend.cuda import sim_host_view
+
+    return arr if isinstance(arr, np.ndarray) else sim_host_view(arr)
+
+
+def _mine():
+    # Only this process's segments (names carry the creator's pid): other jobs on the machine
+    # may create and remove vtnumba segments at the same time.
+    return [s for s in shm.list_segments() if f"-{os.getpid()}-" in s]
+
+
+@pytest.fixture
+def shm_clean():
+    before = _mine()
+    yield
+    assert _mine() == before, "a /dev/shm segment was left behind"
+
+
+# ---------------------------------------------------------------------------- shm segments
+def test_segment_create_attach_unlink(shm_clean, rng):
+    seg = shm.ShmSegment.create(4096, tag="t")
+    st = os.stat(seg.path)
+    assert st.st_mode & 0o777 == 0o600 and st.st_size == 4096
+    assert seg.name.startswith(shm.NAME_PREFIX) and len(seg.name.rsplit("-", 1)[1]) == 32  # 128-bit token
+    other = shm.ShmSegment.attach(seg.name, 4096)
+    pattern = rng.integers(0, 256, 4096, dtype=np.uint8)
+    seg.array[:] = pattern
+    np.testing.assert_array_equal(other.array, pattern)  # same physical pages
+    seg.unlink()
+    assert not os.path.exists(seg.path)
+    other.array[7] = 99  # mapping outlives the name
+    assert seg.array[7] == 99
+    other.close()
+    seg.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        _ = seg.array
+
+
+def test_segment_close_with_live_view_and_checks(shm_clean):
+    seg = shm.ShmSegment.create(64)
+    view = seg.array[:8]
+    seg.close()  # a numpy view is still alive: close must not fail, the name is gone
+    view[:] = 1
+    assert not os.path.exists(seg.path)
+    with pytest.raises(ValueError, match="must be > 0"):
+        shm.ShmSegment.create(0)
+    with pytest.raises(ValueError, match="is not a vtnumba segment name"):
+        shm.ShmSegment.attach("../etc/passwd", 10)
+    with pytest.raises(ValueError, match="is not a vtnumba segment name"):
+        shm.ShmSegment.attach("vtnumba-x/../../y", 10)
+    a = shm.ShmSegment.create(64)
+    try:
+        with pytest.raises(ValueError, match="has 64 bytes, expected 128"):
+            shm.ShmSegment.attach(a.name, 128)
+    finally:
+        a.close()
+
+
+def test_atexit_hook_unlinks_names_still_linked(shm_clean):
+    seg = shm.ShmSegment.create(64)
+    assert os.path.exists(seg.path)
+    shm._unlink_leftovers()  # what runs at interpreter exit
+    assert not os.path.exists(seg.path)
+    seg.close()
+
+
+# ---------------------------------------------------------------------------- PeerBuffers
+def test_peer_buffers_single_rank(group, backend, shm_clean, rng):
+    with dist.PeerBuffers(1000, group, backend) as pb:
+        assert pb.nbytes == 1000 and pb.group is group and not pb.closed
+        assert pb.kind == ("shm" if isinstance(backend, CPUBackend) else "shm-sim")
+        assert not [s for s in shm.list_segments() if f"-{os.getpid()}-" in s], \
+            "the segment name must be unlinked as soon as every rank mapped it"
+        assert pb.peer(0) is pb.local
+        if pb.kind == "shm-sim":
+            from vtnumba.backend.cuda import is_device_array
+
+            assert is_device_array(pb.local)  # a zero-copy simulator array, not plain numpy
+        pattern = rng.standard_normal(250).astype(np.float32)
+        host(pb.local).view(np.float32)[:] = pattern
+        (v,) = pb.views(np.float32, (25, 10))
+        np.testing.assert_array_equal(host(v), pattern.reshape(25, 10))
+        (w,) = pb.views(np.float64, 3, offset=8)
+        assert w.shape == (3,)
+        with pytest.raises(ValueError, match=r"need 1008 bytes but the peer buffers have nbytes=1000"):
+            pb.views(np.float64, 126)
+        with pytest.raises(ValueError, match="offset=2 is not a multiple of float32's itemsize 4"):
+            pb.views(np.float32, 1, offset=2)
+        with pytest.raises(ValueError, match=r"rank=1 must be a group rank in 0..0"):
+            pb.peer(1)
+        q = pb.queue
+        assert pb.queue is q
+        assert pb.is_local_view(pb.local) and pb.is_local_view(v[1:], 40) and not pb.is_local_view(v[1:], 0)
+        assert not pb.is_local_view(np.zeros(3)) and not pb.is_local_view("not an array")
+    assert pb.closed
+    pb.close()  # idempotent
+    with pytest.raises(RuntimeError, match="is closed"):
+        _ = pb.local
+    with pytest.raises(RuntimeError, match="is closed"):
+        pb.views(np.uint8, 1)
+
+
+def test_default_backend_is_the_targets(group, shm_clean):
+    import vtnumba
+
+    with dist.PeerBuffers(64, group) as pb:
+        assert pb.backend is vtnumba.default_backend()
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (0, ValueError, r"nbytes=0 is not a valid size; expected > 0"),
+    (-5, ValueError, r"nbytes=-5 is not a valid size"),
+    (1.5, TypeError, r"nbytes=1.5 must be an int number of bytes"),
+])
+def test_peer_buffers_bad_sizes(group, bad, exc, match, shm_clean):
+    with pytest.raises(exc, match=match):
+        dist.PeerBuffers(bad, group, CPUBackend())
+
+
+def test_peer_buffers_bad_arguments(group):
+    with pytest.raises(TypeError, match="group must be a live ProcessGroup"):
+        dist.PeerBuffers(64, "tp")
+    with pytest.raises(TypeError, match="backend must be a vtnumba Backend"):
+        dist.PeerBuffers(64, group, backend="cpu")
+    with pytest.raises(ValueError, match="_fail_stage='later' must be 'export' or 'open'"):
+        dist.PeerBuffers(64, group, CPUBackend(), _fail_on_rank=0, _fail_stage="later")
+
+
+@pytest.mark.parametrize("stage", ["export", "open"])
+def test_forced_failure_is_agreed_and_leaves_nothing(group, stage, shm_clean):
+    with pytest.raises(PeerAccessError, match=rf"PeerBuffers {stage}: failed on 1 of 1 ranks .* rank 0: forced"):
+        dist.PeerBuffers(64, group, CPUBackend(), _fail_on_rank=0, _fail_stage=stage)
+    assert dist.PeerBuffers.try_create(64, group, CPUBackend(), _fail_on_rank=0, _fail_stage=stage) is None
+    # a rank that is not the failing one: nothing fails
+    pb = dist.PeerBuffers.try_create(64, group, CPUBackend(), _fail_on_rank=3, _fail_stage=stage)
+    assert pb is not None
+    pb.close()
+
+
+@pytest.mark.parametrize("var", ["VTNUMBA_FAIL_PEER_OPEN", "VTNUMBA_FAIL_PEER_EXPORT"])
+def test_forced_failure_from_the_environment(group, var, monkeypatch, shm_clean):
+    monkeypatch.setenv(var, "0")
+    assert dist.PeerBuffers.try_create(64, group, CPUBackend()) is None
+    monkeypatch.setenv(var, "zero")
+    with pytest.raises(ValueError, match=f"{var}='zero' must be a group rank"):
+        dist.PeerBuffers(64, group, CPUBackend())
+
+
+def test_group_without_peer_access_is_refused(group, shm_clean):
+    group.peer_access = False  # what a group spanning two nodes reports (see the MPI tests)
+    with pytest.raises(PeerAccessError, match=r"spans more than one node.*mpi_reduce_scatter"):
+        dist.PeerBuffers(64, group, CPUBackend())
+    assert dist.PeerBuffers.try_create(64, group, CPUBackend()) is None
+
+
+def test_close_after_destroy_distributed_releases_locally(shm_clean):
+    dist.destroy_distributed()
+    g = dist.init_distributed()
+    pb = dist.PeerBuffers(64, g, CPUBackend())
+    dist.destroy_distributed()
+    pb.close()  # no communicator left for barriers: local release only, no error, nothing leaked
+    assert pb.closed
+
+
+def test_exception_inside_the_with_block_still_cleans_up(group, shm_clean):
+    with pytest.raises(ZeroDivisionError):
+        with dist.PeerBuffers(64, group, CPUBackend()) as pb:
+            raise ZeroDivisionError("mid-block")
+    assert pb.closed
+
+
+# ---------------------------------------------------------------------------- atomics
+def test_acquire_release_roundtrip():
+    a = np.zeros(4, np.int64)
+    _atomics.store_release(a, 2, 41)
+    assert _atomics.load_acquire(a, 2) == 41 and a[2] == 41
+    _atomics.fence()
+    with pytest.raises(TypeError, match="1-D int64"):
+        _atomics.load_acquire(np.zeros(4, np.int32), 0)
+    with pytest.raises(IndexError, match="flag index 4 is out of range"):
+        _atomics.store_release(a, 4, 1)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        _atomics.load_acquire(np.zeros(40, np.uint8)[1:33].view(np.int64), 0)
+
+
+# ---------------------------------------------------------------------------- signals
+def test_signals_single_rank(group, shm_clean):
+    be = CPUBackend()
+    with dist.PeerSignals(group, backend=be, timeout_s=5) as sig:
+        assert sig.names == dist.DEFAULT_NAMES
+        assert sig.next_epoch() == 1 and sig.next_epoch() == 2
+        assert sig.get("consumed", 0) == 0
+        sig.wait("consumed", 5)  # no other rank: nothing to wait for
+        sig.set("consumed", 0, 3)
+        assert sig.get("consumed", 0) == 3
+        sig.wait("consumed", 3, source=0)
+        sig.wait("consumed", 2, source=[0])
+        with pytest.raises(ValueError, match=r"must not decrease \(it is already 3\)"):
+            sig.set("consumed", 0, 2)
+        with pytest.raises(ValueError, match=r"unknown flag name='nope'"):
+            sig.set("nope", 0, 1)
+        with pytest.raises(ValueError, match=r"target_rank=1 must be a group rank in 0..0"):
+            sig.set("consumed", 1, 1)
+        q = be.create_queue()
+        sig.set_all("inbox_ready", 1, after=q, include_self=True)  # synchronizes q first
+        assert sig.get("inbox_ready", 0) == 1
+        sig.wait_consumed()  # no peers: returns at once
+        sig.set_meta([1, 2, 3])
+        assert sig.meta(0) == (1, 2, 3, 0, 0, 0, 0, 0)
+        with pytest.raises(ValueError, match="at most 8 values"):
+            sig.set_meta(range(9))
+
+
+def test_signal_wait_times_out_naming_rank_flag_expected_and_seen(group, shm_clean):
+    with dist.PeerSignals(group, timeout_s=5) as sig:
+        sig.set("gather_ready", 0, 4)
+        with pytest.raises(RuntimeError, match=r"rank 0 of group 'tp': timed out after 0.05 s waiting for flag "
+                                               r"'gather_ready' from rank 0 to reach 7; it is 4"):
+            sig.wait("gather_ready", 7, source=0, timeout_s=0.05)
+        with pytest.raises(ValueError, match=r"set\(after=queue\) needs PeerSignals\(backend=...\)"):
+            sig.set("gather_ready", 0, 5, after=object())
+
+
+def test_signal_abort_fails_waiters_fast_only_for_unfinished_steps(group, shm_clean):
+    with dist.PeerSignals(group, timeout_s=30) as sig:
+        sig.set("inbox_ready", 0, 2)
+        sig.abort(3)
+        sig.wait("inbox_ready", 2, source=0)  # it finished step 2 before aborting step 3
+        with pytest.raises(RuntimeError, match=r"waiting for flag 'inbox_ready' >= 3 from rank 0, but rank 0 aborted"):
+            sig.wait("inbox_ready", 3, source=0)
+        with pytest.raises(RuntimeError, match="timed out"):  # epoch 4 was not aborted: a normal timeout
+            sig.wait("inbox_ready", 4, source=0, timeout_s=0.02)
+        sig.abort()  # permanent
+        with pytest.raises(RuntimeError, match="aborted"):
+            sig.wait("inbox_ready", 10**9, source=0)
+
+
+def test_signals_bad_names(group, shm_clean):
+    for names, match in [((), "non-empty tuple"), (("a", "a"), "duplicates"), (("a", ""), "non-empty"),
+                         ("abc", "non-empty tuple")]:
+        with pytest.raises(ValueError, match=match):
+            dist.PeerSignals(group, names=names)
+    with dist.PeerSignals(group, names=["x"]) as sig:
+        assert sig.names == ("x",)
+    assert sig.closed
+    with pytest.raises(RuntimeError, match="is closed"):
+        _ = sig.get("x", 0)

@@ -1,0 +1,190 @@
+"""Benchmark: reduce-scatter and all-gather over peer buffers vs. mpi4py's collectives.
+
+Run under MPI (``mpiexec -n 2 python -m vtnumba bench peer [--json out.json]``).  For each
+total size ``S`` (1-64 MiB; ``--quick``: 1 and 16 MiB) the same float32 data goes through
+
+* ``reduce_scatter`` -- each rank holds ``x [T, H]`` (``S`` bytes) and keeps its summed
+  ``[T/n, H]`` block:
+
+    - ``peer-in-buffer``: :func:`vtnumba.dist.reduce_scatter` with ``x`` already in the
+      local peer buffer (where a producer such as TPSP's matmul writes it);
+    - ``peer-staged``: the same with ``x`` in ordinary memory, staged into the peer buffer
+      by the call (only the blocks peers read are copied);
+    - ``mpi4py``: ``comm.Reduce_scatter_block`` (the stock baseline);
+* ``all_gather`` -- each rank holds a ``[T/n, H]`` shard, everyone gets ``[T, H]`` (``S`` bytes):
+
+    - ``peer-in-buffer`` / ``peer-staged`` as above (``out`` in ordinary memory);
+    - ``peer-in-place``: ``out`` itself lives in the peer buffer and the shard is already in
+      its own rows (NCCL's in-place convention): each rank copies only its peers' rows;
+    - ``mpi4py``: ``comm.Allgather``, and ``mpi4py-in-place``: ``comm.Allgather(MPI.IN_PLACE, out)``
+      (the fair partner of ``peer-in-place``: MPI then also skips the own-shard copy).
+
+Metric: bus bandwidth as nccl-tests defines it -- ``algbw = S / t``, ``busbw = algbw *
+(n-1)/n`` -- in GB/s, where ``t`` is the slowest rank's time for one call.  The
+implementations are measured *interleaved* (one call of each per round, rounds repeated)
+so a noisy neighbour on the machine slows all of them alike, and every round starts with
+a barrier (not timed).  Ratios are peer / mpi4py busbw per size, plus their geometric mean.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from vtnumba.bench import schema
+from vtnumba.bench.timing import Stats, memcpy_bandwidth_gbs
+
+MIB = 1 << 20
+FULL_SIZES_MIB = (1, 2, 4, 8, 16, 32, 64)
+QUICK_SIZES_MIB = (1, 16)
+H = 4096  # row width in float32 elements (16 KiB rows, a typical hidden size)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--sizes", type=float, nargs="+", default=None,
+                        help="total sizes S in MiB (default 1 2 4 8 16 32 64; --quick: 1 16)")
+    parser.add_argument("--repeat", type=int, default=None, help="timed rounds per size (default 15, quick 5)")
+
+
+def _stats(times: list[float]) -> Stats:
+    arr = np.asarray(times)
+    return Stats(float(np.median(arr)), float(np.percentile(arr, 10)), float(np.percentile(arr, 90)), len(times))
+
+
+def _busbw_gbs(nbytes: int, seconds: float, n: int) -> float:
+    return nbytes / seconds / 1e9 * (n - 1) / n if n > 1 else nbytes / seconds / 1e9
+
+
+def _time_rounds(group, impls: dict, repeat: int, warmup: int = 2) -> dict[str, list[float]]:
+    """One call of every impl per round (rotating order); per call, the slowest rank's time."""
+    from mpi4py import MPI
+
+    from vtnumba.dist import barrier
+
+    names = list(impls)
+    times = {k: [] for k in names}
+    for rnd in range(warmup + repeat):
+        order = names[rnd % len(names):] + names[:rnd % len(names)]
+        local = np.zeros(len(names))
+        for k in order:
+            barrier(group)
+            t0 = time.perf_counter()
+            impls[k]()
+            local[names.index(k)] = time.perf_counter() - t0
+        worst = np.empty_like(local)
+        group.cpu_comm.Allreduce(local, worst, op=MPI.MAX)
+        if rnd >= warmup:
+            for i, k in enumerate(names):
+                times[k].append(float(worst[i]))
+    return times
+
+
+def _measure_size(group, backend, size_mib: float, repeat: int, to_target, on_device: bool):
+    """Time every implementation on the same data of ``size_mib``; returns (S, times by impl)."""
+    from mpi4py import MPI
+
+    from vtnumba import dist
+
+    n, me = group.size, group.rank
+    S = int(size_mib * MIB)
+    T = max(n, (S // (H * 4)) // n * n)  # rows: a multiple of n (Reduce_scatter_block needs it)
+    S = T * H * 4
+    R = T // n
+    rng = np.random.default_rng(1234 + me)
+    x_host = rng.standard_normal((T, H), dtype=np.float32)
+    shard_host = rng.standard_normal((R, H), dtype=np.float32)
+    # Each rank's peer buffer: [0, S) the reduce-scatter input / all-gather shard,
+    # [S, 2S) the in-place all-gather output.
+    with dist.PeerBuffers(2 * S, group, backend) as pb, dist.PeerSignals(group, backend=backend) as sig:
+        q = pb.queue
+        x, shard = to_target(x_host), to_target(shard_host)
+        out = to_target(np.zeros((R, H), np.float32))
+        gathered = to_target(np.zeros((T, H), np.float32))
+        x_in = pb.views(np.float32, (T, H))[me]              # produced in place (e.g. by a matmul)
+        shard_in = pb.views(np.float32, (R, H))[me]
+        g_inplace = pb.views(np.float32, (T, H), offset=S)[me]
+        shard_inplace = g_inplace[me * R:(me + 1) * R]
+        for dst, src, nbytes in ((x_in, x, S), (shard_in, shard, R * H * 4), (shard_inplace, shard, R * H * 4)):
+            backend.copy(q, dst, src, nbytes)
+        backend.synchronize(q)
+        g_mpi_inplace = np.zeros((T, H), np.float32)
+        g_mpi_inplace[me * R:(me + 1) * R] = shard_host
+        impls = {
+            ("reduce_scatter", "peer-in-buffer"): lambda: dist.reduce_scatter(pb, x_in, out, sig),
+            ("reduce_scatter", "peer-staged"): lambda: dist.reduce_scatter(pb, x, out, sig),
+            ("reduce_scatter", "mpi4py"): lambda: dist.mpi_reduce_scatter(x, out, group, timeout_s=None),
+            ("all_gather", "peer-in-buffer"): lambda: dist.all_gather(pb, shard_in, gathered, sig),
+            ("all_gather", "peer-staged"): lambda: dist.all_gather(pb, shard, gathered, sig),
+            ("all_gather", "peer-in-place"): lambda: dist.all_gather(pb, shard_inplace, g_inplace, sig, offset=S),
+            ("all_gather", "mpi4py"): lambda: dist.mpi_all_gather(shard, gathered, group, timeout_s=None),
+        }
+        if not on_device:  # MPI_IN_PLACE on host memory (the pip mpich is not CUDA-aware)
+            impls[("all_gather", "mpi4py-in-place")] = lambda: group.comm.Allgather(MPI.IN_PLACE, g_mpi_inplace)
+        return S, _time_rounds(group, impls, repeat)
+
+
+def run(args) -> dict:
+    from mpi4py import MPI
+
+    from vtnumba import dist
+    from vtnumba.backend.default import default_backend
+    from vtnumba.target import current_target
+
+    target = current_target().name
+    if target == "cudasim":
+        raise RuntimeError("bench peer measures bandwidth; the CUDA simulator runs ~7000 threads/s, so its numbers "
+                           "would mean nothing. Use --target cpu (or cuda on a GPU machine).")
+    quick = bool(getattr(args, "quick", False))
+    sizes = getattr(args, "sizes", None) or (QUICK_SIZES_MIB if quick else FULL_SIZES_MIB)
+    repeat = getattr(args, "repeat", None) or (5 if quick else 15)
+
+    owns_dist = not dist.is_initialized()
+    group = dist.init_distributed()
+    n = group.size
+    backend = default_backend()
+    results, ratios, notes = [], {}, []
+    if n == 1:
+        notes.append("ran on 1 rank: there is nothing to exchange, so busbw is reported as algbw; "
+                     "run under mpiexec -n 2 for meaningful numbers")
+    if target == "cuda":
+        notes.append("mpi4py baseline stages through host memory (the pip mpich is not CUDA-aware)")
+    on_device = target == "cuda"
+
+    def to_target(a: np.ndarray):
+        if not on_device:
+            return a
+        from numba import cuda
+
+        return cuda.to_device(a)
+
+    per_pair: dict[str, list[float]] = {}
+    try:
+        for size_mib in sizes:
+            S, times = _measure_size(group, backend, size_mib, repeat, to_target, on_device)
+            bw = {}
+            for (case, impl), ts in times.items():
+                st = _stats(ts)
+                bw[(case, impl)] = _busbw_gbs(S, st.median_s, n)
+                results.append(schema.row(case, impl, float(size_mib), "MiB", "busbw GB/s", bw[(case, impl)], st))
+            pairs = [("reduce_scatter", "peer-in-buffer", "mpi4py"), ("reduce_scatter", "peer-staged", "mpi4py"),
+                     ("all_gather", "peer-in-buffer", "mpi4py"), ("all_gather", "peer-staged", "mpi4py"),
+                     ("all_gather", "peer-in-place", "mpi4py"), ("all_gather", "peer-in-place", "mpi4py-in-place")]
+            for case, impl, base in pairs:
+                if (case, base) in bw and (case, impl) in bw:
+                    r = bw[(case, impl)] / bw[(case, base)]
+                    ratios[f"{case} {impl}/{base} @{size_mib:g}MiB"] = r
+                    per_pair.setdefault(f"{case} {impl}/{base} geomean", []).append(r)
+        for key, values in per_pair.items():
+            ratios[key] = float(np.exp(np.mean(np.log(values))))
+    finally:
+        if owns_dist:
+            dist.destroy_distributed()
+    baselines = {"memcpy GB/s (1 rank)": memcpy_bandwidth_gbs(64 * MIB, repeat=5)}
+    notes.append(f"float32 rows of H={H}; S = total bytes of the reduce-scatter input / all-gather output "
+                 "per rank; busbw = S/t*(n-1)/n (nccl-tests); t = slowest rank per call, median over rounds")
+    notes.append(f"MPI library: {MPI.Get_library_version().splitlines()[0].strip()}")
+    return schema.suite("peer", target, n, results, ratios, baselines, notes)
+
+
+__all__ = ["run", "add_arguments"]

@@ -1,0 +1,41 @@
+"""Distributed layer: process groups on mpi4py, agreement, peer buffers, signals, reference collectives.
+
+Reading order (each module is one concept):
+
+* :mod:`~vtnumba.dist.groups`       -- ``init_distributed``, named groups, ``get_tp_group``;
+* :mod:`~vtnumba.dist.comm`         -- ``all_ranks_ready`` (the seed's agreement), ``barrier``
+  with a timeout, ``allgather_bytes``, ``agree_errors``;
+* :mod:`~vtnumba.dist.shm`          -- POSIX shared-memory segments (cpu / cudasim peer memory);
+* :mod:`~vtnumba.dist.cuda_ipc`     -- CUDA IPC handles as raw bytes (real-GPU peer memory);
+* :mod:`~vtnumba.dist.peer_buffers` -- ``PeerBuffers``: symmetric memory over either transport;
+* :mod:`~vtnumba.dist._atomics`     -- acquire/release loads and stores for cross-process flags;
+* :mod:`~vtnumba.dist.signals`      -- ``PeerSignals``: epoch flags with timeouts;
+* :mod:`~vtnumba.dist.collectives`  -- reduce-scatter / all-gather over peer buffers, and the
+  MPI baselines they are measured against.
+"""
+
+from vtnumba.dist.collectives import all_gather, mpi_all_gather, mpi_reduce_scatter, reduce_scatter
+from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, agree_errors, all_ranks_ready, allgather_bytes, barrier
+from vtnumba.dist.groups import (
+    GroupNotFoundError,
+    ProcessGroup,
+    destroy_distributed,
+    get_group,
+    get_tp_group,
+    get_world_group,
+    init_distributed,
+    is_initialized,
+    new_group,
+)
+from vtnumba.dist.peer_buffers import PeerAccessError, PeerBuffers
+from vtnumba.dist.shm import ShmSegment, list_segments
+from vtnumba.dist.signals import DEFAULT_NAMES, PeerSignals
+
+__all__ = [
+    "ProcessGroup", "GroupNotFoundError", "init_distributed", "destroy_distributed", "is_initialized",
+    "new_group", "get_group", "get_tp_group", "get_world_group",
+    "DEFAULT_TIMEOUT_S", "all_ranks_ready", "barrier", "allgather_bytes", "agree_errors",
+    "PeerBuffers", "PeerAccessError", "ShmSegment", "list_segments",
+    "PeerSignals", "DEFAULT_NAMES",
+    "reduce_scatter", "all_gather", "mpi_reduce_scatter", "mpi_all_gather",
+]

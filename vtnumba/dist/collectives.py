@@ -1,0 +1,387 @@
+"""Reference collectives over peer buffers -- reduce-scatter and all-gather -- and their MPI baselines.
+
+Seed concept: TPSP's exchange is a reduce-scatter over tokens followed by an all-gather,
+done by *reading peers' memory directly* instead of sending messages.  These two
+functions are that exchange on its own, the way the tutorials teach it before fusing it
+with the matmul and the norm.
+
+Shapes (``tp`` = group size, ``R = ceil(T / tp)``; rank ``r`` owns token rows
+``[r*R, r*R + R)``, and the rows past ``T`` are zero padding):
+
+* ``reduce_scatter(pb, x [T, H], out [R, H], signals)`` -- ``out = (sum over ranks of x)[r*R : r*R+R]``;
+* ``all_gather(pb, x_shard [R, H], out [T, H], signals)`` -- ``out[j*R : j*R+R] = x_shard of rank j``
+  (``out`` may have any ``T <= tp*R`` rows; rows past it are dropped).
+
+Protocol of one step (``e = signals.next_epoch()``, the same on every rank)::
+
+    1. wait  consumed     >= e-1 from every peer   # they finished reading my buffer last step
+    2. write my contribution into my peer buffer    # skipped if it is already there (see below)
+    3. set   inbox_ready/gather_ready = e on peers  # release: data before flag
+    4. wait  inbox_ready/gather_ready >= e from every peer
+    5. read peers' buffers: sum my row block / copy every shard
+    6. set   consumed = e on peers                  # their buffers are free again
+
+Step 1 is lazy -- it guards the *next* write, not the current read -- so a rank never
+waits at the end of a step, and the two collectives can share one buffer region and one
+``consumed`` counter.  Each rank also publishes its shapes with its flag
+(``signals.set_meta``); after step 4 every rank compares all of them, so a shape mismatch
+raises the same ValueError on every rank instead of reading garbage.  A rank that fails
+its own argument checks stamps ``signals.abort(epoch)`` before raising, so peers fail
+fast instead of timing out, and the next step works again.
+
+Zero-copy input: if ``x`` *is* the local peer buffer at ``offset`` (e.g.
+``x = pb.views(dtype, (T, H), offset)[pb.group.rank]``, which a matmul can write into
+directly), step 2 is skipped.  That is the point of symmetric memory: the producer writes
+where the consumers read.  ``all_gather`` also has an in-place form (``out`` itself in the
+peer buffer): then a rank's own rows never move and it copies only its peers' rows.
+**Hazard:** a producer writing into its own peer buffer *before* the call must first wait
+until every peer has finished reading the previous step from it --
+``signals.wait_consumed()`` -- because step 1 above only guards the collective's own
+write.
+
+Device work (copies, the row-sum kernels of :mod:`vtnumba.kernels.reduce`) is submitted to
+``queue`` (default: ``pb.queue``) and the queue is synchronized before a flag is raised, so
+the flags are always host-side and correct on every target.
+
+The MPI baselines ``mpi_reduce_scatter`` (``Reduce_scatter_block``) and
+``mpi_all_gather`` (``Allgather``) take the same shapes: they are what the benchmark
+compares against, and what callers use when a group has no peer access.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from vtnumba import trace
+from vtnumba.backend.cpu import CPUBackend
+from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, wait_request
+from vtnumba.dist.peer_buffers import PeerBuffers
+from vtnumba.dist.signals import PeerSignals
+from vtnumba.kernels.reduce import sum_rows
+
+_OP_REDUCE_SCATTER = 1
+_OP_ALL_GATHER = 2
+
+
+# ---------------------------------------------------------------------------- array plumbing
+def _host_view(arr):
+    """A numpy view of ``arr`` if it lives in host memory (numpy or a simulator array), else None."""
+    if isinstance(arr, np.ndarray):
+        return arr
+    ary = getattr(arr, "_ary", None)  # the simulator's FakeCUDAArray wraps a numpy array
+    return ary if isinstance(ary, np.ndarray) else None
+
+
+def _is_c_contiguous(arr) -> bool:
+    host = _host_view(arr)
+    if host is not None:
+        return bool(host.flags["C_CONTIGUOUS"])
+    fn = getattr(arr, "is_c_contiguous", None)
+    return bool(fn()) if fn is not None else False
+
+
+def _already_in_buffer(pb, x, offset: int) -> bool:
+    return pb.is_local_view(x, offset)
+
+
+def _check_2d(name: str, arr) -> tuple[int, int]:
+    shape = getattr(arr, "shape", None)
+    if shape is None or len(shape) != 2:
+        raise ValueError(f"{name} must be a 2-D array, got shape {shape}")
+    if not _is_c_contiguous(arr):
+        raise ValueError(f"{name} (shape {tuple(shape)}) must be C-contiguous")
+    return int(shape[0]), int(shape[1])
+
+
+def _check_pair(pb, signals):
+    if not isinstance(pb, PeerBuffers):
+        raise TypeError(f"pb must be a PeerBuffers, got {type(pb).__name__}")
+    if not isinstance(signals, PeerSignals):
+        raise TypeError(f"signals must be a PeerSignals, got {type(signals).__name__}")
+    if signals.group is not pb.group:
+        raise ValueError(f"signals (group {signals.group.name!r}) and pb (group {pb.group.name!r}) "
+                         "must belong to the same ProcessGroup")
+    for name in ("consumed", "inbox_ready", "gather_ready"):
+        if name not in signals.names:
+            raise ValueError(f"signals needs a flag named {name!r}; it has {list(signals.names)}")
+
+
+def _host_sync(pb) -> bool:
+    """A synchronous cpu backend: queue work would run inline anyway, so do it directly."""
+    return isinstance(pb.backend, CPUBackend) and not pb.backend.threaded
+
+
+def _copy(pb, q, dst, src, nbytes: int, dst_offset: int = 0, src_offset: int = 0) -> None:
+    """``backend.copy`` in queue order; on a synchronous cpu backend a direct ``np.copyto``
+    of the same bytes (same semantics, minus the per-call queue bookkeeping that dominates
+    at small sizes)."""
+    if _host_sync(pb):
+        d = dst.reshape(-1).view(np.uint8)[dst_offset:dst_offset + nbytes]
+        np.copyto(d, src.reshape(-1).view(np.uint8)[src_offset:src_offset + nbytes])
+    else:
+        pb.backend.copy(q, dst, src, nbytes, dst_offset=dst_offset, src_offset=src_offset)
+
+
+def _finish(pb, q) -> None:
+    if not _host_sync(pb):
+        pb.backend.synchronize(q)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------- the shared protocol
+def _exchange(pb, signals, ready: str, meta: tuple, write_fn, read_fn, queue, timeout_s, what: str) -> None:
+    """Steps 1-6 of the module docstring; ``write_fn(q)``/``read_fn(q)`` submit the work."""
+    g = pb.group
+    e = signals.next_epoch()
+    track = f"mpi:{g.name}"
+    with trace.span(f"{what}:wait_consumed", "peer", track, epoch=e):
+        signals.wait("consumed", e - 1, timeout_s=timeout_s)
+    with trace.span(f"{what}:write", "peer", track, epoch=e):
+        write_fn(queue)
+        _finish(pb, queue)  # the data must be complete before the flag goes up
+    signals.set_meta(meta)
+    signals.set_all(ready, e)
+    with trace.span(f"{what}:wait_ready", "peer", track, epoch=e):
+        try:
+            signals.wait(ready, e, timeout_s=timeout_s)
+        except RuntimeError:
+            signals.set_all("consumed", e)  # a peer gave up: this step reads nothing
+            raise
+    metas = [signals.meta(r) for r in range(g.size)]
+    if any(m != metas[0] for m in metas):
+        signals.set_all("consumed", e)  # keep the channel usable: nobody reads this step
+        shown = "; ".join(f"rank {r}: {m[1:7]}" for r, m in enumerate(metas))
+        raise ValueError(f"{what}: ranks of group {g.name!r} called it with different arguments "
+                         f"(rows, H, dtype number, offset[, T, in place]): {shown}")
+    try:
+        with trace.span(f"{what}:read", "peer", track, epoch=e):
+            read_fn(queue)
+            _finish(pb, queue)
+    finally:
+        signals.set_all("consumed", e)  # even on failure: peers may reuse their buffers
+
+
+def _validated(pb, signals, check, queue):
+    """Run the local argument checks.  On failure this rank still takes part in the step's
+    bookkeeping -- it uses up the epoch, marks it consumed and stamps an abort -- so peers
+    that passed their checks fail fast instead of timing out, and the channel stays usable
+    for the next call whether one rank or every rank failed."""
+    _check_pair(pb, signals)
+    try:
+        result = check()
+    except BaseException:
+        e = signals.next_epoch()
+        signals.set_all("consumed", e)
+        signals.abort(e)
+        raise
+    return result, (queue if queue is not None else pb.queue)
+
+
+def reduce_scatter(pb, x, out, signals, *, offset: int = 0, queue=None, timeout_s: float | None = None):
+    """Sum ``x [T, H]`` over the ranks of ``pb.group`` and keep this rank's row block in ``out [R, H]``.
+
+    ``R = ceil(T / tp)``; rows of the block past ``T`` are zero.  ``x`` is staged at byte
+    ``offset`` of the local peer buffer (no copy if it already lives there).  Collective:
+    every rank calls it with the same shapes.  Returns ``out``.
+    """
+    def check():
+        T, H = _check_2d("x", x)
+        if T < 1 or H < 1:
+            raise ValueError(f"x has shape ({T}, {H}); expected at least one row and one column")
+        R = _cdiv(T, pb.group.size)
+        oR, oH = _check_2d("out", out)
+        if (oR, oH) != (R, H):
+            raise ValueError(f"out has shape ({oR}, {oH}); expected (R, H) = ({R}, {H}) with "
+                             f"R = ceil(T={T} / tp={pb.group.size})")
+        dt = np.dtype(x.dtype)
+        if np.dtype(out.dtype) != dt:
+            raise TypeError(f"out has dtype {np.dtype(out.dtype).name}; expected x's {dt.name}")
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0 \
+                or offset % dt.itemsize:
+            raise ValueError(f"offset={offset!r} must be a non-negative multiple of {dt.itemsize}")
+        need = offset + T * H * dt.itemsize
+        if need > pb.nbytes:
+            raise ValueError(f"x [{T}, {H}] {dt.name} at offset={offset} needs {need} bytes of peer buffer; "
+                             f"pb has nbytes={pb.nbytes}")
+        return T, H, R, dt
+
+    (T, H, R, dt), q = _validated(pb, signals, check, queue)
+    g = pb.group
+    nbytes = T * H * dt.itemsize
+    nrows = max(0, min(R, T - g.rank * R))  # 0 for a rank whose whole block is padding (T < tp)
+    row0 = g.rank * R if nrows else 0
+
+    in_buffer = _already_in_buffer(pb, x, offset)
+    # Staging x: peers only ever read *their* row blocks of my buffer, so when my own block
+    # can be read straight from x (same kind of array as the buffers) it is not copied.
+    own_from_x = not in_buffer and nrows > 0 and type(x) is type(pb.local)
+    row_bytes = H * dt.itemsize
+
+    def write(q):
+        if in_buffer:
+            return
+        if not own_from_x:
+            _copy(pb, q, pb.local, x, nbytes, dst_offset=offset)
+            return
+        head, tail = row0 * row_bytes, (row0 + nrows) * row_bytes
+        if head:
+            _copy(pb, q, pb.local, x, head, dst_offset=offset)
+        if nbytes > tail:
+            _copy(pb, q, pb.local, x, nbytes - tail, dst_offset=offset + tail, src_offset=tail)
+
+    def read(q):
+        sources = pb.views(dt, (T, H), offset)
+        if own_from_x:
+            sources[g.rank] = x
+        sum_rows(out, sources, row0, nrows, backend=pb.backend, queue=q)
+
+    _exchange(pb, signals, "inbox_ready", (_OP_REDUCE_SCATTER, T, H, dt.num, offset), write, read, q,
+              timeout_s, "reduce_scatter")
+    return out
+
+
+def all_gather(pb, x_shard, out, signals, *, offset: int = 0, queue=None, timeout_s: float | None = None):
+    """Gather every rank's ``x_shard [R, H]`` into ``out [T, H]`` (rank ``j``'s rows at ``j*R``).
+
+    ``T`` may be anything in ``1 .. tp*R``: rows past it (padding) are not copied.
+    Collective.  Returns ``out``.  Two layouts:
+
+    * out of place (``out`` is ordinary memory): the shard is staged at byte ``offset`` of
+      the local peer buffer (no copy if it already lives there) and every rank copies all
+      ``tp`` shards into ``out``;
+    * in place (NCCL's convention; ``out`` *is* the local peer buffer at ``offset``, e.g.
+      ``pb.views(dtype, (T, H), offset)[rank]``): each rank's shard sits in its own rows of
+      its own ``out`` (staged there, or already ``out[r*R : r*R+R]``), and each rank copies
+      only its peers' rows -- its own never move.  Every rank must use the same layout.
+    """
+    def check():
+        R, H = _check_2d("x_shard", x_shard)
+        if R < 1 or H < 1:
+            raise ValueError(f"x_shard has shape ({R}, {H}); expected at least one row and one column")
+        T, oH = _check_2d("out", out)
+        tp = pb.group.size
+        if oH != H or not 1 <= T <= tp * R:
+            raise ValueError(f"out has shape ({T}, {oH}); expected (T, {H}) with 1 <= T <= tp*R = {tp * R}")
+        dt = np.dtype(x_shard.dtype)
+        if np.dtype(out.dtype) != dt:
+            raise TypeError(f"out has dtype {np.dtype(out.dtype).name}; expected x_shard's {dt.name}")
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+            raise ValueError(f"offset={offset!r} must be a non-negative int")
+        in_place = _already_in_buffer(pb, out, offset)
+        need = offset + (T if in_place else R) * H * dt.itemsize
+        if need > pb.nbytes:
+            raise ValueError(f"x_shard [{R}, {H}] {dt.name} at offset={offset} needs {need} bytes of peer "
+                             f"buffer; pb has nbytes={pb.nbytes}")
+        return R, H, T, dt, in_place
+
+    (R, H, T, dt, in_place), q = _validated(pb, signals, check, queue)
+    g = pb.group
+    row_bytes = H * dt.itemsize
+    mine = max(0, min(R, T - g.rank * R))  # my rows that land in out (the rest is padding)
+
+    def slot(j: int) -> int:
+        """Byte offset of rank j's shard inside rank j's peer buffer."""
+        return offset + j * R * row_bytes if in_place else offset
+
+    def write(q):
+        if _already_in_buffer(pb, x_shard, slot(g.rank)):
+            return
+        nbytes = (mine if in_place else R) * row_bytes
+        if nbytes:
+            _copy(pb, q, pb.local, x_shard, nbytes, dst_offset=slot(g.rank))
+
+    def read(q):
+        for j in range(g.size):
+            rows = max(0, min(R, T - j * R))
+            if rows and not (in_place and j == g.rank):
+                _copy(pb, q, out, pb.peer(j), rows * row_bytes, dst_offset=j * R * row_bytes,
+                                src_offset=slot(j))
+
+    _exchange(pb, signals, "gather_ready", (_OP_ALL_GATHER, R, H, dt.num, offset, T, int(in_place)), write, read,
+              q, timeout_s, "all_gather")
+    return out
+
+
+# ---------------------------------------------------------------------------- MPI baselines
+_MPI_DTYPES = (np.float32, np.float64, np.int32, np.int64)
+
+
+def _to_host(arr) -> np.ndarray:
+    host = _host_view(arr)
+    if host is not None:
+        return host
+    return arr.copy_to_host()  # a real device array (mpich from pip is not CUDA-aware)
+
+
+def _back_to(dst, host: np.ndarray) -> None:
+    if _host_view(dst) is not None:
+        if _host_view(dst) is not host:
+            np.copyto(_host_view(dst), host)
+        return
+    dst.copy_to_device(host)
+
+
+def _run_mpi(group, what: str, blocking, nonblocking, timeout_s) -> None:
+    with trace.span(what, "mpi", f"mpi:{group.name}"):
+        if timeout_s is None:
+            blocking()
+        else:
+            wait_request(nonblocking(), group, what, timeout_s)
+
+
+def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+    """Same contract as :func:`reduce_scatter`, with ``MPI_Reduce_scatter_block`` on ``group.comm``.
+
+    ``timeout_s=None`` makes the plain blocking call (the stock baseline the benchmark
+    times); a number uses the non-blocking call and raises RuntimeError after it.
+    """
+    T, H = _check_2d("x", x)
+    tp = group.size
+    R = _cdiv(T, tp)
+    if tuple(int(s) for s in out.shape) != (R, H):
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected (R, H) = ({R}, {H})")
+    dt = np.dtype(x.dtype)
+    if dt not in [np.dtype(d) for d in _MPI_DTYPES] or np.dtype(out.dtype) != dt:
+        raise TypeError(f"mpi_reduce_scatter supports float32/float64/int32/int64 with out of x's dtype; "
+                        f"got x {dt.name}, out {np.dtype(out.dtype).name}")
+    xh = _to_host(x)
+    if T == tp * R:
+        send = xh
+    else:  # Reduce_scatter_block needs equal blocks: pad with zero rows
+        send = np.zeros((tp * R, H), dtype=dt)
+        send[:T] = xh
+    recv = _host_view(out) if _host_view(out) is not None else np.empty((R, H), dtype=dt)
+    _run_mpi(group, "mpi_reduce_scatter",
+             lambda: group.comm.Reduce_scatter_block(send, recv, op=MPI.SUM),
+             lambda: group.comm.Ireduce_scatter_block(send, recv, op=MPI.SUM), timeout_s)
+    _back_to(out, recv)
+    return out
+
+
+def mpi_all_gather(x_shard, out, group, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+    """Same contract as :func:`all_gather`, with ``MPI_Allgather`` on ``group.comm``."""
+    R, H = _check_2d("x_shard", x_shard)
+    T, oH = _check_2d("out", out)
+    tp = group.size
+    if oH != H or not 1 <= T <= tp * R:
+        raise ValueError(f"out has shape ({T}, {oH}); expected (T, {H}) with 1 <= T <= tp*R = {tp * R}")
+    dt = np.dtype(x_shard.dtype)
+    if dt not in [np.dtype(d) for d in _MPI_DTYPES] or np.dtype(out.dtype) != dt:
+        raise TypeError(f"mpi_all_gather supports float32/float64/int32/int64 with out of x_shard's dtype; "
+                        f"got x_shard {dt.name}, out {np.dtype(out.dtype).name}")
+    xh = _to_host(x_shard)
+    out_h = _host_view(out)
+    recv = out_h if (out_h is not None and T == tp * R) else np.empty((tp * R, H), dtype=dt)
+    _run_mpi(group, "mpi_all_gather",
+             lambda: group.comm.Allgather(xh, recv),
+             lambda: group.comm.Iallgather(xh, recv), timeout_s)
+    if recv is not out_h:
+        _back_to(out, np.ascontiguousarray(recv[:T]))
+    return out
+
+
+__all__ = ["reduce_scatter", "all_gather", "mpi_reduce_scatter", "mpi_all_gather"]

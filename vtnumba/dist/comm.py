@@ -1,0 +1,166 @@
+"""Control-plane helpers on a group's CPU communicator: agreement, barrier, raw-bytes allgather.
+
+Seed concept: the seed's ``open()`` asks every rank "can you?" and all-reduces the answers
+with MIN, so either every rank goes down the fast path or none does.  That *agreement* is
+the rule that keeps a collective program from deadlocking: a rank that fails must not
+simply raise and leave its peers blocked in the next collective -- it reports the failure
+through a collective that every rank is already making, and then *all* ranks raise (or
+fall back) together.
+
+Everything here runs on ``group.cpu_comm`` -- a communicator of its own, so these small
+control messages never interleave with data traffic on ``group.comm``.
+
+Every wait is non-blocking underneath (``Ibarrier``/``Iallreduce``/``Iallgather`` plus
+polling), so a peer that never arrives produces a clear ``RuntimeError`` after
+``timeout_s`` instead of a hang.  MPI cannot cancel a collective that a peer never joined,
+so after such a timeout the communicator is unusable: the error says so, and the right
+reaction is to abort the job (``python -m mpi4py`` does that for an uncaught exception).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from vtnumba import trace
+
+DEFAULT_TIMEOUT_S = 60.0
+
+SPIN_S = 0.005        # poll this long before sleeping: peers on one node answer in microseconds
+PURE_SPIN_S = 0.0002  # ... of which this long without ever yielding the core
+
+
+def _backoff(polls: int, waited: float) -> None:
+    """How a waiting rank spends the time between two polls.
+
+    First a pure spin (a peer on the same node usually answers within microseconds, and a
+    yield on a busy machine can cost hundreds of microseconds before we run again); then
+    a spin that yields now and then (if ranks outnumber cores, the rank we wait for may
+    need this core); then short sleeps, so a long wait does not burn a core at all.
+    """
+    if waited < PURE_SPIN_S:
+        return
+    if waited < SPIN_S:
+        if polls % 64 == 0:
+            os.sched_yield()
+    else:
+        time.sleep(min(1e-3, waited / 100))
+
+
+def _check_timeout(timeout_s) -> float:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+    return float(timeout_s)
+
+
+def _describe(group) -> str:
+    return f"group {group.name!r} (rank {group.rank} of {group.size}, world ranks {group.world_ranks})"
+
+
+def wait_request(req: MPI.Request, group, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Poll a non-blocking MPI request until it completes; raise RuntimeError after ``timeout_s``.
+
+    Polling follows :func:`_backoff`: a busy loop first (collectives between ranks of one
+    node finish in microseconds, and MPI only progresses inside MPI calls such as
+    ``Test``), occasional yields next (a machine may have fewer cores than ranks), then
+    short sleeps so a long wait does not burn a core.
+    """
+    timeout_s = _check_timeout(timeout_s)
+    start = time.perf_counter()
+    polls = 0
+    while not req.Test():
+        polls += 1
+        waited = time.perf_counter() - start
+        if waited > timeout_s:
+            raise RuntimeError(
+                f"{what} on {_describe(group)} timed out after {timeout_s:g} s: at least one peer rank "
+                "never joined (it crashed, hangs, or took another code path). The MPI request cannot be "
+                "cancelled, so this communicator is unusable; abort the job.")
+        _backoff(polls, waited)
+
+
+def barrier(group, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """A barrier over ``group`` that raises RuntimeError (naming group and rank) after ``timeout_s``."""
+    _check_group(group)
+    with trace.span("barrier", "mpi", f"mpi:{group.name}"):
+        wait_request(group.cpu_comm.Ibarrier(), group, "barrier", timeout_s)
+
+
+def all_ranks_ready(ok: bool, group, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """True on every rank if ``ok`` is true on every rank, else False on every rank.
+
+    The seed's agreement: an all-reduce with MIN of 0/1.  Every rank must call it.
+    """
+    _check_group(group)
+    send = np.array([1 if ok else 0], dtype=np.int32)
+    recv = np.zeros(1, dtype=np.int32)
+    with trace.span("all_ranks_ready", "mpi", f"mpi:{group.name}", ok=bool(ok)):
+        wait_request(group.cpu_comm.Iallreduce(send, recv, op=MPI.MIN), group, "all_ranks_ready", timeout_s)
+    return bool(recv[0])
+
+
+def allgather_bytes(data: bytes, group, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[bytes]:
+    """Every rank contributes ``data`` (any length); every rank gets the list, indexed by group rank.
+
+    Raw bytes, never pickles: what travels is exactly what the caller packed (a shm name, a
+    64-byte CUDA IPC handle), which keeps the wire format explicit and version-proof.
+    """
+    _check_group(group)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    payload = np.frombuffer(bytes(data), dtype=np.uint8)
+    n = group.size
+    with trace.span("allgather_bytes", "mpi", f"mpi:{group.name}", bytes=payload.size):
+        lengths = np.zeros(n, dtype=np.int64)
+        wait_request(group.cpu_comm.Iallgather(np.array([payload.size], dtype=np.int64), lengths), group,
+                     "allgather_bytes (lengths)", timeout_s)
+        displs = np.zeros(n, dtype=np.int64)
+        np.cumsum(lengths[:-1], out=displs[1:])
+        out = np.zeros(max(int(lengths.sum()), 1), dtype=np.uint8)
+        wait_request(group.cpu_comm.Iallgatherv(payload, [out, (lengths, displs), MPI.BYTE]), group,
+                     "allgather_bytes (payload)", timeout_s)
+    return [out[int(d):int(d) + int(c)].tobytes() for d, c in zip(displs, lengths, strict=True)]
+
+
+_RAISABLE = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError,
+             "KeyError": KeyError, "IndexError": IndexError}
+
+
+def agree_errors(error: BaseException | str | None, group, *, context: str = "",
+                 default_type: type = RuntimeError, exc_type: type | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Collective: if any rank passes an error, raise the *same* exception on every rank.
+
+    Each rank passes the exception it caught (or a message, or None when it is fine).  The
+    messages are allgathered, so every rank builds an identical text naming each failing
+    rank, and raises it with the type of the lowest failing rank's exception (ValueError
+    stays ValueError, so bad input reads as bad input everywhere; other types become
+    ``default_type``), or always with ``exc_type`` when given.  Returns normally on every
+    rank when no rank failed.
+    """
+    if error is None:
+        mine = b""
+    elif isinstance(error, BaseException):
+        mine = f"{type(error).__name__}\x00{error}".encode()
+    else:
+        mine = f"{default_type.__name__}\x00{error}".encode()
+    everyone = allgather_bytes(mine, group, timeout_s)
+    failures = [(r, m.decode().split("\x00", 1)) for r, m in enumerate(everyone) if m]
+    if not failures:
+        return
+    if exc_type is None:
+        exc_type = _RAISABLE.get(failures[0][1][0], default_type)
+    parts = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in failures)
+    prefix = f"{context}: " if context else ""
+    raise exc_type(f"{prefix}failed on {len(failures)} of {group.size} ranks of group {group.name!r} -- {parts}")
+
+
+def _check_group(group) -> None:
+    if getattr(group, "cpu_comm", None) is None:
+        raise TypeError(f"group must be a live ProcessGroup, got {group!r}")
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "wait_request", "barrier", "all_ranks_ready", "allgather_bytes", "agree_errors"]

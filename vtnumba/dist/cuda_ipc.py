@@ -1,0 +1,107 @@
+"""CUDA IPC: the peer-memory transport of the ``cuda`` target (real GPUs only).
+
+Seed concept: each rank ``cudaMalloc``\\ s its buffer, exports a 64-byte
+``cudaIpcMemHandle_t`` for it, the handles are allgathered, and every rank opens every
+peer's handle (``cuIpcOpenMemHandle``) to get a device pointer it can pass to kernels.  A
+kernel on rank 0 then loads and stores rank 1's memory directly (over NVLink or PCIe, with
+peer access enabled lazily by ``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS``).
+
+Three rules from the CUDA documentation shape the code:
+
+* only a ``cuMemAlloc`` *allocation* can be exported, and the handle names the whole
+  allocation: a buffer that starts inside one travels as (handle, offset, size), and the
+  importer opens the handle and adds the offset;
+* a process cannot open its own handle, and can open a given handle only once;
+* the exporter must keep the allocation alive until every importer has called
+  ``cuIpcCloseMemHandle`` (freeing earlier is undefined behaviour) -- hence the two
+  barriers in :meth:`PeerBuffers.close`: everyone closes peers' memory, *then* everyone
+  frees their own.
+
+Why not numba's ``get_ipc_handle`` + pickle: with cuda-bindings 13.5 ``CUipcMemHandle``
+became opaque (only ``getPtr()``), and numba-cuda 0.30.4 still reads ``.reserved`` when
+pickling, so ``pickle.dumps(IpcArrayHandle)`` and ``open_ipc_array`` raise AttributeError
+(see the shared notes, section 5).  We copy the 64 raw bytes out of the handle with
+``ctypes.string_at(handle.getPtr(), 64)`` and back into a fresh handle with
+``ctypes.memmove`` -- a format that depends on no Python library's pickling -- and open it
+with numba's own ``IpcHandle.open_array`` (``source_info=None`` selects the direct path;
+the "staged" path numba uses for non-peer devices would silently open a *copy*, which is
+useless for shared memory).
+
+This module imports ``cuda.bindings`` and ``numba.cuda`` lazily; it is only used when the
+process target is ``cuda``.  It cannot run without a GPU; its tests are marked ``cuda``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import numpy as np
+
+IPC_HANDLE_BYTES = 64
+_WIRE = struct.Struct("<4s64sQQ")  # magic, raw handle, offset into the allocation, size
+_MAGIC = b"CIPC"
+
+
+def _check(err, what: str) -> None:
+    from cuda.bindings import driver as cu
+
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {err}")
+
+
+class CudaIpcExport:
+    """This rank's buffer, allocated through the backend and exported as raw handle bytes."""
+
+    def __init__(self, backend, nbytes: int):
+        from cuda.bindings import driver as cu
+
+        self.backend = backend
+        self.buffer = backend.alloc(nbytes)
+        ptr = int(self.buffer.ptr)
+        err, base, _size = cu.cuMemGetAddressRange(cu.CUdeviceptr(ptr))
+        _check(err, "cuMemGetAddressRange")
+        err, handle = cu.cuIpcGetMemHandle(base)
+        _check(err, "cuIpcGetMemHandle")
+        raw = ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+        self.handle_bytes = _WIRE.pack(_MAGIC, raw, ptr - int(base), nbytes)
+
+    @property
+    def array(self):
+        return self.buffer.array
+
+    def free(self) -> None:
+        if self.buffer is not None and not self.buffer.freed:
+            self.backend.free(self.buffer)
+        self.buffer = None
+
+
+class CudaIpcImport:
+    """A peer's buffer opened from its handle bytes: ``array`` is a device uint8 array of ``nbytes``."""
+
+    def __init__(self, handle_bytes: bytes, nbytes: int):
+        from cuda.bindings import driver as cu
+        from numba import cuda
+        from numba.cuda.cudadrv.driver import IpcHandle
+
+        if len(handle_bytes) != _WIRE.size:
+            raise ValueError(f"CUDA IPC handle message has {len(handle_bytes)} bytes, expected {_WIRE.size}")
+        magic, raw, offset, size = _WIRE.unpack(handle_bytes)
+        if magic != _MAGIC:
+            raise ValueError(f"not a vtnumba CUDA IPC handle (magic {magic!r})")
+        if size != nbytes:
+            raise ValueError(f"peer buffer has {size} bytes, expected {nbytes}")
+        handle = cu.CUipcMemHandle()
+        ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
+        self._ipc = IpcHandle(None, handle, size, source_info=None, offset=offset)
+        # open_array -> open_direct -> cuIpcOpenMemHandle(LAZY_ENABLE_PEER_ACCESS), then a view at offset
+        self.array = self._ipc.open_array(cuda.current_context(), shape=(size,), dtype=np.dtype(np.uint8))
+
+    def close(self) -> None:
+        if self._ipc is not None:
+            self.array = None  # drop the view before the mapping goes away
+            ipc, self._ipc = self._ipc, None
+            ipc.close()  # cuIpcCloseMemHandle
+
+
+__all__ = ["CudaIpcExport", "CudaIpcImport", "IPC_HANDLE_BYTES"]

@@ -1,0 +1,361 @@
+"""PeerBuffers: symmetric memory -- one buffer per rank, every rank can read and write all of them.
+
+Seed concept: TPSP's P2P workspace.  Every rank of a group allocates a buffer of the same
+size, exports a handle to it as raw bytes, allgathers the handles and opens every peer's;
+after that ``pb.peer(j)`` on any rank is rank ``j``'s memory, usable by kernels of this
+process's target without a copy:
+
+======== ========================== ==================================================================
+target   transport                  arrays handed out
+======== ========================== ==================================================================
+cpu      POSIX shm (``shm.py``)     numpy views of the mmap
+cudasim  POSIX shm (``shm.py``)     ``FakeCUDAArray`` over those views (zero-copy in the simulator)
+cuda     CUDA IPC (``cuda_ipc.py``) numba device arrays on the opened IPC mappings
+======== ========================== ==================================================================
+
+Construction is collective and *agreed* at every step that can fail on one rank only
+(the sizes, the export, the opening of peers): each step ends with an exchange of error
+messages over the group's control communicator, so either every rank continues or every
+rank raises the same exception -- no rank is ever left waiting for a peer that gave up.
+Failures that mean "this machine cannot do peer memory" raise :class:`PeerAccessError`
+(a RuntimeError); :meth:`PeerBuffers.try_create` turns that into ``None`` on every rank
+so callers fall back to MPI collectives.  Bad input (sizes that differ across ranks) stays
+a ValueError.
+
+Teardown follows the seed: ``close()`` = synchronize, barrier (nobody uses any buffer any
+more), unmap/close peers' memory, barrier (nobody maps my memory any more), free my own.
+
+Test hooks (to force a one-rank failure): the constructor's ``_fail_on_rank=<group rank>``
+and ``_fail_stage="export"|"open"``, or the environment variables
+``VTNUMBA_FAIL_PEER_OPEN=<group rank>`` / ``VTNUMBA_FAIL_PEER_EXPORT=<group rank>``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+from vtnumba.backend.base import Backend, check_nbytes
+from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, agree_errors, allgather_bytes, barrier
+from vtnumba.dist.shm import ShmSegment
+
+
+def array_address(arr) -> int | None:
+    """The address of an array's first element: host address for numpy and simulator
+    arrays, device address for CUDA arrays; None for anything else."""
+    if isinstance(arr, np.ndarray):
+        return arr.__array_interface__["data"][0]
+    host = getattr(arr, "_ary", None)  # the simulator's FakeCUDAArray wraps a numpy array
+    if isinstance(host, np.ndarray):
+        return host.__array_interface__["data"][0]
+    cai = getattr(arr, "__cuda_array_interface__", None)
+    return cai["data"][0] if cai is not None else None
+
+
+class PeerAccessError(RuntimeError):
+    """Peer buffers cannot be set up for this group (raised identically on every rank)."""
+
+
+def _transport_kind(backend: Backend) -> str:
+    if backend.device_type.value == "cpu":
+        return "shm"
+    if getattr(backend, "simulator", False):
+        return "shm-sim"
+    return "cuda_ipc"
+
+
+def _env_rank(var: str) -> int | None:
+    value = os.environ.get(var)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{var}={value!r} must be a group rank (an int)") from None
+
+
+class PeerBuffers:
+    """Symmetric peer memory of ``nbytes`` per rank over ``group`` (collective; see module docstring).
+
+    ``backend`` defaults to :func:`vtnumba.default_backend`.  Index arrays by *group* rank.
+    """
+
+    def __init__(self, nbytes: int, group, backend: Backend | None = None, *,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, _fail_on_rank: int | None = None,
+                 _fail_stage: str = "open"):
+        if getattr(group, "cpu_comm", None) is None or getattr(group, "freed", False):
+            raise TypeError(f"group must be a live ProcessGroup, got {group!r}")
+        if backend is None:
+            from vtnumba.backend.default import default_backend
+
+            backend = default_backend()
+        if not isinstance(backend, Backend):
+            raise TypeError(f"backend must be a vtnumba Backend, got {type(backend).__name__}")
+        if _fail_stage not in ("export", "open"):
+            raise ValueError(f"_fail_stage={_fail_stage!r} must be 'export' or 'open'")
+        self.group = group
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.kind = _transport_kind(backend)
+        self.nbytes = 0
+        self._closed = True  # until construction completes
+        self._local = None
+        self._peers: list = []
+        self._export = None       # ShmSegment or CudaIpcExport
+        self._imports: list = []  # ShmSegment or CudaIpcImport, for peers
+        self._queue = None
+        self._view_cache: dict = {}
+        self._local_address: int | None = None
+
+        fail_export = _env_rank("VTNUMBA_FAIL_PEER_EXPORT")
+        fail_open = _env_rank("VTNUMBA_FAIL_PEER_OPEN")
+        if _fail_on_rank is not None:
+            if _fail_stage == "export":
+                fail_export = _fail_on_rank
+            else:
+                fail_open = _fail_on_rank
+
+        # 1. Sizes: validated locally, then compared across ranks (same error everywhere).
+        err = None
+        try:
+            nbytes = check_nbytes("nbytes", nbytes, allow_zero=False)
+        except (TypeError, ValueError) as exc:
+            err, nbytes = exc, -1
+        agree_errors(err, group, context="PeerBuffers", timeout_s=timeout_s)
+        sizes = [struct.unpack("<q", b)[0] for b in allgather_bytes(struct.pack("<q", nbytes), group, timeout_s)]
+        if len(set(sizes)) != 1:
+            raise ValueError(f"PeerBuffers(nbytes=...) must be the same on every rank of group {group.name!r}; got "
+                             + ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes)))
+        self.nbytes = nbytes
+
+        # 2. Peer access is a property of the group, identical on every rank.
+        if not group.peer_access:
+            raise PeerAccessError(
+                f"group {group.name!r} (world ranks {group.world_ranks}) spans more than one node, so its ranks "
+                "cannot map each other's memory; use the MPI collectives (mpi_reduce_scatter / mpi_all_gather)")
+
+        # 3. Export my buffer.
+        err, handle = None, b""
+        try:
+            if fail_export == group.rank:
+                raise PeerAccessError(f"forced export failure on group rank {group.rank} (test hook)")
+            handle = self._export_local(nbytes)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            err = exc
+        try:
+            agree_errors(err, group, context="PeerBuffers export", exc_type=PeerAccessError, timeout_s=timeout_s)
+        except BaseException:
+            self._release_local()
+            raise
+
+        # 4. Exchange handles (raw bytes) and open every peer's buffer.
+        handles = allgather_bytes(handle, group, timeout_s)
+        err = None
+        try:
+            if fail_open == group.rank:
+                raise PeerAccessError(f"forced failure opening peer buffers on group rank {group.rank} (test hook)")
+            self._open_peers(handles, nbytes)
+        except Exception as exc:  # noqa: BLE001
+            err = exc
+        try:
+            agree_errors(err, group, context="PeerBuffers open", exc_type=PeerAccessError, timeout_s=timeout_s)
+        except BaseException:
+            # Undo in the safe order: close peers' memory, wait until every rank did, free mine.
+            self._close_peers()
+            try:
+                barrier(group, timeout_s)
+            finally:
+                self._release_local()
+            raise
+
+        # 5. The agreement above completed on every rank, so every peer has mapped my
+        #    segment: remove its name now.  From here on a crash cannot leak /dev/shm files.
+        if isinstance(self._export, ShmSegment):
+            self._export.unlink()
+        self._closed = False
+
+    # ------------------------------------------------------------------ construction helpers
+    def _wrap(self, host: np.ndarray):
+        if self.kind == "shm-sim":
+            from vtnumba.backend.cuda import fake_device_array
+
+            return fake_device_array(host)
+        return host
+
+    def _export_local(self, nbytes: int) -> bytes:
+        if self.kind == "cuda_ipc":
+            from vtnumba.dist.cuda_ipc import CudaIpcExport
+
+            self._export = CudaIpcExport(self.backend, nbytes)
+            self._local = self._export.array
+            return self._export.handle_bytes
+        self._export = ShmSegment.create(nbytes, tag=f"pb{self.group.rank}")
+        self._local = self._wrap(self._export.array)
+        return self._export.name.encode()
+
+    def _open_peers(self, handles: list[bytes], nbytes: int) -> None:
+        peers = []
+        for j, h in enumerate(handles):
+            if j == self.group.rank:
+                peers.append(self._local)
+                continue
+            if self.kind == "cuda_ipc":
+                from vtnumba.dist.cuda_ipc import CudaIpcImport
+
+                imp = CudaIpcImport(h, nbytes)
+                self._imports.append(imp)
+                peers.append(imp.array)
+            else:
+                seg = ShmSegment.attach(h.decode(), nbytes)
+                self._imports.append(seg)
+                peers.append(self._wrap(seg.array))
+        self._peers = peers
+
+    def _close_peers(self) -> None:
+        self._peers = []
+        self._view_cache = {}
+        imports, self._imports = self._imports, []
+        for imp in imports:
+            imp.close()
+
+    def _release_local(self) -> None:
+        self._local = None
+        self._local_address = None
+        exp, self._export = self._export, None
+        if exp is None:
+            return
+        if isinstance(exp, ShmSegment):
+            exp.close()  # also unlinks if still linked
+        else:
+            exp.free()
+
+    # ------------------------------------------------------------------ public API
+    @classmethod
+    def try_create(cls, nbytes: int, group, backend: Backend | None = None, **kwargs) -> "PeerBuffers | None":
+        """Like the constructor, but ``None`` on every rank when peer memory is unavailable.
+
+        All ranks agree: if any rank cannot export or open, or the group spans nodes, every
+        rank gets ``None`` (and falls back to MPI collectives).  Bad input still raises.
+        """
+        try:
+            return cls(nbytes, group, backend, **kwargs)
+        except PeerAccessError:
+            return None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"PeerBuffers on group {self.group.name!r} is closed")
+
+    @property
+    def local(self):
+        """This rank's buffer: a flat uint8 array of ``nbytes`` (the target's array type)."""
+        self._check_open()
+        return self._local
+
+    def peer(self, rank: int):
+        """Group rank ``rank``'s buffer as a flat uint8 array (``peer(self.group.rank)`` is ``local``)."""
+        self._check_open()
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.group.size:
+            raise ValueError(f"rank={rank!r} must be a group rank in 0..{self.group.size - 1} "
+                             f"of group {self.group.name!r}")
+        return self._peers[int(rank)]
+
+    def views(self, dtype, shape, offset: int = 0) -> list:
+        """One typed view per rank (index = group rank) of ``shape`` elements at byte ``offset``.
+
+        The list is fresh on every call (callers may replace entries); the arrays of recent
+        layouts are cached, because collectives ask for the same layout every step.
+        """
+        self._check_open()
+        key = (dtype, shape if isinstance(shape, (int, tuple)) else tuple(shape), offset)
+        try:
+            cached = self._view_cache.get(key)
+        except TypeError:  # an unhashable dtype spec: just build the views
+            cached = None
+        if cached is not None:
+            return list(cached)
+        made = self._make_views(dtype, shape, offset)
+        try:
+            if len(self._view_cache) >= 32:
+                self._view_cache.clear()
+            self._view_cache[key] = made
+        except TypeError:
+            pass
+        return list(made)
+
+    def _make_views(self, dtype, shape, offset: int) -> list:
+        dtype = np.dtype(dtype)
+        offset = check_nbytes("offset", offset)
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"shape={shape} must not have negative extents")
+        if offset % dtype.itemsize:
+            raise ValueError(f"offset={offset} is not a multiple of {dtype.name}'s itemsize {dtype.itemsize}")
+        need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if offset + need > self.nbytes:
+            raise ValueError(f"views(shape={shape}, dtype={dtype.name}, offset={offset}) need {offset + need} bytes "
+                             f"but the peer buffers have nbytes={self.nbytes}")
+        return [p[offset:offset + need].view(dtype).reshape(shape) for p in self._peers]
+
+    def is_local_view(self, arr, offset: int = 0) -> bool:
+        """Does ``arr`` start exactly at byte ``offset`` of this rank's buffer?
+
+        The collectives use it to skip staging copies when a producer already wrote its
+        data into the peer buffer.
+        """
+        self._check_open()
+        if self._local_address is None:  # once: the mapping never moves while open
+            self._local_address = array_address(self._local)
+        a = array_address(arr)
+        return a is not None and self._local_address is not None and a == self._local_address + offset
+
+    @property
+    def queue(self):
+        """A queue of ``backend`` owned by these buffers (created on first use, destroyed by close)."""
+        self._check_open()
+        if self._queue is None:
+            self._queue = self.backend.create_queue(f"peer:{self.group.name}")
+        return self._queue
+
+    def close(self) -> None:
+        """Collective teardown: synchronize, barrier, unmap peers, barrier, free.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._queue is not None:
+                q, self._queue = self._queue, None
+                self.backend.destroy_queue(q)  # waits for its work
+            self.backend.synchronize()  # any other queue may still touch the buffers
+        finally:
+            try:
+                if not getattr(self.group, "freed", False):
+                    barrier(self.group, self.timeout_s)  # nobody reads or writes any buffer any more
+                    self._close_peers()
+                    barrier(self.group, self.timeout_s)  # nobody maps my memory any more
+                # else: destroy_distributed() already ran, so the ranks cannot coordinate any
+                # more; releasing our own mappings is all that is left (the shm names are long
+                # gone, so nothing leaks either way).
+            finally:
+                self._close_peers()
+                self._release_local()
+
+    def __enter__(self) -> "PeerBuffers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (f"<PeerBuffers {self.nbytes} B x {self.group.size} ranks on group {self.group.name!r} "
+                f"via {self.kind} ({state})>")
+
+
+__all__ = ["PeerBuffers", "PeerAccessError"]
