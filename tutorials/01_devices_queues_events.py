@@ -20,9 +20,9 @@ work before it has finished.
 # then asks the registry for the backend that serves the target's default device.
 import threading
 
-import numpy as np
+from vtnumba.tutorial import start  # first: it shares the cores between ranks before numpy loads BLAS
 
-from vtnumba.tutorial import start
+import numpy as np  # noqa: E402
 
 lesson = start("01 devices, queues and events")
 

@@ -17,9 +17,9 @@ copy engine run the copy on its own, while the GPU computes.
 # %%
 # Set up: the target's backend (threaded queues on cpu so that copies really run in the
 # background), a pinned staging buffer per direction, and a device buffer.
-import numpy as np
+from vtnumba.tutorial import start  # first: it shares the cores between ranks before numpy loads BLAS
 
-from vtnumba.tutorial import start
+import numpy as np  # noqa: E402
 
 lesson = start("02 async copies and pinned memory")
 

@@ -24,9 +24,9 @@ work on *any other* queue is invisible to it, unless you declare it with ``recor
 # *segments* and hands out *blocks* carved out of them.
 import threading
 
-import numpy as np
+from vtnumba.tutorial import start  # first: it shares the cores between ranks before numpy loads BLAS
 
-from vtnumba.tutorial import start
+import numpy as np  # noqa: E402
 
 lesson = start("03 the caching allocator and record_stream")
 

@@ -27,9 +27,9 @@ import os
 import threading
 import time
 
-import numpy as np
+from vtnumba.tutorial import start  # first: it shares the cores between ranks before numpy loads BLAS
 
-from vtnumba.tutorial import start
+import numpy as np  # noqa: E402
 
 lesson = start("09 the encoder cache: producer -> consumer through /dev/shm")
 if lesson.size < 2:

@@ -1,0 +1,215 @@
+"""Peer buffers: memory every rank can read and write
+===================================================
+
+What it does: gives every rank a buffer that every *other* rank maps too -- symmetric
+memory, the workspace TPSP exchanges its partial sums through.  Each rank writes a
+pattern into its own buffer and reads every peer's straight out of memory; then one rank
+writes into its neighbour's buffer and raises a flag there to say so.  On the way: how a
+POSIX shared-memory segment is made and why its name disappears from ``/dev/shm`` as soon
+as everyone has mapped it, how the ranks *agree* before any of them moves on, what a
+flag's epoch is, and what a wait that times out looks like.
+
+Run it::
+
+    mpiexec -n 2 python tutorials/06_peer_buffers.py            # cpu target
+    mpiexec -n 2 python tutorials/06_peer_buffers.py --target cudasim
+    mpiexec -n 2 python tutorials/06_peer_buffers.py --target cuda  # CUDA IPC
+
+Key insight: only *names* travel between the ranks (a file name in ``/dev/shm``, or a
+64-byte CUDA IPC handle on a GPU), exchanged once with MPI.  After that the data moves by
+plain loads and stores into mapped memory, and a small flag, written after the data,
+tells the reader when to look.
+"""
+
+# %%
+# Setup.  ``init_distributed`` splits the world into tensor-parallel groups (here one
+# group of all ranks, named ``"tp"``) and tells each group whether its ranks share a node
+# (``peer_access``: only then can they map each other's memory).
+import os
+
+from vtnumba.tutorial import start
+
+lesson = start("06 peer buffers")
+
+import numpy as np  # noqa: E402
+
+from vtnumba.dist import (  # noqa: E402
+    PeerBuffers,
+    PeerSignals,
+    ShmSegment,
+    all_ranks_ready,
+    barrier,
+    destroy_distributed,
+    init_distributed,
+    list_segments,
+)
+
+group = init_distributed()
+rank, tp = group.rank, group.size
+lesson.say(f"group: {group}")
+lesson.check(group.peer_access, "all ranks are on one node, so they can map each other's memory")
+
+
+def mine() -> list[str]:
+    """The segments in /dev/shm that this process created (the pid is part of the name)."""
+    return [n for n in list_segments() if f"-{os.getpid()}-" in n]
+
+
+def to_host(arr) -> np.ndarray:
+    """A numpy copy of a buffer view, whatever the target's array type."""
+    return arr.copy() if isinstance(arr, np.ndarray) else arr.copy_to_host()
+
+
+def write(arr, values: np.ndarray) -> None:
+    """Store host values into a buffer view (a memcpy on cpu, a host-to-device copy else).
+
+    On a GPU a copy from pageable host memory may return before its DMA has landed, so
+    synchronize before anyone is told the data is there.
+    """
+    if isinstance(arr, np.ndarray):
+        np.copyto(arr, values)
+    else:
+        from numba import cuda
+
+        arr.copy_to_device(values)
+        cuda.synchronize()
+
+
+# %%
+# 1. A shared-memory segment, by hand.  Rank 0 *creates* a file in ``/dev/shm`` (a tmpfs:
+# RAM, not disk) with ``O_CREAT | O_EXCL``, mode 0600 and an unguessable name, maps it and
+# writes into it.  The name is the handle: rank 0 broadcasts it, the others *attach*.
+# Once everyone has mapped it, rank 0 *unlinks* the name -- the memory lives on as long
+# as a process maps it, and from now on no crash can leave a file behind.
+seg = ShmSegment.create(4096, tag="demo") if rank == 0 else None
+name = lesson.comm.bcast(seg.name if seg else None, root=0)
+if rank == 0:
+    seg.array[:5] = np.frombuffer(b"hello", np.uint8)
+else:
+    seg = ShmSegment.attach(name, 4096)
+listed_before = name in list_segments()
+barrier(group)                       # everyone has mapped it ...
+if rank == 0:
+    seg.unlink()                     # ... so the name can go
+barrier(group)
+text = bytes(seg.array[:5]).decode()
+lesson.say(f"segment {name}: in /dev/shm while being set up: {listed_before}; after unlink: "
+           f"{name in list_segments()}; rank {rank} still reads {text!r} through its mapping")
+lesson.check(listed_before and name not in list_segments() and text == "hello",
+             "the name is gone once every rank mapped it, the memory is not")
+seg.close()
+
+# %%
+# 2. ``PeerBuffers`` does all of that for every rank, collectively: each rank creates its
+# segment (or, on a GPU, allocates device memory and exports a CUDA IPC handle), the
+# handles are allgathered as raw bytes, every rank opens every peer's, and the ranks
+# *agree* after each step -- if any rank fails, every rank raises the same error instead
+# of leaving the others waiting.  When the constructor returns, the names are unlinked.
+N = 1024                                # int32 values per rank
+pb = PeerBuffers(2 * N * 4, group)      # two regions: the pattern (1) and a mailbox (3)
+lesson.say(f"{pb}; local array type: {type(pb.local).__name__}")
+lesson.say(f"segments of this process left in /dev/shm right after construction: {len(mine())} "
+           "(each existed only while the ranks were mapping it)")
+lesson.check(not mine(), "PeerBuffers unlinked its segment as soon as every rank had mapped it")
+
+# Each rank writes a pattern that says who wrote it into its own buffer ...
+patterns = pb.views(np.int32, (N,), offset=0)   # one view per rank: patterns[j] is rank j's memory
+write(patterns[rank], rank * 1_000_000 + np.arange(N, dtype=np.int32))
+barrier(group)                                  # ... everyone has written (a barrier: all or nothing)
+# ... and reads every peer's bytes straight out of memory, no message involved.
+seen = [to_host(patterns[j]) for j in range(tp)]
+lesson.say("rank 0 reads: " + "; ".join(f"rank {j}'s buffer starts {seen[j][:3].tolist()}" for j in range(tp)))
+lesson.check(all(np.array_equal(seen[j], j * 1_000_000 + np.arange(N)) for j in range(tp)),
+             "every rank read every peer's pattern")
+lesson.check(pb.peer(rank) is pb.local, "peer(my rank) is my local buffer")
+barrier(group)  # nobody may overwrite a buffer another rank is still reading
+
+# %%
+# 3. Writing into a *peer's* buffer, ordered by a flag.  A barrier orders everyone with
+# everyone; a flag orders one writer with one reader.  ``PeerSignals`` keeps small flag
+# areas in shared host memory; ``set(name, target, value)`` is a *release* store (the
+# data written before it is visible first), ``wait`` polls with *acquire* loads.  Flags
+# are epoch counters (1, 2, 3 ...) that only grow: step e waits for ``>= e``, so nothing
+# is ever reset and a late waiter still sees it.  Each rank sends a message to the next
+# rank around a ring, straight into that rank's mailbox.
+sig = PeerSignals(group, names=("mail",), timeout_s=30)
+nxt, prv = (rank + 1) % tp, (rank - 1) % tp
+mailbox = pb.views(np.int32, (N,), offset=N * 4)   # mailbox[j] is rank j's mailbox
+e = sig.next_epoch()
+write(mailbox[nxt], np.full(N, 100 + rank, np.int32))   # 1. the data, into the peer's memory
+sig.set("mail", nxt, e)                                 # 2. then the flag, in the peer's flag area
+sig.wait("mail", e, source=prv)                         # 3. wait for my neighbour's flag ...
+got = to_host(mailbox[rank])                            # 4. ... then read my own mailbox
+lesson.say(f"epoch {e}: rank {rank} found {got[0]} x {N} from rank {prv} in its mailbox")
+lesson.check(np.all(got == 100 + prv), "each rank got its neighbour's message, ordered by the flag alone")
+
+# %%
+# 4. Agreement.  Before a fast path, every rank asks "can you?"; ``all_ranks_ready`` is the
+# seed's all-reduce MIN: True on every rank only if it was True on every rank.  (One rank
+# going ahead while another falls back would leave both waiting in different collectives.)
+everyone = all_ranks_ready(True, group)
+one_says_no = all_ranks_ready(rank != tp - 1, group)  # the last rank cannot
+lesson.say(f"all_ranks_ready: all say yes -> {everyone}; rank {tp - 1} says no -> {one_says_no} on every rank")
+lesson.check(everyone and not one_says_no, "the ranks agree")
+
+# %%
+# 5. A wait that cannot succeed.  Nobody will ever raise ``mail`` to 99, so the wait
+# gives up after its timeout with an error naming the rank, the flag, the value it wanted
+# and the value it saw -- every wait in vtnumba has one, so a lost peer is an error, not
+# a hang.  (A rank that fails inside a protocol can also ``abort()``, which makes its
+# peers' waits fail at once instead of at the timeout.)
+try:
+    sig.wait("mail", 99, source=prv, timeout_s=0.2)
+    timeout_msg = ""
+except RuntimeError as exc:
+    timeout_msg = str(exc)
+lesson.say(f"wait(mail >= 99, timeout 0.2 s) -> RuntimeError: {timeout_msg}")
+lesson.check("timed out after 0.2 s" in timeout_msg, "a wait with a timeout raises instead of hanging")
+
+# %%
+# 6. What changes on a GPU.  On ``cuda`` the buffer is device memory from ``cuMemAlloc``;
+# the handle that travels is a 64-byte ``cudaIpcMemHandle_t``, copied out as raw bytes
+# (plus the offset and size inside the allocation), and each peer opens it with
+# ``cuIpcOpenMemHandle`` -- a kernel on rank 0 then loads and stores rank 1's memory over
+# NVLink or PCIe.  Raw bytes, not pickles: numba-cuda 0.30's pickled IPC handle is broken
+# with cuda-bindings 13.5 (see :mod:`vtnumba.dist.cuda_ipc`).  Teardown then needs two
+# barriers: everyone closes the peers' handles, *then* everyone frees their own memory.
+lesson.say(f"transport on this target: {pb.kind!r} (shm: numpy views of the mapping; shm-sim: the same memory "
+           "as simulator device arrays; cuda_ipc: device arrays on opened IPC handles)")
+if lesson.target == "cuda":
+    from vtnumba import default_backend
+    from vtnumba.dist.cuda_ipc import IPC_HANDLE_BYTES, CudaIpcExport
+
+    exp = CudaIpcExport(default_backend(), 1 << 20)
+    msg = exp.handle_bytes
+    lesson.say(f"a CUDA IPC handle message: {len(msg)} bytes = magic {msg[:4]!r} + {IPC_HANDLE_BYTES}-byte handle "
+               f"({msg[4:12].hex()}...) + offset + size")
+    lesson.check(len(msg) == 4 + IPC_HANDLE_BYTES + 16, "the handle travels as fixed-size raw bytes")
+    exp.free()
+else:
+    lesson.say(f"here the handle is the segment's name, {len(name)} bytes like {name[:30]!r}...")
+
+# %%
+# Teardown is collective too: ``close()`` synchronizes, waits until nobody uses any
+# buffer, unmaps the peers', waits until nobody maps its own, then frees it.  Nothing of
+# this process is left in ``/dev/shm``.
+sig.close()
+pb.close()
+destroy_distributed()
+lesson.check(not mine(), "no /dev/shm file of this process is left")
+lesson.say("done")
+
+# %%
+# Common issues:
+#
+# * ``PeerAccessError: group ... spans more than one node`` -- ranks on different
+#   machines cannot map each other's memory; use the MPI collectives
+#   (``mpi_reduce_scatter`` / ``mpi_all_gather``) or ``PeerBuffers.try_create``, which
+#   returns None on every rank so all of them fall back together.
+# * Reading a peer's buffer without a barrier or a flag reads whatever is there *now*:
+#   stale data, not an error.  Every read needs an "it is ready" from the writer.
+# * A small ``/dev/shm`` (Docker's default is 64 MiB) makes ``ftruncate`` succeed and the
+#   first write fail with SIGBUS; start the container with ``--shm-size``.
+# * In the simulator, numpy arguments to a kernel are copied in and back, which hides a
+#   peer's writes and clobbers them afterwards; PeerBuffers hands out zero-copy simulator
+#   arrays instead -- pass those, not ``np.asarray`` of them.

@@ -1,0 +1,226 @@
+"""Reduce-scatter and all-gather over peer buffers
+================================================
+
+What it does: builds the two collectives of TPSP's exchange out of peer buffers and flags,
+and checks them against numpy and against MPI.  *Reduce-scatter* sums every rank's
+``[T, H]`` partial result and leaves each rank only its own block of ``R = ceil(T / tp)``
+token rows; *all-gather* puts every rank's ``[R, H]`` block back together into ``[T, H]``
+on every rank.  ``T`` need not be a multiple of ``tp``: the last block is zero-padded.
+Last, both are timed at 16 MiB against ``MPI_Reduce_scatter_block`` / ``MPI_Allgather``.
+
+Run it::
+
+    mpiexec -n 2 python tutorials/07_reduce_scatter_all_gather.py            # cpu target
+    mpiexec -n 2 python tutorials/07_reduce_scatter_all_gather.py --target cudasim
+
+Key insight: with peer memory a collective is "write my part where everyone can see it,
+raise a flag, wait for everyone's flag, read what I need".  Each rank reads only the rows
+it owns -- a reduce-scatter moves ``(tp - 1) / tp`` of the data per rank, not all of it --
+and no byte passes through a message queue.
+"""
+
+# %%
+# Setup.  One tensor-parallel group of all ranks; peer buffers large enough for the
+# 16 MiB case at the end; and the three flags the protocol uses (``inbox_ready``,
+# ``gather_ready``, ``consumed``), each an epoch counter.
+from vtnumba.tutorial import start
+
+lesson = start("07 reduce-scatter and all-gather over peer buffers")
+
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from vtnumba.dist import (  # noqa: E402
+    PeerBuffers,
+    PeerSignals,
+    all_gather,
+    barrier,
+    destroy_distributed,
+    init_distributed,
+    mpi_all_gather,
+    mpi_reduce_scatter,
+    reduce_scatter,
+)
+
+group = init_distributed()
+rank, tp = group.rank, group.size
+sim = lesson.target == "cudasim"
+if lesson.target in ("cudasim", "cuda"):
+    from numba import cuda
+
+    to_target, to_host, empty = cuda.to_device, (lambda a: a.copy_to_host()), cuda.device_array
+else:
+    to_target, to_host, empty = np.ascontiguousarray, np.asarray, np.empty
+
+BIG_T, BIG_H = 4096 // tp * tp, 1024      # 16 MiB of float32 (T a multiple of tp: see section 5)
+pb = PeerBuffers(BIG_T * BIG_H * 4 if lesson.target == "cuda" else 4096, group)
+signals = PeerSignals(group, backend=pb.backend)
+lesson.say(f"{pb}, flags {list(signals.names)}")
+
+# %%
+# 1. Reduce-scatter, small enough to read.  ``T = 7`` tokens, ``H = 4``; rank r's partial
+# is ``(t + 1) * 10**r`` in every column of row t, so in the sum each decimal digit tells
+# which rank contributed.  With ``tp = 2``: ``R = 4``, rank 0 owns tokens 0..3 and rank 1
+# owns tokens 4..6 plus one zero row of padding.  Protocol of one step: wait until peers
+# are done with my buffer (``consumed``), write my partial into my peer buffer, raise
+# ``inbox_ready`` on everyone, wait for everyone's, sum *my* row block straight out of
+# every peer's buffer, raise ``consumed``.
+T, H = 7, 4
+R = -(-T // tp)
+x = np.repeat(((np.arange(T) + 1) * 10.0 ** rank)[:, None], H, axis=1).astype(np.float32)
+out = empty((R, H), np.float32)
+reduce_scatter(pb, to_target(x), out, signals)
+mine = to_host(out)
+blocks = lesson.comm.gather(mine[:, 0].tolist(), root=0)
+if rank == 0:
+    for r in range(tp):
+        lesson.say(f"  rank {r} (tokens {r * R}..{min(T, r * R + R) - 1}) holds column 0 = {blocks[r]}")
+expect = np.zeros((R, H), np.float32)
+rows = max(0, min(R, T - rank * R))
+expect[:rows] = (np.arange(rank * R, rank * R + rows)[:, None] + 1) * sum(10.0 ** r for r in range(tp))
+lesson.check(np.array_equal(mine, expect), "each rank holds the sum of its token rows; the padding is zero")
+
+# %%
+# 2. The same with random partials, against numpy and MPI.  Every rank can rebuild every
+# rank's partial from its seed, so every rank computes the numpy reference itself.  Two
+# MPI baselines: vtnumba's ``mpi_reduce_scatter`` (same contract), and mpi4py's
+# ``Reduce_scatter_block`` called by hand -- it needs equal blocks, so ``T`` is padded to
+# ``tp * R`` rows with zeros first.  The peer version sums in rank order; MPI may add in
+# another order, so for more than two ranks the last bits can differ.
+T, H = 37, 24
+R = -(-T // tp)
+partials = [np.random.default_rng(70 + r).standard_normal((T, H), dtype=np.float32) for r in range(tp)]
+reference = np.sum(np.stack(partials).astype(np.float64), axis=0)
+ref_block = np.zeros((R, H))
+ref_block[:max(0, min(R, T - rank * R))] = reference[rank * R:(rank + 1) * R]
+
+peer_out = to_host(reduce_scatter(pb, to_target(partials[rank]), empty((R, H), np.float32), signals))
+mpi_out = to_host(mpi_reduce_scatter(to_target(partials[rank]), empty((R, H), np.float32), group))
+padded = np.zeros((tp * R, H), np.float32)
+padded[:T] = partials[rank]
+raw = np.empty((R, H), np.float32)
+group.comm.Reduce_scatter_block(padded, raw, op=MPI.SUM)
+err = float(np.max(np.abs(peer_out - ref_block)))
+lesson.say(f"reduce-scatter, T={T} on {tp} ranks (R={R}): max |peer - numpy float64| {err:.1e}, "
+           f"max |peer - MPI| {np.max(np.abs(peer_out - mpi_out)):.1e}, max |peer - raw mpi4py| "
+           f"{np.max(np.abs(peer_out - raw)):.1e}")
+lesson.check(err < 1e-5 and np.allclose(peer_out, mpi_out, atol=1e-5) and np.allclose(peer_out, raw, atol=1e-5),
+             "peer reduce-scatter == numpy == MPI_Reduce_scatter_block")
+
+# %%
+# 3. All-gather.  Each rank contributes its ``[R, H]`` block; every rank ends with the
+# ``[T, H]`` result -- rank j's rows at ``j * R``, the padding rows dropped.  Gathering the
+# reduce-scatter's output gives back the whole sum on every rank: reduce-scatter followed
+# by all-gather *is* an all-reduce, which is exactly how TPSP splits one.  mpi4py's
+# ``Allgather`` again needs ``tp * R`` rows, cut to ``T`` afterwards.
+gathered = to_host(all_gather(pb, to_target(peer_out), empty((T, H), np.float32), signals))
+mpi_gathered = to_host(mpi_all_gather(to_target(peer_out), empty((T, H), np.float32), group))
+raw_all = np.empty((tp * R, H), np.float32)
+group.comm.Allgather(peer_out, raw_all)
+err = float(np.max(np.abs(gathered - reference)))
+lesson.say(f"all-gather of the blocks: max |result - numpy all-reduce| {err:.1e}; identical to MPI_Allgather: "
+           f"{np.array_equal(gathered, mpi_gathered) and np.array_equal(gathered, raw_all[:T])}")
+lesson.check(err < 1e-5 and np.array_equal(gathered, mpi_gathered) and np.array_equal(gathered, raw_all[:T]),
+             "peer all-gather == MPI_Allgather, and RS + AG == all-reduce")
+
+# %%
+# 4. Awkward sizes.  ``T < tp`` leaves some ranks only padding; any ``T`` must work.
+for T_small in (1, tp + 1, 3 * tp + 1):
+    R_small = -(-T_small // tp)
+    part = partials[rank][:T_small, :3].copy()
+    blk = reduce_scatter(pb, to_target(part), empty((R_small, 3), np.float32), signals)
+    back = to_host(all_gather(pb, blk, empty((T_small, 3), np.float32), signals))
+    want = reference[:T_small, :3]
+    lesson.check(np.allclose(back, want, atol=1e-5), f"T={T_small} on {tp} ranks: RS + AG == all-reduce")
+
+# %%
+# 5. Time at 16 MiB (``[4096, 1024]`` float32 per rank, T rounded down to a multiple of
+# tp).  A collective is as slow as its slowest rank, so every round starts with a barrier
+# and the slowest rank's median is reported.  MPI is called the plain blocking way
+# (``timeout_s=None``), the stock baseline.  In the simulator, device memory is host
+# memory but every kernel is Python threads, so this part uses peer buffers in host
+# memory there (a ``CPUBackend``); on a GPU it times device memory, and MPI (not
+# CUDA-aware here) has to stage through the host.
+if lesson.target == "cuda":
+    big_pb, big_sig = pb, signals
+else:
+    from vtnumba import CPUBackend
+
+    host = CPUBackend()
+    big_pb = PeerBuffers(BIG_T * BIG_H * 4, group, host)
+    big_sig = PeerSignals(group, backend=host)
+    to_target, to_host, empty = np.ascontiguousarray, np.asarray, np.empty
+BIG_R = -(-BIG_T // tp)
+bx = to_target(np.random.default_rng(rank).standard_normal((BIG_T, BIG_H), dtype=np.float32))
+bshard, bfull = empty((BIG_R, BIG_H), np.float32), empty((BIG_T, BIG_H), np.float32)
+
+
+def slowest_median_ms(fn, rounds=11) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(rounds):
+        barrier(group)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return lesson.comm.allreduce(float(np.median(times)), op=MPI.MAX) * 1e3
+
+
+ms = {
+    "reduce_scatter peer": slowest_median_ms(lambda: reduce_scatter(big_pb, bx, bshard, big_sig)),
+    "reduce_scatter MPI": slowest_median_ms(lambda: mpi_reduce_scatter(bx, bshard, group, timeout_s=None)),
+    "all_gather peer": slowest_median_ms(lambda: all_gather(big_pb, bshard, bfull, big_sig)),
+    "all_gather MPI": slowest_median_ms(lambda: mpi_all_gather(bshard, bfull, group, timeout_s=None)),
+}
+
+# %%
+# The out-of-place all-gather copies twice: my block into my peer buffer, then every block
+# into ``out``.  In place (NCCL's convention) ``out`` *is* my peer buffer, my block already
+# sits in my rows of it, and each rank copies only its peers' rows.  Putting the block
+# there is a write into my own peer buffer outside a collective, so first
+# ``wait_consumed()``: a slower peer may still be reading my buffer from the last call.
+# (Zero-copy needs my whole block inside ``out``, hence ``T`` a multiple of ``tp`` here; a
+# last rank whose block runs past ``T`` would have its rows staged instead.)
+in_place_out = big_pb.views(np.float32, (BIG_T, BIG_H), 0)[rank]
+my_rows = in_place_out[rank * BIG_R:(rank + 1) * BIG_R]
+big_sig.wait_consumed()
+if isinstance(my_rows, np.ndarray):
+    np.copyto(my_rows, bshard)
+else:
+    my_rows.copy_to_device(bshard)  # device to device (bshard lives on the GPU too) ...
+    cuda.synchronize()              # ... finished before the collective raises its flag
+ms["all_gather peer, in place"] = slowest_median_ms(lambda: all_gather(big_pb, my_rows, in_place_out, big_sig))
+same = np.array_equal(to_host(in_place_out), to_host(bfull))
+for op in ("reduce_scatter", "all_gather"):
+    lesson.say(f"16 MiB {op:<15}: peer buffers {ms[op + ' peer']:7.2f} ms, MPI {ms[op + ' MPI']:7.2f} ms "
+               f"-> MPI time / peer time = {ms[op + ' MPI'] / ms[op + ' peer']:.2f}")
+lesson.say(f"16 MiB all_gather in place: {ms['all_gather peer, in place']:7.2f} ms -> MPI time / peer time = "
+           f"{ms['all_gather MPI'] / ms['all_gather peer, in place']:.2f}; same result as out of place: {same}")
+lesson.check(same and all(v > 0 for v in ms.values()), "the timed collectives ran; in place == out of place")
+
+# %%
+# Teardown: flags and buffers are collective to close (synchronize, barrier, unmap,
+# barrier, free).
+if big_pb is not pb:
+    big_sig.close()
+    big_pb.close()
+signals.close()
+pb.close()
+destroy_distributed()
+lesson.say("done")
+
+# %%
+# Common issues:
+#
+# * Every rank must call each collective with the same shapes.  A mismatch is detected
+#   after the flags (each rank publishes its shapes) and raises the same ``ValueError`` on
+#   every rank -- but a rank that skips a call entirely makes the others time out.
+# * Writing into your own peer buffer *before* a collective (a zero-copy input) races
+#   with a slower peer still reading the previous step: call ``signals.wait_consumed()``
+#   first.  The collectives guard their own writes.
+# * ``MPI_Reduce_scatter_block`` and ``MPI_Allgather`` need ``tp * R`` rows: pad ``T`` with
+#   zeros (``mpi_reduce_scatter`` / ``mpi_all_gather`` do it for you).
+# * On a laptop both ranks share the cores and the memory bus, so ratios, not absolute
+#   times, are what carries over to other machines.
