@@ -24,7 +24,7 @@ TIME_LIMIT_S = 120
 # Tutorials whose whole lesson is small enough for numba's simulator (~7,000 threads/s).
 SIMULATOR_TOO = {"01_devices_queues_events", "02_async_copies_pinned", "04_matmul_ladder", "05_fused_add_rmsnorm",
                  "06_peer_buffers", "07_reduce_scatter_all_gather", "10_running_on_a_gpu", "03_caching_allocator",
-                 "09_encoder_cache"}
+                 "08_tpsp", "09_encoder_cache"}
 
 
 def script_hash(path: Path) -> str:

@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""Run a tensor-parallel MLP model with TPSP and with the regular forward; compare outputs and time.
+
+    mpiexec -n 2 python mpi/tpsp_model.py [--target cpu] [--layers 4] [--tokens 512]
+                                          [--hidden 1024] [--ffn 4096] [--norm rms|layer]
+                                          [--chunk C | --search] [--repeat 3]
+
+The model is :class:`vtnumba.nn.ParallelMLPStack`: an input norm and L blocks of
+column-parallel up-projection -> activation -> row-parallel down-projection, each
+down-projection fused with the next norm.  Random weights, identical on every rank.
+
+* **regular**: the residual is replicated; each block all-reduces its ``[T, H]`` partial
+  (``MPI_Allreduce``) and every rank normalises all ``T`` rows;
+* **TPSP**: the residual is sharded by token rows; each block is one fused
+  matmul -> reduce-scatter -> bias + residual + norm -> all-gather over peer memory
+  (:mod:`vtnumba.tpsp`), configured by a static profile (``--chunk``) or a measured one
+  (``--search``).
+
+It prints the largest difference between the two final hidden states and residuals (the
+TPSP residual shards are gathered for the comparison), each forward's time on the
+slowest rank, and their ratio; it exits with status 1 if the outputs disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="TPSP vs. the regular tensor-parallel forward on an MLP stack "
+                                            "(run under mpiexec -n N)")
+    p.add_argument("--target", choices=("auto", "cpu", "cudasim", "cuda"), default=None,
+                   help="execution target (default: $VTNUMBA_TARGET or auto)")
+    p.add_argument("--layers", type=int, default=4, help="number of MLP blocks (default 4)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens in the batch, T (default 512)")
+    p.add_argument("--hidden", type=int, default=1024,
+                   help="hidden size H, a multiple of the rank count (default 1024)")
+    p.add_argument("--ffn", type=int, default=4096, help="MLP inner size F (default 4096)")
+    p.add_argument("--norm", choices=("rms", "layer"), default="rms", help="the norm after each block (default rms)")
+    p.add_argument("--act", choices=("relu", "gelu", "silu"), default="gelu", help="activation (default gelu)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="TPSP microchunk, token rows per rank per step (default: the backend's)")
+    p.add_argument("--search", action="store_true", help="measure the chunk size and token threshold first")
+    p.add_argument("--budget", type=float, default=20.0, help="time budget of --search in seconds (default 20)")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs of each forward (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="weight/input seed (default 0)")
+    p.add_argument("--tol", type=float, default=1e-4, help="largest accepted difference (default 1e-4)")
+    args = p.parse_args(argv)
+    for name in ("layers", "tokens", "hidden", "ffn", "repeat"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.chunk is not None and args.chunk < 1:
+        p.error("--chunk must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from vtnumba.target import select_target
+
+    target = select_target(args.target)  # before anything imports numba.cuda
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from vtnumba.dist import barrier, destroy_distributed, init_distributed
+    from vtnumba.nn import ParallelMLPStack
+    from vtnumba.tpsp import TPSPOp, get_tpsp_backend, shard_residual
+
+    group = init_distributed()
+    tp, rank = group.size, group.rank
+    say = print if rank == 0 else (lambda *a, **k: None)
+    if args.hidden % tp:
+        say(f"--hidden {args.hidden} must be a multiple of the rank count {tp}")
+        return 2
+    T, H = args.tokens, args.hidden
+    say(f"tpsp_model: {tp} ranks, target {target.name}, {args.layers} blocks, T={T} H={H} F={args.ffn} "
+        f"norm={args.norm} act={args.act}")
+
+    stack = ParallelMLPStack(args.layers, H, args.ffn, norm=args.norm, act=args.act, seed=args.seed)
+    embeddings = np.random.default_rng(args.seed + 99).standard_normal((T, H), dtype=np.float32)
+    device = target.name != "cpu"
+    if device:
+        from numba import cuda
+
+        to_target, to_host = cuda.to_device, (lambda a: a.copy_to_host())
+    else:
+        to_target, to_host = (lambda a: a), (lambda a: a)
+    emb = to_target(embeddings)
+    shard0 = to_target(shard_residual(embeddings, tp, rank))
+
+    backend = get_tpsp_backend("tp")
+    t0 = time.perf_counter()
+    context = backend.profile(stack.ops_groups(), max_batched_tokens=T, search=args.search, config=args.chunk,
+                              budget_s=args.budget)
+    say(f"profile ({'measured' if args.search else 'static'}, {time.perf_counter() - t0:.1f} s): "
+        + ("TPSP disabled, regular forward everywhere" if context is None else
+           f"TPSP from {context.profile.threshold_tokens} tokens, chunks "
+           f"{ {n: h.config.chunk_tokens_per_rank for n, h in context.handles.items()} }"))
+    ops = [TPSPOp(context, g.name, norm=args.norm, group=group) for g in stack.ops_groups()]
+
+    def timed(fn):
+        times, result = [], None
+        for _ in range(args.repeat + 1):  # the first run warms up (jit, page faults)
+            barrier(group)
+            start = time.perf_counter()
+            result = fn()
+            times.append(time.perf_counter() - start)
+        mine = float(np.median(times[1:]))
+        return group.cpu_comm.allreduce(mine, op=MPI.MAX), result
+
+    t_reg, (x_reg, res_reg) = timed(lambda: stack.forward_regular(emb, group))
+    t_tpsp, (x_tpsp, res_shard) = timed(lambda: stack.forward_tpsp(emb, shard0, ops))
+
+    x_reg, res_reg, x_tpsp = to_host(x_reg), to_host(res_reg), to_host(x_tpsp)
+    shards = group.cpu_comm.allgather(np.ascontiguousarray(to_host(res_shard)))
+    res_tpsp = np.concatenate(shards, axis=0)[:T]
+    err_x = float(np.max(np.abs(x_tpsp - x_reg)))
+    err_res = float(np.max(np.abs(res_tpsp - res_reg)) / max(1.0, float(np.max(np.abs(res_reg)))))
+    err = group.cpu_comm.allreduce(max(err_x, err_res), op=MPI.MAX)
+    fused = sum(op.fused_calls for op in ops)
+    say(f"regular forward: {t_reg * 1e3:9.2f} ms   (all-reduce of [T, H] per block, replicated residual)")
+    say(f"TPSP forward:    {t_tpsp * 1e3:9.2f} ms   ({fused} fused calls, "
+        f"{sum(op.regular_calls for op in ops)} regular; sharded residual)")
+    say(f"time ratio TPSP / regular: {t_tpsp / t_reg:.3f}")
+    say(f"max |hidden difference| = {err_x:.3g}, max relative residual difference = {err_res:.3g} "
+        f"(largest over ranks: {err:.3g}, tolerance {args.tol:g})")
+    ok = err <= args.tol
+    say("OK: TPSP matches the regular forward" if ok else "MISMATCH: TPSP differs from the regular forward")
+
+    if context is not None:
+        context.close()
+    backend.close()
+    destroy_distributed()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""The fused TPSP op against float64 numpy of the whole layer (run under mpiexec -n 2 and -n 3).
+
+    mpiexec -n 2 python -m mpi4py -m pytest -p no:cacheprovider --with-mpi tests/mpi/test_tpsp_fused.py -q
+
+Every rank builds the *whole* layer's inputs from one seed (so it can compute the float64
+reference ``norm(X @ W.T + bias + residual)`` of all T rows itself), keeps its K slice and
+its residual shard, and checks the fused op's ``gathered`` (all rows) and ``new_residual``
+(its shard).  Checks are made collective, so a failure on one rank fails every rank.
+"""
+
+import traceback
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from vtnumba.dist import destroy_distributed, get_tp_group, init_distributed, is_initialized, list_segments
+from vtnumba.tpsp import (
+    CudaTPSPBackend,
+    HostTPSPBackend,
+    regular_matmul_ar_norm,
+    regular_matmul_rs_norm_ag,
+    shard_residual,
+    token_range,
+)
+
+COMM = MPI.COMM_WORLD
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(180)]
+REL_TOL = 1e-5
+
+
+def collectively(fn):
+    try:
+        fn()
+        err = None
+    except BaseException as exc:  # noqa: BLE001
+        err = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    bad = [f"--- rank {r}:\n{e}" for r, e in enumerate(COMM.allgather(err)) if e]
+    if bad:
+        pytest.fail("\n".join(bad), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def group():
+    # Another test module may have left a tensor-parallel group of another size behind.
+    if is_initialized() and get_tp_group().size != COMM.Get_size():
+        destroy_distributed()
+    return init_distributed()
+
+
+class Layer:
+    """The whole layer's inputs (same on every rank) and this rank's slices of them."""
+
+    def __init__(self, group, T, H, k_base, norm, with_bias, seed):
+        tp, me = group.size, group.rank
+        rng = np.random.default_rng(seed)
+        self.ks = [k_base + r for r in range(tp)]  # an uneven K split, no multiple of a tile
+        K = sum(self.ks)
+        f = lambda *s: rng.standard_normal(s, dtype=np.float32)  # noqa: E731
+        self.X, self.W = f(T, K), f(H, K) / np.float32(np.sqrt(K))
+        self.bias = f(H) if with_bias else None
+        self.res_full = f(T, H)
+        self.nw = (1 + 0.1 * f(H)).astype(np.float32)
+        self.nb = f(H) if (norm == "layer" and with_bias) else None
+        off = sum(self.ks[:me])
+        self.x = np.ascontiguousarray(self.X[:, off:off + self.ks[me]])
+        self.w = np.ascontiguousarray(self.W[:, off:off + self.ks[me]])
+        self.res = shard_residual(self.res_full, tp, me)
+        self.T, self.H, self.norm, self.eps, self.tp, self.me = T, H, norm, 1e-5, tp, me
+
+    def reference(self):
+        z = self.X.astype(np.float64) @ self.W.T.astype(np.float64) + self.res_full
+        if self.bias is not None:
+            z += self.bias
+        if self.norm == "rms":
+            out = z / np.sqrt((z * z).mean(-1, keepdims=True) + self.eps) * self.nw
+        else:
+            mu = z.mean(-1, keepdims=True)
+            out = (z - mu) / np.sqrt(((z - mu) ** 2).mean(-1, keepdims=True) + self.eps) * self.nw
+            if self.nb is not None:
+                out += self.nb
+        return out, z
+
+    def check(self, gathered, new_residual, tol=REL_TOL):
+        ref, z = self.reference()
+        assert gathered.shape == (self.T, self.H)
+        err = np.max(np.abs(gathered - ref)) / np.max(np.abs(ref))
+        assert err <= tol, f"gathered: relative error {err:.3g} > {tol}"
+        lo, hi = token_range(self.T, self.tp, self.me)
+        if hi > lo:
+            err = np.max(np.abs(new_residual[: hi - lo] - z[lo:hi])) / np.max(np.abs(z))
+            assert err <= tol, f"new_residual: relative error {err:.3g} > {tol}"
+        pad = new_residual[hi - lo:]  # padding rows: z = bias + residual padding (0)
+        expect = np.zeros_like(pad) if self.bias is None else np.broadcast_to(self.bias, pad.shape)
+        np.testing.assert_allclose(pad, expect, atol=1e-6)
+
+
+@pytest.fixture(scope="module", params=["pull", "push"])
+def host_backend(request, group):
+    before = set(list_segments())
+    be = HostTPSPBackend("tp", exchange=request.param)
+    handle = be.open(tp_size=group.size, hidden_size=8 * group.size, max_batched_tokens=1000, name="fused")
+    yield be, handle
+    be.close(handle)
+    be.close()
+    leftover = set(list_segments()) - before
+    assert not leftover, f"/dev/shm segments left behind: {leftover}"
+
+
+def _token_counts(tp):
+    return sorted({1, max(1, tp - 1), tp, 129, 1000})
+
+
+@pytest.mark.parametrize("norm, with_bias", [("rms", True), ("rms", False), ("layer", True), ("layer", False)])
+def test_fused_matches_float64_for_all_token_counts_and_chunks(host_backend, group, norm, with_bias):
+    be, handle = host_backend
+    H = 8 * group.size
+
+    def body():
+        for T in _token_counts(group.size):
+            R = -(-T // group.size)
+            for chunk in sorted({1, 7, 64, handle.max_chunk_rows}):
+                if chunk == 1 and R > 200:
+                    continue  # 500 one-row steps would only test the same code slower
+                layer = Layer(group, T, H, 37, norm, with_bias, seed=T * 31 + chunk)
+                out = np.full((T, H), np.nan, np.float32)  # NaN-poisoned: every row must be written
+                new_res = np.full((R, H), np.nan, np.float32)
+                got, got_res = be.tpsp_matmul_rs_norm_ag(handle, layer.x, layer.w, layer.bias, layer.res, layer.nw,
+                                                         layer.eps, layer.nb, norm=norm, config=chunk, out=out,
+                                                         new_residual=new_res)
+                assert got is out and got_res is new_res
+                layer.check(got, got_res)
+
+    collectively(body)
+
+
+def test_fused_allocates_outputs_and_updates_the_residual_in_place(host_backend, group):
+    be, handle = host_backend
+
+    def body():
+        layer = Layer(group, 33, 8 * group.size, 5, "rms", True, seed=3)
+        out, new_res = be.tpsp_matmul_rs_norm_ag(handle, layer.x, layer.w, layer.bias, layer.res, layer.nw,
+                                                 layer.eps)
+        layer.check(out, new_res)
+        res = layer.res.copy()
+        out2, new_res2 = be.tpsp_matmul_rs_norm_ag(handle, layer.x, layer.w, layer.bias, res, layer.nw, layer.eps,
+                                                   new_residual=res)
+        assert new_res2 is res
+        layer.check(out2, new_res2)
+
+    collectively(body)
+
+
+def test_many_calls_in_a_row_keep_the_ranks_in_step(host_backend, group):
+    """Slots are reused across calls (epochs never reset): alternate shapes and chunk sizes."""
+    be, handle = host_backend
+
+    def body():
+        for i in range(12):
+            T = (5, 64, 17, 300)[i % 4]
+            layer = Layer(group, T, 8 * group.size, 9, ("rms", "layer")[i % 2], True, seed=100 + i)
+            chunk = (3, 64, handle.max_chunk_rows, 16)[i % 4]
+            got, res = be.tpsp_matmul_rs_norm_ag(handle, layer.x, layer.w, layer.bias, layer.res, layer.nw, layer.eps,
+                                                 layer.nb, norm=layer.norm, config=chunk)
+            layer.check(got, res)
+
+    collectively(body)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_regular_forward_matches_float64(group, norm):
+    def body():
+        for T in (1, group.size + 1, 129):
+            layer = Layer(group, T, 8 * group.size, 6, norm, True, seed=T)
+            got, res = regular_matmul_rs_norm_ag(group, layer.x, layer.w, layer.bias, layer.res, layer.nw, layer.eps,
+                                                 layer.nb, norm=norm)
+            layer.check(got, res)
+            full, full_res = regular_matmul_ar_norm(group, layer.x, layer.w, layer.bias, layer.res_full, layer.nw,
+                                                    layer.eps, layer.nb, norm=norm)
+            ref, z = layer.reference()
+            assert np.max(np.abs(full - ref)) / np.max(np.abs(ref)) <= REL_TOL
+            assert np.max(np.abs(full_res - z)) / np.max(np.abs(z)) <= REL_TOL
+
+    collectively(body)
+
+
+def test_threaded_host_queue_gives_the_same_result(group):
+    """Matmuls on a worker thread (overlapping the exchange) must not change the result."""
+    def body():
+        be = HostTPSPBackend("tp", threaded=True)
+        h = be.open(tp_size=group.size, hidden_size=8 * group.size, max_batched_tokens=300, name="threaded")
+        try:
+            for T, chunk in ((300, 16), (7, 1), (64, 100)):
+                layer = Layer(group, T, 8 * group.size, 11, "layer", True, seed=T)
+                got, res = be.tpsp_matmul_rs_norm_ag(h, layer.x, layer.w, layer.bias, layer.res, layer.nw, layer.eps,
+                                                     layer.nb, norm="layer", config=chunk)
+                layer.check(got, res)
+        finally:
+            be.close(h)
+            be.close()
+
+    collectively(body)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("exchange, T, chunk, norm", [("push", 5, 1, "layer"), ("pull", 3, 8, "rms")])
+def test_cuda_backend_in_the_simulator(group, exchange, T, chunk, norm):
+    """CudaTPSPBackend with the @cuda.jit kernels in numba's simulator: tiny shapes (~7000 threads/s)."""
+    from numba import cuda
+
+    def body():
+        H = 8 * group.size
+        be = CudaTPSPBackend("tp", exchange=exchange)
+        h = be.open(tp_size=group.size, hidden_size=H, max_batched_tokens=8, name="sim")
+        try:
+            layer = Layer(group, T, H, 8, norm, True, seed=T + chunk)
+            d = cuda.to_device
+            R = -(-T // group.size)
+            out = d(np.full((T, H), np.nan, np.float32))
+            new_res = d(np.full((R, H), np.nan, np.float32))
+            be.tpsp_matmul_rs_norm_ag(h, d(layer.x), d(layer.w), d(layer.bias), d(layer.res), d(layer.nw), layer.eps,
+                                      None if layer.nb is None else d(layer.nb), norm=norm, config=chunk, out=out,
+                                      new_residual=new_res)
+            layer.check(out.copy_to_host(), new_res.copy_to_host(), tol=1e-5)
+            with pytest.raises(TypeError, match="device arrays"):
+                be.tpsp_matmul_rs_norm_ag(h, layer.x, layer.w, None, layer.res, layer.nw, layer.eps)
+        finally:
+            be.close(h)
+            be.close()
+
+    collectively(body)

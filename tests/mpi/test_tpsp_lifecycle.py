@@ -1,0 +1,343 @@
+"""TPSP lifecycle and misuse: each mistake gets a clear error on the ranks that make it, and nothing hangs.
+
+    mpiexec -n 2 python -m mpi4py -m pytest -p no:cacheprovider --with-mpi tests/mpi/test_tpsp_lifecycle.py -q
+
+Runs with any group size >= 2.  A failed fused call poisons its handle on every rank (the
+ranks' chunk counters may disagree), so each misuse case opens a fresh handle; every
+test also checks that the handles it opened are closed and no /dev/shm segment is left.
+"""
+
+import os
+import time
+import traceback
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from vtnumba.dist import destroy_distributed, get_tp_group, init_distributed, is_initialized, list_segments
+from vtnumba.tpsp import CudaTPSPBackend, HostTPSPBackend, TPSPConfig, TPSPOp, shard_residual
+
+COMM = MPI.COMM_WORLD
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120)]
+
+
+def collectively(fn):
+    try:
+        fn()
+        err = None
+    except BaseException as exc:  # noqa: BLE001
+        err = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    bad = [f"--- rank {r}:\n{e}" for r, e in enumerate(COMM.allgather(err)) if e]
+    if bad:
+        pytest.fail("\n".join(bad), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def group():
+    # Another test module may have left a tensor-parallel group of another size behind.
+    if is_initialized() and get_tp_group().size != COMM.Get_size():
+        destroy_distributed()
+    return init_distributed()
+
+
+@pytest.fixture
+def backend(group):
+    before = set(list_segments())
+    be = HostTPSPBackend("tp", timeout_s=30)
+    yield be
+    be.close()
+    COMM.Barrier()
+    assert not set(list_segments()) - before, "a test left /dev/shm segments behind"
+
+
+def _inputs(group, T=9, K=5, H=None, seed=0):
+    H = H or 4 * group.size
+    rng = np.random.default_rng(seed + group.rank)
+    R = -(-T // group.size)
+    f = lambda *s: rng.standard_normal(s, dtype=np.float32)  # noqa: E731
+    return dict(x=f(T, K), w=f(H, K), bias=f(H), residual=f(R, H), norm_weight=f(H), eps=1e-5)
+
+
+def _open(be, group, **kw):
+    args = dict(tp_size=group.size, hidden_size=4 * group.size, max_batched_tokens=64, name="h")
+    args.update(kw)
+    return be.open(**args)
+
+
+def _call(be, h, a, **kw):
+    return be.tpsp_matmul_rs_norm_ag(h, a["x"], a["w"], a["bias"], a["residual"], a["norm_weight"], a["eps"], **kw)
+
+
+def test_open_call_close_and_use_after_close(backend, group):
+    def body():
+        h = _open(backend, group)
+        assert h is not None and not h.closed
+        out, res = _call(backend, h, _inputs(group))
+        assert out.shape == (9, 4 * group.size) and h.calls == 1
+        backend.close(h)
+        backend.close(h)  # closing twice is harmless
+        with pytest.raises(RuntimeError, match="closed"):
+            _call(backend, h, _inputs(group))
+        with pytest.raises(RuntimeError, match="closed"):
+            backend.set_config(h, 8)
+        backend.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            _open(backend, group)
+        with pytest.raises(RuntimeError, match="closed"):
+            _call(backend, h, _inputs(group))
+
+    collectively(body)
+
+
+def test_open_twice_with_the_same_name(backend, group):
+    def body():
+        h = _open(backend, group, name="o_proj")
+        with pytest.raises(RuntimeError, match="already open.*open twice"):
+            _open(backend, group, name="o_proj")
+        h2 = _open(backend, group, name="down_proj")  # another ops group is fine
+        _call(backend, h, _inputs(group))  # the first handle is still usable
+        backend.close(h2)
+        backend.close(h)
+        backend.close(_open(backend, group, name="o_proj"))  # the name is free again
+
+    collectively(body)
+
+
+def test_use_before_open_and_handles_of_another_backend(backend, group):
+    def body():
+        with pytest.raises(ValueError, match="call open"):
+            _call(backend, None, _inputs(group))
+        other = HostTPSPBackend("tp")
+        h = _open(other, group)
+        with pytest.raises(ValueError, match="another backend"):
+            _call(backend, h, _inputs(group))
+        with pytest.raises(ValueError, match="another backend"):
+            backend.set_config(h, 4)
+        with pytest.raises(ValueError, match="another backend"):
+            backend.close(h)
+        with pytest.raises(ValueError, match="another backend"):
+            _call(backend, object(), _inputs(group))
+        other.close()  # closes h too
+        assert h.closed
+
+    collectively(body)
+
+
+def test_open_argument_errors_are_the_same_on_every_rank(backend, group):
+    def body():
+        with pytest.raises(ValueError, match="not divisible by tp_size"):
+            _open(backend, group, hidden_size=4 * group.size + 1)
+        with pytest.raises(ValueError, match="tp_size"):
+            _open(backend, group, tp_size=group.size + 1)
+        with pytest.raises(ValueError, match="max_batched_tokens"):
+            _open(backend, group, max_batched_tokens=0)
+        with pytest.raises(ValueError, match="name"):
+            _open(backend, group, name="")
+        with pytest.raises(ValueError, match="group_name"):
+            _open(backend, group, group_name="dp")
+        with pytest.raises(ValueError, match="no process group named"):
+            HostTPSPBackend("no-such-group").open(tp_size=group.size, hidden_size=8, max_batched_tokens=4)
+
+    collectively(body)
+
+
+def test_one_rank_with_bad_open_arguments_fails_everywhere(backend, group):
+    """A mistake on one rank only must not leave the others waiting in the collective setup."""
+    def body():
+        hidden = 4 * group.size + (1 if group.rank == 1 else 0)
+        with pytest.raises(ValueError, match="rank 1: hidden_size"):
+            _open(backend, group, hidden_size=hidden)
+
+    collectively(body)
+
+
+def test_declines_are_agreed(backend, group):
+    def body():
+        assert _open(backend, group, dtype=np.float16) is None
+        # float16 on one rank only: every rank declines, none hangs
+        dtype = np.float16 if group.rank == group.size - 1 else np.float32
+        assert _open(backend, group, dtype=dtype) is None
+
+    collectively(body)
+
+
+def test_a_rank_that_cannot_map_peer_buffers_makes_every_rank_fall_back(backend, group):
+    def body():
+        os.environ["VTNUMBA_FAIL_PEER_OPEN"] = "1"  # group rank 1 fails to open its peers' memory
+        try:
+            h = _open(backend, group)
+        finally:
+            del os.environ["VTNUMBA_FAIL_PEER_OPEN"]
+        assert h is None  # on every rank
+        op = TPSPOp(None, "h", group=group)  # what a model does then: the regular forward
+        a = _inputs(group)
+        out, res = op(a["x"], a["w"], a["bias"], a["residual"], a["norm_weight"], a["eps"])
+        assert out.shape == (9, 4 * group.size) and op.regular_calls == 1 and op.fused_calls == 0
+        h = _open(backend, group)  # and nothing is stuck: the next open works
+        assert h is not None
+        backend.close(h)
+
+    collectively(body)
+
+
+@pytest.mark.parametrize("case", [
+    "unsupported_norm", "norm_bias_with_rms", "residual_wrong_shape", "too_many_tokens", "hidden_mismatch",
+    "float64_input", "eps_zero", "out_wrong_shape", "chunk_beyond_capacity", "sm_count_on_host",
+])
+def test_bad_call_arguments_raise_clear_errors(backend, group, case):
+    def body():
+        h = _open(backend, group)
+        a = _inputs(group)
+        kw = {}
+        exc, words = ValueError, None
+        if case == "unsupported_norm":
+            kw["norm"], words = "batchnorm", "not a TPSP norm"
+        elif case == "norm_bias_with_rms":
+            kw["norm_bias"], words = np.ones(4 * group.size, np.float32), "only LayerNorm has a bias"
+        elif case == "residual_wrong_shape":
+            a["residual"], words = np.zeros((9, 4 * group.size), np.float32), "R = ceil"
+        elif case == "too_many_tokens":
+            a = _inputs(group, T=65)
+            words = "max_batched_tokens=64"
+        elif case == "hidden_mismatch":
+            a = _inputs(group, H=8 * group.size)
+            words = "hidden_size"
+        elif case == "float64_input":
+            a["x"], exc, words = a["x"].astype(np.float64), TypeError, "float32"
+        elif case == "eps_zero":
+            a["eps"], words = 0.0, "eps"
+        elif case == "out_wrong_shape":
+            kw["out"], words = np.empty((8, 4 * group.size), np.float32), "out has shape"
+        elif case == "chunk_beyond_capacity":
+            backend.close(h)
+            backend.tpsp_max_microchunk_tokens = 2 * group.size  # a tiny workspace: 2 rows per rank
+            try:
+                h = _open(backend, group)
+            finally:
+                backend.tpsp_max_microchunk_tokens = 16_384
+            kw["config"], words = 4, "exceeds the P2P workspace capacity"
+        elif case == "sm_count_on_host":
+            kw["config"], words = TPSPConfig(4, sm_count_target=8), "GPUs only"
+        with pytest.raises(exc, match=words):
+            _call(backend, h, a, **kw)
+        # The failed call poisoned the handle on every rank: a clear error, then close works.
+        with pytest.raises(RuntimeError, match="unusable after a failed call"):
+            _call(backend, h, _inputs(group))
+        backend.close(h)
+
+    collectively(body)
+
+
+def test_invalid_configs_are_refused(backend, group):
+    def body():
+        h = _open(backend, group)
+        for bad, exc in ((0, ValueError), (-3, ValueError), (2.5, TypeError), ("8", TypeError), (True, TypeError)):
+            with pytest.raises(exc):
+                backend.set_config(h, bad)
+        with pytest.raises(ValueError, match="GPUs only"):
+            backend.set_config(h, TPSPConfig(8, sm_count_target=4))
+        backend.set_config(h, TPSPConfig(3))
+        assert h.config.chunk_tokens_per_rank == 3
+        _call(backend, h, _inputs(group))  # the handle survived the refused configs
+        backend.close(h)
+
+    collectively(body)
+
+
+def test_bad_arguments_on_one_rank_fail_fast_everywhere(backend, group):
+    """One rank passes a wrong residual: it raises ValueError, its peers RuntimeError -- at once, no hang."""
+    def body():
+        h = _open(backend, group)
+        a = _inputs(group)
+        if group.rank == 0:
+            a["residual"] = np.zeros((1, 4 * group.size), np.float32)
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError if group.rank == 0 else RuntimeError, match="R = ceil|aborted"):
+            _call(backend, h, a)
+        assert time.perf_counter() - t0 < 10, "peers waited instead of failing fast"
+        backend.close(h)
+
+    collectively(body)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_failing_matmul_on_one_rank_fails_fast_everywhere(group, monkeypatch, threaded):
+    """An error inside the compute step (here injected on rank 0) must not leave peers waiting."""
+    import vtnumba.tpsp.pipeline as pipeline
+
+    real = pipeline.linear_rows_to
+
+    def broken(*args, **kwargs):
+        if group.rank == 0:
+            raise FloatingPointError("injected matmul failure")
+        return real(*args, **kwargs)
+
+    def body():
+        be = HostTPSPBackend("tp", threaded=threaded)
+        h = _open(be, group)
+        monkeypatch.setattr(pipeline, "linear_rows_to", broken)
+        t0 = time.perf_counter()
+        try:
+            with pytest.raises((FloatingPointError, RuntimeError),
+                               match="injected matmul failure" if group.rank == 0 else "aborted"):
+                _call(be, h, _inputs(group))
+        finally:
+            monkeypatch.setattr(pipeline, "linear_rows_to", real)
+        assert time.perf_counter() - t0 < 10, "the failure was not reported fast"
+        be.close()
+
+    collectively(body)
+
+
+def test_ranks_with_different_token_counts_all_raise(backend, group):
+    def body():
+        h = _open(backend, group)
+        T = 9 if group.rank == 0 else 10
+        with pytest.raises((ValueError, RuntimeError), match="different shapes|aborted"):
+            _call(backend, h, _inputs(group, T=T))
+        backend.close(h)
+
+    collectively(body)
+
+
+def test_profile_is_active_range_and_regular_fallback(backend, group):
+    from vtnumba.nn import RMSNorm, RowParallelLinear
+    from vtnumba.tpsp import TPSPOpsGroup
+
+    def body():
+        H = 4 * group.size
+        proj = RowParallelLinear(3 * group.size, H, seed=1)
+        norm = RMSNorm(H, seed=2)
+        ctx = backend.profile([TPSPOpsGroup("down", proj, norm)], max_batched_tokens=32, threshold_tokens=8)
+        assert ctx is not None and ctx.profile.threshold_tokens == 8 and ctx.report.parity_max_err < 1e-4
+        op = TPSPOp(ctx, "down", norm=norm)
+        with pytest.raises(ValueError, match="max_batched_tokens=32"):
+            op.uses_tpsp(33)
+        for T in (3, 8, 32):  # below the threshold: regular; from it on: fused
+            rng = np.random.default_rng(T)
+            x = rng.standard_normal((T, proj.input_size_per_partition), dtype=np.float32)
+            full = np.random.default_rng(99).standard_normal((T, H), dtype=np.float32)
+            got, _ = op(x, proj.weight, proj.bias, shard_residual(full, group.size, group.rank), norm.weight, norm.eps)
+            assert got.shape == (T, H)
+        assert (op.regular_calls, op.fused_calls) == (1, 2)
+        ctx.close()
+        assert not backend._handles
+
+    collectively(body)
+
+
+def test_cuda_backend_checks_in_the_simulator(group):
+    """The GPU backend's own checks, without running kernels (instant in the simulator)."""
+    def body():
+        be = CudaTPSPBackend("tp")
+        h = be.open(tp_size=group.size, hidden_size=4 * group.size, max_batched_tokens=8, name="c")
+        assert h.workspace.exchange == "push"
+        be.set_config(h, TPSPConfig(2, sm_count_target=3))  # no SM count to compare with in the simulator
+        assert h.config.sm_count_target == 3
+        with pytest.raises(TypeError, match="device arrays"):
+            _call(be, h, _inputs(group, T=4))
+        be.close()
+        assert h.closed
+
+    collectively(body)

@@ -1,0 +1,155 @@
+"""Tensor-parallel linear layers: column-parallel (split outputs) and row-parallel (split inputs).
+
+A transformer MLP is ``down(act(up(x)))`` with ``up: H -> F`` and ``down: F -> H``.  Megatron-style
+tensor parallelism splits it so that only *one* exchange is needed per MLP:
+
+* :class:`ColumnParallelLinear` (``up``) -- rank ``r`` holds rows ``F_r`` of ``W_up [F, H]``
+  (a slice of the *output* features): ``y_r = x @ W_up[F_r].T + b_up[F_r]`` needs the full
+  input ``x`` and no communication; its output is feature-sharded.
+* :class:`RowParallelLinear` (``down``) -- rank ``r`` holds columns ``F_r`` of ``W_down [H, F]``
+  (a slice of the *input* features) and multiplies the feature-sharded activations it
+  already has: ``P_r = y_r @ W_down[:, F_r].T`` is a *partial* sum; ``sum_r P_r + b_down`` is
+  the layer's output.  That sum is the exchange -- an all-reduce in the regular forward,
+  TPSP's reduce-scatter + norm + all-gather when the next norm is fused in.
+
+Splits are as even as possible (:func:`split_range`: the first ``total % parts`` ranks get
+one more), so any size works, not only multiples of ``tp``.  Weights use the ``nn.Linear``
+layout ``[out_features, in_features]`` and float32.  A module is built from the *full*
+weight (``weight=``, identical on every rank) or, without one, from a seeded random
+initialisation that is identical on every rank -- then each rank keeps its slice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vtnumba.kernels import linear
+from vtnumba.nn._params import Params
+
+
+def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of part ``index`` when ``total`` items are split into ``parts`` near-equal parts."""
+    for name, v in (("total", total), ("parts", parts), ("index", index)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name}={v!r} must be an int")
+    if parts < 1 or total < parts:
+        raise ValueError(f"cannot split total={total} into parts={parts} non-empty parts")
+    if not 0 <= index < parts:
+        raise ValueError(f"index={index} must be in 0..{parts - 1}")
+    base, extra = divmod(int(total), int(parts))
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def _tp(tp_size, tp_rank) -> tuple[int, int]:
+    if tp_size is None or tp_rank is None:
+        from vtnumba.dist import get_tp_group
+
+        g = get_tp_group()
+        tp_size = g.size if tp_size is None else tp_size
+        tp_rank = g.rank if tp_rank is None else tp_rank
+    if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
+        raise ValueError(f"tp_size={tp_size!r} must be an int >= 1")
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, (int, np.integer)) or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank={tp_rank!r} must be an int in 0..{tp_size - 1}")
+    return int(tp_size), int(tp_rank)
+
+
+def _full_weight(weight, out_features: int, in_features: int, seed: int) -> np.ndarray:
+    if weight is None:
+        rng = np.random.default_rng(seed)
+        return (rng.standard_normal((out_features, in_features), dtype=np.float32)
+                / np.float32(np.sqrt(in_features)))
+    w = np.asarray(weight, dtype=np.float32)
+    if w.shape != (out_features, in_features):
+        raise ValueError(f"weight has shape {w.shape}; expected (out_features, in_features) = "
+                         f"({out_features}, {in_features})")
+    return w
+
+
+def _full_bias(bias, out_features: int, seed: int) -> np.ndarray | None:
+    if bias is False or bias is None:
+        return None
+    if bias is True:
+        return np.random.default_rng(seed + 1).standard_normal(out_features, dtype=np.float32) * np.float32(0.1)
+    b = np.asarray(bias, dtype=np.float32)
+    if b.shape != (out_features,):
+        raise ValueError(f"bias has shape {b.shape}; expected (out_features,) = ({out_features},)")
+    return b
+
+
+class ColumnParallelLinear(Params):
+    """``y_local = x @ W[out slice].T + b[out slice]``; ``x`` is the full input, replicated."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias=True, weight=None, tp_size=None, tp_rank=None,
+                 seed: int = 0):
+        self.tp_size, self.tp_rank = _tp(tp_size, tp_rank)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        lo, hi = split_range(self.out_features, self.tp_size, self.tp_rank)
+        self.out_range = (lo, hi)
+        full = _full_weight(weight, self.out_features, self.in_features, seed)
+        self.weight = np.ascontiguousarray(full[lo:hi])
+        fb = _full_bias(bias, self.out_features, seed)
+        self.bias = None if fb is None else np.ascontiguousarray(fb[lo:hi])
+
+    @property
+    def output_size_per_partition(self) -> int:
+        return self.out_range[1] - self.out_range[0]
+
+    def __call__(self, x, out=None):
+        return linear(x, self.param("weight", x), self.param("bias", x), out=out)
+
+    def __repr__(self) -> str:
+        return (f"ColumnParallelLinear({self.in_features} -> {self.out_features}, rank {self.tp_rank}/{self.tp_size} "
+                f"holds outputs {self.out_range[0]}..{self.out_range[1] - 1})")
+
+
+class RowParallelLinear(Params):
+    """``partial = x_local @ W[:, in slice].T``; the sum over ranks plus ``bias`` is the output.
+
+    ``bias`` is the full ``[out_features]`` vector: it must be added *once*, after the sum,
+    so :meth:`partial` leaves it out and whoever completes the sum (the all-reduce path, or
+    TPSP's reduce + norm) adds it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias=True, weight=None, tp_size=None, tp_rank=None,
+                 seed: int = 0):
+        self.tp_size, self.tp_rank = _tp(tp_size, tp_rank)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        lo, hi = split_range(self.in_features, self.tp_size, self.tp_rank)
+        self.in_range = (lo, hi)
+        full = _full_weight(weight, self.out_features, self.in_features, seed)
+        self.weight = np.ascontiguousarray(full[:, lo:hi])
+        self.bias = _full_bias(bias, self.out_features, seed)
+
+    @property
+    def input_size_per_partition(self) -> int:
+        return self.in_range[1] - self.in_range[0]
+
+    def partial(self, x_local, out=None):
+        """This rank's partial sum ``x_local @ W_local.T`` (no bias, no communication)."""
+        return linear(x_local, self.param("weight", x_local), None, out=out)
+
+    def __call__(self, x_local, group=None):
+        """The complete output ``sum_r partial_r + bias``, via an MPI all-reduce over ``group``."""
+        from vtnumba.tpsp.regular import mpi_all_reduce_
+
+        if group is None:
+            from vtnumba.dist import get_tp_group
+
+            group = get_tp_group()
+        out = self.partial(x_local)
+        if group.size > 1:
+            mpi_all_reduce_(out, group)
+        if self.bias is not None:
+            from vtnumba.nn.activation import add_bias
+
+            add_bias(out, self.param("bias", out))
+        return out
+
+    def __repr__(self) -> str:
+        return (f"RowParallelLinear({self.in_features} -> {self.out_features}, rank {self.tp_rank}/{self.tp_size} "
+                f"holds inputs {self.in_range[0]}..{self.in_range[1] - 1})")
+
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "split_range"]

@@ -1,0 +1,94 @@
+"""RMSNorm and LayerNorm modules: weights plus the fused residual-add + norm of :mod:`vtnumba.kernels`.
+
+A module call does what a transformer does after each sub-block::
+
+    out, new_residual = norm(y, residual)     # z = y + residual; out = norm(z); new_residual = z
+    out               = norm(x)               # plain normalisation
+
+Each module says which norm it is (``norm_type`` = ``"rms"`` / ``"layer"``), which is how
+:func:`vtnumba.tpsp.get_tpsp_norm_type` recognises it, and carries ``weight``, ``eps`` and
+(LayerNorm) ``bias`` -- everything TPSP needs to fuse the norm into the exchange.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vtnumba.kernels import fused_add_layer_norm, fused_add_rms_norm
+from vtnumba.nn._params import Params
+
+
+def _vector(value, hidden: int, default: float, name: str, seed: int | None) -> np.ndarray:
+    if value is None:
+        if seed is None:
+            return np.full(hidden, default, dtype=np.float32)
+        rng = np.random.default_rng(seed)
+        return (np.float32(default) + np.float32(0.1) * rng.standard_normal(hidden, dtype=np.float32))
+    v = np.asarray(value, dtype=np.float32)
+    if v.shape != (hidden,):
+        raise ValueError(f"{name} has shape {v.shape}; expected (hidden_size,) = ({hidden},)")
+    return np.ascontiguousarray(v)
+
+
+def _check_hidden(hidden_size) -> int:
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, (int, np.integer)) or hidden_size < 1:
+        raise ValueError(f"hidden_size={hidden_size!r} must be a positive int")
+    return int(hidden_size)
+
+
+def _check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps={eps!r} must be a positive float")
+    return float(eps)
+
+
+class RMSNorm(Params):
+    """``out = z * rsqrt(mean(z^2) + eps) * weight``; ``seed`` draws a random weight near 1 (for tests)."""
+
+    norm_type = "rms"
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, weight=None, *, seed: int | None = None):
+        self.hidden_size = _check_hidden(hidden_size)
+        self.eps = _check_eps(eps)
+        self.weight = _vector(weight, self.hidden_size, 1.0, "weight", seed)
+        self.bias = None  # RMSNorm has no bias (TPSP refuses a norm bias with RMSNorm)
+
+    def __call__(self, x, residual=None, *, out=None, new_residual=None):
+        out_, new_res = fused_add_rms_norm(x, residual, self.param("weight", x), self.eps, out=out,
+                                           new_residual=new_residual)
+        return out_ if residual is None else (out_, new_res)
+
+    def __repr__(self) -> str:
+        return f"RMSNorm({self.hidden_size}, eps={self.eps:g})"
+
+
+class LayerNorm(Params):
+    """``out = (z - mean) * rsqrt(var + eps) * weight + bias``; ``seed`` draws random weight/bias."""
+
+    norm_type = "layer"
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, weight=None, bias=None, *, seed: int | None = None):
+        self.hidden_size = _check_hidden(hidden_size)
+        self.eps = _check_eps(eps)
+        self.weight = _vector(weight, self.hidden_size, 1.0, "weight", seed)
+        self.bias = _vector(bias, self.hidden_size, 0.0, "bias", None if seed is None else seed + 1)
+
+    def __call__(self, x, residual=None, *, out=None, new_residual=None):
+        out_, new_res = fused_add_layer_norm(x, residual, self.param("weight", x), self.param("bias", x), self.eps,
+                                             out=out, new_residual=new_residual)
+        return out_ if residual is None else (out_, new_res)
+
+    def __repr__(self) -> str:
+        return f"LayerNorm({self.hidden_size}, eps={self.eps:g})"
+
+
+def make_norm(kind: str, hidden_size: int, eps: float | None = None, *, seed: int | None = None):
+    """An RMSNorm (``"rms"``) or LayerNorm (``"layer"``) of ``hidden_size``."""
+    from vtnumba.tpsp.norm_type import LAYER, get_tpsp_norm_type
+
+    if get_tpsp_norm_type(kind) == LAYER:
+        return LayerNorm(hidden_size, 1e-5 if eps is None else eps, seed=seed)
+    return RMSNorm(hidden_size, 1e-6 if eps is None else eps, seed=seed)
+
+
+__all__ = ["RMSNorm", "LayerNorm", "make_norm"]

@@ -1,0 +1,175 @@
+"""The small value types of TPSP: ops groups, the activation profile, contexts, tuning configs.
+
+Seed: ``vllm/model_executor/tpsp.py``.  An engine that turns TPSP on does it per *ops
+group* -- a row-parallel projection and the norm right after it (``o_proj`` with the
+post-attention layernorm, ``down_proj`` with the next layer's input layernorm) -- and keeps
+one decision for the whole model:
+
+* :class:`TPSPOpsGroup` -- ``(name, projection, norm)``: what one fused call replaces;
+* :class:`TPSPProfile`  -- ``(enabled, threshold_tokens, max_batched_tokens)``: TPSP runs for
+  a batch of ``T`` tokens only when it is enabled and ``threshold_tokens <= T`` (below the
+  threshold the regular forward is faster: too little work to hide the exchange);
+* :class:`TPSPContext`  -- the profile, the backend and one *handle* per ops group name
+  (what ``open`` returned: the peer workspace of that group);
+* :class:`TPSPConfig`   -- the tuning knobs one handle runs with: the microchunk size
+  (token rows of *each* rank's shard per pipeline step) and, on a GPU, how many SMs the
+  exchange kernels may occupy at once.
+
+All of them validate their fields on construction, so a bad value fails where it is
+written, with a message naming the field, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class TPSPConfig:
+    """Tuning of one TPSP handle.
+
+    ``chunk_tokens_per_rank`` -- microchunk size ``c``: each pipeline step handles ``c``
+    rows of *every* rank's token shard (``tp * c`` tokens).  Smaller chunks overlap more
+    (chunk i+1's matmul runs while chunk i is exchanged) but pay more per-step overhead;
+    a chunk at least as large as the shard means one step (no pipelining).
+
+    ``sm_count_target`` -- GPUs only: the most streaming multiprocessors the exchange
+    kernels (reduce + norm, gather) may occupy at once, leaving the rest to the next
+    chunk's matmul.  ``None`` = no limit.  The host backend rejects it.
+    """
+
+    chunk_tokens_per_rank: int
+    sm_count_target: int | None = None
+
+    def __post_init__(self) -> None:
+        c = self.chunk_tokens_per_rank
+        if not _is_int(c):
+            raise TypeError(f"TPSPConfig.chunk_tokens_per_rank={c!r} must be an int, got {type(c).__name__}")
+        if c < 1:
+            raise ValueError(f"TPSPConfig.chunk_tokens_per_rank={c} must be >= 1 (token rows per rank per step)")
+        object.__setattr__(self, "chunk_tokens_per_rank", int(c))
+        s = self.sm_count_target
+        if s is not None:
+            if not _is_int(s):
+                raise TypeError(f"TPSPConfig.sm_count_target={s!r} must be an int or None, got {type(s).__name__}")
+            if s < 1:
+                raise ValueError(f"TPSPConfig.sm_count_target={s} must be >= 1 (or None for no limit)")
+            object.__setattr__(self, "sm_count_target", int(s))
+
+
+@dataclass(frozen=True)
+class TPSPProfile:
+    """The shared on/off decision: TPSP runs for ``T`` tokens iff enabled and ``T >= threshold_tokens``."""
+
+    enabled: bool
+    threshold_tokens: int | None
+    max_batched_tokens: int
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, (bool, np.bool_)):
+            raise TypeError(f"TPSPProfile.enabled={self.enabled!r} must be a bool")
+        m = self.max_batched_tokens
+        if not _is_int(m) or m < 1:
+            raise ValueError(f"TPSPProfile.max_batched_tokens={m!r} must be an int >= 1")
+        t = self.threshold_tokens
+        if self.enabled:
+            if not _is_int(t) or not 1 <= t <= m:
+                raise ValueError(f"TPSPProfile.threshold_tokens={t!r} must be an int in 1..max_batched_tokens={m} "
+                                 "when enabled")
+        elif t is not None and (not _is_int(t) or t < 1):
+            raise ValueError(f"TPSPProfile.threshold_tokens={t!r} must be None or an int >= 1")
+
+    def is_active(self, num_tokens: int) -> bool:
+        """Should a batch of ``num_tokens`` tokens use TPSP?  Raises for counts outside 1..max_batched_tokens."""
+        if not _is_int(num_tokens):
+            raise TypeError(f"num_tokens={num_tokens!r} must be an int")
+        if not 1 <= num_tokens <= self.max_batched_tokens:
+            raise ValueError(f"num_tokens={num_tokens} is outside the profiled range 1..max_batched_tokens="
+                             f"{self.max_batched_tokens}")
+        if not self.enabled:
+            return False
+        return num_tokens >= self.threshold_tokens
+
+    @classmethod
+    def disabled(cls, max_batched_tokens: int, reason: str) -> "TPSPProfile":
+        return cls(False, None, max_batched_tokens, reason)
+
+
+@dataclass(frozen=True)
+class TPSPOpsGroup:
+    """A row-parallel ``projection`` followed by ``norm``: one fused TPSP call.
+
+    ``projection`` needs ``.weight`` ``[H, K_local]`` (and ``.bias`` ``[H]`` or None);
+    ``norm`` needs ``.weight`` ``[H]``, ``.eps`` and, for LayerNorm, ``.bias``.  The
+    :mod:`vtnumba.nn` modules have exactly these attributes.
+    """
+
+    name: str
+    projection: Any
+    norm: Any
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TPSPOpsGroup.name={self.name!r} must be a non-empty str (handles are kept by name)")
+        for what, obj in (("projection", self.projection), ("norm", self.norm)):
+            if getattr(obj, "weight", None) is None:
+                raise TypeError(f"TPSPOpsGroup {self.name!r}: {what}={type(obj).__name__} has no .weight")
+
+
+def check_ops_groups(ops_groups) -> list[TPSPOpsGroup]:
+    """A non-empty list of TPSPOpsGroup with unique names and one hidden size (the seed's checks)."""
+    if isinstance(ops_groups, TPSPOpsGroup):
+        ops_groups = [ops_groups]
+    try:
+        groups = list(ops_groups)
+    except TypeError:
+        raise TypeError(f"ops_groups must be a list of TPSPOpsGroup, got {type(ops_groups).__name__}") from None
+    if not groups:
+        raise ValueError("ops_groups is empty; TPSP profiling needs at least one TPSPOpsGroup")
+    for k, g in enumerate(groups):
+        if not isinstance(g, TPSPOpsGroup):
+            raise TypeError(f"ops_groups[{k}] is a {type(g).__name__}; expected TPSPOpsGroup")
+    names = [g.name for g in groups]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"TPSP ops group names must be unique; duplicated: {dupes}")
+    hidden = {g.name: int(np.prod(g.norm.weight.shape)) for g in groups}
+    if len(set(hidden.values())) != 1:
+        raise ValueError(f"TPSP ops groups must share one hidden size; norm weights have {hidden}")
+    return groups
+
+
+@dataclass
+class TPSPContext:
+    """The profile, the backend, and one handle per ops group name (seed: ``TPSPContext``)."""
+
+    profile: TPSPProfile
+    backend: Any
+    handles: dict[str, object] = field(default_factory=dict)
+    report: Any = None  # what a measured profile found (vtnumba.tpsp.profiling.ProfileReport)
+
+    def handle(self, name: str):
+        try:
+            return self.handles[name]
+        except KeyError:
+            raise KeyError(f"no TPSP handle named {name!r}; this context has {sorted(self.handles)}") from None
+
+    def is_active(self, num_tokens: int) -> bool:
+        return self.profile.is_active(num_tokens)
+
+    def close(self) -> None:
+        """Close every handle (collective; the backend itself stays open for other contexts)."""
+        for h in list(self.handles.values()):
+            self.backend.close(h)
+        self.handles.clear()
+
+
+__all__ = ["TPSPConfig", "TPSPProfile", "TPSPOpsGroup", "TPSPContext", "check_ops_groups"]

@@ -1,0 +1,102 @@
+"""``CudaTPSPBackend``: TPSP with CUDA kernels on device arrays -- a real GPU, or numba's simulator.
+
+Seed: ``vllm/platforms/tpsp_cuda.py``.  The pipeline is :mod:`vtnumba.tpsp.pipeline` with:
+
+* device arrays everywhere (numba ``DeviceNDArray`` on a GPU, ``FakeCUDAArray`` in the
+  simulator -- zero-copy views, so a peer's writes are seen);
+* the ``@cuda.jit`` kernels of :mod:`vtnumba.kernels` (register-tiled matmul whose
+  output rows go to the destinations' inbox slots, the fused peer reduce + norm, the
+  gather copy), launched on two streams: *compute* for the matmuls and *exchange* for the
+  reduce/gather, so chunk i+1's matmul can run while chunk i is exchanged;
+* peer memory through CUDA IPC handles on a GPU, POSIX shared memory in the simulator
+  (:class:`vtnumba.dist.PeerBuffers` picks the transport);
+* ``exchange="push"`` by default: remote writes from the matmul epilogue, as the seed's
+  design does over NVLink.
+
+``TPSPConfig.sm_count_target`` is honoured here: the reduce + norm kernel uses one block per
+row, so it is launched in batches of at most ``sm_count_target`` rows, and at most that
+many SMs are busy with the exchange at any time.
+
+The flags stay on the host (:class:`vtnumba.dist.PeerSignals`): a stream callback raises
+``inbox_ready`` when the matmul has finished, and the host thread synchronizes the
+exchange stream before raising the other flags.  Correct on every target, and a kernel
+can never spin forever on a flag.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vtnumba.backend.device import Device, DeviceType
+from vtnumba.dist import DEFAULT_TIMEOUT_S
+from vtnumba.tpsp.config import TPSPConfig
+from vtnumba.tpsp.peer_backend import PeerTPSPBackend
+
+
+class CudaTPSPBackend(PeerTPSPBackend):
+    """TPSP for numba device arrays (the ``cuda`` and ``cudasim`` targets)."""
+
+    default_exchange = "push"
+    tpsp_chunk_granularity = 64
+
+    def __init__(self, group_name: str = "tp", device=None, *, backend=None, exchange: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        device = Device(DeviceType.CUDA, 0) if device is None else device
+        if not isinstance(device, Device) or device.type is not DeviceType.CUDA:
+            raise ValueError(f"device={device!r} must be a CUDA Device for CudaTPSPBackend")
+        super().__init__(group_name, device, exchange=exchange, timeout_s=timeout_s)
+        if backend is None:
+            from vtnumba.backend.cuda import CUDABackend
+
+            backend = CUDABackend(device)
+        if backend.device_type is not DeviceType.CUDA:
+            raise ValueError(f"backend={backend.name} is not a CUDA backend")
+        self._backend = backend
+
+    @property
+    def data_backend(self):
+        return self._backend
+
+    @property
+    def simulator(self) -> bool:
+        return bool(getattr(self._backend, "simulator", False))
+
+    def _check_array_kind(self, arrays: dict) -> None:
+        from vtnumba.backend.cuda import is_device_array
+
+        for name, arr in arrays.items():
+            if arr is not None and not is_device_array(arr):
+                raise TypeError(f"{name} is a {type(arr).__module__}.{type(arr).__name__}; CudaTPSPBackend takes "
+                                "numba device arrays (copy with cuda.to_device, or use HostTPSPBackend for numpy)")
+
+    def _to_target(self, host: np.ndarray):
+        from numba import cuda
+
+        return cuda.to_device(host)
+
+    def _empty(self, shape):
+        from numba import cuda
+
+        return cuda.device_array(shape, dtype=np.float32)
+
+    def default_config(self, handle) -> TPSPConfig:
+        # Overlap needs several chunks; 4 steps of at least one granule each is a sane start.
+        rows = handle.max_chunk_rows
+        chunk = max(self.tpsp_chunk_granularity, -(-rows // 4))
+        return TPSPConfig(min(rows, chunk))
+
+    def sm_count(self) -> int | None:
+        """The device's streaming-multiprocessor count (None in the simulator)."""
+        if self.simulator:
+            return None
+        from numba import cuda
+
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+    def _check_sm_count(self, sm_count_target: int) -> None:
+        total = self.sm_count()
+        if total is not None and sm_count_target > total:
+            raise ValueError(f"sm_count_target={sm_count_target} exceeds the device's {total} SMs")
+
+
+__all__ = ["CudaTPSPBackend"]

@@ -1,0 +1,64 @@
+"""``TPSPOp``: one callable with the fused op's signature that picks TPSP or the regular forward per call.
+
+A model should not care whether a batch runs fused: it calls ::
+
+    gathered, new_residual = op(x, W, bias, residual_shard, norm_weight, eps, norm_bias=None)
+
+and the op asks the context's :class:`~vtnumba.tpsp.config.TPSPProfile` whether ``T`` tokens
+are worth fusing (``profile.is_active(T)``).  If so it runs the backend's fused call on the
+ops group's handle, otherwise :func:`~vtnumba.tpsp.regular.regular_matmul_rs_norm_ag` --
+same inputs, same outputs, same sharded residual.  With no context at all (``profile``
+declined on every rank) every call takes the regular path.  Every rank sees the same ``T``
+and the same profile, so every rank takes the same path.
+"""
+
+from __future__ import annotations
+
+from vtnumba.dist import DEFAULT_TIMEOUT_S
+from vtnumba.tpsp.config import TPSPContext
+from vtnumba.tpsp.norm_type import get_tpsp_norm_type
+from vtnumba.tpsp.regular import regular_matmul_rs_norm_ag
+
+
+class TPSPOp:
+    """``op(x, w, bias, residual, norm_weight, eps, norm_bias=None, *, out=None, new_residual=None)``."""
+
+    def __init__(self, context: TPSPContext | None, name: str, *, norm="rms", group=None,
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S):
+        self.context = context
+        self.name = name
+        self.norm = get_tpsp_norm_type(norm)
+        self.handle = context.handle(name) if context is not None else None
+        if group is None:
+            if self.handle is not None:
+                group = self.handle.group
+            else:
+                from vtnumba.dist import get_tp_group
+
+                group = get_tp_group()
+        self.group = group
+        self.timeout_s = timeout_s
+        self.fused_calls = 0
+        self.regular_calls = 0
+
+    def uses_tpsp(self, num_tokens: int) -> bool:
+        return self.context is not None and self.context.profile.is_active(num_tokens)
+
+    def __call__(self, x, w, bias, residual, norm_weight, eps, norm_bias=None, *, out=None, new_residual=None):
+        if self.uses_tpsp(int(x.shape[0])):
+            self.fused_calls += 1
+            return self.context.backend.tpsp_matmul_rs_norm_ag(self.handle, x, w, bias, residual, norm_weight, eps,
+                                                               norm_bias, norm=self.norm, out=out,
+                                                               new_residual=new_residual)
+        self.regular_calls += 1
+        return regular_matmul_rs_norm_ag(self.group, x, w, bias, residual, norm_weight, eps, norm_bias,
+                                         norm=self.norm, out=out, new_residual=new_residual,
+                                         timeout_s=self.timeout_s)
+
+    def __repr__(self) -> str:
+        mode = "regular only" if self.context is None else \
+            f"TPSP from {self.context.profile.threshold_tokens} tokens"
+        return f"<TPSPOp {self.name!r} norm={self.norm} {mode}>"
+
+
+__all__ = ["TPSPOp"]
