@@ -109,3 +109,24 @@ def test_gpu_check_dry_run_without_gpu(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no GPU" in proc.stdout
     assert (tmp_path / "summary.txt").read_text().strip() == "no GPU"
+
+
+def test_traced_two_rank_tpsp_run(tmp_path):
+    """Issue 9's check: a traced TPSP run has both ranks, every queue TPSP used, MPI exchanges."""
+    prefix = tmp_path / "tpsp"
+    proc = subprocess.run([sys.executable, "-m", "vtnumba", "trace", "--out", str(prefix), "--", "mpiexec", "-n", "2",
+                           sys.executable, str(ROOT / "mpi" / "tpsp_model.py"), "--target", "cpu", "--tokens", "130",
+                           "--hidden", "128", "--ffn", "256", "--layers", "2", "--repeat", "1"],
+                          capture_output=True, text=True, env=clean_env(), timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    merged = json.loads((tmp_path / "tpsp.json").read_text())
+    validate_trace(merged)  # end >= start, and no overlap on any queue (queue order kept)
+    spans = [e for e in merged["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    for rank in (0, 1):
+        tracks = {e["track"] for e in spans if e["pid"] == rank}
+        for block in ("block0.down", "block1.down"):
+            assert f"cpu:tpsp:{block}:compute" in tracks and f"cpu:tpsp:{block}:exchange" in tracks, tracks
+        assert any(t.startswith("mpi:") for t in tracks)
+    assert all(e["dur"] >= 0 for e in spans)
+    assert (tmp_path / "tpsp.png").read_bytes()[:4] == b"\x89PNG"
