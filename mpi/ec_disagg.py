@@ -89,14 +89,9 @@ def make_entries(args) -> list[tuple[str, int, int]]:
 
 
 def to_host(arr) -> np.ndarray:
-    if isinstance(arr, np.ndarray):
-        return arr
-    from vtnumba.backend.cuda import sim_host_view
+    from vtnumba.backend.cuda import to_host_array  # numba.cuda only when a device array shows up
 
-    try:
-        return sim_host_view(arr)
-    except TypeError:
-        return arr.copy_to_host()
+    return to_host_array(arr)
 
 
 # ----------------------------------------------------------------------------- ranks

@@ -6,7 +6,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 export VTNUMBA_TARGET=${VTNUMBA_TARGET:-cpu}
-PYTEST_ARGS=(-p no:cacheprovider -q -rs --timeout=300)
+# thread method: a test stuck inside a blocking MPI call (where a signal cannot reach Python)
+# still ends its process, and mpiexec then ends the others.
+PYTEST_ARGS=(-p no:cacheprovider -q -rs --timeout=300 --timeout-method=thread)
 FAILED=()
 
 stage() {  # stage NAME TIMEOUT_S CMD...

@@ -149,7 +149,7 @@ def test_a_missing_peer_times_out_instead_of_hanging():
         if comm.Get_rank() == 0:
             req = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
             t0 = time.monotonic()
-            with pytest.raises(RuntimeError, match="did not complete within 0.3 s"):
+            with pytest.raises(RuntimeError, match="timed out after 0.3 s"):
                 _wait(req, 0.3, "the test all-reduce")
             assert time.monotonic() - t0 < 5
             req.Wait()  # the late peers arrive now

@@ -75,6 +75,17 @@ def sim_host_view(obj) -> np.ndarray:
     return ary
 
 
+def to_host_array(arr) -> np.ndarray:
+    """A numpy array with ``arr``'s contents: itself (numpy), the simulator's host memory
+    behind it (no copy), or a device-to-host copy (real GPU)."""
+    if isinstance(arr, np.ndarray):
+        return arr
+    try:
+        return sim_host_view(arr)
+    except TypeError:
+        return arr.copy_to_host()
+
+
 def _flat_bytes(obj, name: str):
     """A flat uint8 view of a Buffer, host array or device array, without copying."""
     if isinstance(obj, Buffer):

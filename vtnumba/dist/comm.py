@@ -57,11 +57,15 @@ def _check_timeout(timeout_s) -> float:
 
 
 def _describe(group) -> str:
+    if group is None:  # a bare communicator (e.g. the encoder's), not a ProcessGroup
+        return "the communicator"
     return f"group {group.name!r} (rank {group.rank} of {group.size}, world ranks {group.world_ranks})"
 
 
 def wait_request(req: MPI.Request, group, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Poll a non-blocking MPI request until it completes; raise RuntimeError after ``timeout_s``.
+
+    ``group`` only names the ranks in the error message (``None`` for a bare communicator).
 
     Polling follows :func:`_backoff`: a busy loop first (collectives between ranks of one
     node finish in microseconds, and MPI only progresses inside MPI calls such as

@@ -62,14 +62,9 @@ def _crc(arr: np.ndarray) -> int:
 
 
 def _to_host(arr) -> np.ndarray:
-    if isinstance(arr, np.ndarray):
-        return arr
-    from vtnumba.backend.cuda import sim_host_view
+    from vtnumba.backend.cuda import to_host_array  # numba.cuda only when a device array shows up
 
-    try:
-        return sim_host_view(arr)
-    except TypeError:
-        return arr.copy_to_host()
+    return to_host_array(arr)
 
 
 def plan_ranks(world_size: int, encoder_ranks: int | None) -> tuple[int, int]:

@@ -35,8 +35,6 @@ Two implementations:
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -47,7 +45,6 @@ from vtnumba.models._scratch import Scratch
 
 #: How long an MPI exchange may take before it is declared hung (seconds).
 DEFAULT_TIMEOUT_S = 120.0
-_SPIN_S = 0.005
 
 
 def as_mpi_comm(group):
@@ -61,30 +58,11 @@ def as_mpi_comm(group):
 
 
 def _wait(request, timeout_s: float, what: str) -> None:
-    """Wait for a non-blocking MPI request, raising instead of hanging past ``timeout_s``.
+    """Wait for a non-blocking MPI request, raising instead of hanging past ``timeout_s``
+    (:func:`vtnumba.dist.comm.wait_request`: spin on ``Test`` first, then back off to sleeps)."""
+    from vtnumba.dist.comm import wait_request
 
-    The same polling policy as :func:`vtnumba.dist.comm.wait_request` (which needs a
-    :class:`~vtnumba.dist.ProcessGroup`; the encoder also takes a bare communicator): spin
-    on ``Test`` -- it drives MPI's progress engine -- for ``_SPIN_S``, yielding now and then
-    in case ranks outnumber cores; then back off to short sleeps, so a rank waiting for a
-    slow peer does not take the core that peer needs.
-    """
-    start = time.perf_counter()
-    polls = 0
-    while not request.Test():
-        polls += 1
-        waited = time.perf_counter() - start
-        if waited > timeout_s:
-            raise RuntimeError(
-                f"{what} did not complete within {timeout_s:g} s; a peer rank is stuck or did not call it "
-                "(every rank of the tensor-parallel group must run the same forward). MPI cannot cancel "
-                "the request, so this communicator is unusable: abort the job."
-            )
-        if waited < _SPIN_S:
-            if polls % 32 == 0:
-                os.sched_yield()
-        else:
-            time.sleep(min(1e-3, waited / 100))
+    wait_request(request, None, what, timeout_s)
 
 
 def _allreduce(comm, buf: np.ndarray, op=None, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "MPI all-reduce") -> np.ndarray:
