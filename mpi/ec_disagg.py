@@ -126,6 +126,7 @@ class _Run:
     # -- setup: create, open, validate, unlink early -------------------------------
     def setup(self) -> None:
         from vtnumba.ec import ECRegionConfig, create_ec_shared_region
+        from vtnumba.ec.channel import PeerFailure
 
         a = self.args
         total = sum(r for _, _, r in self.entries) * self.block
@@ -138,8 +139,16 @@ class _Run:
             self.region = create_ec_shared_region(cfg)
             for r in range(1, self.size):
                 self.ch.send({"engine_id": engine_id}, r, TAG_SETUP)
+            # "opened" from every consumer -- or its failure.  Hear everyone out before giving
+            # up: cleaning up while a consumer is still opening would pull the file from under it.
+            failures = []
             for r in range(1, self.size):
-                self.ch.recv(r, TAG_SETUP)  # "opened" (a failure arrives as PeerFailure)
+                try:
+                    self.ch.recv(r, TAG_SETUP)
+                except PeerFailure as exc:
+                    failures.append(exc)
+            if failures:
+                raise failures[0]
             # Every rank has mapped it: the name is no longer needed.  From here on even a
             # killed process cannot leave a file behind.
             self.region.unlink()

@@ -121,6 +121,7 @@ class _Pipeline:
 
     def _setup_region(self) -> None:
         from vtnumba.ec import ECRegionConfig, create_ec_shared_region
+        from vtnumba.ec.channel import PeerFailure
 
         block = self.hidden * 4
         consumers = range(self.num_encoders, self.size)
@@ -141,8 +142,16 @@ class _Pipeline:
                                                                  create=True))
             for r in consumers:
                 self.ch.send(engine, r, TAG_SETUP)
+            # Hear every consumer out (opened, or failed) before going on or giving up:
+            # cleaning up while one is still opening would pull the file from under it.
+            failures = []
             for r in consumers:
-                self.ch.recv(r, TAG_SETUP)
+                try:
+                    self.ch.recv(r, TAG_SETUP)
+                except PeerFailure as exc:
+                    failures.append(exc)
+            if failures:
+                raise failures[0]
             self.region.unlink()  # every user has mapped it: from now on nothing can leak
         elif not self.is_encoder:
             engine = self.ch.recv(self.producer, TAG_SETUP)
