@@ -51,7 +51,7 @@ def _sentence_transformers_rate(sentences, batch: int, threads: int, repeat: int
 def run(args) -> dict:
     from mpi4py import MPI
 
-    from vtnumba.dist import init_distributed
+    from vtnumba.dist import barrier, init_distributed
     from vtnumba.models.corpus import random_sentences
     from vtnumba.models.tp_runtime import TensorParallelEncoder
     from vtnumba.target import current_target
@@ -100,7 +100,9 @@ def run(args) -> dict:
             results.append(schema.row("sentences/s", f"sentence-transformers ({threads} threads)", big, "batch",
                                       "sentences/s", st_rate, st_stats))
             ratios[f"vtnumba TPSP / sentence-transformers sentences/s, batch {big}"] = rates[("tpsp", big)] / st_rate
-    group.cpu_comm.Barrier()
+    # The other ranks wait for rank 0's sentence-transformers run in a *sleeping* barrier: a
+    # plain MPI Barrier spins and would steal a core from the baseline being measured.
+    barrier(group, timeout_s=1800.0)
     notes.append(f"{n} random 8-40-word sentences, {tokens} tokens, {repeat} timed passes per mode and batch")
     return schema.suite("model", current_target().name, group.size, results, ratios,
                         {"tokens per pass": tokens}, notes)

@@ -76,7 +76,11 @@ def run_suite(name: str, args, comm) -> dict | None:
     result = None
     if name in MULTI_RANK or rank == 0:
         result = module.run(suite_args(name, args))
-    comm.Barrier()
+    # A sleeping barrier: ranks idle during a single-process suite must not spin on a core
+    # the measured code needs (a plain MPI Barrier busy-polls).
+    from vtnumba.dist.comm import wait_request
+
+    wait_request(comm.Ibarrier(), None, f"the barrier after bench {name}", 3600.0)
     if rank == 0 and result is not None:
         validate_suite(result)
         _progress(f"{name}: done in {time.perf_counter() - t0:.1f} s")
