@@ -19,10 +19,12 @@ _lock = threading.Lock()
 
 
 def default_device() -> Device:
+    """The target's device: ``cpu:0`` on the cpu target, ``cuda:0`` on cuda and cudasim."""
     return CPU if current_target().name == "cpu" else Device(DeviceType.CUDA, 0)
 
 
 def default_backend(device: Device | None = None) -> Backend:
+    """The registered backend for ``device`` (default: the target's), created on first use."""
     device = device or default_device()
     with _lock:
         backend = try_get_backend(device)

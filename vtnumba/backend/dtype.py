@@ -59,6 +59,7 @@ def supported_dtypes(target: str, compute_capability: tuple[int, int] | None = N
 
 
 def check_dtype_supported(dtype, target: str, compute_capability: tuple[int, int] | None = None) -> DType:
+    """``dtype`` as a :class:`DType`, or a TypeError saying why ``target`` cannot compute in it."""
     dt = as_dtype(dtype)
     if dt not in supported_dtypes(target, compute_capability):
         where = {"cpu": "numpy has no bfloat16", "cudasim": "numba's simulator has no bfloat16"}.get(

@@ -47,6 +47,7 @@ def register_backend(device, backend: Backend, *, replace: bool = True) -> None:
 
 
 def unregister_backend(device) -> Backend | None:
+    """Remove and return the backend serving ``device`` (None if there was none)."""
     with _lock:
         return _registry.pop(_key(device), None)
 
@@ -71,6 +72,7 @@ def get_backend(device) -> Backend:
 
 
 def registered_devices() -> list[Device]:
+    """Every device slot that has a backend, sorted by type and index."""
     with _lock:
         return [Device(t, i) for (t, i) in sorted(_registry, key=lambda k: (k[0].value, k[1]))]
 
@@ -80,18 +82,22 @@ class DeviceResourceOps:
 
     @staticmethod
     def alloc(device, nbytes: int) -> Buffer:
+        """``nbytes`` of memory on ``device`` (its registered backend's ``alloc``)."""
         return get_backend(device).alloc(nbytes)
 
     @staticmethod
     def free(device, buf: Buffer) -> None:
+        """Free ``buf`` through ``device``'s backend."""
         get_backend(device).free(buf)
 
     @staticmethod
     def create_queue(device, name: str | None = None) -> Queue:
+        """A new queue on ``device``."""
         return get_backend(device).create_queue(name)
 
     @staticmethod
     def destroy_queue(device, q: Queue) -> None:
+        """Wait for ``q``'s work, then release it, through ``device``'s backend."""
         get_backend(device).destroy_queue(q)
 
 

@@ -202,6 +202,7 @@ def destroy_distributed() -> None:
 
 
 def is_initialized() -> bool:
+    """Has :func:`init_distributed` run (and not been undone by :func:`destroy_distributed`)?"""
     return _state is not None
 
 
@@ -269,6 +270,7 @@ def get_tp_group() -> ProcessGroup:
 
 
 def get_world_group() -> ProcessGroup:
+    """The group of every rank (registered as ``"world"`` by :func:`init_distributed`)."""
     return get_group("world")
 
 

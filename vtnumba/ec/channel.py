@@ -59,6 +59,13 @@ def _wait(test, deadline: float, what: str, timeout_s: float):
 
 
 class ECChannel:
+    """Producer <-> consumer control messages over one mpi4py communicator, every wait bounded.
+
+    ``send``/``recv`` carry the scheduler-side messages (ready entries, pin requests and
+    grants, releases); a rank that fails calls ``send_error`` so that a peer's ``recv``
+    raises :class:`PeerFailure` at once instead of waiting for its timeout.
+    """
+
     def __init__(self, comm: MPI.Comm, timeout_s: float = 60.0):
         if not isinstance(comm, MPI.Comm):
             raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")

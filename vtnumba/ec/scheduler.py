@@ -49,6 +49,9 @@ class ECUpdate:
 
 
 class ECScheduler:
+    """The scheduler side of the encoder-cache connector for ``role`` producer, consumer or both
+    (see the module docstring for what each role does)."""
+
     def __init__(self, role: str, num_blocks: int, *, expected_load_reports: int = 1,
                  cache: EmbeddingCache | None = None):
         if role not in ROLES:
