@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from vtnumba.bench import schema
-from vtnumba.bench.timing import Stats, memcpy_bandwidth_gbs
+from vtnumba.bench.timing import Stats, memcpy_bandwidth_gbs, stats_from_times
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
@@ -39,9 +39,6 @@ def add_arguments(parser) -> None:
                         help="entry sizes in bytes (multiples of 2048; default 4 KiB .. 64 MiB)")
 
 
-def _stats(times: list[float]) -> Stats:
-    a = np.asarray(times)
-    return Stats(float(np.median(a)), float(np.percentile(a, 10)), float(np.percentile(a, 90)), len(times))
 
 
 def _label(n: int) -> str:
@@ -184,7 +181,7 @@ def _bench_size(backend, nbytes: int, repeat: int, fragmented: bool, tag: str, p
                 fn()
                 times[k].append(time.perf_counter() - t0)
         case.check_loaded()
-        out.update({k: _stats(v) for k, v in times.items()})
+        out.update({k: stats_from_times(v) for k, v in times.items()})
         out["descriptors"] = case.descriptors_per_save()
         out["runs"] = len(coalesce_runs(case.slot_ids[0])[0])
     finally:
@@ -204,8 +201,8 @@ def _bench_size(backend, nbytes: int, repeat: int, fragmented: bool, tag: str, p
                     for _ in range(steps):
                         memcpy[d]()
                     ref.append((time.perf_counter() - t0) / steps)
-                out[f"ec {d} pipelined"] = _stats(pipe)
-                out[f"memcpy {d} beside pipelined"] = _stats(ref)
+                out[f"ec {d} pipelined"] = stats_from_times(pipe)
+                out[f"memcpy {d} beside pipelined"] = stats_from_times(ref)
         finally:
             case.close()
     return out
@@ -256,7 +253,7 @@ def run(args) -> dict:
                 if isinstance(st, Stats):
                     results.append(schema.row("ec transfer", impl, n, "bytes", "GB/s", gbs[impl], st))
             results.append(schema.row("ec descriptors/entry", "ec save", n, "bytes", "descriptors",
-                                      r["descriptors"], _stats([0.0])))
+                                      r["descriptors"], stats_from_times([0.0])))
             for d in ("save", "load"):
                 ratios[f"{d} {_label(n)} / memcpy same buffers"] = gbs[f"ec {d}"] / gbs[f"memcpy {d}"]
                 if f"ec {d} pipelined" in gbs:
@@ -273,7 +270,7 @@ def run(args) -> dict:
                 results.append(schema.row("ec transfer fragmented", impl, frag, "bytes", "GB/s",
                                           frag / r[impl].median_s / 1e9, r[impl]))
             results.append(schema.row("ec descriptors/entry fragmented", "ec save", frag, "bytes", "descriptors",
-                                      r["descriptors"], _stats([0.0])))
+                                      r["descriptors"], stats_from_times([0.0])))
     finally:
         if threaded is not None:
             threaded.close()
@@ -288,17 +285,3 @@ def run(args) -> dict:
         notes.append("on a GPU the saves are D2H and the loads H2D copies; memcpy is still the host baseline")
     return schema.suite("ec", target, 1, results, ratios, {"memcpy GB/s": big_memcpy}, notes)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    add_arguments(p)
-    res = run(p.parse_args())
-    for r in res["results"]:
-        print(f"{r['case']:<32} {r['impl']:<20} {r['size']:>10} {r['value']:10.3f} {r['metric']}")
-    for k, v in res["ratios"].items():
-        print(f"{k:<40} {v:.3f}")
-    print(res["baselines"], *res["notes"], sep="\n")
-    time.sleep(0)

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from vtnumba.bench import schema
-from vtnumba.bench.timing import Stats, measure, memcpy_bandwidth_gbs
+from vtnumba.bench.timing import Stats, measure, memcpy_bandwidth_gbs, stats_from_times
 from vtnumba.target import current_target
 
 EPS = 1e-5
@@ -93,9 +93,7 @@ def _interleaved(fns: dict, rounds: int, repeat: int) -> dict:
                 samples[name].append(time.perf_counter() - t0)
     out = {}
     for name, times in samples.items():
-        arr = np.asarray(times)
-        out[name] = Stats(float(np.median(arr)), float(np.percentile(arr, 10)), float(np.percentile(arr, 90)),
-                          len(times))
+        out[name] = stats_from_times(times)
     return out
 
 

@@ -17,7 +17,6 @@ The ratios are ``uncached / cached`` time per op: above 1 means caching wins.
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 
@@ -132,17 +131,3 @@ def run(args) -> dict:
     ]
     return schema.suite("memory", target, 1, results, ratios, {"np.empty(4 KiB) us": empty.median_s * 1e6}, notes)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    add_arguments(p)
-    res = run(p.parse_args())
-    for r in res["results"]:
-        print(f"{r['case']:<18} {r['impl']:<40} {r['size']:>10} {r['value']:10.2f} {r['metric']}")
-    for k, v in res["ratios"].items():
-        print(f"{k:<45} {v:8.2f}")
-    print(res["baselines"], *res["notes"], sep="\n")
-    time.sleep(0)

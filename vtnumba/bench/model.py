@@ -13,10 +13,8 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
-
 from vtnumba.bench import schema
-from vtnumba.bench.timing import Stats
+from vtnumba.bench.timing import stats_from_times
 
 
 def add_arguments(parser) -> None:
@@ -24,9 +22,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sentences", type=int, default=None, help="sentences per measurement (default 256)")
 
 
-def _stats(times: list[float]) -> Stats:
-    arr = np.asarray(times)
-    return Stats(float(np.median(arr)), float(np.percentile(arr, 10)), float(np.percentile(arr, 90)), len(times))
 
 
 def _sentence_transformers_rate(sentences, batch: int, threads: int, repeat: int):
@@ -45,7 +40,7 @@ def _sentence_transformers_rate(sentences, batch: int, threads: int, repeat: int
         t0 = time.perf_counter()
         model.encode(sentences, batch_size=batch)
         times.append(time.perf_counter() - t0)
-    return _stats(times)
+    return stats_from_times(times)
 
 
 def run(args) -> dict:
@@ -80,7 +75,7 @@ def run(args) -> dict:
                     dt = group.cpu_comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
                     times[mode].append(dt)
             for mode, ts in times.items():
-                st = _stats(ts)
+                st = stats_from_times(ts)
                 rates[(mode, batch)] = n / st.median_s
                 impl = f"vtnumba tp={group.size} {mode}"
                 results.append(schema.row("sentences/s", impl, batch, "batch", "sentences/s", n / st.median_s, st))

@@ -28,12 +28,11 @@ a barrier (not timed).  Ratios are peer / mpi4py busbw per size, plus their geom
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 
 from vtnumba.bench import schema
-from vtnumba.bench.timing import Stats, memcpy_bandwidth_gbs
+from vtnumba.bench.timing import memcpy_bandwidth_gbs, stats_from_times, time_rounds_on_group
 
 MIB = 1 << 20
 FULL_SIZES_MIB = (1, 2, 4, 8, 16, 32, 64)
@@ -47,37 +46,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeat", type=int, default=None, help="timed rounds per size (default 15, quick 5)")
 
 
-def _stats(times: list[float]) -> Stats:
-    arr = np.asarray(times)
-    return Stats(float(np.median(arr)), float(np.percentile(arr, 10)), float(np.percentile(arr, 90)), len(times))
 
 
 def _busbw_gbs(nbytes: int, seconds: float, n: int) -> float:
     return nbytes / seconds / 1e9 * (n - 1) / n if n > 1 else nbytes / seconds / 1e9
 
 
-def _time_rounds(group, impls: dict, repeat: int, warmup: int = 2) -> dict[str, list[float]]:
-    """One call of every impl per round (rotating order); per call, the slowest rank's time."""
-    from mpi4py import MPI
-
-    from vtnumba.dist import barrier
-
-    names = list(impls)
-    times = {k: [] for k in names}
-    for rnd in range(warmup + repeat):
-        order = names[rnd % len(names):] + names[:rnd % len(names)]
-        local = np.zeros(len(names))
-        for k in order:
-            barrier(group)
-            t0 = time.perf_counter()
-            impls[k]()
-            local[names.index(k)] = time.perf_counter() - t0
-        worst = np.empty_like(local)
-        group.cpu_comm.Allreduce(local, worst, op=MPI.MAX)
-        if rnd >= warmup:
-            for i, k in enumerate(names):
-                times[k].append(float(worst[i]))
-    return times
 
 
 def _measure_size(group, backend, size_mib: float, repeat: int, to_target, on_device: bool):
@@ -121,7 +95,7 @@ def _measure_size(group, backend, size_mib: float, repeat: int, to_target, on_de
         }
         if not on_device:  # MPI_IN_PLACE on host memory (the pip mpich is not CUDA-aware)
             impls[("all_gather", "mpi4py-in-place")] = lambda: group.comm.Allgather(MPI.IN_PLACE, g_mpi_inplace)
-        return S, _time_rounds(group, impls, repeat)
+        return S, time_rounds_on_group(group, impls, repeat)
 
 
 def run(args) -> dict:
@@ -164,7 +138,7 @@ def run(args) -> dict:
             S, times = _measure_size(group, backend, size_mib, repeat, to_target, on_device)
             bw = {}
             for (case, impl), ts in times.items():
-                st = _stats(ts)
+                st = stats_from_times(ts)
                 bw[(case, impl)] = _busbw_gbs(S, st.median_s, n)
                 results.append(schema.row(case, impl, float(size_mib), "MiB", "busbw GB/s", bw[(case, impl)], st))
             pairs = [("reduce_scatter", "peer-in-buffer", "mpi4py"), ("reduce_scatter", "peer-staged", "mpi4py"),

@@ -42,8 +42,40 @@ def measure(fn: Callable[[], object], *, repeat: int = 10, warmup: int = 2, min_
         elapsed = time.perf_counter() - t_start
         if (len(times) >= repeat and elapsed >= min_time_s) or elapsed >= max_time_s:
             break
-    arr = np.asarray(times)
-    return Stats(float(np.median(arr)), float(np.percentile(arr, 10)), float(np.percentile(arr, 90)), len(times))
+    return stats_from_times(times)
+
+
+def stats_from_times(times) -> Stats:
+    """Median and 10th/90th percentiles of a list of single-call times (seconds)."""
+    arr = np.asarray(times, dtype=np.float64)
+    return Stats(float(np.median(arr)), float(np.percentile(arr, 10)), float(np.percentile(arr, 90)), len(arr))
+
+
+def time_rounds_on_group(group, impls: dict, repeat: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Time several implementations of one collective fairly: every round calls each impl
+    once, in a rotating order (so none always runs on a warmer cache), each call starting
+    at a barrier; a call's time is the *slowest rank's* (a collective is as slow as its
+    slowest member).  Returns impl name -> list of seconds, ``repeat`` per impl."""
+    from mpi4py import MPI
+
+    from vtnumba.dist import barrier
+
+    names = list(impls)
+    times = {k: [] for k in names}
+    for rnd in range(warmup + repeat):
+        order = names[rnd % len(names):] + names[:rnd % len(names)]
+        local = np.zeros(len(names))
+        for k in order:
+            barrier(group)
+            t0 = time.perf_counter()
+            impls[k]()
+            local[names.index(k)] = time.perf_counter() - t0
+        worst = np.empty_like(local)
+        group.cpu_comm.Allreduce(local, worst, op=MPI.MAX)
+        if rnd >= warmup:
+            for i, k in enumerate(names):
+                times[k].append(float(worst[i]))
+    return times
 
 
 def memcpy_bandwidth_gbs(nbytes: int = 64 << 20, repeat: int = 10) -> float:

@@ -24,12 +24,11 @@ the reference shape ``T = 2048`` spelled out in the notes.
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 
 from vtnumba.bench import schema
-from vtnumba.bench.timing import Stats
+from vtnumba.bench.timing import stats_from_times, time_rounds_on_group
 
 FULL_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
 QUICK_TOKENS = (64, 256, 1024)
@@ -48,33 +47,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeat", type=int, default=None, help="timed rounds per T (default 11; quick 3)")
 
 
-def _stats(times: list[float]) -> Stats:
-    a = np.asarray(times)
-    return Stats(float(np.median(a)), float(np.percentile(a, 10)), float(np.percentile(a, 90)), len(times))
 
 
-def _time_rounds(group, impls: dict, repeat: int, warmup: int = 1) -> dict[str, list[float]]:
-    """One call of each impl per round, order rotating; per call the slowest rank's seconds."""
-    from mpi4py import MPI
-
-    from vtnumba.dist import barrier
-
-    names = list(impls)
-    out = {k: [] for k in names}
-    for rnd in range(warmup + repeat):
-        order = names[rnd % len(names):] + names[:rnd % len(names)]
-        local = np.zeros(len(names))
-        for k in order:
-            barrier(group)
-            t0 = time.perf_counter()
-            impls[k]()
-            local[names.index(k)] = time.perf_counter() - t0
-        worst = np.empty_like(local)
-        group.cpu_comm.Allreduce(local, worst, op=MPI.MAX)
-        if rnd >= warmup:
-            for i, k in enumerate(names):
-                out[k].append(float(worst[i]))
-    return out
 
 
 def _baseline(group, x, w, bias, residual, norm_w, p, y_pad, y, gathered):
@@ -124,7 +98,7 @@ def _measure(group, backend, handle, T, K, H, w, bias, norm_w, rng, repeat, devi
         "mpi-baseline": lambda: _baseline(group, x, w, bias, residual, norm_w, p, y_pad, y, gathered),
         "vtnumba-fused": fused,
     }
-    times = _time_rounds(group, impls, repeat)
+    times = time_rounds_on_group(group, impls, repeat)
     # Parity while we are here: the fused result must equal the baseline's.
     ref, _ = _baseline(group, x, w, bias, residual, norm_w, p, y_pad, y, gathered)
     got, _ = fused()
@@ -175,7 +149,7 @@ def run(args) -> dict:
                 notes.append(f"T={T}: fused output differs from the baseline by {err:.3g}")
             med = {k: float(np.median(v)) for k, v in times.items()}
             for impl, ts in times.items():
-                st = _stats(ts)
+                st = stats_from_times(ts)
                 results.append(schema.row(f"tpsp T={T}", impl, T, "tokens", "ms", st.median_s * 1e3, st))
             ratios[f"fused / baseline T={T}"] = med["vtnumba-fused"] / med["mpi-baseline"]
             # Time above the matmul from *paired* differences (same round, adjacent in time), so
