@@ -8,13 +8,12 @@ its residual shard, and checks the fused op's ``gathered`` (all rows) and ``new_
 (its shard).  Checks are made collective, so a failure on one rank fails every rank.
 """
 
-import traceback
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from vtnumba.dist import destroy_distributed, get_tp_group, init_distributed, is_initialized, list_segments
+from vtnumba.dist import list_segments
 from vtnumba.tpsp import (
     CudaTPSPBackend,
     HostTPSPBackend,
@@ -24,28 +23,11 @@ from vtnumba.tpsp import (
     token_range,
 )
 
+from mpi_helpers import collectively, group  # noqa: E402,F401 (group is a fixture)
+
 COMM = MPI.COMM_WORLD
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(180)]
 REL_TOL = 1e-5
-
-
-def collectively(fn):
-    try:
-        fn()
-        err = None
-    except BaseException as exc:  # noqa: BLE001
-        err = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    bad = [f"--- rank {r}:\n{e}" for r, e in enumerate(COMM.allgather(err)) if e]
-    if bad:
-        pytest.fail("\n".join(bad), pytrace=False)
-
-
-@pytest.fixture(scope="module")
-def group():
-    # Another test module may have left a tensor-parallel group of another size behind.
-    if is_initialized() and get_tp_group().size != COMM.Get_size():
-        destroy_distributed()
-    return init_distributed()
 
 
 class Layer:

@@ -9,36 +9,18 @@ test also checks that the handles it opened are closed and no /dev/shm segment i
 
 import os
 import time
-import traceback
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from vtnumba.dist import destroy_distributed, get_tp_group, init_distributed, is_initialized, list_segments
+from vtnumba.dist import list_segments
 from vtnumba.tpsp import CudaTPSPBackend, HostTPSPBackend, TPSPConfig, TPSPOp, shard_residual
+
+from mpi_helpers import collectively, group  # noqa: E402,F401 (group is a fixture)
 
 COMM = MPI.COMM_WORLD
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120)]
-
-
-def collectively(fn):
-    try:
-        fn()
-        err = None
-    except BaseException as exc:  # noqa: BLE001
-        err = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    bad = [f"--- rank {r}:\n{e}" for r, e in enumerate(COMM.allgather(err)) if e]
-    if bad:
-        pytest.fail("\n".join(bad), pytrace=False)
-
-
-@pytest.fixture(scope="module")
-def group():
-    # Another test module may have left a tensor-parallel group of another size behind.
-    if is_initialized() and get_tp_group().size != COMM.Get_size():
-        destroy_distributed()
-    return init_distributed()
 
 
 @pytest.fixture
