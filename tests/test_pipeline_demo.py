@@ -10,7 +10,7 @@ import pytest
 
 from vtnumba.models.pipeline import mm_hash_of, plan_ranks
 
-REFERENCE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "minilm_reference.npz")
+REFERENCE = os.path.join(os.path.dirname(__file__), "data", "minilm_reference.npz")
 
 
 def vt(*args, ranks=3, timeout=240):
