@@ -7,6 +7,7 @@ import pytest
 
 from vtnumba.backend.cuda import CUDABackend
 from vtnumba.bench import kernels as bench
+from vtnumba.bench import timing
 from vtnumba.bench.schema import suite, validate_suite
 
 
@@ -38,9 +39,45 @@ def test_device_part_runs_in_the_simulator():
     finally:
         sys.setswitchinterval(old)
     validate_suite(suite("kernels", "cudasim", 1, results, ratios, baselines, notes))
-    impls = {r["impl"] for r in results}
-    assert {"vtnumba-naive", "vtnumba-smem", "vtnumba-regtile", "vtnumba-fused-cuda", "cuMemcpyDtoD"} <= impls
-    assert "rmsnorm fused cuda GB/s / device copy traffic GB/s" in ratios
+    impls = {(r["case"], r["impl"]) for r in results}
+    assert {("matmul_fp32", f"vtnumba-{v}") for v in ("naive", "smem", "regtile")} <= impls
+    assert {("rmsnorm", "vtnumba-fused-cuda"), ("layernorm", "vtnumba-fused-cuda")} <= impls
+    assert "device_copy" in {case for case, _ in impls}
+    for case in ("rmsnorm", "layernorm"):
+        assert ratios[f"{case} fused cuda GB/s / device copy traffic GB/s"] > 0
+    assert baselines["device copy traffic GB/s"] > 0
+
+
+def test_device_copy_rate_in_the_simulator():
+    # The helper the peer and ec benchmarks can share: every direction, tiny in the simulator.
+    backend = CUDABackend()
+    for direction in ("d2d", "d2h", "h2d"):
+        rate = timing.device_copy_rate(backend, nbytes=1 << 30, direction=direction, repeat=2)
+        assert rate.nbytes == 64 << 10 and rate.direction == direction
+        assert rate.stats.samples == 2 and rate.traffic_gbs == 2 * rate.copied_gbs > 0
+    with pytest.raises(ValueError, match="direction"):
+        timing.device_copy_rate(backend, direction="p2p")
+
+
+def test_device_copy_rate_needs_a_cuda_backend():
+    from vtnumba.backend.cpu import CPUBackend
+
+    with pytest.raises(ValueError, match="needs a CUDA backend"):
+        timing.device_copy_rate(CPUBackend())
+
+
+def test_time_on_queue_counts_inner_calls():
+    # Events around `inner` calls, divided by `inner`: per-call time, never more samples than asked.
+    from vtnumba.backend.cpu import CPUBackend
+
+    backend = CPUBackend()
+    q = backend.create_queue("t")
+    calls = []
+    try:
+        st = timing.time_on_queue(backend, q, lambda: calls.append(1), repeat=3, inner=4, warmup=2)
+    finally:
+        backend.destroy_queue(q)
+    assert st.samples == 3 and len(calls) == 2 + 3 * 4
 
 
 def test_bad_norm_shape():

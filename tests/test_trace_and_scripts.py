@@ -15,6 +15,10 @@ from vtnumba.bench.timing import Stats
 from vtnumba.tracing_tools import draw_timeline, merge_traces, rank_files, validate_trace
 
 ROOT = Path(__file__).resolve().parent.parent
+# The mpiexec that belongs to this interpreter's MPI (the mpich wheel puts it beside python),
+# so the tests also run when the venv's bin/ is not on PATH.
+_BESIDE = Path(sys.executable).parent / "mpiexec"
+MPIEXEC = str(_BESIDE) if _BESIDE.exists() else "mpiexec"
 
 
 def clean_env(**extra):
@@ -66,7 +70,7 @@ def test_validate_trace_catches_overlap_on_one_queue():
 
 def test_traced_two_rank_run_merges_and_draws(tmp_path):
     prefix = tmp_path / "rt"
-    proc = subprocess.run([sys.executable, "-m", "vtnumba", "trace", "--out", str(prefix), "--", "mpiexec", "-n", "2",
+    proc = subprocess.run([sys.executable, "-m", "vtnumba", "trace", "--out", str(prefix), "--", MPIEXEC, "-n", "2",
                            sys.executable, "-m", "vtnumba", "demo", "runtime", "--target", "cpu"],
                           capture_output=True, text=True, env=clean_env(), timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -102,19 +106,61 @@ def test_bench_schema_validation():
         validate_suite({k: v for k, v in s.items() if k != "ratios"})
 
 
+GPU_RESULT_FILES = {"0-summary.txt", "1-info.txt", "2-serial-tests.log", "3-mpi-tests.log", "4-benchmarks.log",
+                    "5-bench.json", "6-sanitizer.log", "7-setup.log"}
+
+
 @pytest.mark.skipif(ON_GPU, reason="the dry run is for machines without a GPU")
 def test_gpu_check_dry_run_without_gpu(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
                           env=clean_env(OUT=str(tmp_path), PYTHON=sys.executable), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no GPU" in proc.stdout
-    assert (tmp_path / "summary.txt").read_text().strip() == "no GPU"
+    summary = (tmp_path / "0-summary.txt").read_text().splitlines()
+    assert summary[0].startswith("no GPU: ") and "(dry run)" in summary[0], summary
+    assert any(line.startswith("setup ") for line in summary), summary
+    setup_log = (tmp_path / "7-setup.log").read_text()
+    assert "wheel list: gpu_wheels.sh pins all" in setup_log, setup_log
+    produced = {p.name for p in tmp_path.iterdir()}
+    assert produced <= GPU_RESULT_FILES and len(produced) <= 8, produced
+
+
+def _bash_array(script: Path, name: str) -> list[str]:
+    """The words of a one-line-or-more bash array assignment ``NAME=(...)``, comments dropped."""
+    text = script.read_text()
+    rest = text[text.index(f"\n{name}=(") + len(name) + 3:]
+    words = []
+    for line in rest.splitlines():
+        code = line.split("#", 1)[0]
+        words += code.split(")", 1)[0].split()
+        if ")" in code:
+            return words
+    raise AssertionError(f"{script.name}: {name}=( is never closed")
+
+
+def test_gpu_scripts_parse_and_agree_on_the_wheels():
+    scripts = ROOT / "scripts"
+    for name in ("gpu_check.sh", "gpu_wheels.sh"):
+        proc = subprocess.run(["bash", "-n", str(scripts / name)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{name}: {proc.stderr}"
+    listed = subprocess.run(["bash", str(scripts / "gpu_wheels.sh"), "--list"], capture_output=True, text=True,
+                            check=True).stdout.split()
+    assert listed == _bash_array(scripts / "gpu_wheels.sh", "WHEELS")
+    pins = {}
+    for spec in listed:
+        name, sep, version = spec.partition("==")
+        assert sep and version, f"{spec!r} is not pinned with =="
+        pins[name.lower().replace("_", "-")] = version
+    installed = _bash_array(scripts / "gpu_check.sh", "CARRIED_WHEELS")
+    assert installed, "gpu_check.sh lists no carried wheels"
+    # Every package gpu_check installs is pinned for download, and nothing is downloaded in vain.
+    assert set(installed) == set(pins), (installed, pins)
 
 
 def test_traced_two_rank_tpsp_run(tmp_path):
     """Issue 9's check: a traced TPSP run has both ranks, every queue TPSP used, MPI exchanges."""
     prefix = tmp_path / "tpsp"
-    proc = subprocess.run([sys.executable, "-m", "vtnumba", "trace", "--out", str(prefix), "--", "mpiexec", "-n", "2",
+    proc = subprocess.run([sys.executable, "-m", "vtnumba", "trace", "--out", str(prefix), "--", MPIEXEC, "-n", "2",
                            sys.executable, str(ROOT / "mpi" / "tpsp_model.py"), "--target", "cpu", "--tokens", "130",
                            "--hidden", "128", "--ffn", "256", "--layers", "2", "--repeat", "1"],
                           capture_output=True, text=True, env=clean_env(), timeout=180, cwd=ROOT)

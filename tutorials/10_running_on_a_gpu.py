@@ -207,13 +207,15 @@ backend.destroy_queue(q)
 # bandwidth, and peer-buffer collectives (tutorial 07) move data over NVLink or PCIe.
 # ``vtnumba bench all`` measures all of it, with ratios against the stock baselines.
 #
-# ``bash scripts/gpu_check.sh`` does the whole check on a GPU machine in one call:
-# installs any missing packages from wheels carried in ``.whl/`` (for machines without
-# network), prints ``vtnumba info``, runs the test suite on the ``cuda`` target, the MPI
-# tests with two ranks sharing the one GPU (CUDA IPC between two processes), and the
-# quick benchmarks, and writes every log under ``$OUT`` (or ``gpu-results/``) with a
-# summary table last.  Without a GPU it says so and exits 0 -- which this lesson runs,
-# when there is no GPU, to show that first step.
+# ``bash scripts/gpu_check.sh`` does the whole check on a GPU machine in one call: it
+# makes a virtual environment from the machine's Python, installs the wheels that
+# ``bash scripts/gpu_wheels.sh`` downloaded into ``.whl/`` (for machines without network),
+# prints ``vtnumba info``, runs every test file on the ``cuda`` target in its own process
+# (a kernel's illegal memory access kills its process's CUDA context, not the others'),
+# the MPI tests with two ranks sharing the one GPU (CUDA IPC between two processes), the
+# TPSP model and the quick benchmarks, and writes at most eight files under ``$OUT`` (or
+# ``gpu-results/``), ``0-summary.txt`` first.  Without a GPU it says so and exits 0 --
+# which this lesson runs, when there is no GPU, to show that first step.
 if rank == 0:
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
     probe = subprocess.run([sys.executable, "-c", "from vtnumba.target import gpu_usable; print(*gpu_usable())"],
@@ -228,11 +230,11 @@ if rank == 0:
         with tempfile.TemporaryDirectory() as out_dir:
             run = subprocess.run(["bash", str(script)], env=dict(env, OUT=out_dir, PYTHON=sys.executable),
                                  capture_output=True, text=True, timeout=120, check=False)
-            summary_file = Path(out_dir) / "summary.txt"
+            summary_file = Path(out_dir) / "0-summary.txt"
             summary = summary_file.read_text().strip() if summary_file.exists() else ""
-        lines = (run.stdout + run.stderr).strip().splitlines()
-        lesson.say(f"bash scripts/gpu_check.sh -> exit {run.returncode}: {lines[-1] if lines else '(no output)'}")
-        dry_ok = run.returncode == 0 and summary == "no GPU"
+        first = summary.splitlines()[0] if summary else "(no summary)"
+        lesson.say(f"bash scripts/gpu_check.sh -> exit {run.returncode}: {first}")
+        dry_ok = run.returncode == 0 and summary.startswith("no GPU")
 else:
     dry_ok = True
 lesson.check(dry_ok, "the GPU check knows whether it has a GPU (a dry run exits 0 without one)")

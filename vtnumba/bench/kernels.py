@@ -7,10 +7,19 @@ On every target (the host references are what the ``cpu`` target runs):
 * **peer reduce + norm** (tp = 2) vs. numpy summing the sources and then normalising;
 * **host matmul** GFLOP/s (``linear``, float32 and float16 inputs) vs. numpy's BLAS ``x @ w.T``.
 
-On a real GPU (``cuda`` target) additionally: each step of the matmul ladder (naive, smem,
-regtile) in GFLOP/s and as a fraction of cuBLAS through CuPy or torch when one is installed,
-and the fused norm's bandwidth vs. a device-to-device copy.  With ``ptxas`` on PATH the
-suite also lists registers / shared memory / spills per kernel (``kernel_resources``).
+On a real GPU (``cuda`` target) additionally, all timed with CUDA events on one queue:
+
+* each step of the matmul ladder (naive, smem, regtile) in GFLOP/s and as a fraction of
+  cuBLAS (through CuPy, or torch if CuPy is absent) run on the same queue;
+* the fused RMSNorm and LayerNorm as a fraction of the device's copy bandwidth: a warmed-up
+  1 GiB device-to-device ``cuMemcpyDtoDAsync``
+  (:func:`vtnumba.bench.timing.device_copy_rate`).  A small or cold copy, timed from the
+  host, understates that ceiling several times over and flatters every kernel measured
+  against it; a norm shape that fits in L2 would flatter the kernel too, so the GPU norms
+  use 8192 x 4096 unless ``--norm-shape`` says otherwise.
+
+With ``--ptxas`` and ``ptxas`` on PATH the suite also lists registers / shared memory /
+spills per kernel (``kernel_resources``).
 
 **How bandwidth is counted.**  ``timing.memcpy_bandwidth_gbs`` reports bytes *copied* per
 second; a copy of n bytes reads n and writes n.  To compare like with like this suite
@@ -30,7 +39,8 @@ import time
 import numpy as np
 
 from vtnumba.bench import schema
-from vtnumba.bench.timing import Stats, measure, memcpy_bandwidth_gbs, stats_from_times
+from vtnumba.bench.timing import (device_copy_rate, measure, memcpy_bandwidth_gbs, stats_from_times, stream_handle,
+                                  time_on_queue)
 from vtnumba.target import current_target
 
 EPS = 1e-5
@@ -38,7 +48,7 @@ EPS = 1e-5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--norm-shape", default=None, metavar="ROWSxH",
-                        help="shape of the norm benchmarks (default 8192x4096, 1024x1024 with --quick)")
+                        help="shape of the norm benchmarks (default 8192x4096; on the host 1024x1024 with --quick)")
     parser.add_argument("--ptxas", action="store_true",
                         help="report registers/shared memory/spills per kernel (needs ptxas on PATH)")
 
@@ -60,6 +70,7 @@ def _settings(args) -> dict:
     return {
         "quick": quick,
         "norm_shape": _parse_shape(shape) if shape else ((1024, 1024) if quick else (8192, 4096)),
+        "norm_shape_arg": _parse_shape(shape) if shape else None,
         "mm_sizes": [int(s) for s in sizes] if sizes else ([256] if quick else [1024, 2048]),
         "repeat": 3 if quick else 10,
     }
@@ -156,26 +167,23 @@ def _bench_host_matmul(cfg, results, ratios):
 
 
 # ---------------------------------------------------------------------------- device part
-def _time_on_queue(backend, q, fn, repeat: int, inner: int) -> Stats:
-    """Per-call time of ``fn`` (which enqueues work on ``q``): ``inner`` calls back to back,
-    then a queue synchronize, ``repeat`` samples.  Launch overhead overlaps device work."""
-    def batch():
-        for _ in range(inner):
-            fn()
-        backend.synchronize(q)
+def _baseline_gemm(n: int, stream_handle):
+    """A cuBLAS SGEMM through CuPy or torch, as ``(name, call)``, or None.
 
-    st = measure(batch, repeat=repeat, warmup=1)
-    return Stats(st.median_s / inner, st.p10_s / inner, st.p90_s / inner, st.samples)
-
-
-def _baseline_gemm(n: int):
-    """A cuBLAS SGEMM through CuPy or torch, as ``(name, call, sync)``, or None."""
+    ``call`` enqueues ``C = A @ B`` on the stream ``stream_handle`` (our queue's), so the
+    same events time cuBLAS and vtnumba's kernels."""
     try:
         import cupy as cp
 
         a, b = cp.random.standard_normal((n, n), dtype=cp.float32), cp.random.standard_normal((n, n), dtype=cp.float32)
         c = cp.empty((n, n), dtype=cp.float32)
-        return "cupy(cuBLAS)", lambda: cp.matmul(a, b, out=c), cp.cuda.Device().synchronize
+        stream = cp.cuda.ExternalStream(int(stream_handle))
+
+        def call_cupy():
+            with stream:
+                cp.matmul(a, b, out=c)
+
+        return "cupy(cuBLAS)", call_cupy
     except Exception:  # noqa: BLE001 - not installed or no device: try torch
         pass
     try:
@@ -186,65 +194,96 @@ def _baseline_gemm(n: int):
         torch.backends.cuda.matmul.allow_tf32 = False  # compare with true float32 SGEMM
         a, b = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
         c = torch.empty(n, n, device="cuda")
-        return "torch(cuBLAS)", lambda: torch.matmul(a, b, out=c), torch.cuda.synchronize
+        stream = torch.cuda.ExternalStream(int(stream_handle))
+
+        def call_torch():
+            with torch.cuda.stream(stream):
+                torch.matmul(a, b, out=c)
+
+        return "torch(cuBLAS)", call_torch
     except Exception:  # noqa: BLE001
         return None
 
 
-def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: bool = False) -> None:
-    """The ladder, the fused norm and a device copy on a CUDA backend.
+def _device_norm_shape(cfg) -> tuple[int, int]:
+    """The fused norm's shape on a GPU: ``--norm-shape`` if given, else 8192 x 4096 even with
+    --quick.  Four 128 MiB arrays are far larger than the L2 cache and still take well under a
+    millisecond, while a quick host-sized 1024 x 1024 would sit in L2 and measure the cache."""
+    return cfg["norm_shape_arg"] or (8192, 4096)
 
+
+def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: bool = False) -> None:
+    """The device copy ceiling, the fused norms against it, and the matmul ladder against cuBLAS.
+
+    Every GPU figure is timed with events on one queue (:func:`timing.time_on_queue`).  The
+    ceiling for memory-bound kernels is a warmed 1 GiB device-to-device copy
+    (:func:`timing.device_copy_rate`), counted as traffic: 2 x the bytes copied.
     In the simulator (``simulator=True``) the sizes are tiny and the numbers measure the
     simulator, not a GPU; the run only shows that the path works end to end.
     """
     from numba import cuda
 
-    from vtnumba.kernels import VARIANTS, fused_add_rms_norm, matmul
+    from vtnumba.kernels import VARIANTS, fused_add_layer_norm, fused_add_rms_norm, matmul
 
     q = backend.create_queue("bench")
     rng = np.random.default_rng(2)
+    repeat, inner, warmup = (1, 1, 1) if simulator else (cfg["repeat"], 5, 2)
+
+    def timed(fn):
+        return time_on_queue(backend, q, fn, repeat=repeat, inner=inner, warmup=warmup)
+
     try:
+        # The ceiling first: everything memory-bound below is a fraction of it.
+        copy = device_copy_rate(backend, q, 64 << 10 if simulator else 1 << 30, repeat=repeat)
+        copy_gbs = copy.traffic_gbs
+        results.append(schema.row("device_copy", copy.impl, copy.nbytes, "bytes", "GB/s (traffic)", copy_gbs,
+                                  copy.stats))
+        baselines["device copy traffic GB/s"] = copy_gbs
+        notes.extend(copy.notes)
+        notes.append(f"device copy: {copy.nbytes / 2**20:.0f} MiB with {copy.impl} on the benchmark's queue, "
+                     "warmed up, timed with events; traffic = 2 x bytes copied")
+
+        rows, h = (4, 64) if simulator else _device_norm_shape(cfg)
+        y, res = (cuda.to_device(rng.standard_normal((rows, h), dtype=np.float32)) for _ in range(2))
+        w, bias, nb = (cuda.to_device(rng.standard_normal(h, dtype=np.float32)) for _ in range(3))
+        out, new_res = cuda.device_array((rows, h), np.float32), cuda.device_array((rows, h), np.float32)
+        traffic = 4 * rows * h * 4  # read y and residual, write new_residual and out (float32)
+        norms = {
+            "rmsnorm": lambda: fused_add_rms_norm(y, res, w, EPS, bias=bias, out=out, new_residual=new_res, queue=q),
+            "layernorm": lambda: fused_add_layer_norm(y, res, w, nb, EPS, bias=bias, out=out, new_residual=new_res,
+                                                      queue=q),
+        }
+        for case, fn in norms.items():
+            st = timed(fn)
+            gbs = traffic / st.median_s / 1e9
+            results.append(schema.row(case, "vtnumba-fused-cuda", rows * h, "elements", "GB/s", gbs, st))
+            ratios[f"{case} fused cuda GB/s / device copy traffic GB/s"] = gbs / copy_gbs
+        del y, res, out, new_res
+
         mm_sizes = [16] if simulator else ([1024] if cfg["quick"] else [2048, 4096])
-        repeat, inner = (1, 1) if simulator else (cfg["repeat"], 5)
+        handle = None if simulator else stream_handle(q)
         for n in mm_sizes:
             a = cuda.to_device(rng.standard_normal((n, n), dtype=np.float32))
             b = cuda.to_device(rng.standard_normal((n, n), dtype=np.float32))
             c = cuda.device_array((n, n), np.float32)
             flops = 2.0 * n ** 3
-            base = None if simulator else _baseline_gemm(n)
+            base = None if simulator else _baseline_gemm(n, handle)
+            base_gflops = None
             if base is not None:
-                name, call, sync = base
-                st = measure(lambda: (call(), sync()), repeat=repeat, warmup=2)
-                results.append(schema.row("matmul_fp32", name, n, "M=N=K", "GFLOP/s", flops / st.median_s / 1e9, st))
+                name, call = base
+                st = timed(call)
+                base_gflops = flops / st.median_s / 1e9
+                results.append(schema.row("matmul_fp32", name, n, "M=N=K", "GFLOP/s", base_gflops, st))
             for variant in VARIANTS:
                 if variant == "naive" and n > 2048 and not cfg["quick"]:
                     continue  # minutes of naive matmul add nothing to the ladder's story
-                st = _time_on_queue(backend, q, lambda: matmul(a, b, out=c, queue=q, variant=variant), repeat, inner)
+                st = timed(lambda: matmul(a, b, out=c, queue=q, variant=variant))
                 gflops = flops / st.median_s / 1e9
                 results.append(schema.row("matmul_fp32", f"vtnumba-{variant}", n, "M=N=K", "GFLOP/s", gflops, st))
-                if base is not None:
-                    base_row = [r for r in results if r["impl"] == base[0] and r["size"] == n][-1]
-                    ratios[f"matmul_fp32 n={n} {variant} / cuBLAS"] = gflops / base_row["value"]
-            if base is None and not simulator:
-                notes.append("no CuPy or torch: ladder not compared with cuBLAS")
-
-        rows, h = (4, 64) if simulator else cfg["norm_shape"]
-        y = cuda.to_device(rng.standard_normal((rows, h), dtype=np.float32))
-        res = cuda.to_device(rng.standard_normal((rows, h), dtype=np.float32))
-        w = cuda.to_device(rng.standard_normal(h, dtype=np.float32))
-        bias = cuda.to_device(rng.standard_normal(h, dtype=np.float32))
-        out, new_res = cuda.device_array((rows, h), np.float32), cuda.device_array((rows, h), np.float32)
-        traffic = 4 * rows * h * 4
-        st = _time_on_queue(backend, q, lambda: fused_add_rms_norm(y, res, w, EPS, bias=bias, out=out,
-                                                                   new_residual=new_res, queue=q), repeat, inner)
-        norm_gbs = traffic / st.median_s / 1e9
-        results.append(schema.row("rmsnorm", "vtnumba-fused-cuda", rows * h, "elements", "GB/s", norm_gbs, st))
-        nbytes = rows * h * 4
-        st_c = _time_on_queue(backend, q, lambda: backend.copy(q, out, y, nbytes), repeat, inner)
-        copy_gbs = 2 * nbytes / st_c.median_s / 1e9
-        results.append(schema.row("device_copy", "cuMemcpyDtoD", nbytes, "bytes", "GB/s (traffic)", copy_gbs, st_c))
-        baselines["device copy traffic GB/s"] = copy_gbs
-        ratios["rmsnorm fused cuda GB/s / device copy traffic GB/s"] = norm_gbs / copy_gbs
+                if base_gflops is not None:
+                    ratios[f"matmul_fp32 n={n} {variant} / cuBLAS"] = gflops / base_gflops
+        if not simulator and base is None:
+            notes.append("no CuPy or torch: ladder not compared with cuBLAS")
     finally:
         backend.destroy_queue(q)
 
