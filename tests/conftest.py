@@ -1,33 +1,101 @@
-"""Test configuration shared by the serial and the MPI suites.
+"""Test configuration shared by the serial and the MPI suites: one suite, three targets.
 
-The simulator must be switched on before anything imports ``numba.cuda``, so this runs
-first: unless the run targets a real GPU (``VTNUMBA_TARGET=cuda``), numba's CUDA simulator
-is enabled for the whole test process.  The ``cpu`` backend never touches numba.cuda, so
-tests can use both the cpu backend and the simulated CUDA backend side by side.
+Every test runs on the target the run asks for with ``VTNUMBA_TARGET``:
+
+* without it (or ``cpu``/``cudasim``): host tests run on the ``cpu`` backend, and tests of
+  the ``@cuda.jit`` kernels run on the *device target*, which is numba's CUDA simulator --
+  switched on here, before anything imports ``numba.cuda``;
+* ``VTNUMBA_TARGET=cuda`` (a GPU machine): the same tests, with the device target being the
+  real GPU.  The simulator is never switched on, and an import guard makes any attempt to
+  load it (a test building a ``FakeCUDAArray``, say) fail loudly instead of passing
+  simulator arrays to real kernels.
+
+Tests reach the device target through one fixture, :func:`device_backend` (a
+:class:`~vtnumba.backend.cuda.CUDABackend`; its ``asarray``/``empty``/``to_host`` make and
+read device arrays), never by constructing simulator arrays themselves.  Two markers cover
+what only one kind of device can show:
+
+* ``@pytest.mark.cuda``            -- needs a real GPU: skipped without one;
+* ``@pytest.mark.simulator_only``  -- checks behaviour of numba's simulator itself (e.g. that
+  an API refuses it): skipped on a GPU.
 """
 
 import os
+import sys
 
 _TARGET = os.environ.get("VTNUMBA_TARGET", "cpu").lower()
-if _TARGET != "cuda":
+ON_GPU = _TARGET == "cuda"
+DEVICE_TARGET = "cuda" if ON_GPU else "cudasim"
+if not ON_GPU:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
-import pytest  # noqa: E402
 
-ON_GPU = _TARGET == "cuda"
+class _NoSimulatorOnGPU:
+    """An import hook, active under VTNUMBA_TARGET=cuda, refusing numba's CUDA simulator."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "numba.cuda.simulator" or name.startswith("numba.cuda.simulator."):
+            raise ImportError(f"{name}: the test run targets a real GPU (VTNUMBA_TARGET=cuda); a test must not "
+                              "use numba's simulator there -- use the device_backend fixture, or mark the test "
+                              "simulator_only")
+        return None
+
+
+if ON_GPU:
+    sys.meta_path.insert(0, _NoSimulatorOnGPU())
+
+import pytest  # noqa: E402
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a real GPU (skipped without one)")
+    config.addinivalue_line("markers", "simulator_only: checks numba's CUDA simulator itself (skipped on a GPU)")
+    config.addinivalue_line("markers", "slow: longer than a few seconds")
 
 
 def pytest_collection_modifyitems(config, items):
-    if ON_GPU:
-        return
-    skip = pytest.mark.skip(reason="needs a real GPU (run with VTNUMBA_TARGET=cuda on a GPU machine)")
+    no_gpu = pytest.mark.skip(reason="needs a real GPU (run with VTNUMBA_TARGET=cuda on a GPU machine)")
+    on_gpu = pytest.mark.skip(reason="checks numba's CUDA simulator; this run targets a real GPU")
     for item in items:
-        if item.get_closest_marker("cuda") is not None:  # the marker, not any id containing "cuda"
-            item.add_marker(skip)
+        if item.get_closest_marker("cuda") is not None and not ON_GPU:
+            item.add_marker(no_gpu)
+        if item.get_closest_marker("simulator_only") is not None and ON_GPU:
+            item.add_marker(on_gpu)
+
+
+def pytest_report_header(config):
+    return f"vtnumba test target: host tests on cpu, device tests on {DEVICE_TARGET}"
+
+
+def _gpu_or_skip() -> None:
+    if ON_GPU:
+        from vtnumba.target import gpu_usable
+
+        ok, why = gpu_usable()
+        if not ok:
+            pytest.skip(f"VTNUMBA_TARGET=cuda but no usable GPU: {why}")
+
+
+@pytest.fixture
+def device_backend_factory():
+    """``make()`` -> a new CUDABackend on the device target (simulator, or the GPU under
+    VTNUMBA_TARGET=cuda; the test is skipped when that target has no usable GPU)."""
+
+    def make():
+        _gpu_or_skip()
+        from vtnumba.backend.cuda import CUDABackend
+
+        return CUDABackend()
+
+    return make
+
+
+@pytest.fixture
+def device_backend(device_backend_factory):
+    """A CUDABackend on the device target (see the module docstring)."""
+    backend = device_backend_factory()
+    yield backend
+    backend.close()
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ import pytest
 
 from vtnumba import dist
 from vtnumba.backend.cpu import CPUBackend
-from vtnumba.dist import _atomics, shm
+from vtnumba.backend import atomics as _atomics
+from vtnumba.dist import shm
 from vtnumba.dist.peer_buffers import PeerAccessError
 
 
@@ -209,17 +210,24 @@ def test_exception_inside_the_with_block_still_cleans_up(group, shm_clean):
 
 
 # ---------------------------------------------------------------------------- atomics
-def test_acquire_release_roundtrip():
-    a = np.zeros(4, np.int64)
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64, np.int32, np.uint32])
+def test_acquire_release_roundtrip(dtype):
+    a = np.zeros(4, dtype)
     _atomics.store_release(a, 2, 41)
-    assert _atomics.load_acquire(a, 2) == 41 and a[2] == 41
+    assert _atomics.load_acquire(a, 2) == 41 and a[2] == 41 and a[[0, 1, 3]].tolist() == [0, 0, 0]
     _atomics.fence()
-    with pytest.raises(TypeError, match="1-D int64"):
-        _atomics.load_acquire(np.zeros(4, np.int32), 0)
     with pytest.raises(IndexError, match="flag index 4 is out of range"):
         _atomics.store_release(a, 4, 1)
-    with pytest.raises(ValueError, match="8-byte aligned"):
-        _atomics.load_acquire(np.zeros(40, np.uint8)[1:33].view(np.int64), 0)
+    size = np.dtype(dtype).itemsize
+    with pytest.raises(ValueError, match=f"{size}-byte aligned"):
+        _atomics.load_acquire(np.zeros(40, np.uint8)[1:1 + 4 * size].view(dtype), 0)
+
+
+def test_atomics_refuse_non_word_arrays():
+    with pytest.raises(TypeError, match="int32/uint32/int64/uint64"):
+        _atomics.load_acquire(np.zeros(4, np.float32), 0)
+    with pytest.raises(TypeError, match="1-D"):
+        _atomics.store_release(np.zeros((2, 2), np.int64), 0, 1)
 
 
 # ---------------------------------------------------------------------------- signals

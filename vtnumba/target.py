@@ -59,6 +59,15 @@ def _simulator_requested() -> bool:
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
 
+def _reload_numba_config() -> None:
+    """numba reads its environment variables once, when ``numba`` is first imported (and
+    numba-cuda uses numba's config): if that already happened, make it read them again so the
+    simulator switch set above is the one ``import numba.cuda`` sees."""
+    config = sys.modules.get("numba.core.config")
+    if config is not None:
+        config.reload_config()
+
+
 def gpu_usable() -> tuple[bool, str]:
     """Is a real CUDA GPU usable from this process?  Returns ``(usable, why)``.
 
@@ -111,6 +120,7 @@ def select_target(name: str | None = None) -> TargetChoice:
                 "set VTNUMBA_TARGET=cudasim (or NUMBA_ENABLE_CUDASIM=1) before starting Python"
             )
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+        _reload_numba_config()
     os.environ["VTNUMBA_TARGET"] = resolved.name  # child processes (mpiexec -n) inherit the choice
     _choice = resolved
     return resolved

@@ -1,6 +1,22 @@
-"""The device runtime: devices, dtypes, the Backend seam, the CPU and CUDA backends, the registry."""
+"""The device runtime: devices, dtypes, arrays, the Backend seam, the CPU and CUDA backends, the registry.
 
-from vtnumba.backend.base import Backend, Buffer, Event, GraphHandle, Queue, check_nbytes
+Reading order (one concept per module):
+
+* :mod:`~vtnumba.backend.device` / :mod:`~vtnumba.backend.dtype` -- where memory lives, what it holds;
+* :mod:`~vtnumba.backend.arrays`   -- the array kinds of the three targets and the argument checks
+  every layer uses (the only module that looks inside numba's arrays);
+* :mod:`~vtnumba.backend.base`     -- the Backend seam (seed: ``vt/backend.h``), Buffer, Queue,
+  Event, and :class:`Capabilities`;
+* :mod:`~vtnumba.backend.atomics` / :mod:`~vtnumba.backend.polling` -- acquire/release flag words
+  and waiting with a deadline;
+* :mod:`~vtnumba.backend.cpu`      -- host memory, synchronous or threaded queues;
+* :mod:`~vtnumba.backend.cuda`     -- numba-cuda on a GPU or in the simulator
+  (:mod:`~vtnumba.backend.cuda_flags`, :mod:`~vtnumba.backend.cuda_stack`);
+* :mod:`~vtnumba.backend.registry` / :mod:`~vtnumba.backend.default` -- which backend serves which device.
+"""
+
+from vtnumba.backend.arrays import check_nbytes
+from vtnumba.backend.base import FLAG_MAX, Backend, Buffer, Capabilities, Event, GraphHandle, Queue
 from vtnumba.backend.cpu import CPUBackend
 from vtnumba.backend.device import CPU, MAX_DEVICES_PER_TYPE, Device, DeviceType
 from vtnumba.backend.dtype import DType, as_dtype, check_dtype_supported, supported_dtypes
@@ -19,7 +35,7 @@ from vtnumba.backend.registry import (
 from vtnumba.backend.default import default_backend, default_device
 
 __all__ = [
-    "Backend", "Buffer", "Event", "GraphHandle", "Queue", "check_nbytes", "CPUBackend", "CPU",
+    "Backend", "Buffer", "Capabilities", "FLAG_MAX", "Event", "GraphHandle", "Queue", "check_nbytes", "CPUBackend", "CPU",
     "MAX_DEVICES_PER_TYPE", "Device", "DeviceType", "DType", "as_dtype", "check_dtype_supported",
     "supported_dtypes", "DeviceResourceOps", "alloc", "create_queue", "destroy_queue", "free", "get_backend",
     "register_backend", "registered_devices", "try_get_backend", "unregister_backend", "default_backend",

@@ -1,10 +1,11 @@
-"""Acquire/release loads and stores on host memory shared between processes.
+"""Acquire/release loads and stores on host memory shared between processes or threads.
 
 Why this module exists
 ----------------------
-Peer signalling is "write the data, then raise a flag; the peer sees the flag, then reads
-the data".  That is only correct if the *flag store* cannot become visible before the *data
-stores*, and the peer's *data loads* cannot be satisfied before its *flag load*.
+Signalling between ranks (and between a host thread and a queue's worker thread) is
+"write the data, then raise a flag; the other side sees the flag, then reads the data".
+That is only correct if the *flag store* cannot become visible before the *data stores*,
+and the reader's *data loads* cannot be satisfied before its *flag load*.
 
 * On x86-64 (TSO) the hardware already keeps stores in order and loads in order, so plain
   numpy writes followed by a plain flag write would work -- but only by accident of the
@@ -16,9 +17,14 @@ stores*, and the peer's *data loads* cannot be satisfied before its *flag load*.
 Python has no memory-ordering primitives: ``threading`` locks order threads of one process,
 not two processes that share an mmap; ``ctypes`` cannot express an atomic store.  numba is
 already a dependency, so we emit the exact LLVM instructions ourselves: ``store atomic ...
-release`` and ``load atomic ... acquire`` on an aligned int64.  On x86 they compile to a
-plain ``mov`` (free); on Arm to ``stlr``/``ldar``.  An aligned 8-byte access is also
-single-copy atomic, so a reader never sees half a counter.
+release`` and ``load atomic ... acquire`` on an aligned integer word.  On x86 they compile
+to a plain ``mov`` (free); on Arm to ``stlr``/``ldar``.  An aligned 4- or 8-byte access is
+also single-copy atomic, so a reader never sees half a counter.
+
+Two word sizes are supported: 64-bit words (``int64``/``uint64``, the host-side epoch flags
+of :class:`vtnumba.dist.PeerSignals`) and 32-bit words (``int32``/``uint32``, the flags that
+queues raise and wait for, :meth:`vtnumba.backend.Backend.write_value32` -- 32 bits because
+that is what a GPU's stream memory operations write).
 
 Stores made by numpy (C code called from Python) on the same thread *before* the release
 store are ordered by it: the release covers every earlier memory operation of the thread,
@@ -33,35 +39,43 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+#: The element types whose words can be loaded and stored atomically here.
+WORD_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.int64), np.dtype(np.uint64))
+_WORD_TYPES = (types.int32, types.uint32, types.int64, types.uint64)
+
 
 def _element_pointer(context, builder, arrty, arr, idx):
     ary = context.make_array(arrty)(context, builder, arr)
     return cgutils.get_item_pointer(context, builder, arrty, ary, [idx], wraparound=False)
 
 
+def _is_word_array(arr) -> bool:
+    return isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype in _WORD_TYPES
+
+
 @intrinsic
 def _load_acquire_intrinsic(typingctx, arr, idx):
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+    if not _is_word_array(arr):
         return None
-    sig = types.int64(arr, types.intp)
+    sig = arr.dtype(arr, types.intp)
 
     def codegen(context, builder, signature, args):
         ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1])
-        return builder.load_atomic(ptr, ordering="acquire", align=8)
+        return builder.load_atomic(ptr, ordering="acquire", align=signature.args[0].dtype.bitwidth // 8)
 
     return sig, codegen
 
 
 @intrinsic
 def _store_release_intrinsic(typingctx, arr, idx, value):
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+    if not _is_word_array(arr):
         return None
-    sig = types.void(arr, types.intp, types.int64)
+    sig = types.void(arr, types.intp, arr.dtype)
 
     def codegen(context, builder, signature, args):
-        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1])
-        val = context.cast(builder, args[2], signature.args[2], types.int64)
-        builder.store_atomic(val, ptr, ordering="release", align=8)
+        arrty = signature.args[0]
+        ptr = _element_pointer(context, builder, arrty, args[0], args[1])
+        builder.store_atomic(args[2], ptr, ordering="release", align=arrty.dtype.bitwidth // 8)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -93,26 +107,26 @@ def _fence():
     _fence_intrinsic()
 
 
-def _check(arr: np.ndarray, idx: int) -> None:
-    if not isinstance(arr, np.ndarray) or arr.dtype != np.int64 or arr.ndim != 1:
-        raise TypeError(f"flags must be a 1-D int64 numpy array, got {type(arr).__name__} "
-                        f"{getattr(arr, 'dtype', None)} ndim={getattr(arr, 'ndim', None)}")
-    if not 0 <= idx < arr.shape[0]:
-        raise IndexError(f"flag index {idx} is out of range for {arr.shape[0]} flags")
-    if arr.ctypes.data % 8:
-        raise ValueError("flags must be 8-byte aligned for atomic access")
+def _check(arr, idx) -> None:
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype not in WORD_DTYPES:
+        raise TypeError(f"flags must be a 1-D numpy array of int32/uint32/int64/uint64 words, got "
+                        f"{type(arr).__name__} {getattr(arr, 'dtype', None)} ndim={getattr(arr, 'ndim', None)}")
+    if isinstance(idx, bool) or not isinstance(idx, (int, np.integer)) or not 0 <= idx < arr.shape[0]:
+        raise IndexError(f"flag index {idx!r} is out of range for {arr.shape[0]} flags")
+    if arr.ctypes.data % arr.dtype.itemsize or arr.strides[0] != arr.dtype.itemsize:
+        raise ValueError(f"flags must be contiguous and {arr.dtype.itemsize}-byte aligned for atomic access")
 
 
 def load_acquire(arr: np.ndarray, idx: int) -> int:
     """Read ``arr[idx]`` with acquire ordering (later reads cannot move before it)."""
     _check(arr, idx)
-    return int(_load_acquire(arr, idx))
+    return int(_load_acquire(arr, int(idx)))
 
 
 def store_release(arr: np.ndarray, idx: int, value: int) -> None:
     """Write ``arr[idx] = value`` with release ordering (earlier writes become visible first)."""
     _check(arr, idx)
-    _store_release(arr, idx, int(value))
+    _store_release(arr, int(idx), arr.dtype.type(value))
 
 
 def fence() -> None:
@@ -120,4 +134,4 @@ def fence() -> None:
     _fence()
 
 
-__all__ = ["load_acquire", "store_release", "fence"]
+__all__ = ["WORD_DTYPES", "load_acquire", "store_release", "fence"]

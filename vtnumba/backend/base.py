@@ -17,7 +17,15 @@ Semantics every backend keeps (they are what the seed's comments promise):
   ``queue_wait_event`` orders it;
 * ``record_event(e, q)`` captures "everything submitted to q so far"; re-recording moves
   the marker; ``query_event`` never blocks; ``synchronize_event`` blocks until it fires;
-* an error inside queued work is *sticky*: it is raised by the next ``synchronize``.
+* an error inside queued work is *sticky*: it is raised by the next ``synchronize``;
+* ``write_value32(q, flags, i, v)`` stores ``v`` into a 32-bit flag word once ``q`` gets
+  there (after everything before it is visible), and ``wait_value32(q, flags, i, v)`` makes
+  later work on ``q`` wait until that word reaches ``v`` -- the stream memory operations a
+  GPU uses to order work between processes without the host (see :mod:`vtnumba.dist.queue_flags`).
+
+What a backend *can* do is declared as data, :class:`Capabilities` (``backend.capabilities``):
+upper layers ask it -- "can the host read your memory in place?", "is this the simulator?"
+-- and never probe types or numba internals themselves.
 
 Validation happens here, at the public boundary, so every backend rejects bad input with
 the same clear message naming the argument.
@@ -28,24 +36,47 @@ from __future__ import annotations
 import abc
 import itertools
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
+from vtnumba.backend.arrays import check_int, check_nbytes, check_seconds, check_shape, host_view
 from vtnumba.backend.device import Device, DeviceType
 
 _ids = itertools.count(1)
 
 
-def check_nbytes(name: str, value, *, allow_zero: bool = True) -> int:
-    """A byte count: a non-negative int (``bool`` and floats are refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}={value!r} must be an int number of bytes, got {type(value).__name__}")
-    value = int(value)
-    if value < 0 or (value == 0 and not allow_zero):
-        expected = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name}={value} is not a valid size; expected {expected}")
-    return value
+#: Largest value a 32-bit flag word holds; queue flags count epochs well below it (see wait_value32).
+FLAG_MAX = (1 << 32) - 1
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, declared once, so no other layer has to guess from types.
+
+    * ``host_addressable`` -- the host can read and write this backend's memory in place
+      (cpu; numba's simulator, whose "device" memory is host memory).  False on a real GPU:
+      bytes must be copied to be seen.
+    * ``simulator``        -- kernels run in numba's CUDA simulator (one launch at a time,
+      synchronously; times measure the simulator, not a GPU).
+    * ``kernel_arrays``    -- the arrays its kernels take: ``"numpy"`` (host references) or
+      ``"device"`` (numba device arrays, real or simulated).
+    * ``async_queues``     -- queued work may still be running after the call that queued it
+      returned (threaded cpu queues, GPU streams); False means every queue runs its work at
+      once, on the caller's thread.
+    * ``aux_stream``       -- work on a second queue can overlap work on the first.
+    * ``graph_capture``    -- ``begin_capture``/``end_capture``/``replay`` are available.
+    * ``unified_memory``   -- host and device share one address space (no copies needed).
+    """
+
+    host_addressable: bool
+    simulator: bool
+    kernel_arrays: str
+    async_queues: bool
+    aux_stream: bool
+    graph_capture: bool
+    unified_memory: bool
 
 
 class Buffer:
@@ -95,7 +126,7 @@ class Buffer:
         if shape is None:
             count = (self.nbytes - offset) // dtype.itemsize
             shape = (count,)
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        shape = check_shape("shape", shape)
         count = int(np.prod(shape, dtype=np.int64))
         need = count * dtype.itemsize
         if offset % dtype.itemsize:
@@ -170,20 +201,54 @@ class Backend(abc.ABC):
     def name(self) -> str:
         return type(self).__name__
 
+    @property
     @abc.abstractmethod
-    def unified_memory(self) -> bool:
-        """True when host and device share one address space (no copies needed)."""
+    def capabilities(self) -> Capabilities:
+        """What this backend can do (see :class:`Capabilities`)."""
 
     @abc.abstractmethod
     def device_capability(self) -> tuple[int, int]:
         """(major, minor) compute capability; (0, 0) for the CPU."""
 
+    def unified_memory(self) -> bool:
+        """True when host and device share one address space (no copies needed)."""
+        return self.capabilities.unified_memory
+
     def supports_aux_stream(self) -> bool:
         """Can work on a second queue overlap work on the first?"""
-        return True
+        return self.capabilities.aux_stream
 
     def supports_graph_capture(self) -> bool:
-        return False
+        return self.capabilities.graph_capture
+
+    # ------------------------------------------------------------------ arrays
+    def asarray(self, host: np.ndarray):
+        """A copy of the numpy array ``host`` in this backend's memory, as an array its kernels
+        take (numpy on cpu, a device array on cuda and in the simulator).  Synchronous."""
+        if not isinstance(host, np.ndarray):
+            raise TypeError(f"host must be a numpy array, got {type(host).__name__}")
+        return self._asarray(np.ascontiguousarray(host))
+
+    def empty(self, shape, dtype=np.float32):
+        """A new uninitialised array of ``shape`` in this backend's memory (kernel-usable)."""
+        return self._empty(check_shape("shape", shape), np.dtype(dtype))
+
+    def to_host(self, arr) -> np.ndarray:
+        """``arr``'s contents as a numpy array: the memory itself where the host can address it
+        (cpu, simulator), a synchronous device-to-host copy on a real GPU."""
+        view = host_view(arr)
+        if view is not None:
+            return view
+        return self._to_host(arr)
+
+    def _asarray(self, host: np.ndarray):
+        return host.copy()
+
+    def _empty(self, shape: tuple, dtype: np.dtype):
+        return np.empty(shape, dtype=dtype)
+
+    def _to_host(self, arr) -> np.ndarray:
+        raise TypeError(f"{self.name} cannot read {type(arr).__module__}.{type(arr).__name__} on the host")
 
     # ------------------------------------------------------------------ memory
     def alloc(self, nbytes: int) -> Buffer:
@@ -288,6 +353,15 @@ class Backend(abc.ABC):
         self._check_queue(q)
         self._synchronize(q)
 
+    def queue_error(self, q: Queue) -> BaseException | None:
+        """The sticky error of ``q`` if queued work on it has failed, else None.  Never blocks
+        and does not clear the error (``synchronize`` raises and clears it)."""
+        self._check_queue(q)
+        return self._queue_error(q)
+
+    def _queue_error(self, q: Queue) -> BaseException | None:
+        return getattr(q, "error", None)
+
     def flush_pending(self, q: Queue | None = None) -> None:
         """Hand any batched-up work to the device now (a no-op where submission is immediate)."""
         if q is not None:
@@ -306,9 +380,52 @@ class Backend(abc.ABC):
         self._submit(q, fn, name, trace_args)
 
     def launch_host_func(self, q: Queue, fn: Callable[[], None], name: str = "host_func") -> None:
-        """Run a host function once everything before it on ``q`` has finished (cuLaunchHostFunc)."""
+        """Run a host function once everything before it on ``q`` has finished (cuLaunchHostFunc).
+
+        An exception raised by ``fn`` is sticky on ``q``: the next ``synchronize(q)`` raises it.
+        """
         self._check_queue(q)
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         self._launch_host_func(q, fn, name)
+
+    # ------------------------------------------------------------------ flags in queue order
+    def write_value32(self, q: Queue, flags, index: int, value: int) -> None:
+        """Once ``q`` reaches this point, store ``value`` into the 32-bit word ``flags[index]``.
+
+        Everything queued on ``q`` before is complete *and visible* before the store (a
+        release / system-wide fence), so a peer that sees the value may read what ``q``
+        wrote.  ``flags`` is a 1-D ``uint32`` array of this backend's kind -- possibly a
+        *peer's* memory (a CUDA IPC mapping, a shared-memory view).  On a GPU this is
+        ``cuStreamWriteValue32``: the stream itself writes, no host thread is involved.
+        """
+        self._check_queue(q)
+        index, value = self._check_flag(flags, index, value)
+        self._write_value32(q, flags, index, value)
+
+    def wait_value32(self, q: Queue, flags, index: int, value: int, *, timeout_s: float = 60.0) -> None:
+        """Make later work on ``q`` wait until ``flags[index] >= value`` (32-bit, cyclic).
+
+        The comparison is CUDA's ``CU_STREAM_WAIT_VALUE_GEQ``: ``(int32)(flags[index] - value)
+        >= 0``, i.e. "at least value" as long as the two are less than 2**31 apart -- epoch
+        counters that only grow.  On a GPU this is ``cuStreamWaitValue32``: the stream waits
+        in hardware and cannot time out, so whoever synchronizes that queue must watch for a
+        peer that never comes (:mod:`vtnumba.dist.queue_flags` does).  Host queues wait by
+        polling and fail after ``timeout_s``: inline on a synchronous queue, on the queue's
+        thread (a sticky error) on a threaded one.
+        """
+        self._check_queue(q)
+        index, value = self._check_flag(flags, index, value)
+        timeout_s = check_seconds("timeout_s", timeout_s)
+        self._wait_value32(q, flags, index, value, timeout_s)
+
+    def _check_flag(self, flags, index, value) -> tuple[int, int]:
+        if getattr(flags, "ndim", None) != 1 or np.dtype(getattr(flags, "dtype", None)) != np.uint32:
+            raise TypeError(f"flags must be a 1-D uint32 array, got {type(flags).__name__} "
+                            f"dtype={getattr(flags, 'dtype', None)} ndim={getattr(flags, 'ndim', None)}")
+        index = check_int("index", index, min_value=0, max_value=int(flags.shape[0]) - 1)
+        value = check_int("value", value, min_value=0, max_value=FLAG_MAX)
+        return index, value
 
     # ------------------------------------------------------------------ events
     def create_event(self, blocking: bool = False) -> Event:
@@ -481,6 +598,12 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def _launch_host_func(self, q: Queue, fn, name: str) -> None: ...
+
+    @abc.abstractmethod
+    def _write_value32(self, q: Queue, flags, index: int, value: int) -> None: ...
+
+    @abc.abstractmethod
+    def _wait_value32(self, q: Queue, flags, index: int, value: int, timeout_s: float) -> None: ...
 
     @abc.abstractmethod
     def _create_event(self, blocking: bool) -> Event: ...

@@ -22,8 +22,10 @@ import threading
 import numpy as np
 
 from vtnumba import trace
-from vtnumba.backend.base import Backend, Buffer, Event, Queue
+from vtnumba.backend.atomics import load_acquire, store_release
+from vtnumba.backend.base import Backend, Buffer, Capabilities, Event, Queue
 from vtnumba.backend.device import CPU, Device, DeviceType
+from vtnumba.backend.polling import WaitTimeout, poll_until
 
 ALIGNMENT = 64
 
@@ -44,6 +46,22 @@ def host_bytes(obj, name: str = "array") -> np.ndarray:
     if not obj.flags["C_CONTIGUOUS"]:
         raise ValueError(f"{name} must be C-contiguous")
     return obj.reshape(-1).view(np.uint8)
+
+
+def flag_reached(current: int, value: int) -> bool:
+    """CUDA's cyclic ``GEQ`` on 32-bit words: ``(int32)(current - value) >= 0``."""
+    return ((int(current) - int(value)) & 0xFFFFFFFF) < 0x80000000
+
+
+def wait_flag_word(flags: np.ndarray, index: int, value: int, timeout_s: float, who: str) -> None:
+    """Poll ``flags[index]`` (acquire loads) until it reaches ``value``; WaitTimeout after ``timeout_s``.
+
+    The host twin of ``cuStreamWaitValue32``: the acquire load keeps every later read of
+    this thread after the flag, so data published before the flag is seen.
+    """
+    poll_until(lambda: flag_reached(load_acquire(flags, index), value), timeout_s,
+               lambda waited: f"{who}: waited {waited:.3g} s for flag word {index} to reach {value}; it is "
+                              f"{load_acquire(flags, index)}", error=WaitTimeout)
 
 
 class _Mark:
@@ -83,11 +101,14 @@ class _CPUQueue(Queue):
             self._thread.start()
 
     # Work runs either inline (sync mode) or on the worker; both paths trace the same way.
-    def _execute(self, name: str, fn, args: dict) -> None:
+    def _execute(self, name: str, fn, args: dict, marker: bool = False) -> None:
         rec = trace.RECORDER
         t0 = trace.now_ns() if rec is not None else 0
         try:
-            if self.error is None:  # after a failure the queue is poisoned until synchronized
+            # After a failure the queue is poisoned until synchronized: work is skipped, but
+            # markers (event records) still fire, so nobody waits forever on an event of a
+            # failed queue -- as on a GPU, where a failed stream's events complete with an error.
+            if self.error is None or marker:
                 fn()
         except BaseException as exc:  # noqa: BLE001 - sticky error, re-raised by synchronize
             self.error = exc
@@ -95,7 +116,7 @@ class _CPUQueue(Queue):
             if rec is not None:
                 rec.add(name, "queue", f"cpu:{self.name}", t0, trace.now_ns(), args)
 
-    def put(self, name: str, fn, args: dict | None = None) -> None:
+    def put(self, name: str, fn, args: dict | None = None, marker: bool = False) -> None:
         if self._ops is None:
             # Synchronous (seed) mode: run now and let errors reach the caller directly.
             with trace.span(name, "queue", f"cpu:{self.name}", **(args or {})):
@@ -103,7 +124,7 @@ class _CPUQueue(Queue):
             return
         with self._cond:
             self._submitted += 1
-        self._ops.put((name, fn, args or {}))
+        self._ops.put((name, fn, args or {}, marker))
 
     def _run(self) -> None:
         while True:
@@ -151,15 +172,16 @@ class CPUBackend(Backend):
     def name(self) -> str:
         return "CPUBackend(threaded)" if self.threaded else "CPUBackend"
 
-    def unified_memory(self) -> bool:
-        return True
+    @property
+    def capabilities(self) -> Capabilities:
+        # Only threaded queues run asynchronously and can overlap; synchronous ones run
+        # everything in turn, on the caller's thread.
+        return Capabilities(host_addressable=True, simulator=False, kernel_arrays="numpy",
+                            async_queues=self.threaded, aux_stream=self.threaded, graph_capture=False,
+                            unified_memory=True)
 
     def device_capability(self) -> tuple[int, int]:
         return (0, 0)
-
-    def supports_aux_stream(self) -> bool:
-        # Only threaded queues can overlap; synchronous ones run everything in turn.
-        return self.threaded
 
     # ---------------------------------------------------------------- memory
     def _alloc(self, nbytes: int) -> Buffer:
@@ -211,6 +233,16 @@ class CPUBackend(Backend):
     def _launch_host_func(self, q, fn, name) -> None:
         q.put(name, fn)
 
+    # ---------------------------------------------------------------- flags in queue order
+    def _write_value32(self, q, flags, index, value) -> None:
+        # The release store orders everything this queue did before it (on its worker thread,
+        # or inline) ahead of the flag, for any reader in this or another process.
+        q.put("write_value32", lambda: store_release(flags, index, value), {"index": index, "value": value})
+
+    def _wait_value32(self, q, flags, index, value, timeout_s) -> None:
+        q.put("wait_value32", lambda: wait_flag_word(flags, index, value, timeout_s, f"queue {q.name}"),
+              {"index": index, "value": value})
+
     # ---------------------------------------------------------------- events
     def _create_event(self, blocking) -> Event:
         return _CPUEvent(self, blocking)
@@ -221,7 +253,7 @@ class CPUBackend(Backend):
     def _record_event(self, e, q) -> None:
         mark = _Mark()
         e.mark = mark  # later waits see this recording; earlier waiters keep the old mark
-        q.put("record_event", mark.fire, {"event": e.id})
+        q.put("record_event", mark.fire, {"event": e.id}, marker=True)
 
     def _synchronize_event(self, e) -> None:
         e.mark.done.wait()

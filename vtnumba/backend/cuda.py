@@ -5,6 +5,22 @@ On a real GPU a :class:`Queue` wraps a CUDA stream, an :class:`Event` a CUDA eve
 capture uses cuda.bindings stream capture around numba launches (warm kernels first: a
 first-call compilation inside capture would try to synchronise).
 
+Three choices matter on a real GPU:
+
+* **Queues are non-blocking streams** (``CU_STREAM_NON_BLOCKING``, made with cuda.bindings
+  and handed to numba as an external stream).  A stream created by ``cuda.stream()`` is a
+  *blocking* one: it synchronises with the legacy default stream, so one queue stuck on a
+  flag that a failed peer will never raise would freeze every later default-stream
+  operation of the process -- including the copy that would report the error.
+* **Flags in queue order are stream memory operations** (``cuStreamWriteValue32`` /
+  ``cuStreamWaitValue32``): the GPU orders work across processes without a host thread on
+  the critical path.  Where the driver refuses them, one-thread kernels do the same
+  (:mod:`vtnumba.backend.cuda_flags`).
+* **Host functions go through** ``cuLaunchHostFunc`` **of cuda.bindings**, not numba's
+  ``Stream.add_callback`` (broken with cuda-bindings in numba-cuda 0.30: it reads
+  ``handle.value``).  The Python callable is kept alive until the driver has called it,
+  and an exception it raises is kept and raised by the queue's next ``synchronize``.
+
 In the simulator (``VTNUMBA_TARGET=cudasim``) numba gives us kernels but not a runtime:
 streams are ignored, events cannot be queried or timed, and only one kernel may run per
 process at a time (a second thread's launch is mistaken for a device-function call).
@@ -19,13 +35,23 @@ arguments would be copied in and back (see the shared notes), which breaks peer 
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import threading
 
 import numpy as np
 
 from vtnumba import trace
-from vtnumba.backend.base import Backend, Buffer, Event, Queue
-from vtnumba.backend.cpu import _Mark, aligned_empty
+from vtnumba.backend.arrays import (
+    address_of,
+    host_view,
+    is_device_array,
+    simulator_active,
+    wrap_host_memory,
+)
+from vtnumba.backend.atomics import store_release
+from vtnumba.backend.base import Backend, Buffer, Capabilities, Event, Queue
+from vtnumba.backend.cpu import _Mark, aligned_empty, wait_flag_word
 from vtnumba.backend.device import Device, DeviceType
 from vtnumba.target import current_target
 
@@ -39,51 +65,24 @@ def _cuda():
     return cuda
 
 
-def simulator_active() -> bool:
-    from numba import config
-
-    return bool(config.ENABLE_CUDASIM)
-
-
 def fake_device_array(host: np.ndarray):
-    """Wrap host memory as a simulator device array that kernels use in place (zero-copy)."""
-    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-    return FakeCUDAArray(host)
-
-
-def is_device_array(obj) -> bool:
-    """Is ``obj`` a numba device array (real or simulated)?"""
-    if simulator_active():
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        return isinstance(obj, FakeCUDAArray)
-    try:
-        from numba.cuda.cudadrv.devicearray import DeviceNDArray
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(obj, DeviceNDArray)
+    """Simulator only: host memory as a device array kernels use in place (see :func:`wrap_host_memory`)."""
+    return wrap_host_memory(host)
 
 
 def sim_host_view(obj) -> np.ndarray:
     """The numpy array behind a simulator device array (or the array itself)."""
-    if isinstance(obj, np.ndarray):
-        return obj
-    ary = getattr(obj, "_ary", None)
-    if ary is None:
+    view = host_view(obj)
+    if view is None:
         raise TypeError(f"expected a numpy or simulator device array, got {type(obj).__name__}")
-    return ary
+    return view
 
 
 def to_host_array(arr) -> np.ndarray:
-    """A numpy array with ``arr``'s contents: itself (numpy), the simulator's host memory
-    behind it (no copy), or a device-to-host copy (real GPU)."""
-    if isinstance(arr, np.ndarray):
-        return arr
-    try:
-        return sim_host_view(arr)
-    except TypeError:
-        return arr.copy_to_host()
+    """A numpy array with ``arr``'s contents (see :func:`vtnumba.backend.arrays.to_host`)."""
+    from vtnumba.backend.arrays import to_host
+
+    return to_host(arr)
 
 
 def _flat_bytes(obj, name: str):
@@ -98,9 +97,17 @@ def _flat_bytes(obj, name: str):
 
 
 class _CUDAQueue(Queue):
-    def __init__(self, backend, name, stream):
+    def __init__(self, backend, name, stream, handle=None):
         super().__init__(backend, name)
-        self.stream = stream
+        self.stream = stream   # what numba launches and copies take
+        self.handle = handle   # the cuda.bindings CUstream we created (real GPU), destroyed with the queue
+        self.error: BaseException | None = None  # raised by a host function; re-raised by synchronize
+
+
+# Host functions queued with cuLaunchHostFunc, kept alive until the driver has called them.
+_pending_host_funcs: dict[int, object] = {}
+_host_func_ids = itertools.count(1)
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
 class _CUDAEvent(Event):
@@ -121,33 +128,35 @@ class CUDABackend(Backend):
         if device.type is not DeviceType.CUDA:
             raise ValueError(f"device={device} must be a CUDA device for CUDABackend")
         super().__init__(device)
-        cuda = _cuda()
         self.simulator = simulator_active()
         if not self.simulator:
+            from vtnumba.backend.cuda_stack import check_cuda_stack
+
+            check_cuda_stack()  # refuse numba's deprecated numba.cuda before it fails obscurely later
+            cuda = _cuda()
             if not cuda.is_available():
                 raise RuntimeError("CUDABackend: no usable CUDA GPU (use VTNUMBA_TARGET=cpu or cudasim)")
             cuda.select_device(device.index)
         self._queues_by_id: dict[int, _CUDAQueue] = {}
+        self._memops_ok = True  # stream memory operations; False once the driver refused one
 
     @property
     def name(self) -> str:
         return "CUDABackend(simulator)" if self.simulator else "CUDABackend"
 
-    def unified_memory(self) -> bool:
-        # The simulator's "device" memory is host memory, but we keep copy semantics so code
-        # written against it is correct on a GPU.
-        return False
+    @property
+    def capabilities(self) -> Capabilities:
+        # The simulator's "device" memory is host memory (host-addressable), but we keep copy
+        # semantics (unified_memory=False) so code written against it is correct on a GPU.
+        # Simulated launches run synchronously, one at a time: no async queues, no overlap.
+        sim = self.simulator
+        return Capabilities(host_addressable=sim, simulator=sim, kernel_arrays="device", async_queues=not sim,
+                            aux_stream=not sim, graph_capture=not sim, unified_memory=False)
 
     def device_capability(self) -> tuple[int, int]:
         if self.simulator:
             return (0, 0)
         return tuple(_cuda().get_current_device().compute_capability)
-
-    def supports_graph_capture(self) -> bool:
-        return not self.simulator
-
-    def supports_aux_stream(self) -> bool:
-        return not self.simulator  # simulated launches are serialised
 
     def device_name(self) -> str:
         if self.simulator:
@@ -155,11 +164,27 @@ class CUDABackend(Backend):
         name = _cuda().get_current_device().name
         return name.decode() if isinstance(name, bytes) else str(name)
 
+    # ---------------------------------------------------------------- arrays
+    def _asarray(self, host: np.ndarray):
+        if self.simulator:
+            return wrap_host_memory(host.copy())
+        return _cuda().to_device(host)
+
+    def _empty(self, shape, dtype):
+        if self.simulator:
+            return wrap_host_memory(np.empty(shape, dtype=dtype))
+        return _cuda().device_array(shape, dtype=dtype)
+
+    def _to_host(self, arr) -> np.ndarray:
+        if not is_device_array(arr):
+            raise TypeError(f"{self.name} cannot read {type(arr).__module__}.{type(arr).__name__} on the host")
+        return arr.copy_to_host()
+
     # ---------------------------------------------------------------- memory
     def _alloc(self, nbytes: int) -> Buffer:
         if self.simulator:
             host = aligned_empty(nbytes)
-            return Buffer(self, self.device, nbytes, fake_device_array(host), ptr=host.ctypes.data, owner=host)
+            return Buffer(self, self.device, nbytes, wrap_host_memory(host), ptr=host.ctypes.data, owner=host)
         arr = _cuda().device_array(max(nbytes, 1), dtype=np.uint8)[:nbytes]
         ptr = arr.__cuda_array_interface__["data"][0] if nbytes else 0
         return Buffer(self, self.device, nbytes, arr, ptr=ptr)
@@ -211,22 +236,63 @@ class CUDABackend(Backend):
 
     # ---------------------------------------------------------------- queues
     def _create_queue(self, name) -> Queue:
-        q = _CUDAQueue(self, name, _cuda().stream())
+        if self.simulator:
+            q = _CUDAQueue(self, name, _cuda().stream())
+        else:
+            # A non-blocking stream (see the module docstring), wrapped for numba's launches.
+            from cuda.bindings import driver as cu
+
+            _cuda().current_context()  # stream creation needs a current context
+            err, handle = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            _check_cu(err, "cuStreamCreate(CU_STREAM_NON_BLOCKING)")
+            q = _CUDAQueue(self, name, _cuda().external_stream(int(handle)), handle)
         self._queues_by_id[q.id] = q
         return q
 
     def _destroy_queue(self, q) -> None:
         self._queues_by_id.pop(q.id, None)
-        q.stream = None
+        handle, q.handle, q.stream = q.handle, None, None
+        if handle is not None:
+            from cuda.bindings import driver as cu
+
+            (err,) = cu.cuStreamDestroy(handle)  # its work has finished: destroy_queue synchronized first
+            _check_cu(err, "cuStreamDestroy")
 
     def _synchronize(self, q) -> None:
         if not self.simulator:
             with trace.span("synchronize", "host", "host", queue=q.name):
                 q.stream.synchronize()
+        self._raise_queue_error(q)
 
     def _synchronize_all(self) -> None:
         if not self.simulator:
             _cuda().synchronize()
+            for q in list(self._queues_by_id.values()):  # non-blocking streams: each on its own
+                if q.stream is not None:
+                    q.stream.synchronize()
+        for q in list(self._queues_by_id.values()):
+            self._raise_queue_error(q)
+
+    def order_after_default_stream(self, q) -> None:
+        """Make later work on ``q`` wait for what is queued on the legacy default stream now.
+
+        vtnumba's queues are non-blocking streams, which the default stream does not order;
+        an operation that reads arrays a caller produced with default-stream launches or
+        copies calls this first.  (A no-op in the simulator: everything there is synchronous.)
+        """
+        self._check_queue(q)
+        if self.simulator:
+            return
+        cuda = _cuda()
+        ev = cuda.event(timing=False)
+        ev.record(cuda.default_stream())
+        ev.wait(q.stream)
+
+    @staticmethod
+    def _raise_queue_error(q) -> None:
+        if q.error is not None:
+            err, q.error = q.error, None
+            raise RuntimeError(f"a host function on queue {q.name} failed: {err!r}") from err
 
     def _run_sim(self, q, name, fn, args) -> None:
         # The simulator runs launches synchronously; one at a time per process.
@@ -255,7 +321,73 @@ class CUDABackend(Backend):
         if self.simulator:
             self._run_sim(q, name, fn, {})
             return
-        q.stream.add_callback(lambda stream, status, arg: fn(), None)
+        from cuda.bindings import driver as cu
+
+        key = next(_host_func_ids)
+
+        def call(_user_data) -> None:
+            # Runs on a driver thread once the stream gets here.  It must not call CUDA, and
+            # an exception must not escape into C: keep it for the queue's next synchronize.
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001
+                if q.error is None:
+                    q.error = exc
+            finally:
+                _pending_host_funcs.pop(key, None)
+
+        c_fn = _HOST_FN(call)
+        _pending_host_funcs[key] = c_fn  # the driver holds only a C pointer: keep the callable alive
+        (err,) = cu.cuLaunchHostFunc(q.handle, cu.CUhostFn(ctypes.cast(c_fn, ctypes.c_void_p).value), None)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            _pending_host_funcs.pop(key, None)
+            _check_cu(err, "cuLaunchHostFunc")
+
+    # ---------------------------------------------------------------- flags in queue order
+    def _write_value32(self, q, flags, index, value) -> None:
+        if self.simulator:
+            # Launches are synchronous here: everything before is done, so store now (release).
+            word = host_view(flags)
+            self._run_sim(q, "write_value32", lambda: store_release(word, index, value), {"value": value})
+            return
+        from cuda.bindings import driver as cu
+
+        if self._memops_ok:
+            (err,) = cu.cuStreamWriteValue32(q.handle, cu.CUdeviceptr(address_of(flags) + 4 * index), value,
+                                             cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+            if self._memop_done(err, "cuStreamWriteValue32"):
+                return
+        from vtnumba.backend.cuda_flags import launch_write_flag
+
+        launch_write_flag(flags, index, value, q.stream)
+
+    def _wait_value32(self, q, flags, index, value, timeout_s) -> None:
+        if self.simulator:
+            # Nothing runs concurrently in the simulator: wait here, on the host, with a deadline
+            # (outside the launch lock, so this process's other threads can still launch).
+            wait_flag_word(host_view(flags), index, value, timeout_s, f"queue {q.name}")
+            return
+        from cuda.bindings import driver as cu
+
+        if self._memops_ok:
+            (err,) = cu.cuStreamWaitValue32(q.handle, cu.CUdeviceptr(address_of(flags) + 4 * index), value,
+                                            cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+            if self._memop_done(err, "cuStreamWaitValue32"):
+                return
+        from vtnumba.backend.cuda_flags import launch_wait_flag
+
+        launch_wait_flag(flags, index, value, q.stream)
+
+    def _memop_done(self, err, what: str) -> bool:
+        """True if a stream memory operation was queued; False (for good) if the driver refuses
+        them, so the caller falls back to the flag kernels; other errors raise."""
+        from cuda.bindings import driver as cu
+
+        if err == cu.CUresult.CUDA_ERROR_NOT_SUPPORTED:
+            self._memops_ok = False
+            return False
+        _check_cu(err, what)
+        return True
 
     # ---------------------------------------------------------------- events
     def _create_event(self, blocking) -> Event:
@@ -295,14 +427,14 @@ class CUDABackend(Backend):
     def _begin_capture(self, q):
         from cuda.bindings import driver as cu
 
-        (err,) = cu.cuStreamBeginCapture(q.stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        (err,) = cu.cuStreamBeginCapture(q.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         _check_cu(err, "cuStreamBeginCapture")
         return True
 
     def _end_capture(self, q, state):
         from cuda.bindings import driver as cu
 
-        err, graph = cu.cuStreamEndCapture(q.stream.handle)
+        err, graph = cu.cuStreamEndCapture(q.handle)
         _check_cu(err, "cuStreamEndCapture")
         err, exec_graph = cu.cuGraphInstantiate(graph, 0)
         _check_cu(err, "cuGraphInstantiate")
@@ -312,7 +444,7 @@ class CUDABackend(Backend):
         from cuda.bindings import driver as cu
 
         with trace.span("graph_replay", "queue", f"cuda:{q.name}"):
-            (err,) = cu.cuGraphLaunch(native[1], q.stream.handle)
+            (err,) = cu.cuGraphLaunch(native[1], q.handle)
         _check_cu(err, "cuGraphLaunch")
 
     def _destroy_graph(self, native) -> None:

@@ -10,8 +10,11 @@ over host memory, so the flags are plain host memory on every target) holding
 * ``flags[name, source]`` -- int64; written only by rank ``source`` (one writer per slot,
   so no read-modify-write atomics are needed), read by the owner;
 * ``abort[source]``      -- the epoch at which ``source`` gave up (so waiters fail fast);
-* ``meta[0:8]``          -- eight int64 the *owner* publishes (e.g. the shapes of its
-  contribution), read by peers after they saw its flag.
+* ``meta[bank][0:8]``    -- eight int64 the *owner* publishes (e.g. the shapes of its
+  contribution), read by peers after they saw its flag.  Two banks: a protocol that
+  publishes at every epoch uses bank ``epoch % 2``, so a fast rank's next publication can
+  never overwrite what a slow peer is still reading (to publish at epoch e+2 the fast rank
+  must have seen the slow one's flag for e+1, raised only after it finished reading e).
 
 Epochs, not booleans: a flag holds a monotonically increasing counter.  Step ``e`` of a
 protocol sets ``flags = e`` and waits for ``flags >= e``; nothing is ever reset, so there is
@@ -19,7 +22,7 @@ no window where a reset races with the next step's set, and a waiter that is lat
 sees "at least e".  ``next_epoch()`` hands out 1, 2, 3, ... -- every rank makes the same
 sequence of collective calls, so their epochs agree without communication.
 
-Memory ordering (the reason :mod:`vtnumba.dist._atomics` exists): the producer's data
+Memory ordering (the reason :mod:`vtnumba.backend.atomics` exists): the producer's data
 stores must be visible before its flag store, and the consumer's data loads must not be
 satisfied before its flag load.  ``set`` is a *release* store and ``wait`` polls with
 *acquire* loads.  On x86-64 (TSO: stores are not reordered with stores, loads not with
@@ -41,11 +44,12 @@ import time
 
 import numpy as np
 
-from vtnumba.dist._atomics import _load_acquire, _store_release
+from vtnumba.backend.atomics import _load_acquire, _store_release
 from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, _backoff, agree_errors, allgather_bytes
 
 DEFAULT_NAMES = ("inbox_ready", "gather_ready", "consumed")
 META_SLOTS = 8
+META_BANKS = 2
 ABORT_FOREVER = 1 << 62
 
 
@@ -90,7 +94,7 @@ class PeerSignals:
         self._nflags = len(names_t) * n
         self._abort_at = self._nflags
         self._meta_at = self._nflags + n
-        slots = self._meta_at + META_SLOTS
+        slots = self._meta_at + META_BANKS * META_SLOTS
         self._pb = PeerBuffers(slots * 8, group, _host_backend(), timeout_s=timeout_s)
         # Each rank's flag area as a flat int64 array (index = group rank).
         self._areas = [p.view(np.int64) for p in self._pb.views(np.uint8, slots * 8)]
@@ -229,7 +233,20 @@ class PeerSignals:
             if stamp > _load_acquire(self._areas[r], slot):  # stamps only grow
                 _store_release(self._areas[r], slot, stamp)
 
-    def set_meta(self, values) -> None:
+    def abort_stamp(self, rank: int) -> int:
+        """The epoch at which ``rank`` last gave up (0: never), read from this rank's own area,
+        where every peer stamps its aborts."""
+        self._check_open()
+        r = self._rank(rank, "rank")
+        return int(_load_acquire(self._areas[self.group.rank], self._abort_at + r))
+
+    def _meta_slice(self, bank) -> slice:
+        if bank not in range(META_BANKS) or isinstance(bank, bool):
+            raise ValueError(f"bank={bank!r} must be 0 or 1")
+        start = self._meta_at + int(bank) * META_SLOTS
+        return slice(start, start + META_SLOTS)
+
+    def set_meta(self, values, bank: int = 0) -> None:
         """Publish up to 8 ints in this rank's own area (visible to a peer after it sees a later flag)."""
         self._check_open()
         values = [int(v) for v in values]
@@ -237,13 +254,13 @@ class PeerSignals:
             raise ValueError(f"set_meta takes at most {META_SLOTS} values, got {len(values)}")
         # Plain stores: ordered before the next flag this rank raises by that flag's release store.
         padded = values + [0] * (META_SLOTS - len(values))
-        self._areas[self.group.rank][self._meta_at:self._meta_at + META_SLOTS] = padded
+        self._areas[self.group.rank][self._meta_slice(bank)] = padded
 
-    def meta(self, rank: int) -> tuple[int, ...]:
-        """The 8 ints ``rank`` last published (read after waiting for one of its flags)."""
+    def meta(self, rank: int, bank: int = 0) -> tuple[int, ...]:
+        """The 8 ints ``rank`` last published in ``bank`` (read after waiting for one of its flags)."""
         self._check_open()
         area = self._areas[self._rank(rank, "rank")]
-        return tuple(area[self._meta_at:self._meta_at + META_SLOTS].tolist())
+        return tuple(area[self._meta_slice(bank)].tolist())
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -269,4 +286,4 @@ class PeerSignals:
         return f"<PeerSignals {list(self.names)} on group {self.group.name!r} epoch={self.epoch}>"
 
 
-__all__ = ["PeerSignals", "DEFAULT_NAMES", "META_SLOTS"]
+__all__ = ["PeerSignals", "DEFAULT_NAMES", "META_SLOTS", "META_BANKS"]

@@ -30,88 +30,17 @@ from typing import Any
 
 import numpy as np
 
-HOST = "host"
-DEVICE = "device"
-
-
-def _looks_like_numba_cuda(obj) -> bool:
-    # A cheap test before importing numba.cuda: device arrays come from numba.cuda modules.
-    return type(obj).__module__.startswith("numba.cuda")
-
-
-def array_kind(name: str, arr) -> str:
-    """``"host"`` for a numpy array, ``"device"`` for a numba device array; TypeError otherwise."""
-    if isinstance(arr, np.ndarray):
-        return HOST
-    if _looks_like_numba_cuda(arr):
-        from vtnumba.backend.cuda import is_device_array
-
-        if is_device_array(arr):
-            return DEVICE
-    raise TypeError(f"{name} must be a numpy array (cpu) or a numba device array (cuda/cudasim), "
-                    f"got {type(arr).__module__}.{type(arr).__name__}")
-
-
-def common_kind(arrays: dict[str, Any]) -> str:
-    """The one kind shared by all non-None arrays in ``arrays`` (name -> array)."""
-    kinds = {name: array_kind(name, arr) for name, arr in arrays.items() if arr is not None}
-    if not kinds:
-        raise ValueError("no arrays given")
-    if len(set(kinds.values())) > 1:
-        hosts = [n for n, k in kinds.items() if k == HOST]
-        devs = [n for n, k in kinds.items() if k == DEVICE]
-        raise TypeError(f"arrays must all be numpy arrays or all device arrays; got numpy for "
-                        f"{', '.join(hosts)} and device arrays for {', '.join(devs)}")
-    return next(iter(kinds.values()))
-
-
-def is_c_contiguous(arr) -> bool:
-    flags = getattr(arr, "flags", None)
-    if flags is not None:
-        try:
-            return bool(flags["C_CONTIGUOUS"])
-        except (KeyError, TypeError):
-            pass
-    fn = getattr(arr, "is_c_contiguous", None)
-    return bool(fn()) if fn is not None else False
-
-
-def check_array(name: str, arr, *, ndim: int, dtypes: Iterable, shape: tuple | None = None,
-                contiguous: bool = True) -> None:
-    """Validate one array argument; ``shape`` entries of None are free."""
-    dtypes = tuple(np.dtype(d) for d in dtypes)
-    if getattr(arr, "ndim", None) != ndim:
-        raise ValueError(f"{name} must be a {ndim}-D array, got ndim={getattr(arr, 'ndim', None)} "
-                         f"(shape {getattr(arr, 'shape', None)})")
-    if np.dtype(arr.dtype) not in dtypes:
-        names = " or ".join(d.name for d in dtypes)
-        raise TypeError(f"{name} has dtype {np.dtype(arr.dtype).name}; expected {names}")
-    if shape is not None:
-        for axis, (got, want) in enumerate(zip(arr.shape, shape, strict=True)):
-            if want is not None and got != want:
-                raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected "
-                                 f"{tuple('?' if s is None else s for s in shape)} (axis {axis} is {got}, "
-                                 f"not {want})")
-    if contiguous and not is_c_contiguous(arr):
-        raise ValueError(f"{name} (shape {tuple(arr.shape)}) must be C-contiguous; pass a contiguous copy")
-
-
-def check_eps(eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)):
-        raise TypeError(f"eps={eps!r} must be a float")
-    eps = float(eps)
-    if not eps > 0 or not np.isfinite(eps):
-        raise ValueError(f"eps={eps} must be a positive finite float (it keeps rsqrt finite)")
-    return eps
-
-
-def empty(kind: str, shape: tuple, dtype) -> Any:
-    """A fresh uninitialised array of the given kind (used when the caller passes no ``out``)."""
-    if kind == HOST:
-        return np.empty(shape, dtype=dtype)
-    from numba import cuda
-
-    return cuda.device_array(shape, dtype=dtype)
+from vtnumba.backend.arrays import (  # noqa: F401  (re-exported: the kernels' shared vocabulary)
+    DEVICE,
+    HOST,
+    array_kind,
+    cdiv,
+    check_array,
+    check_eps,
+    common_kind,
+    empty,
+    is_c_contiguous,
+)
 
 
 def _resolve_backend(kind: str, queue, backend):
@@ -150,7 +79,8 @@ def run(kind: str, name: str, queue, backend, host_fn: Callable[[], None],
         return
     from numba import cuda
 
-    from vtnumba.backend.cuda import SIM_LAUNCH_LOCK, simulator_active
+    from vtnumba.backend.arrays import simulator_active
+    from vtnumba.backend.cuda import SIM_LAUNCH_LOCK
 
     if simulator_active():
         with SIM_LAUNCH_LOCK:
@@ -160,6 +90,3 @@ def run(kind: str, name: str, queue, backend, host_fn: Callable[[], None],
     launch_fn(stream)
     stream.synchronize()  # no queue means a synchronous call: the result is ready on return
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)

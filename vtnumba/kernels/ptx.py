@@ -37,9 +37,10 @@ import types
 
 
 def _cuda_modules():
+    from vtnumba.backend import cuda_flags
     from vtnumba.kernels import matmul_cuda, norm_cuda, peer_cuda
 
-    return [matmul_cuda, norm_cuda, peer_cuda]
+    return [matmul_cuda, norm_cuda, peer_cuda, cuda_flags]
 
 
 def kernel_signatures() -> list[tuple[str, object, str]]:
@@ -88,9 +89,11 @@ def _device_functions_for(cc):
 
 def compile_all(ccs=((8, 0), (9, 0))) -> list[dict]:
     """Compile every kernel signature for every cc; one result dict per (kernel, signature, cc)."""
-    from numba import config, cuda
+    from numba import cuda
 
-    if config.ENABLE_CUDASIM:
+    from vtnumba.backend.arrays import simulator_active
+
+    if simulator_active():
         raise RuntimeError("compile_all needs the real numba.cuda: run with NUMBA_ENABLE_CUDASIM=0")
     results = []
     for name, kernel, sig in kernel_signatures():

@@ -253,9 +253,9 @@ def install_numba_memory_manager(backend: Backend | None = None, *, limit_bytes:
     events (default: the registered default backend, at first allocation);
     ``segment_source`` supplies segments (default: ``cuMemAlloc``).  Returns the plugin class.
     """
-    from numba import config
+    from vtnumba.backend.arrays import simulator_active
 
-    if config.ENABLE_CUDASIM:
+    if simulator_active():
         raise RuntimeError("install_numba_memory_manager: numba's CUDA simulator has no external memory "
                            "manager (target 'cudasim'); it is for the 'cuda' target only")
     if backend is not None and not isinstance(backend, Backend):

@@ -1,0 +1,188 @@
+"""The Backend seam's newer parts: capabilities, arrays, flags in queue order, host functions, the CUDA stack check.
+
+``write_value32``/``wait_value32`` are what TPSP orders its chunks with (a GPU's stream memory
+operations); here they run on every host-side backend: synchronous and threaded cpu queues
+and numba's simulator.  The GPU implementation itself needs a GPU (``cuda`` marker).
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from vtnumba.backend import FLAG_MAX, Capabilities, CPUBackend
+from vtnumba.backend.cpu import flag_reached
+from vtnumba.backend.cuda_stack import check_cuda_stack, describe_cuda_stack
+from vtnumba.backend.polling import WaitTimeout
+
+
+@pytest.fixture(params=["cpu", "cpu-threaded", "device"])
+def backend(request, device_backend_factory):
+    if request.param == "device":
+        b = device_backend_factory()
+    else:
+        b = CPUBackend(threaded=request.param == "cpu-threaded")
+    yield b
+    b.close()
+
+
+def _flags(backend, n=4):
+    return backend.asarray(np.zeros(n, np.uint32))
+
+
+def test_capabilities_are_declared_as_data(backend):
+    caps = backend.capabilities
+    assert isinstance(caps, Capabilities)
+    assert caps.kernel_arrays in ("numpy", "device")
+    assert backend.supports_aux_stream() == caps.aux_stream
+    assert backend.supports_graph_capture() == caps.graph_capture
+    assert backend.unified_memory() == caps.unified_memory
+    if isinstance(backend, CPUBackend):
+        assert caps.host_addressable and not caps.simulator and caps.async_queues == backend.threaded
+
+
+def test_asarray_empty_to_host_round_trip(backend, rng):
+    host = rng.standard_normal((3, 5)).astype(np.float32)
+    dev = backend.asarray(host)
+    host[0, 0] = 99.0  # asarray copied: the original may change
+    got = backend.to_host(dev)
+    assert got.shape == (3, 5) and got[0, 0] != 99.0
+    e = backend.empty((2, 7), np.int32)
+    assert tuple(e.shape) == (2, 7) and np.dtype(e.dtype) == np.int32
+    with pytest.raises(TypeError, match="host must be a numpy array"):
+        backend.asarray([1, 2, 3])
+    with pytest.raises(ValueError, match="negative extent"):
+        backend.empty((2, -1))
+
+
+def test_write_then_wait_in_queue_order(backend):
+    flags = _flags(backend)
+    q = backend.create_queue("flags")
+    backend.write_value32(q, flags, 2, 7)
+    backend.wait_value32(q, flags, 2, 7, timeout_s=5)  # already there: passes
+    backend.wait_value32(q, flags, 2, 5, timeout_s=5)  # "at least": passes
+    backend.synchronize(q)
+    assert backend.to_host(flags).tolist() == [0, 0, 7, 0]
+    backend.destroy_queue(q)
+
+
+def test_a_wait_holds_back_later_work_until_the_flag_arrives(backend):
+    if not backend.capabilities.async_queues:
+        pytest.skip("only asynchronous queues can hold work back; synchronous ones wait inline")
+    flags = _flags(backend)
+    out = backend.asarray(np.zeros(1, np.uint32))
+    q = backend.create_queue("waiter")
+    backend.wait_value32(q, flags, 0, 1, timeout_s=10)
+    backend.write_value32(q, out, 0, 42)  # must not happen before flags[0] >= 1
+    time.sleep(0.2)
+    assert backend.to_host(out)[0] == 0, "work after the wait ran before the flag arrived"
+    side = backend.create_queue("signaller")
+    backend.write_value32(side, flags, 0, 1)
+    backend.synchronize(q)
+    assert backend.to_host(out)[0] == 42
+    backend.destroy_queue(side)
+    backend.destroy_queue(q)
+
+
+def test_a_wait_on_a_flag_that_never_comes_times_out_naming_the_word(backend):
+    flags = _flags(backend)
+    q = backend.create_queue("stuck")
+    t0 = time.perf_counter()
+    if backend.capabilities.async_queues:
+        backend.wait_value32(q, flags, 3, 9, timeout_s=0.2)
+        with pytest.raises(RuntimeError, match="flag word 3 to reach 9; it is 0"):
+            backend.synchronize(q)
+    else:
+        with pytest.raises(WaitTimeout, match="flag word 3 to reach 9; it is 0"):
+            backend.wait_value32(q, flags, 3, 9, timeout_s=0.2)
+    assert time.perf_counter() - t0 < 5
+    backend.destroy_queue(q)
+
+
+def test_flag_arguments_are_checked(backend):
+    flags = _flags(backend)
+    q = backend.create_queue("bad")
+    with pytest.raises(TypeError, match="1-D uint32"):
+        backend.write_value32(q, backend.asarray(np.zeros(4, np.int64)), 0, 1)
+    with pytest.raises(ValueError, match="index=4 is out of range"):
+        backend.write_value32(q, flags, 4, 1)
+    with pytest.raises(TypeError, match="index=True must be an int"):
+        backend.wait_value32(q, flags, True, 1)
+    with pytest.raises(ValueError, match="value=-1 is out of range"):
+        backend.write_value32(q, flags, 0, -1)
+    with pytest.raises(ValueError, match=f"value={FLAG_MAX + 1} is out of range"):
+        backend.write_value32(q, flags, 0, FLAG_MAX + 1)
+    with pytest.raises(ValueError, match="timeout_s=0.0 must be a positive"):
+        backend.wait_value32(q, flags, 0, 1, timeout_s=0)
+    backend.destroy_queue(q)
+
+
+def test_cyclic_comparison_is_cudas_geq():
+    assert flag_reached(5, 5) and flag_reached(6, 5) and not flag_reached(4, 5)
+    assert flag_reached(1 << 30, 12345)          # a released word passes every epoch wait
+    assert not flag_reached(0xFFFFFFFF, 5)       # cyclic: -1 is "before" 5
+    assert flag_reached(3, 0xFFFFFFFE)           # ... and 3 is "after" -2
+
+
+def test_host_function_errors_are_sticky_on_threaded_queues():
+    b = CPUBackend(threaded=True)
+    q = b.create_queue("hf")
+    ran = threading.Event()
+    b.launch_host_func(q, ran.set)
+    b.launch_host_func(q, lambda: 1 / 0)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        b.synchronize(q)
+    assert ran.is_set()
+    b.synchronize(q)  # the error was reported once
+    with pytest.raises(TypeError, match="fn must be callable"):
+        b.launch_host_func(q, 42)
+    b.destroy_queue(q)
+    b.close()
+
+
+def test_a_failed_queue_still_fires_its_events_and_reports_the_error():
+    b = CPUBackend(threaded=True)
+    q = b.create_queue("poisoned")
+    b.submit(q, lambda _s: 1 / 0, "boom")
+    ev = b.create_event()
+    b.record_event(ev, q)  # after the failure: still fires (nobody may wait forever on it)
+    b.synchronize_event(ev)
+    assert isinstance(b.queue_error(q), ZeroDivisionError)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        b.synchronize(q)
+    assert b.queue_error(q) is None
+    b.destroy_queue(q)
+    b.close()
+
+
+def test_cuda_stack_description_names_the_implementation():
+    info = describe_cuda_stack()
+    assert info["implementation"] == "numba-cuda", info
+    assert info["ok"] and info["cuda_bindings"] and "numba_cuda" in info["numba_cuda_file"]
+    assert check_cuda_stack(info) is info
+
+
+def test_the_deprecated_numba_cuda_is_refused_with_how_to_fix_it():
+    wrong = dict(describe_cuda_stack(), implementation="numba (deprecated built-in)", ok=False,
+                 numba_cuda_file="/env/site-packages/numba/cuda/__init__.py")
+    wrong["problem"] = ("numba.cuda is numba's deprecated built-in CUDA target (/env/site-packages/numba/cuda/"
+                        "__init__.py), not numba-cuda's; install numba-cuda ...")
+    with pytest.raises(RuntimeError, match="needs numba-cuda: numba.cuda is numba's deprecated built-in"):
+        check_cuda_stack(wrong)
+
+
+def test_the_check_reports_the_real_problem_for_a_module_outside_numba_cuda(monkeypatch):
+    import importlib.util
+
+    import vtnumba.backend.cuda_stack as stack
+
+    class FakeSpec:
+        origin = "/somewhere/site-packages/numba/cuda/__init__.py"
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: FakeSpec())
+    info = stack.describe_cuda_stack()
+    assert info["implementation"] == "numba (deprecated built-in)" and not info["ok"]
+    assert "site.addsitedir" in info["problem"] and "/somewhere/site-packages/numba/cuda" in info["problem"]
+    with pytest.raises(RuntimeError, match="pip install 'numba-cuda"):
+        stack.check_cuda_stack()

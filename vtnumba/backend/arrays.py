@@ -1,0 +1,278 @@
+"""Arrays: the one place that knows what kinds of array exist, where they live, and how to check them.
+
+Three kinds of array flow through vtnumba, one per target:
+
+============ ======================================= ==================================
+kind         what it is                              can the host read it in place?
+============ ======================================= ==================================
+host         a numpy array (``cpu`` target)           yes
+simulated    numba's ``FakeCUDAArray`` (``cudasim``)  yes: it wraps a numpy array
+device       numba's ``DeviceNDArray`` (``cuda``)     no: GPU memory, copy it first
+============ ======================================= ==================================
+
+Kernels dispatch on the first two categories only -- :data:`HOST` (numpy: run the host
+reference) and :data:`DEVICE` (numba device arrays, real or simulated: launch the
+``@cuda.jit`` kernel); whether a device array is *host-addressable* (simulated) is a
+property of the backend that made it (:class:`vtnumba.backend.Capabilities`), not something
+the upper layers should probe.  This module is the only one that looks inside numba's
+simulator (its ``FakeCUDAArray`` keeps the numpy array in a private ``_ary`` attribute) or
+at ``__cuda_array_interface__``; everything else asks here.
+
+It also holds the argument checks every layer uses, so that "an int but not a bool", "a
+positive number of seconds" or "a C-contiguous 2-D float32 array" read -- and fail -- the
+same way everywhere, with messages that name the argument, the value and what was expected.
+
+Nothing here imports ``numba.cuda`` unless an array that came from it is actually seen: the
+``cpu`` target never pays for that import (nor is it locked out of choosing the simulator).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+HOST = "host"
+DEVICE = "device"
+
+
+# ---------------------------------------------------------------------------- small arithmetic
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints, without floats (rows per rank, blocks per grid)."""
+    return -(-int(a) // int(b))
+
+
+# ---------------------------------------------------------------------------- argument checks
+def is_int(value) -> bool:
+    """An integer in the everyday sense: ``int`` or a numpy integer, but not ``bool``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def check_int(name: str, value, *, min_value: int | None = None, max_value: int | None = None) -> int:
+    """``value`` as an int; TypeError for non-integers (bools and floats included), ValueError out of range."""
+    if not is_int(value):
+        raise TypeError(f"{name}={value!r} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if (min_value is not None and value < min_value) or (max_value is not None and value > max_value):
+        lo = "" if min_value is None else f"{min_value} <= "
+        hi = "" if max_value is None else f" <= {max_value}"
+        raise ValueError(f"{name}={value} is out of range; expected {lo}{name}{hi}")
+    return value
+
+
+def check_nbytes(name: str, value, *, allow_zero: bool = True) -> int:
+    """A byte count: a non-negative int (``bool`` and floats are refused)."""
+    if not is_int(value):
+        raise TypeError(f"{name}={value!r} must be an int number of bytes, got {type(value).__name__}")
+    value = int(value)
+    if value < 0 or (value == 0 and not allow_zero):
+        expected = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}={value} is not a valid size; expected {expected}")
+    return value
+
+
+def check_seconds(name: str, value) -> float:
+    """A timeout or duration: a positive, finite number of seconds."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r} must be a number of seconds, got {type(value).__name__}")
+    value = float(value)
+    if not (value > 0 and np.isfinite(value)):
+        raise ValueError(f"{name}={value!r} must be a positive, finite number of seconds")
+    return value
+
+
+def check_eps(eps) -> float:
+    """A norm's epsilon: a positive finite float (it keeps ``rsqrt`` finite)."""
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps={eps!r} must be a float")
+    eps = float(eps)
+    if not eps > 0 or not np.isfinite(eps):
+        raise ValueError(f"eps={eps} must be a positive finite float (it keeps rsqrt finite)")
+    return eps
+
+
+def check_shape(name: str, shape) -> tuple[int, ...]:
+    """A shape: an int or a sequence of non-negative ints (``-1`` and other negatives refused)."""
+    dims = (shape,) if is_int(shape) else shape
+    try:
+        dims = tuple(dims)
+    except TypeError:
+        raise TypeError(f"{name}={shape!r} must be an int or a sequence of ints") from None
+    for d in dims:
+        if not is_int(d):
+            raise TypeError(f"{name}={shape!r} must contain ints, got {type(d).__name__} {d!r}")
+        if d < 0:
+            raise ValueError(f"{name}={shape!r} has a negative extent {int(d)}; expected every extent >= 0")
+    return tuple(int(d) for d in dims)
+
+
+# ---------------------------------------------------------------------------- array kinds
+def _from_numba_cuda(obj) -> bool:
+    # A cheap test before importing numba.cuda: device arrays come from numba.cuda modules.
+    return type(obj).__module__.startswith("numba.cuda")
+
+
+def simulator_active() -> bool:
+    """Is ``numba.cuda`` numba's CUDA simulator in this process (``NUMBA_ENABLE_CUDASIM=1``)?
+
+    Read from numba's config -- which numba-cuda shares -- without importing ``numba.cuda``.
+    numba reads its environment once, at ``import numba``;
+    :func:`vtnumba.target.select_target` makes it read it again after setting the switch.
+    """
+    from numba.core import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def is_simulated_array(obj) -> bool:
+    """Is ``obj`` a simulator device array (host memory seen as device memory)?"""
+    # The module test comes first: on a GPU, checking a real device array must not import
+    # (let alone use) anything of the simulator.
+    if not type(obj).__module__.startswith("numba.cuda.simulator"):
+        return False
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    return isinstance(obj, FakeCUDAArray)
+
+
+def is_device_array(obj) -> bool:
+    """Is ``obj`` a numba device array (a real GPU's ``DeviceNDArray`` or a simulated one)?"""
+    if not _from_numba_cuda(obj):
+        return False
+    if is_simulated_array(obj):
+        return True
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    return isinstance(obj, DeviceNDArray)
+
+
+def array_kind(name: str, arr) -> str:
+    """:data:`HOST` for a numpy array, :data:`DEVICE` for a numba device array; TypeError otherwise."""
+    if isinstance(arr, np.ndarray):
+        return HOST
+    if is_device_array(arr):
+        return DEVICE
+    raise TypeError(f"{name} must be a numpy array (cpu) or a numba device array (cuda/cudasim), "
+                    f"got {type(arr).__module__}.{type(arr).__name__}")
+
+
+def common_kind(arrays: dict[str, Any]) -> str:
+    """The one kind shared by all non-None arrays in ``arrays`` (name -> array).
+
+    Mixing kinds is refused: a numpy array handed to a kernel would be *copied* in and back
+    by numba, which silently breaks peer buffers and queue ordering.
+    """
+    kinds = {name: array_kind(name, arr) for name, arr in arrays.items() if arr is not None}
+    if not kinds:
+        raise ValueError("no arrays given")
+    if len(set(kinds.values())) > 1:
+        hosts = [n for n, k in kinds.items() if k == HOST]
+        devs = [n for n, k in kinds.items() if k == DEVICE]
+        raise TypeError(f"arrays must all be numpy arrays or all device arrays; got numpy for "
+                        f"{', '.join(hosts)} and device arrays for {', '.join(devs)}")
+    return next(iter(kinds.values()))
+
+
+def host_view(arr) -> np.ndarray | None:
+    """The numpy array that *is* ``arr``'s memory (numpy itself, or a simulated array's host
+    memory), or None when the memory is on a GPU and the host cannot read it in place."""
+    if isinstance(arr, np.ndarray):
+        return arr
+    if is_simulated_array(arr):
+        return arr._ary
+    return None
+
+
+def to_host(arr) -> np.ndarray:
+    """A numpy array with ``arr``'s contents: a view where the host can read it in place
+    (numpy, simulator), else a device-to-host copy (real GPU, synchronous)."""
+    view = host_view(arr)
+    if view is not None:
+        return view
+    if is_device_array(arr):
+        return arr.copy_to_host()
+    raise TypeError(f"cannot read {type(arr).__module__}.{type(arr).__name__} on the host; expected a numpy "
+                    "or numba device array")
+
+
+def wrap_host_memory(host: np.ndarray):
+    """Simulator only: present host memory as a device array that kernels use *in place*.
+
+    numba's simulator copies plain numpy kernel arguments in and back after the launch,
+    which would hide a peer's concurrent writes and then clobber them; a ``FakeCUDAArray``
+    around the same memory is passed through without copying.
+    """
+    if not simulator_active():
+        raise RuntimeError("wrap_host_memory is for numba's CUDA simulator; on a GPU, host memory is not "
+                           "device memory (copy it, or register it)")
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    return FakeCUDAArray(host)
+
+
+def is_c_contiguous(arr) -> bool:
+    """C-contiguity for numpy and numba device arrays alike."""
+    flags = getattr(arr, "flags", None)
+    if flags is not None:
+        try:
+            return bool(flags["C_CONTIGUOUS"])
+        except (KeyError, TypeError):
+            pass
+    fn = getattr(arr, "is_c_contiguous", None)
+    return bool(fn()) if fn is not None else False
+
+
+def address_of(arr) -> int:
+    """The address of ``arr``'s first byte: a host address for numpy and simulated arrays,
+    a device address for GPU arrays.  ``arr`` must be C-contiguous (copies and views by
+    address treat it as one flat byte range)."""
+    view = host_view(arr)
+    if view is not None:
+        if not view.flags["C_CONTIGUOUS"]:
+            raise ValueError("array must be C-contiguous to be used by address")
+        return int(view.ctypes.data)
+    cai = getattr(arr, "__cuda_array_interface__", None)
+    if cai is not None:
+        if not is_c_contiguous(arr):
+            raise ValueError("device array must be C-contiguous to be used by address")
+        return int(cai["data"][0])
+    raise TypeError(f"cannot take the address of {type(arr).__name__}; expected a numpy array or a numba "
+                    "device array")
+
+
+def empty(kind: str, shape, dtype) -> Any:
+    """A fresh uninitialised array of ``kind`` (used when a caller passes no ``out``)."""
+    if kind == HOST:
+        return np.empty(shape, dtype=dtype)
+    from numba import cuda
+
+    return cuda.device_array(shape, dtype=dtype)
+
+
+def check_array(name: str, arr, *, ndim: int, dtypes: Iterable, shape: tuple | None = None,
+                contiguous: bool = True) -> None:
+    """Validate one array argument; ``shape`` entries of None are free."""
+    dtypes = tuple(np.dtype(d) for d in dtypes)
+    if getattr(arr, "ndim", None) != ndim:
+        raise ValueError(f"{name} must be a {ndim}-D array, got ndim={getattr(arr, 'ndim', None)} "
+                         f"(shape {getattr(arr, 'shape', None)})")
+    if np.dtype(arr.dtype) not in dtypes:
+        names = " or ".join(d.name for d in dtypes)
+        raise TypeError(f"{name} has dtype {np.dtype(arr.dtype).name}; expected {names}")
+    if shape is not None:
+        for axis, (got, want) in enumerate(zip(arr.shape, shape, strict=True)):
+            if want is not None and got != want:
+                raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected "
+                                 f"{tuple('?' if s is None else s for s in shape)} (axis {axis} is {got}, "
+                                 f"not {want})")
+    if contiguous and not is_c_contiguous(arr):
+        raise ValueError(f"{name} (shape {tuple(arr.shape)}) must be C-contiguous; pass a contiguous copy")
+
+
+__all__ = [
+    "HOST", "DEVICE", "cdiv", "is_int", "check_int", "check_nbytes", "check_seconds", "check_eps", "check_shape",
+    "simulator_active", "is_simulated_array", "is_device_array", "array_kind", "common_kind", "host_view",
+    "to_host", "wrap_host_memory", "is_c_contiguous", "address_of", "empty", "check_array",
+]

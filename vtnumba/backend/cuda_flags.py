@@ -1,0 +1,68 @@
+"""Flag kernels: ``write_value32`` / ``wait_value32`` written as one-thread CUDA kernels.
+
+On a GPU, :meth:`~vtnumba.backend.Backend.write_value32` and
+:meth:`~vtnumba.backend.Backend.wait_value32` are *stream memory operations*
+(``cuStreamWriteValue32`` / ``cuStreamWaitValue32``): the stream's front end stores or
+polls a 32-bit word itself, no kernel and no host thread involved.  Where a driver or device
+refuses them (``CUDA_ERROR_NOT_SUPPORTED``), these two kernels do the same job, and they
+are also the readable definition of what the memory operations do:
+
+* :func:`write_flag_kernel` -- ``threadfence_system()`` (every earlier write of the stream,
+  which has finished because a kernel only starts after its predecessors on the stream,
+  becomes visible to every device and process first), then store the value;
+* :func:`wait_flag_kernel` -- poll the word until it reaches the value, in CUDA's cyclic
+  ``>=``, then fence so later reads of the stream are not satisfied early.
+
+Each word has exactly one writer, so both are plain loads and stores -- no read-modify-write.
+That matters twice: an atomic used only to *read* (``atomic.max(f, i, 0)``) writes the old
+value back, which in numba's simulator (whose atomics are Python code under a per-process
+lock) can overwrite a peer's store that landed in between, losing the flag; and a plain load
+alone in a loop is hoisted out of it by the compiler -- the ``threadfence()`` in the loop
+body is what makes the load happen again every iteration (verified in the PTX).
+
+A waiting kernel occupies one thread of one SM until the flag arrives, and cannot time out:
+the host that synchronizes its stream watches for peers that fail
+(:mod:`vtnumba.dist.queue_flags`).  Host twins: :func:`vtnumba.backend.atomics.store_release`
+and :func:`vtnumba.backend.cpu.wait_flag_word`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, int64
+
+
+@cuda.jit
+def write_flag_kernel(flags, index, value):
+    """``flags[index] = value`` after a system-wide fence."""
+    if cuda.grid(1) == 0:
+        cuda.threadfence_system()
+        flags[index] = value
+
+
+@cuda.jit
+def wait_flag_kernel(flags, index, value):
+    """Return once ``(int32)(flags[index] - value) >= 0``; one thread polls."""
+    if cuda.grid(1) == 0:
+        while True:
+            seen = flags[index]
+            if ((int64(seen) - int64(value)) & 0xFFFFFFFF) < 0x80000000:  # cyclic >= of 32-bit words
+                break
+            cuda.threadfence()  # forces the load above to be repeated (and orders the polls)
+        cuda.threadfence_system()
+
+
+def launch_write_flag(flags, index: int, value: int, stream) -> None:
+    write_flag_kernel[1, 1, stream](flags, np.int64(index), np.uint32(value))
+
+
+def launch_wait_flag(flags, index: int, value: int, stream) -> None:
+    wait_flag_kernel[1, 1, stream](flags, np.int64(index), np.uint32(value))
+
+
+PTX_SIGNATURES = [
+    ("write_flag", write_flag_kernel, "void(uint32[::1], int64, uint32)"),
+    ("wait_flag", wait_flag_kernel, "void(uint32[::1], int64, uint32)"),
+]
+
+__all__ = ["write_flag_kernel", "wait_flag_kernel", "launch_write_flag", "launch_wait_flag", "PTX_SIGNATURES"]
