@@ -246,7 +246,7 @@ def test_bad_arguments_on_one_rank_fail_fast_everywhere(backend, group):
 @pytest.mark.parametrize("threaded", [False, True])
 def test_a_failing_matmul_on_one_rank_fails_fast_everywhere(group, monkeypatch, threaded):
     """An error inside the compute step (here injected on rank 0) must not leave peers waiting."""
-    import vtnumba.tpsp.pipeline as pipeline
+    import vtnumba.tpsp.host as pipeline  # the host chunk strategy's matmul
 
     real = pipeline.linear_rows_to
 

@@ -8,8 +8,9 @@ Reading order (each module is one concept):
 * :mod:`~vtnumba.dist.shm`          -- POSIX shared-memory segments (cpu / cudasim peer memory);
 * :mod:`~vtnumba.dist.cuda_ipc`     -- CUDA IPC handles as raw bytes (real-GPU peer memory);
 * :mod:`~vtnumba.dist.peer_buffers` -- ``PeerBuffers``: symmetric memory over either transport;
-* :mod:`~vtnumba.dist._atomics`     -- acquire/release loads and stores for cross-process flags;
-* :mod:`~vtnumba.dist.signals`      -- ``PeerSignals``: epoch flags with timeouts;
+* :mod:`~vtnumba.dist.signals`      -- ``PeerSignals``: host-side epoch flags with timeouts;
+* :mod:`~vtnumba.dist.queue_flags`  -- ``QueueFlags``: epoch flags raised and awaited by queues
+  (GPU streams: stream memory operations), with a guarded finish;
 * :mod:`~vtnumba.dist.collectives`  -- reduce-scatter / all-gather over peer buffers, and the
   MPI baselines they are measured against.
 """
@@ -29,6 +30,7 @@ from vtnumba.dist.groups import (
 )
 from vtnumba.dist.peer_buffers import PeerAccessError, PeerBuffers
 from vtnumba.dist.shm import ShmSegment, list_segments
+from vtnumba.dist.queue_flags import RELEASED, QueueFlags, QueueFlagsError
 from vtnumba.dist.signals import DEFAULT_NAMES, PeerSignals
 
 __all__ = [
@@ -36,6 +38,6 @@ __all__ = [
     "new_group", "get_group", "get_tp_group", "get_world_group",
     "DEFAULT_TIMEOUT_S", "all_ranks_ready", "barrier", "allgather_bytes", "agree_errors",
     "PeerBuffers", "PeerAccessError", "ShmSegment", "list_segments",
-    "PeerSignals", "DEFAULT_NAMES",
+    "PeerSignals", "DEFAULT_NAMES", "QueueFlags", "QueueFlagsError", "RELEASED",
     "reduce_scatter", "all_gather", "mpi_reduce_scatter", "mpi_all_gather",
 ]

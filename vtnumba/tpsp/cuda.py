@@ -17,10 +17,11 @@ Seed: ``vllm/platforms/tpsp_cuda.py``.  The pipeline is :mod:`vtnumba.tpsp.pipel
 row, so it is launched in batches of at most ``sm_count_target`` rows, and at most that
 many SMs are busy with the exchange at any time.
 
-The flags stay on the host (:class:`vtnumba.dist.PeerSignals`): a stream callback raises
-``inbox_ready`` when the matmul has finished, and the host thread synchronizes the
-exchange stream before raising the other flags.  Correct on every target, and a kernel
-can never spin forever on a flag.
+The flags are raised and awaited *by the streams* (:class:`vtnumba.dist.QueueFlags`:
+``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` on flag words in the IPC workspace), so
+between two chunks no host thread is involved: the host queues every step of the call,
+then waits for the streams with a deadline that also watches for peers that fail.  In the
+simulator, launches and waits run synchronously on the host, in the same order.
 """
 
 from __future__ import annotations
@@ -29,8 +30,43 @@ import numpy as np
 
 from vtnumba.backend.device import Device, DeviceType
 from vtnumba.dist import DEFAULT_TIMEOUT_S
+from vtnumba.kernels import linear_rows_to
 from vtnumba.tpsp.config import TPSPConfig
 from vtnumba.tpsp.peer_backend import PeerTPSPBackend
+from vtnumba.tpsp.pipeline import ChunkStrategy
+
+
+class DeviceChunkStrategy(ChunkStrategy):
+    """A chunk's partial sums on the GPU: the matmul kernel's epilogue writes each destination.
+
+    ``linear_rows_to`` launches one matmul per destination over that destination's row range,
+    writing straight into the destination's inbox slot (push: a peer's IPC-mapped memory) or
+    this rank's outbox (pull); with one chunk and push, a single queue operation covers all
+    destinations.  Reduce launches are cut to ``sm_count_target`` rows (one block per row).
+    """
+
+    def reduce_rows_per_launch(self, call) -> int | None:
+        return call.sm_limit
+
+    def begin(self, pipe) -> None:
+        # The queues are non-blocking streams: order the compute queue after work the caller
+        # queued on the default stream (which produced x, say) before reading any input.
+        order = getattr(pipe.backend, "order_after_default_stream", None)
+        if order is not None:
+            order(pipe.compute_q)
+
+    def compute(self, pipe, i: int, s: int) -> None:
+        call, tp, me, R, H, q = pipe.call, pipe.tp, pipe.me, pipe.R, pipe.H, pipe.compute_q
+        x, w = call.x, call.w
+        if pipe.n == 1 and pipe.push:  # one queue op, one launch per destination's inbox
+            linear_rows_to(x, w, None, [pipe.partial_slot(me, d, s) for d in range(tp)], R, queue=q)
+        elif pipe.n == 1:  # pull, one chunk: my outbox xfer[me][s] *is* [tp*R, H] in token order
+            linear_rows_to(x, w, None, [pipe.xfer[me][s].reshape(tp * R, H)], tp * R, queue=q)
+        else:
+            r0, rows = pipe.chunk_rows(i)
+            for d in range(tp):
+                t0, v = pipe.valid_rows(d, r0, rows)
+                linear_rows_to(x[t0:t0 + v], w, None, [pipe.partial_slot(me, d, s)[:rows]], rows, queue=q)
 
 
 class CudaTPSPBackend(PeerTPSPBackend):
@@ -78,6 +114,9 @@ class CudaTPSPBackend(PeerTPSPBackend):
         from numba import cuda
 
         return cuda.device_array(shape, dtype=np.float32)
+
+    def chunk_strategy(self, handle) -> DeviceChunkStrategy:
+        return DeviceChunkStrategy()
 
     def default_config(self, handle) -> TPSPConfig:
         # Overlap needs several chunks; 4 steps of at least one granule each is a sane start.

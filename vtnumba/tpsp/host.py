@@ -1,6 +1,7 @@
 """``HostTPSPBackend``: TPSP on the ``cpu`` target -- numpy BLAS, njit kernels, POSIX shared memory.
 
-The same pipeline as on a GPU (:mod:`vtnumba.tpsp.pipeline`), with host parts:
+The same chunk pipeline as on a GPU (:mod:`vtnumba.tpsp.pipeline`), with host parts (the
+:class:`HostChunkStrategy`):
 
 * the projection is numpy's BLAS (``np.matmul(..., out=...)`` inside
   :func:`vtnumba.kernels.linear_rows_to`): *one* call for all ``T`` rows;
@@ -50,7 +51,60 @@ import numpy as np
 
 from vtnumba.backend import CPU, CPUBackend
 from vtnumba.dist import DEFAULT_TIMEOUT_S
+from vtnumba.kernels import gather_rows, linear_rows_to
 from vtnumba.tpsp.peer_backend import PeerTPSPBackend
+from vtnumba.tpsp.pipeline import ChunkStrategy
+
+
+class HostChunkStrategy(ChunkStrategy):
+    """A chunk's partial sums on the host: as few BLAS calls as possible, in one queue operation.
+
+    Pull mode: the matmul writes this rank's own outbox (with one chunk, the outbox *is* a
+    contiguous ``[tp*R, H]`` array in token order: one BLAS call for every row).  Push mode:
+    the matmul writes private ``scratch`` (two slot sets ``[2][tp][c][H]``) and then the
+    host's "epilogue" copies each peer's rows into that peer's inbox; this rank's own rows
+    stay in the scratch, where the reduce reads them (:meth:`own_partial`).
+    """
+
+    def __init__(self, scratch):
+        self.scratch = scratch
+
+    def _scratch(self, pipe):
+        return self.scratch[:2 * pipe.tp * pipe.c * pipe.H].reshape(2, pipe.tp, pipe.c, pipe.H)
+
+    def compute(self, pipe, i: int, s: int) -> None:
+        call, tp, me, R, H = pipe.call, pipe.tp, pipe.me, pipe.R, pipe.H
+        x, w = call.x, call.w
+        r0, rows = pipe.chunk_rows(i)
+        sc = None if self.scratch is None else self._scratch(pipe)
+        targets = range(tp)
+
+        def body(_stream) -> None:
+            # One queue operation: inline on a synchronous queue, on the worker thread of a
+            # threaded one; the kernels below therefore run directly (no queue of their own).
+            if sc is None:  # pull: straight into my outbox
+                if pipe.n == 1:
+                    linear_rows_to(x, w, None, [pipe.xfer[me][s].reshape(tp * R, H)], tp * R)
+                    return
+                for d in targets:
+                    t0, v = pipe.valid_rows(d, r0, rows)
+                    linear_rows_to(x[t0:t0 + v], w, None, [pipe.xfer[me][s, d][:rows]], rows)
+                return
+            if pipe.n == 1:  # push: sc[s] *is* [tp*R, H] in token order: every row in one call
+                linear_rows_to(x, w, None, [sc[s].reshape(tp * R, H)], tp * R)
+            else:
+                for d in targets:
+                    t0, v = pipe.valid_rows(d, r0, rows)
+                    linear_rows_to(x[t0:t0 + v], w, None, [sc[s, d][:rows]], rows)
+            for d in pipe.peers:  # each peer's rows into its inbox; mine stay in the scratch
+                gather_rows(sc[s, d][:rows], [pipe.partial_slot(me, d, s)[:rows]], 0)
+
+        pipe.backend.submit(pipe.compute_q, body, name="tpsp compute", chunk=pipe.base + i)
+
+    def own_partial(self, pipe, s: int, rows: int):
+        if self.scratch is None:
+            return super().own_partial(pipe, s, rows)
+        return self._scratch(pipe)[s, pipe.me][:rows]
 
 
 class HostTPSPBackend(PeerTPSPBackend):
@@ -82,6 +136,9 @@ class HostTPSPBackend(PeerTPSPBackend):
 
     def _empty(self, shape):
         return np.empty(shape, dtype=np.float32)
+
+    def chunk_strategy(self, handle) -> HostChunkStrategy:
+        return HostChunkStrategy(handle.scratch)
 
     def _make_scratch(self, elements: int):
         if self.exchange != "push":

@@ -31,10 +31,9 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.dist import DEFAULT_TIMEOUT_S, agree_errors, all_ranks_ready, get_group
-from vtnumba.tpsp._args import check_call
 from vtnumba.tpsp.backend import TPSPBackend
 from vtnumba.tpsp.config import TPSPConfig
-from vtnumba.tpsp.pipeline import run_fused
+from vtnumba.tpsp.pipeline import ChunkPipeline, ChunkStrategy, TPSPCall
 from vtnumba.tpsp.workspace import EXCHANGE_MODES, TPSPWorkspace
 
 _LOG = logging.getLogger("vtnumba.tpsp")
@@ -63,7 +62,7 @@ class TPSPHandle:
         self.max_batched_tokens = max_batched_tokens
         self.max_chunk_rows = max_chunk_rows
         self.workspace = workspace
-        self.scratch = None  # private partial-sum memory (host backend), see pipeline.run_fused
+        self.scratch = None  # private partial-sum memory (host push mode), see tpsp.host
         self.compute_queue = compute_queue
         self.exchange_queue = exchange_queue
         self.config = config
@@ -125,6 +124,10 @@ class PeerTPSPBackend(TPSPBackend):
     def _make_scratch(self, elements: int):
         """Private memory the matmul writes instead of the exchange slots (None: write the slots)."""
         return None
+
+    @abc.abstractmethod
+    def chunk_strategy(self, handle: TPSPHandle) -> ChunkStrategy:
+        """How this target computes a chunk's partial sums (see :mod:`vtnumba.tpsp.pipeline`)."""
 
     def _check_sm_count(self, sm_count_target: int) -> None:
         raise ValueError(f"sm_count_target={sm_count_target} applies to GPUs only; {type(self).__name__} has no SMs "
@@ -276,33 +279,26 @@ class PeerTPSPBackend(TPSPBackend):
         ws = h.workspace
         try:
             cfg = self._resolve_config(h, config)
-            shape, eps = check_call(x, w, bias, residual, norm_weight, eps, norm_bias, norm, h.tp,
-                                    hidden_size=h.hidden_size, max_tokens=h.max_batched_tokens, out=out,
-                                    new_residual=new_residual)
-            rows = min(cfg.chunk_tokens_per_rank, shape.R)  # a chunk beyond the shard is the whole shard
-            if rows > h.max_chunk_rows:
-                raise ValueError(f"a microchunk of {rows} rows per rank (chunk_tokens_per_rank="
-                                 f"{cfg.chunk_tokens_per_rank}, R={shape.R}) exceeds the P2P workspace capacity of "
-                                 f"{h.max_chunk_rows} rows per rank")
             self._check_array_kind({"x": x, "w": w, "bias": bias, "residual": residual, "norm_weight": norm_weight,
                                     "norm_bias": norm_bias, "out": out, "new_residual": new_residual})
-            if out is None:
-                out = self._empty((shape.T, shape.H))
-            if new_residual is None:
-                new_residual = self._empty((shape.R, shape.H))
-            with trace.span("tpsp_matmul_rs_norm_ag", "tpsp", f"tpsp:{h.group.name}", T=shape.T, K=shape.K,
-                            H=shape.H, chunk=cfg.chunk_tokens_per_rank):
-                run_fused(ws, self.data_backend, h.compute_queue, h.exchange_queue, x, w, bias, residual,
-                          norm_weight, eps, norm_bias, shape.norm, cfg.chunk_tokens_per_rank, out, new_residual,
-                          sm_limit=cfg.sm_count_target, scratch=h.scratch)
+            call = TPSPCall.validate(x, w, bias, residual, norm_weight, eps, norm_bias, norm, tp=h.tp,
+                                     hidden_size=h.hidden_size, max_tokens=h.max_batched_tokens,
+                                     chunk=cfg.chunk_tokens_per_rank, max_chunk_rows=h.max_chunk_rows,
+                                     sm_limit=cfg.sm_count_target, out=out, new_residual=new_residual,
+                                     empty=self._empty)
+            with trace.span("tpsp_matmul_rs_norm_ag", "tpsp", f"tpsp:{h.group.name}", T=call.shape.T,
+                            K=call.shape.K, H=call.shape.H, chunk=call.chunk):
+                ChunkPipeline(ws, self.data_backend, h.compute_queue, h.exchange_queue, call,
+                              self.chunk_strategy(h)).run()
         except BaseException as exc:
-            # Peers may be waiting on this rank's flags: make them fail now, not after a timeout.
+            # Peers may be waiting on this rank (in the handshake, or in queued waits): make
+            # them fail now, not after a timeout, and leave no queue blocked on a flag.
             h.broken = f"{type(exc).__name__} on rank {h.rank}: {exc}"
             if not ws.closed:
-                ws.signals.abort()
+                ws.flags.fail((h.compute_queue, h.exchange_queue))
             raise
         h.calls += 1
-        return out, new_residual
+        return call.out, call.new_residual
 
     # ------------------------------------------------------------------ close
     def close(self, handle=None) -> None:

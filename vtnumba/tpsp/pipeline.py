@@ -1,208 +1,283 @@
-"""The fused op itself: matmul -> reduce-scatter -> bias + residual + norm -> all-gather, in microchunks.
+"""The fused op as a chunk pipeline: matmul -> reduce-scatter -> bias + residual + norm -> all-gather.
 
 Seed: ``tpsp_fused_matmul_reduce_scatter_norm_all_gather``.  With ``R = ceil(T / tp)`` rows
 per rank and microchunk ``c`` (``n = ceil(R / c)`` chunks), chunk ``i`` covers rows
 ``i*c .. i*c + c - 1`` of *every* rank's shard, so every rank has its share of work in
-every step.  One chunk goes through four steps (slot ``s = g % 2``, ``g`` the global chunk
-number; :mod:`vtnumba.tpsp.workspace` says which slot lives where in push/pull mode):
+every step.  Chunk ``i`` is global chunk ``g`` (chunks are numbered across calls, so no
+flag is ever reset) and uses slot set ``s = g % 2`` of the workspace
+(:mod:`vtnumba.tpsp.workspace` says which slot lives where in push and pull mode).
 
-1. **compute** (compute queue): ``x[rows of shard d] @ W.T`` for every destination ``d``,
-   and each destination's rows land in the exchange slot for ``(me, d)``.  On a GPU the
-   matmul's epilogue writes them there directly (push); on the host in pull mode one BLAS
-   call writes the rank's contiguous outbox.  Host push mode computes into private
-   *scratch* memory with one BLAS call and then copies the peers' rows out (own rows stay
-   put: the reduce reads them from the scratch).  A host function queued right behind
-   raises ``inbox_ready = g + 1`` on every rank: the flag goes up the moment the data is
-   complete, whatever the host thread is doing (on a GPU that is a stream callback).
-2. **reduce + norm** (exchange queue), once ``inbox_ready >= g + 1`` from every rank:
-   ``z = sum of the tp partial blocks + bias + residual``; ``new_residual = z``;
-   ``normed = norm(z)`` -- one pass (:func:`vtnumba.kernels.peer_reduce_norm`), written
-   straight into this rank's rows of ``out`` when they are all real tokens -- and the
-   normalised rows published for the peers (push: copied into every peer's gather slot;
-   pull: copied once into this rank's own gather slot, which the peers read).  Then ``gather_ready = g + 1``.
-3. **collect**, once ``gather_ready >= g + 1`` from every rank: copy the other ranks'
-   normalised rows into ``out`` at their token rows; then ``consumed = g + 1``.
-4. **reuse**: before chunk ``g + 2`` writes the slots of chunk ``g``, its writer waits for
-   ``gather_ready >= g + 1`` (the reducers are done with the partial slots) and
-   ``consumed >= g + 1`` (the readers are done with the gather slots).
+**The steps** (each a method of :class:`ChunkPipeline`; "queue" = the handle's compute or
+exchange queue; every wait and signal is *queued*, so the queues order themselves across
+ranks, :class:`~vtnumba.dist.QueueFlags`)::
 
-Order on one rank: ``compute(0), compute(1), [exchange(0), compute(2)], [exchange(1),
-compute(3)], ...``.  On a queue that runs asynchronously (a CUDA stream; a threaded host
-queue) chunk i+1's matmul runs while the host thread exchanges chunk i; on a synchronous
-host queue the same order is simply executed in turn.
+    compute  (compute queue)   wait  gather_ready >= g-1 from every rank   # slot s is free again
+                               partials: x[rows of shard d] @ W.T -> the exchange slot (me, d)
+                               signal inbox_ready = g+1 to every rank
+    reduce   (exchange queue)  wait  inbox_ready >= g+1 from every rank   # all partials are in
+                               wait  consumed >= g-1 from every rank     # gather slot s was read
+                               z = sum of partials + bias + residual; new_residual = z;
+                               normed = norm(z) -> this rank's rows of out and the gather slots
+                               signal gather_ready = g+1 to every rank
+    collect  (exchange queue)  wait  gather_ready >= g+1 from every rank
+                               copy every peer's normalised rows into out
+                               signal consumed = g+1 to every rank
+
+**What each flag means, who waits, and why nothing can deadlock.**  ``inbox_ready = g+1``
+from rank k: k's partial rows of chunk g are in my inbox (or k's outbox).  ``gather_ready
+= g+1`` from k: k has reduced chunk g -- it no longer reads the partial slots of chunk g
+-- and published its normalised rows.  ``consumed = g+1`` from k: k has copied every
+rank's normalised rows of chunk g out of the gather slots.  The *reuse* rule follows:
+before chunk g+2 overwrites slot set s, its writer waits for ``gather_ready >= g+1`` (the
+partial slots are free) and ``consumed >= g+1`` (the gather slots are free) -- which is
+why there are two slot sets: chunk g+1 can be in flight meanwhile.  Every wait of step
+``(g, compute)`` is satisfied by steps of chunk ``g-2``, every wait of ``(g, reduce)`` by
+computes of chunk ``g`` and collects of ``g-2``, every wait of ``(g, collect)`` by reduces
+of chunk ``g``: the dependencies only point to earlier chunks or to the step before in
+the same chunk, and every rank queues the same steps in the same order, so by induction
+on ``g`` every wait is eventually satisfied -- on synchronous queues (where each step
+simply runs when queued), threaded host queues and GPU streams alike.
+
+**The host's part** is small: it checks every rank called with the same shapes, eps and
+norm (one handshake per call, on the host flags: :meth:`ChunkPipeline.agree`), queues the
+steps in the order ``compute(0), compute(1), [reduce(0), collect(0), compute(2)],
+[reduce(1), collect(1), compute(3)], ...`` -- chunk i+1's matmul queued before chunk i's
+exchange, so on asynchronous queues they overlap -- and then :meth:`ChunkPipeline.finish`
+waits for the queues with a deadline, failing fast (and releasing every queued wait) if a
+peer gave up.  On a GPU the host is never between two chunks: the flags are stream memory
+operations.
 
 Rows past ``T`` (``T % tp != 0``, ``T < tp``) are zero partials, so ``z = bias + residual``
-there (the residual shard's padding) and they are never copied into ``out``.  Every rank
-publishes ``(T, c, H)`` with its first flag; a rank that finds a peer with different
-values raises the same ValueError as every other rank (each compares all of them).
+there (the residual shard's padding) and they are never copied into ``out``.
+
+**What differs between host and GPU** is one object, the :class:`ChunkStrategy` the
+backend supplies: how a chunk's partial sums are computed and where they land
+(:mod:`vtnumba.tpsp.host`: one BLAS call into a contiguous outbox, or into private scratch
+plus a copy; :mod:`vtnumba.tpsp.cuda`: the matmul kernel's epilogue writes every
+destination's inbox), and how many rows one reduce launch may cover (the SM budget).
 """
 
 from __future__ import annotations
 
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
 from vtnumba import trace
-from vtnumba.kernels import gather_rows, linear_rows_to, peer_reduce_norm
+from vtnumba.backend.arrays import cdiv
+from vtnumba.backend.polling import WaitTimeout
+from vtnumba.dist.queue_flags import QueueFlagsError
+from vtnumba.kernels import gather_rows, peer_reduce_norm
+from vtnumba.tpsp._args import CallShape, check_call
 
 _META_TAG = 0x7B5B
+_NORM_CODES = {"rms": 1, "layer": 2}
 
 
 class TPSPShapeMismatch(ValueError):
-    """The ranks called the fused op with different shapes (raised on every rank alike)."""
+    """The ranks called the fused op with different arguments (raised on every rank alike)."""
 
 
-def run_fused(ws, backend, compute_q, exchange_q, x, w, bias, residual, norm_weight, eps, norm_bias, norm: str,
-              chunk: int, out, new_residual, *, sm_limit: int | None = None, scratch=None) -> None:
-    """One fused call on workspace ``ws`` (arguments validated, ``out``/``new_residual`` allocated).
+# ---------------------------------------------------------------------------- the call
+@dataclass(frozen=True)
+class TPSPCall:
+    """One fused call's arguments, validated once (``out``/``new_residual`` allocated)."""
 
-    ``scratch``: ``None`` (the matmul writes the exchange slots itself), or a flat float32
-    array of private memory, at least ``2 * tp * c * H`` elements, that the matmul writes
-    instead (host backend): two slot sets ``[2][tp][c][H]``, like the exchange slots.
+    x: object
+    w: object
+    bias: object
+    residual: object
+    norm_weight: object
+    eps: float
+    norm_bias: object
+    norm: str
+    out: object
+    new_residual: object
+    shape: CallShape
+    chunk: int            # rows of every rank's shard per step (c <= R)
+    sm_limit: int | None  # GPU: the most rows (= blocks = SMs) one reduce launch may cover
+
+    @classmethod
+    def validate(cls, x, w, bias, residual, norm_weight, eps, norm_bias, norm, *, tp: int, hidden_size: int,
+                 max_tokens: int, chunk: int, max_chunk_rows: int, sm_limit, out, new_residual, empty):
+        """Check every argument (one contract with the regular forward); ``empty(shape)`` makes outputs."""
+        shape, eps = check_call(x, w, bias, residual, norm_weight, eps, norm_bias, norm, tp,
+                                hidden_size=hidden_size, max_tokens=max_tokens, out=out, new_residual=new_residual)
+        rows = min(chunk, shape.R)  # a chunk beyond the shard is the whole shard
+        if rows > max_chunk_rows:
+            raise ValueError(f"a microchunk of {rows} rows per rank (chunk_tokens_per_rank={chunk}, R={shape.R}) "
+                             f"exceeds the P2P workspace capacity of {max_chunk_rows} rows per rank")
+        out = empty((shape.T, shape.H)) if out is None else out
+        new_residual = empty((shape.R, shape.H)) if new_residual is None else new_residual
+        return cls(x, w, bias, residual, norm_weight, eps, norm_bias, shape.norm, out, new_residual, shape, rows,
+                   sm_limit)
+
+    @property
+    def num_chunks(self) -> int:
+        return cdiv(self.shape.R, self.chunk)
+
+    def meta(self) -> tuple[int, ...]:
+        """What every rank must agree on: shapes, microchunk, norm type, eps (as its float64 bits)
+        and whether bias / norm bias are present (8 int64 for the host flags' meta slots)."""
+        eps_bits = struct.unpack("<q", struct.pack("<d", self.eps))[0]
+        flags = int(self.bias is not None) | (int(self.norm_bias is not None) << 1)
+        return (_META_TAG, self.shape.T, self.chunk, self.shape.H, _NORM_CODES[self.norm], eps_bits, flags, 0)
+
+
+def _describe_meta(m: tuple) -> str:
+    eps = struct.unpack("<d", struct.pack("<q", int(m[5])))[0]
+    norm = {v: k for k, v in _NORM_CODES.items()}.get(int(m[4]), "?")
+    return (f"T={m[1]} chunk={m[2]} H={m[3]} norm={norm} eps={eps:g} bias={'yes' if m[6] & 1 else 'no'} "
+            f"norm_bias={'yes' if m[6] & 2 else 'no'}")
+
+
+# ---------------------------------------------------------------------------- the host/GPU difference
+class ChunkStrategy:
+    """How a chunk's partial sums are computed and where they land (host vs GPU).
+
+    The pipeline calls :meth:`compute` on the compute queue between its wait and its
+    signal; :meth:`own_partial` says where the reduce finds this rank's own partial rows.
     """
-    sig = ws.signals
-    tp, me, H = ws.tp, ws.rank, ws.hidden_size
-    T = int(x.shape[0])
-    R = -(-T // tp)
-    c = min(chunk, R)
-    n = -(-R // c)
-    base = ws.chunks_done
-    ws.chunks_done += n
-    push = ws.exchange == "push"
-    xfer, gath = ws.views(c)
-    sc = None if scratch is None else scratch[:2 * tp * c * H].reshape(2, tp, c, H)
-    on_host = backend.device_type.value == "cpu"
-    everyone = range(tp)
-    peers = [k for k in everyone if k != me]
-    track = f"tpsp:{ws.group.name}"
 
-    def partial_slot(src: int, dst: int, s: int):
+    #: Most rows one reduce launch may cover (None: all): the GPU's SM budget, see TPSPConfig.
+    def reduce_rows_per_launch(self, call: TPSPCall) -> int | None:
+        return None
+
+    def begin(self, pipe: "ChunkPipeline") -> None:
+        """Order the compute queue after whatever produced the inputs (GPU); default: nothing."""
+
+    def compute(self, pipe: "ChunkPipeline", i: int, s: int) -> None:
+        raise NotImplementedError
+
+    def own_partial(self, pipe: "ChunkPipeline", s: int, rows: int):
+        return pipe.partial_slot(pipe.me, pipe.me, s)[:rows]
+
+
+# ---------------------------------------------------------------------------- the pipeline
+class ChunkPipeline:
+    """One fused call on a workspace: named steps queued on two queues (see the module docstring)."""
+
+    def __init__(self, ws, backend, compute_q, exchange_q, call: TPSPCall, strategy: ChunkStrategy):
+        self.ws, self.backend, self.call, self.strategy = ws, backend, call, strategy
+        self.compute_q, self.exchange_q = compute_q, exchange_q
+        self.flags = ws.flags
+        self.tp, self.me, self.H = ws.tp, ws.rank, ws.hidden_size
+        self.T, self.R, self.c = call.shape.T, call.shape.R, call.chunk
+        self.n = call.num_chunks
+        self.push = ws.exchange == "push"
+        self.xfer, self.gath = ws.views(self.c)
+        self.peers = [k for k in range(self.tp) if k != self.me]
+        self.base = 0  # the first global chunk number, fixed by agree()
+        self.track = f"tpsp:{ws.group.name}"
+
+    # -- where things are --------------------------------------------------------------
+    def partial_slot(self, src: int, dst: int, s: int):
         """Where rank ``src``'s partial rows for rank ``dst`` are exchanged."""
-        return xfer[dst][s, src] if push else xfer[src][s, dst]
+        return self.xfer[dst][s, src] if self.push else self.xfer[src][s, dst]
 
-    def gather_slot(owner: int, reader: int, s: int):
+    def gather_slot(self, owner: int, reader: int, s: int):
         """Where ``reader`` finds ``owner``'s normalised rows."""
-        return gath[reader][s, owner] if push else gath[owner][s]
+        return self.gath[reader][s, owner] if self.push else self.gath[owner][s]
 
-    def valid_rows(owner: int, r0: int, rows: int) -> tuple[int, int]:
+    def chunk_rows(self, i: int) -> tuple[int, int]:
+        """(first row, row count) of chunk ``i`` within every rank's shard."""
+        r0 = i * self.c
+        return r0, min(self.c, self.R - r0)
+
+    def valid_rows(self, owner: int, r0: int, rows: int) -> tuple[int, int]:
         """First token row and number of real (non-padding) rows of ``owner``'s chunk rows."""
-        t0 = owner * R + r0
-        return t0, max(0, min(rows, T - t0))
+        t0 = owner * self.R + r0
+        return t0, max(0, min(rows, self.T - t0))
 
-    def chunk_rows(i: int) -> tuple[int, int]:
-        r0 = i * c
-        return r0, min(c, R - r0)
-
-    def compute(i: int) -> None:
-        g = base + i
+    # -- the steps ------------------------------------------------------------------------
+    def compute(self, i: int) -> None:
+        g = self.base + i
         s = g % 2
-        r0, rows = chunk_rows(i)
-        # Slot s last held chunk g-2: every reducer must be done reading its partial blocks.
-        sig.wait("gather_ready", g - 1)
-        if not on_host:
-            # Device: the launches go into the compute stream; a stream callback raises the flag.
-            if n == 1 and push:  # one queue op, one launch per destination's inbox
-                linear_rows_to(x, w, None, [partial_slot(me, d, s) for d in everyone], R, queue=compute_q)
-            elif n == 1:  # pull, one chunk: my outbox xfer[me][s] *is* [tp*R, H] in token order
-                linear_rows_to(x, w, None, [xfer[me][s].reshape(tp * R, H)], tp * R, queue=compute_q)
-            else:
-                for d in everyone:
-                    t0, v = valid_rows(d, r0, rows)
-                    linear_rows_to(x[t0:t0 + v], w, None, [partial_slot(me, d, s)[:rows]], rows, queue=compute_q)
-            backend.launch_host_func(compute_q, lambda: sig.set_all("inbox_ready", g + 1, include_self=True),
-                                     name="signal inbox_ready")
-            return
+        # Slot set s last held chunk g-2: every reducer must be done reading its partial blocks.
+        self.flags.wait(self.compute_q, "gather_ready", g - 1)
+        self.strategy.compute(self, i, s)
+        self.flags.signal(self.compute_q, "inbox_ready", g + 1)
 
-        def body() -> None:
-            # Host: the whole step is one queue operation (inline on a synchronous queue, on the
-            # worker thread of a threaded one), so a failure can stamp an abort at once -- the
-            # ranks waiting for this chunk, this one included, fail fast instead of timing out.
-            try:
-                if sc is None:  # pull: straight into my outbox
-                    if n == 1:
-                        linear_rows_to(x, w, None, [xfer[me][s].reshape(tp * R, H)], tp * R)
-                    else:
-                        for d in everyone:
-                            t0, v = valid_rows(d, r0, rows)
-                            linear_rows_to(x[t0:t0 + v], w, None, [xfer[me][s, d][:rows]], rows)
-                else:  # push: one BLAS call into private scratch, then the epilogue copies
-                    if n == 1:  # sc[s] *is* [tp*R, H] in token order: every row in one call
-                        linear_rows_to(x, w, None, [sc[s].reshape(tp * R, H)], tp * R)
-                    else:
-                        for d in everyone:
-                            t0, v = valid_rows(d, r0, rows)
-                            linear_rows_to(x[t0:t0 + v], w, None, [sc[s, d][:rows]], rows)
-                    for d in peers:  # each peer's rows into its inbox; mine stay in the scratch
-                        gather_rows(sc[s, d][:rows], [partial_slot(me, d, s)[:rows]], 0)
-                sig.set_all("inbox_ready", g + 1, include_self=True)
-            except BaseException:
-                sig.abort()
-                raise
-
-        backend.submit(compute_q, lambda _stream: body(), name="tpsp compute", chunk=g)
-
-    def exchange(i: int) -> None:
-        g = base + i
+    def reduce(self, i: int) -> None:
+        call, q = self.call, self.exchange_q
+        g = self.base + i
         s = g % 2
-        r0, rows = chunk_rows(i)
-        with trace.span("wait inbox_ready", "peer", track, chunk=g):
-            sig.wait("inbox_ready", g + 1, source=everyone)
-        if i == 0:
-            _check_meta(sig, tp, (T, c, H))
-        # The gather slot s held chunk g-2: every reader must have copied it out.
-        sig.wait("consumed", g - 1)
-        sources = [sc[s, me][:rows] if (k == me and sc is not None) else partial_slot(k, me, s)[:rows]
-                   for k in everyone]
-        t0, v = valid_rows(me, r0, rows)
-        mine = gather_slot(me, me, s)[:rows]
-        normed = out[t0:t0 + rows] if v == rows else mine  # real tokens only: straight into out
-        res, new_res = residual[r0:r0 + rows], new_residual[r0:r0 + rows]
-        step = rows if not sm_limit else max(1, int(sm_limit))
-        # One block per row on a GPU: launching at most sm_limit rows at a time keeps the
-        # exchange on at most that many SMs, leaving the others to the next chunk's matmul.
+        r0, rows = self.chunk_rows(i)
+        self.flags.wait(q, "inbox_ready", g + 1)
+        # The gather slots of set s held chunk g-2: every reader must have copied them out.
+        self.flags.wait(q, "consumed", g - 1)
+        sources = [self.strategy.own_partial(self, s, rows) if k == self.me else self.partial_slot(k, self.me, s)[:rows]
+                   for k in range(self.tp)]
+        t0, v = self.valid_rows(self.me, r0, rows)
+        mine = self.gather_slot(self.me, self.me, s)[:rows]
+        normed = call.out[t0:t0 + rows] if v == rows else mine  # real tokens only: straight into out
+        res, new_res = call.residual[r0:r0 + rows], call.new_residual[r0:r0 + rows]
+        step = self.strategy.reduce_rows_per_launch(call) or rows
         for a in range(0, rows, step):
-            peer_reduce_norm(sources, bias, res, norm_weight, norm_bias, eps, normed, new_res, norm=norm,
-                             rows=(a, min(rows, a + step)), queue=exchange_q)
-        if push and peers:
-            gather_rows(normed, [gather_slot(me, d, s)[:rows] for d in peers], 0, queue=exchange_q)
+            peer_reduce_norm(sources, call.bias, res, call.norm_weight, call.norm_bias, call.eps, normed, new_res,
+                             norm=call.norm, rows=(a, min(rows, a + step)), queue=q)
+        if self.push and self.peers:
+            gather_rows(normed, [self.gather_slot(self.me, d, s)[:rows] for d in self.peers], 0, queue=q)
         elif normed is not mine:
-            gather_rows(normed, [mine], 0, queue=exchange_q)
+            gather_rows(normed, [mine], 0, queue=q)
         if normed is mine and v:
-            gather_rows(mine[:v], [out], t0, queue=exchange_q)
-        backend.synchronize(exchange_q)
-        sig.set_all("gather_ready", g + 1, include_self=True)
-        with trace.span("wait gather_ready", "peer", track, chunk=g):
-            sig.wait("gather_ready", g + 1, source=everyone)
-        for k in peers:
-            t0, v = valid_rows(k, r0, rows)
+            gather_rows(mine[:v], [call.out], t0, queue=q)
+        self.flags.signal(q, "gather_ready", g + 1)
+
+    def collect(self, i: int) -> None:
+        q = self.exchange_q
+        g = self.base + i
+        s = g % 2
+        r0, rows = self.chunk_rows(i)
+        self.flags.wait(q, "gather_ready", g + 1, sources=self.peers)
+        for k in self.peers:
+            t0, v = self.valid_rows(k, r0, rows)
             if v:
-                gather_rows(gather_slot(k, me, s)[:v], [out], t0, queue=exchange_q)
-        backend.synchronize(exchange_q)
-        sig.set_all("consumed", g + 1)
+                gather_rows(self.gather_slot(k, self.me, s)[:v], [self.call.out], t0, queue=q)
+        self.flags.signal(q, "consumed", g + 1)
 
-    sig.set_meta((_META_TAG, T, c, H))  # ordered before the first inbox_ready by its release store
-    try:
-        compute(0)
-        if n > 1:
-            compute(1)
-        for i in range(n):
-            exchange(i)
-            if i + 2 < n:
-                compute(i + 2)
-    except BaseException as exc:
-        # A matmul that failed on a queue's worker thread shows up here only as "this rank
-        # aborted"; report the failure itself (synchronize re-raises the queue's error).
-        try:
-            backend.synchronize(compute_q)
-        except Exception as queued:
-            raise queued from exc
-        raise
-    backend.synchronize(compute_q)  # sticky errors of the compute queue surface here
+    # -- the call -------------------------------------------------------------------------
+    def agree(self) -> None:
+        """Host handshake: every rank publishes the call's meta, then compares all of them.
+
+        A mismatch raises the same TPSPShapeMismatch on every rank *before* anything is
+        queued, so no queue waits for a peer that took another path.
+        """
+        mine = self.call.meta()
+        with trace.span("wait call handshake", "peer", self.track):
+            metas = self.flags.handshake(mine)
+        if any(m != mine for m in metas):
+            shown = "; ".join(f"rank {r}: {_describe_meta(m)}" for r, m in enumerate(metas))
+            raise TPSPShapeMismatch(
+                f"the ranks of group {self.ws.group.name!r} called the fused TPSP op with different shapes or "
+                f"arguments ({shown}); every rank must pass the same T, hidden size, norm type and eps (and use "
+                "the same config)")
+        self.base = self.ws.chunks_done
+        self.ws.chunks_done += self.n
+
+    def run(self) -> None:
+        with trace.span("tpsp pipeline", "tpsp", self.track, chunks=self.n):
+            self.agree()
+            queues = (self.compute_q, self.exchange_q)
+            try:
+                self.strategy.begin(self)
+                self.compute(0)
+                if self.n > 1:
+                    self.compute(1)
+                for i in range(self.n):
+                    self.reduce(i)
+                    self.collect(i)
+                    if i + 2 < self.n:
+                        self.compute(i + 2)
+            except WaitTimeout as exc:  # an inline (synchronous-queue) wait ran out of time
+                self.flags.fail(queues)
+                raise QueueFlagsError(f"rank {self.me} of group {self.ws.group.name!r}: {exc}; missing flags: "
+                                      f"{self.flags._missing()}") from exc
+            except BaseException:
+                self.flags.fail(queues)
+                raise
+            self.flags.finish(queues, what="the fused TPSP op")
 
 
-def _check_meta(sig, tp: int, mine: tuple) -> None:
-    metas = [sig.meta(r)[:4] for r in range(tp)]
-    if any(m[0] != _META_TAG or tuple(m[1:]) != mine for m in metas):
-        shown = "; ".join(f"rank {r}: T={m[1]} chunk={m[2]} H={m[3]}" for r, m in enumerate(metas))
-        raise TPSPShapeMismatch(f"the ranks called the fused TPSP op with different shapes ({shown}); every rank "
-                                "of the group must pass the same T and hidden size (and use the same config)")
-
-
-__all__ = ["run_fused", "TPSPShapeMismatch"]
+__all__ = ["TPSPCall", "ChunkStrategy", "ChunkPipeline", "TPSPShapeMismatch"]

@@ -26,8 +26,9 @@ Who writes a block and who reads it -- the ``exchange`` mode:
   writes the whole projection there in *one* call (:mod:`vtnumba.tpsp.host` has the
   measurements).
 
-The flags (a :class:`~vtnumba.dist.PeerSignals`, epoch counters that only grow) carry the
-global chunk number ``g + 1`` (chunks are numbered across calls, so nothing is reset):
+The flags (:class:`~vtnumba.dist.QueueFlags`: 32-bit epoch counters in peer memory of the
+same backend, raised and awaited *by the queues*) carry the global chunk number ``g + 1``
+(chunks are numbered across calls, so nothing is reset):
 
 * ``inbox_ready``  -- source has written its partial rows of chunk ``g``;
 * ``gather_ready`` -- owner has reduced chunk ``g`` (so it no longer reads those partial
@@ -40,7 +41,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtnumba.dist import DEFAULT_NAMES, PeerAccessError, PeerBuffers, PeerSignals
+from vtnumba.backend.arrays import host_view
+from vtnumba.dist import DEFAULT_NAMES, PeerAccessError, PeerBuffers, QueueFlags
 
 SLOTS = 2
 EXCHANGE_MODES = ("push", "pull")
@@ -50,10 +52,10 @@ _F32 = np.dtype(np.float32)
 class TPSPWorkspace:
     """Peer memory + flags for one handle (collective construction; see the module docstring)."""
 
-    def __init__(self, pb: PeerBuffers, signals: PeerSignals, hidden_size: int, max_chunk_rows: int,
+    def __init__(self, pb: PeerBuffers, flags: QueueFlags, hidden_size: int, max_chunk_rows: int,
                  exchange: str):
         self.pb = pb
-        self.signals = signals
+        self.flags = flags
         self.group = pb.group
         self.tp = pb.group.size
         self.rank = pb.group.rank
@@ -84,14 +86,19 @@ class TPSPWorkspace:
         # into our slots, and a late zero-fill would wipe its partial sums.
         cls._prefault(pb)
         try:
-            signals = PeerSignals(group, DEFAULT_NAMES, backend, timeout_s=timeout_s)
+            flags = QueueFlags(group, DEFAULT_NAMES, backend, timeout_s=timeout_s)
         except PeerAccessError:  # raised on every rank alike
             pb.close()
             return None
         except BaseException:
             pb.close()
             raise
-        return cls(pb, signals, hidden_size, max_chunk_rows, exchange)
+        return cls(pb, flags, hidden_size, max_chunk_rows, exchange)
+
+    @property
+    def signals(self):
+        """The host-side flags of this workspace (the per-call handshake and abort stamps)."""
+        return self.flags.host
 
     @staticmethod
     def _prefault(pb: PeerBuffers) -> None:
@@ -100,9 +107,8 @@ class TPSPWorkspace:
         tmpfs pages are allocated on first write; zeros also make a debugging dump readable.
         (Device memory on a real GPU has no such first-touch cost.)
         """
-        local = pb.local
-        host = local if isinstance(local, np.ndarray) else getattr(local, "_ary", None)
-        if isinstance(host, np.ndarray):
+        host = host_view(pb.local)
+        if host is not None:
             host.fill(0)
 
     def views(self, rows: int) -> tuple[list, list]:
@@ -132,7 +138,7 @@ class TPSPWorkspace:
         """Collective: release the flags and the peer memory (each synchronizes and barriers)."""
         self._views.clear()
         try:
-            self.signals.close()
+            self.flags.close()
         finally:
             self.pb.close()
 

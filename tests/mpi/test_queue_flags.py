@@ -1,0 +1,172 @@
+"""QueueFlags across ranks: flags raised and awaited *by queues*, and the guarded finish (mpiexec -n 2 / -n 3).
+
+These are the flags TPSP orders its chunks with; on a GPU they are stream memory operations.
+Here the queues are threaded cpu queues (really asynchronous: a queued wait holds back the
+work behind it) and numba's simulator; the last test runs the GPU fallback's flag *kernels*
+in the simulator, rank against rank.
+"""
+
+import time
+
+import numpy as np
+import pytest
+from mpi_helpers import COMM, collectively, group  # noqa: F401  (group is a fixture)
+
+from vtnumba.backend import CPUBackend
+from vtnumba.dist import RELEASED, PeerBuffers, QueueFlags, QueueFlagsError, list_segments
+
+NAMES = ("ready", "done")
+
+
+@pytest.fixture
+def threaded():
+    b = CPUBackend(threaded=True)
+    yield b
+    b.close()
+
+
+def test_a_ring_of_queued_waits_and_signals(group, threaded):
+    """Rank r's queue waits for rank r-1's flag, then does its work, then signals rank r+1."""
+    def body():
+        me, n = group.rank, group.size
+        flags = QueueFlags(group, NAMES, threaded, timeout_s=20)
+        q = threaded.create_queue("ring")
+        order = PeerBuffers(8 * n, group, CPUBackend(), timeout_s=20)
+        stamps = order.views(np.int64, (n,))[0]  # rank 0's buffer: one slot per rank
+        try:
+            if me > 0:
+                flags.wait(q, "ready", 1, sources=me - 1)
+            threaded.submit(q, lambda _s: stamps.__setitem__(me, time.monotonic_ns()), "work")
+            flags.signal(q, "ready", 1, targets=(me + 1) % n)
+            flags.signal(q, "done", 1)
+            flags.wait(q, "done", 1)  # every rank has done its work
+            flags.finish([q], what="the ring")
+            seen = stamps.copy()
+            assert np.all(np.diff(seen) > 0), f"work ran out of ring order: {seen}"
+        finally:
+            threaded.destroy_queue(q)
+            order.close()
+            flags.close()
+
+    collectively(body)
+
+
+def test_handshake_returns_every_ranks_meta(group, threaded):
+    def body():
+        flags = QueueFlags(group, NAMES, threaded, timeout_s=20)
+        try:
+            metas = flags.handshake((7, group.rank, 3))
+            assert [m[:3] for m in metas] == [(7, r, 3) for r in range(group.size)]
+            metas = flags.handshake((8, 0))
+            assert all(m[:2] == (8, 0) for m in metas)
+        finally:
+            flags.close()
+
+    collectively(body)
+
+
+def test_a_peer_that_fails_releases_everyone_and_everyone_raises(group, threaded):
+    """Rank 0 gives up without ever signalling; every other rank's queue was waiting for it."""
+    def body():
+        flags = QueueFlags(group, NAMES, threaded, timeout_s=30)
+        q = threaded.create_queue("victim")
+        try:
+            flags.handshake((1,))
+            t0 = time.perf_counter()
+            if group.rank == 0:
+                flags.fail([q])
+            else:
+                flags.wait(q, "ready", 1, sources=0)
+                with pytest.raises(QueueFlagsError, match=r"rank 0(, \d+)* aborted during the exchange"):
+                    flags.finish([q])
+                assert time.perf_counter() - t0 < 10, "the failure was noticed by timeout, not by the abort"
+            # Every word a queue of this rank could wait on is released: nothing stays blocked.
+            own = flags.received()
+            if group.rank == 0:
+                assert all(v == RELEASED for v in own.values())
+        finally:
+            threaded.destroy_queue(q)
+            flags.close()
+
+    collectively(body)
+
+
+def test_a_peer_that_never_signals_is_named_after_the_deadline(group, threaded):
+    def body():
+        flags = QueueFlags(group, NAMES, threaded, timeout_s=0.5)
+        q = threaded.create_queue("stuck")
+        try:
+            flags.handshake((1,))
+            last = group.size - 1
+            if group.rank != last:
+                flags.wait(q, "done", 3, sources=last)  # the last rank never raises it
+                with pytest.raises(QueueFlagsError, match=rf"'done' from rank {last}: 0 \(waited for 3\)"):
+                    flags.finish([q])
+        finally:
+            threaded.destroy_queue(q)
+            COMM.Barrier()  # the last rank may not close (collective) before the others gave up
+            flags.close()
+
+    collectively(body)
+
+
+def test_bad_arguments_are_named(group, threaded):
+    def body():
+        flags = QueueFlags(group, NAMES, threaded, timeout_s=20)
+        q = threaded.create_queue("bad")
+        try:
+            with pytest.raises(ValueError, match="unknown flag name='nope'"):
+                flags.signal(q, "nope", 1)
+            with pytest.raises(ValueError, match="targets=99 must be group ranks"):
+                flags.signal(q, "ready", 1, targets=99)
+            with pytest.raises(ValueError, match=f"must be an epoch in 0..{RELEASED - 1}"):
+                flags.signal(q, "ready", RELEASED)
+        finally:
+            threaded.destroy_queue(q)
+            flags.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            flags.signal(q, "ready", 1)
+
+    collectively(body)
+    with pytest.raises(ValueError, match="contains duplicates"):
+        QueueFlags(group, ("a", "a"), CPUBackend(), timeout_s=20)
+
+
+def test_nothing_left_in_dev_shm(group):
+    def body():
+        before = set(list_segments())
+        flags = QueueFlags(group, NAMES, CPUBackend(), timeout_s=20)
+        flags.close()
+        assert set(list_segments()) <= before
+
+    collectively(body)
+
+
+@pytest.mark.simulator_only
+def test_the_flag_kernels_order_two_simulated_ranks(group):
+    """The GPU fallback (one-thread flag kernels), run rank against rank in numba's simulator:
+    the last rank's wait kernel spins until rank 0's write kernel, launched later, arrives."""
+    from numba import cuda
+
+    from vtnumba.backend.cuda import CUDABackend
+    from vtnumba.backend.cuda_flags import launch_wait_flag, launch_write_flag
+
+    def body():
+        pb = PeerBuffers(4 * group.size, group, CUDABackend(), timeout_s=20)
+        try:
+            words = pb.views(np.uint32, (group.size,))
+            last = group.size - 1
+            COMM.Barrier()
+            if group.rank == 0:
+                time.sleep(0.3)  # let the waiter start spinning first
+                launch_write_flag(words[last], 0, 5, cuda.default_stream())
+            elif group.rank == last:
+                t0 = time.perf_counter()
+                launch_wait_flag(words[last], 0, 5, cuda.default_stream())
+                assert time.perf_counter() - t0 > 0.1, "the wait kernel returned before the flag was written"
+                assert int(words[last][0]) == 5
+            COMM.Barrier()
+        finally:
+            pb.close()
+
+    collectively(body)
