@@ -1,12 +1,14 @@
-"""batched_copy: many (src, dst, nbytes) descriptors in one queued call, vs. its host reference."""
+"""The copy engine's batched_copy: many (src, dst, nbytes) descriptors in one queued call, vs. its host
+reference -- and the address check that turns a bad pointer into an error instead of a crash."""
 
 import threading
 
 import numpy as np
 import pytest
 
+from vtnumba.backend.address_ranges import LIVE, registered
 from vtnumba.backend.cpu import CPUBackend
-from vtnumba.kernels.batched_copy import (
+from vtnumba.memory.copy_engine import (
     address_of,
     batched_copy,
     batched_copy_reference,
@@ -17,33 +19,26 @@ from vtnumba.kernels.batched_copy import (
 POISON = 0xAB
 
 
-def _cuda_sim():
-    from vtnumba.backend.cuda import CUDABackend
-
-    be = CUDABackend()
-    if not be.simulator:  # these tests poke device memory from the host
-        pytest.skip("real GPU: see test_real_gpu_batched_copy_h2d_and_d2h")
-    return be
-
-
-BACKENDS = {
-    "cpu-sync": lambda: CPUBackend(),
-    "cpu-threaded": lambda: CPUBackend(threaded=True),
-    "cudasim": _cuda_sim,
-}
-
-
-@pytest.fixture(params=list(BACKENDS))
-def backend(request):
-    be = BACKENDS[request.param]()
+@pytest.fixture(params=["cpu-sync", "cpu-threaded", "device"])
+def backend(request, device_backend_factory):
+    be = device_backend_factory() if request.param == "device" else CPUBackend(threaded=request.param == "cpu-threaded")
     yield be
     be.close()
 
 
-def _host(buf):
-    from vtnumba.backend.cuda import sim_host_view
+def _write(backend, buf, data: np.ndarray) -> None:
+    """Fill a buffer through the backend (works for device memory the host cannot address)."""
+    q = backend.create_queue("fill")
+    backend.copy(q, buf, data, data.nbytes)
+    backend.destroy_queue(q)
 
-    return sim_host_view(buf.array) if not isinstance(buf.array, np.ndarray) else buf.array
+
+def _read(backend, buf) -> np.ndarray:
+    out = np.empty(buf.nbytes, np.uint8)
+    q = backend.create_queue("read")
+    backend.copy(q, out, buf, buf.nbytes)
+    backend.destroy_queue(q)
+    return out
 
 
 def _random_descriptors(rng, n, src_size, dst_size):
@@ -62,8 +57,9 @@ def test_random_descriptors_into_poisoned_destination(backend, rng, n):
     src = backend.alloc(4096)
     dst = backend.alloc(97 * 80)
     q = backend.create_queue("t")
-    _host(src)[:] = rng.integers(0, 256, 4096, dtype=np.uint8)
-    _host(dst)[:] = POISON
+    s = rng.integers(0, 256, 4096, dtype=np.uint8)
+    _write(backend, src, s)
+    _write(backend, dst, np.full(dst.nbytes, POISON, np.uint8))
     so, do, sz = _random_descriptors(rng, n, 4096, dst.nbytes)
     src_ptrs = (src.ptr + so).astype(np.uint64)
     dst_ptrs = (dst.ptr + do).astype(np.int64)  # int64 and uint64 both accepted
@@ -72,24 +68,35 @@ def test_random_descriptors_into_poisoned_destination(backend, rng, n):
     assert total == int(sz.sum())
 
     expect = np.full(dst.nbytes, POISON, np.uint8)
-    s = _host(src)
     for a, b, k in zip(so, do, sz):
         expect[b:b + k] = s[a:a + k]
-    np.testing.assert_array_equal(_host(dst), expect)
-
-    # The reference, same signature, into a fresh poisoned destination, agrees byte for byte.
-    ref = backend.alloc(dst.nbytes)
-    _host(ref)[:] = POISON
-    batched_copy_reference(src_ptrs, (ref.ptr + do).astype(np.uint64), sz, queue=q, backend=backend)
-    np.testing.assert_array_equal(_host(ref), _host(dst))
+    np.testing.assert_array_equal(_read(backend, dst), expect)
     backend.destroy_queue(q)
+
+
+@pytest.mark.parametrize("n", [1, 33])
+def test_host_reference_agrees_byte_for_byte(rng, n):
+    """The reference (same signature, one ctypes.memmove per descriptor) vs the batched host loop."""
+    backend = CPUBackend(threaded=True)
+    src, dst, ref = backend.alloc(4096), backend.alloc(97 * 80), backend.alloc(97 * 80)
+    src.array[:] = rng.integers(0, 256, 4096, dtype=np.uint8)
+    dst.array[:] = POISON
+    ref.array[:] = POISON
+    so, do, sz = _random_descriptors(rng, n, 4096, dst.nbytes)
+    q = backend.create_queue("t")
+    batched_copy((src.ptr + so).astype(np.uint64), (dst.ptr + do).astype(np.uint64), sz, queue=q, backend=backend)
+    batched_copy_reference((src.ptr + so).astype(np.uint64), (ref.ptr + do).astype(np.uint64), sz, queue=q,
+                           backend=backend)
+    np.testing.assert_array_equal(ref.array, dst.array)
+    backend.close()
 
 
 def test_no_queue_means_done_on_return(rng):
     be = CPUBackend(threaded=True)
     a = rng.integers(0, 256, 1000, dtype=np.uint8)
     b = np.zeros(1000, np.uint8)
-    batched_copy([a.ctypes.data], [b.ctypes.data], [1000], backend=be)
+    with registered(a), registered(b):  # arrays the caller made: declared live for the copy
+        batched_copy([a.ctypes.data], [b.ctypes.data], [1000], backend=be)
     np.testing.assert_array_equal(a, b)
     be.close()
 
@@ -100,8 +107,9 @@ def test_runs_in_queue_order_on_threaded_queues(rng):
     q = be.create_queue("gated")
     gate = threading.Event()
     be.launch_host_func(q, lambda: gate.wait(10))
-    a = rng.integers(1, 256, 4096, dtype=np.uint8)
-    b = np.zeros(4096, np.uint8)
+    a, b = be.alloc(4096).array, be.alloc(4096).array
+    a[:] = rng.integers(1, 256, 4096, dtype=np.uint8)
+    b[:] = 0
     done = be.create_event()
     batched_copy(np.array([a.ctypes.data], np.uint64), np.array([b.ctypes.data], np.uint64),
                  np.array([4096], np.uint64), queue=q, backend=be)
@@ -126,8 +134,49 @@ def test_overlapping_source_and_destination_within_one_descriptor(rng):
     a = rng.integers(0, 256, 100, dtype=np.uint8)
     expect = a.copy()
     expect[10:60] = a[0:50]
-    batched_copy([a.ctypes.data], [a.ctypes.data + 10], [50], backend=CPUBackend())
+    with registered(a):
+        batched_copy([a.ctypes.data], [a.ctypes.data + 10], [50], backend=CPUBackend())
     np.testing.assert_array_equal(a, expect)  # memmove semantics
+
+
+# ---------------------------------------------------------------------------- the address check
+def test_an_address_outside_every_allocation_is_an_error_not_a_crash(backend):
+    """Without the check, copying from 0x1000 kills the process (SIGSEGV) -- or, on a GPU, leaves
+    its CUDA context dead after an illegal memory access."""
+    dst = backend.alloc(64)
+    q = backend.create_queue("bad")
+    with pytest.raises(ValueError, match=r"src_ptrs\[0\] = 0x1000 with sizes\[0\] = 8: .*not inside any live"):
+        batched_copy([0x1000], [dst.ptr], [8], queue=q, backend=backend)
+    with pytest.raises(ValueError, match=r"dst_ptrs\[0\]"):
+        batched_copy([dst.ptr], [0x1000], [8], queue=q, backend=backend)
+    backend.destroy_queue(q)
+
+
+def test_a_range_that_runs_past_its_allocation_is_refused(backend):
+    src, dst = backend.alloc(64), backend.alloc(256)
+    with pytest.raises(ValueError, match=r"src_ptrs\[1\].*buffer #"):
+        batched_copy([src.ptr, src.ptr + 32], [dst.ptr, dst.ptr + 64], [32, 33], backend=backend)
+    with pytest.raises(ValueError, match=r"dst_ptrs\[0\]"):
+        batched_copy([src.ptr], [dst.ptr + 200], [64], backend=backend)
+
+
+def test_freed_memory_is_no_longer_a_valid_target(backend):
+    src, dst = backend.alloc(64), backend.alloc(64)
+    batched_copy([src.ptr], [dst.ptr], [64], backend=backend)
+    src_ptr = src.ptr
+    backend.free(src)
+    with pytest.raises(ValueError, match="not inside any live allocation"):
+        batched_copy([src_ptr], [dst.ptr], [64], backend=backend)
+
+
+def test_registration_is_undone_after_the_with_block():
+    a = np.zeros(64, np.uint8)
+    before = len(LIVE)
+    with registered(a, "a test array"):
+        assert len(LIVE) == before + 1
+    assert len(LIVE) == before
+    with pytest.raises(ValueError, match="not inside any live allocation"):
+        batched_copy([a.ctypes.data], [a.ctypes.data + 32], [8], backend=CPUBackend())
 
 
 @pytest.mark.parametrize("bad, exc, words", [
@@ -156,7 +205,7 @@ def test_bad_arguments():
         batched_copy([8], [8], [0], backend=be, src_access_order="sideways")
     with pytest.raises(TypeError, match="backend must be a Backend"):
         batched_copy([8], [8], [0], backend="cpu")
-    with pytest.raises(TypeError, match="q must be a Queue"):
+    with pytest.raises(TypeError, match="queue must be a vtnumba Queue"):
         batched_copy([8], [8], [1], queue="q0", backend=be)
 
 
@@ -167,7 +216,7 @@ def test_high_bit_addresses_survive_as_uint64():
     assert src.dtype == np.uint64 and int(src[0]) == 2**64 - 8
 
 
-def test_address_of(rng):
+def test_address_of(rng, device_backend):
     be = CPUBackend()
     buf = be.alloc(64)
     assert address_of(buf) == buf.ptr
@@ -177,9 +226,8 @@ def test_address_of(rng):
         address_of(a[::2])
     with pytest.raises(TypeError, match="cannot take the address"):
         address_of([1, 2])
-    sim = _cuda_sim()
-    sbuf = sim.alloc(64)
-    assert address_of(sbuf.view(np.float32, (16,))) == sbuf.ptr
+    dbuf = device_backend.alloc(64)
+    assert address_of(dbuf.view(np.float32, (16,))) == dbuf.ptr
 
 
 def test_host_loop_matches_ctypes_reference(rng):
@@ -189,16 +237,15 @@ def test_host_loop_matches_ctypes_reference(rng):
     so, do, sz = _random_descriptors(rng, 40, 5000, 5000)
     s = (src.ctypes.data + so).astype(np.uint64)
     host_batched_copy(s, (d1.ctypes.data + do).astype(np.uint64), sz.astype(np.uint64))
-    batched_copy_reference(s, (d2.ctypes.data + do).astype(np.uint64), sz, backend=CPUBackend())
+    with registered(src), registered(d2):
+        batched_copy_reference(s, (d2.ctypes.data + do).astype(np.uint64), sz, backend=CPUBackend())
     np.testing.assert_array_equal(d1, d2)
     assert (d1 != POISON).any()
 
 
 @pytest.mark.cuda
-def test_real_gpu_batched_copy_h2d_and_d2h(rng):  # pragma: no cover - needs a GPU
-    from vtnumba.backend.cuda import CUDABackend
-
-    be = CUDABackend()
+def test_real_gpu_batched_copy_h2d_and_d2h(rng, device_backend):
+    be = device_backend
     q = be.create_queue()
     host = be.alloc_pinned(4096)
     host.array[:] = rng.integers(0, 256, 4096, dtype=np.uint8)

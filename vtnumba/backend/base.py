@@ -36,11 +36,13 @@ from __future__ import annotations
 import abc
 import itertools
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
+from vtnumba.backend import address_ranges
 from vtnumba.backend.arrays import check_int, check_nbytes, check_seconds, check_shape, host_view
 from vtnumba.backend.device import Device, DeviceType
 
@@ -98,6 +100,12 @@ class Buffer:
         self._ptr = ptr
         self._owner = owner  # whatever keeps the memory alive (a larger slab, a numba allocation)
         self.freed = False
+        # Live bytes are registered so that raw-pointer copies can be checked against them --
+        # until free(), or until the Buffer is garbage-collected (its memory goes with it).
+        self._range = None
+        if ptr and nbytes:
+            token = address_ranges.register(ptr, nbytes, f"buffer #{self.id} on {device}")
+            self._range = weakref.finalize(self, address_ranges.unregister, token)
 
     @property
     def array(self):
@@ -266,6 +274,8 @@ class Backend(abc.ABC):
                 raise RuntimeError(f"double free: buffer #{buf.id} ({buf.nbytes} bytes) was already freed")
             del self._live_buffers[buf.id]
             buf.freed = True
+        if buf._range is not None:
+            buf._range()  # unregister now (the finalizer runs at most once)
         self._free(buf)
 
     def alloc_pinned(self, nbytes: int) -> Buffer:

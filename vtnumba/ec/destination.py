@@ -79,7 +79,7 @@ class LoadDestinations:
 
     # ------------------------------------------------------------------ allocation and views
     def allocate(self, nbytes: int, copy_queue: Queue) -> LoadDestination:
-        from vtnumba.kernels.batched_copy import address_of
+        from vtnumba.memory.copy_engine import address_of
 
         from_allocator = self.allocator is not None and nbytes > 0
         if from_allocator:

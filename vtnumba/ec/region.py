@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from vtnumba.backend.address_ranges import register, unregister
+
 __all__ = ["ECRegionConfig", "ECSharedRegion", "ECRegionError", "create_ec_shared_region", "region_path",
            "HEADER_BYTES"]
 
@@ -145,6 +147,7 @@ class ECSharedRegion:
         self._mmap: mmap.mmap | None = None
         self._base: np.ndarray | None = None
         self.blocks: np.ndarray | None = None
+        self._range: int | None = None
         try:
             if config.create:
                 self._create(config)
@@ -244,6 +247,8 @@ class ECSharedRegion:
         self._mmap = mmap.mmap(self._fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._base = np.frombuffer(self._mmap, dtype=np.int8)
         self.blocks = self._base[HEADER_BYTES:].reshape(self.num_blocks, self.block_size_bytes)
+        # The blocks are live memory for batched copies (which check every address they touch).
+        self._range = register(self.blocks.ctypes.data, self.blocks.nbytes, f"encoder-cache region {self.path}")
 
     # ------------------------------------------------------------------ properties
     @property
@@ -324,6 +329,9 @@ class ECSharedRegion:
         return True
 
     def _close_mapping(self) -> None:
+        if self._range is not None:
+            unregister(self._range)
+            self._range = None
         if self.is_pinned and self._base is not None:
             from cuda.bindings import driver as cu
 

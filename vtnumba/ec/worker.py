@@ -43,7 +43,8 @@ from vtnumba.ec.descriptors import DescriptorBufferPool, DescriptorBuffers, coal
 from vtnumba.ec.destination import LoadDestination, LoadDestinations
 from vtnumba.ec.metadata import ECConnectorMetadata, ECWorkerMetadata
 from vtnumba.ec.region import ECSharedRegion
-from vtnumba.kernels.batched_copy import address_of, batched_copy, prepare
+from vtnumba.backend.address_ranges import register, unregister
+from vtnumba.memory.copy_engine import address_of, batched_copy, prepare
 
 __all__ = ["ECWorker", "Transfer"]
 
@@ -67,6 +68,7 @@ class Transfer:
     num_descriptors: int
     gate_event: Event | None = None
     keepalive: list = field(default_factory=list)      # saved outputs read by the copy
+    ranges: list = field(default_factory=list)         # their address-range registrations
     destination: LoadDestination | None = None         # loads: the buffer written by the copy
 
 
@@ -134,6 +136,7 @@ class ECWorker:
         self._save_bytes = 0
         self._save_mm_hashes: list[str] = []
         self._save_sources: list = []
+        self._save_ranges: list = []
         # Separate deques per direction: saves and loads can be in flight at the same time.
         self._inflight_saves: deque[Transfer] = deque()
         self._inflight_loads: deque[Transfer] = deque()
@@ -206,7 +209,11 @@ class ECWorker:
         # output never reaches get no descriptor.
         n_used = -(-total_bytes // block_size)
         if n_used:
-            src_base = np.uint64(address_of(src))
+            src_addr = address_of(src)
+            # The copy runs later, by address: declare the output live until it has (see the
+            # copy engine's range check).
+            self._save_ranges.append(register(src_addr, total_bytes, f"encoder output {mm_hash!r}"))
+            src_base = np.uint64(src_addr)
             dst_base = np.uint64(self._region.base_ptr)
             slots, first_blocks, num_blocks = coalesce_runs(ids[:n_used])
             run_bytes = num_blocks * block_size
@@ -238,10 +245,10 @@ class ECWorker:
             self.backend.record_event(end, q)
         self._inflight_saves.append(Transfer(
             "save", start, end, self._save_mm_hashes, bufs, q, self._save_bytes, n, gate_event=gate,
-            keepalive=self._save_sources))
+            keepalive=self._save_sources, ranges=self._save_ranges))
         self._save_bufs, self._save_queue = None, None
         self._save_count, self._save_bytes = 0, 0
-        self._save_mm_hashes, self._save_sources = [], []
+        self._save_mm_hashes, self._save_sources, self._save_ranges = [], [], []
 
     # ------------------------------------------------------------------ consumer path
     def start_load_caches(self, encoder_cache: dict, connector_metadata: ECConnectorMetadata) -> None:
@@ -297,6 +304,14 @@ class ECWorker:
         # Kernels queued on the compute queue from now on see the loaded bytes.
         self.backend.queue_wait_event(self.compute_queue, end)
 
+    @staticmethod
+    def _release_sources(t: Transfer) -> None:
+        """The copy has finished: its sources need neither keeping alive nor declaring live."""
+        t.keepalive.clear()
+        for token in t.ranges:
+            unregister(token)
+        t.ranges.clear()
+
     # ------------------------------------------------------------------ completions
     def _collect_finished(self, inflight: deque[Transfer]) -> list:
         """Pop transfers whose end event fired, front first; recycle; return their completions.
@@ -318,7 +333,7 @@ class ECWorker:
             self.history.append((t.direction, len(t.completions), t.num_bytes, t.num_descriptors, ms))
             if t.destination is not None:
                 self._destinations.copy_finished(t.destination)
-            t.keepalive.clear()
+            self._release_sources(t)
             self._buf_pool.release(t.bufs)
             self._queue_pool.append(t.queue)
             self._event_pool.extend(e for e in (t.start_event, t.end_event, t.gate_event) if e is not None)
@@ -366,13 +381,16 @@ class ECWorker:
         for t in (*self._inflight_saves, *self._inflight_loads):
             if t.destination is not None:
                 self._destinations.copy_finished(t.destination)
-            t.keepalive.clear()
+            self._release_sources(t)
             self._event_pool.extend(e for e in (t.start_event, t.end_event, t.gate_event) if e is not None)
         self._inflight_saves.clear()
         self._inflight_loads.clear()
         if self._save_bufs is not None:  # descriptors written but never flushed: dropped
+            for token in self._save_ranges:
+                unregister(token)
             self._save_bufs, self._save_queue = None, None
             self._save_count, self._save_bytes, self._save_mm_hashes, self._save_sources = 0, 0, [], []
+            self._save_ranges = []
         self._destinations.drain()
         if self._own_allocator:
             self.allocator.empty_cache()  # views still alive keep their own bytes (numpy base)

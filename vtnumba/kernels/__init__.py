@@ -13,8 +13,8 @@ queue order (see :mod:`vtnumba.kernels._common`).
   (CUDA: :mod:`~vtnumba.kernels.norm_cuda`);
 * :mod:`~vtnumba.kernels.peer` -- TPSP's peer reduce fused with the norm, and the gather copy
   (CUDA: :mod:`~vtnumba.kernels.peer_cuda`);
-* :mod:`~vtnumba.kernels.batched_copy` -- the seed's ``swap_blocks_batch``: many
-  (src, dst, nbytes) descriptors copied in one call on a queue;
+* ``batched_copy`` -- re-exported from :mod:`vtnumba.memory.copy_engine`, where the copy engine
+  lives (its old module name ``vtnumba.kernels.batched_copy`` still works);
 * :mod:`~vtnumba.kernels.ptx` -- compile every kernel to PTX (no GPU needed) and read
   ``ptxas`` resource usage.
 
@@ -25,7 +25,7 @@ device array, and the ``@cuda.jit`` kernels themselves (``vtnumba.kernels.matmul
 attributes loaded on first access, for tutorials that launch one ladder step by hand.
 """
 
-from vtnumba.kernels.batched_copy import batched_copy, batched_copy_reference
+from vtnumba.memory.copy_engine import batched_copy, batched_copy_reference
 from vtnumba.kernels.matmul import DEFAULT_VARIANT, VARIANTS, linear, linear_rows_to, matmul, matmul_rows_host
 from vtnumba.kernels.norm import add_norm_rows_host, fused_add_layer_norm, fused_add_rms_norm
 from vtnumba.kernels.peer import NORMS, gather_rows, gather_rows_host, peer_reduce_norm, peer_reduce_norm_rows_host

@@ -1,0 +1,313 @@
+"""The copy engine: many ``(src, dst, nbytes)`` descriptors moved by one call on one queue.
+
+Seed: vLLM's ``swap_blocks_batch`` custom op, which the encoder-cache worker uses to move
+every block run of a step with *one* call instead of one ``copy_`` per block.  Each copy
+is tiny and the per-call overhead (a Python call, a driver call, a launch) dominates, so
+the worker first *coalesces* consecutive blocks into runs and then hands the whole list
+of runs to a single batched call.  The descriptors are three equal-length integer arrays
+filled in bulk with numpy: source addresses, destination addresses, byte counts.
+
+How each target does it:
+
+* ``cpu``     -- a ``@numba.njit(nogil=True)`` loop that calls libc ``memmove`` on the raw
+  addresses, submitted with ``backend.submit`` so it runs in queue order (on the queue's
+  thread in threaded mode).  ``nogil`` matters: the whole batch runs without the GIL, so
+  the Python thread that queued it keeps scheduling the next step meanwhile.
+* ``cudasim`` -- simulator "device" memory *is* host memory, so the same host loop runs,
+  through ``backend.submit`` and therefore under the simulator's launch lock.
+* ``cuda``    -- one ``cuMemcpyBatchAsync`` (driver >= 12.8) on the queue's stream; on older
+  drivers a loop of ``cuMemcpyAsync`` on the same stream.  Both infer the direction
+  (H2D, D2H, D2D) from the unified addresses.
+
+Ordering: the batch as a whole is ordered on its queue like any other work, but copies
+*inside* one batch have no order among themselves (that is also ``cuMemcpyBatchAsync``'s
+contract) -- never put two descriptors whose ranges depend on each other in one batch.
+
+Lifetime: the descriptor arrays are read when the copy *runs*.  On threaded cpu queues
+that is later than the call, so keep them (and the memory they point at) unchanged until
+the queue has passed the copy -- which is why the encoder-cache worker recycles its
+descriptor buffers only after the copy's end event fires.
+
+**Addresses are checked before anything is touched.**  ``batched_copy`` validates the
+*shape* of its input (equal lengths, integer dtypes, sizes >= 0, no null pointer with a
+non-zero size) and then that every byte range it would read or write lies inside live
+memory this process knows about (:mod:`vtnumba.backend.address_ranges`: every backend
+Buffer, every open encoder-cache region, and what a caller registered).  A bad address is
+a ValueError naming the descriptor -- not a segmentation fault on the host, nor an illegal
+memory access that leaves a GPU process's CUDA context dead.
+
+:func:`batched_copy_reference` is the host reference with the same signature: one
+``ctypes.memmove`` per descriptor, in the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import warnings
+
+import numpy as np
+
+from vtnumba.backend.address_ranges import LIVE
+from vtnumba.backend.arrays import address_of as _array_address
+from vtnumba.backend.base import Backend, Buffer, Queue
+
+__all__ = ["batched_copy", "batched_copy_reference", "check_descriptors", "check_ranges", "address_of",
+           "cuda_batch_api_available", "prepare", "host_batched_copy"]
+
+
+# --------------------------------------------------------------------------- validation
+_U64, _I64 = np.dtype(np.uint64), np.dtype(np.int64)
+
+
+def _as_u64(name: str, arr) -> np.ndarray:
+    a = arr if type(arr) is np.ndarray else np.asarray(arr)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape={a.shape}")
+    if a.dtype == _U64 or a.dtype == _I64:
+        # int64 and uint64 share the bit pattern of an address: reinterpret, never convert
+        # (device addresses may have the high bit set, which int64 arithmetic would reject).
+        return (a if a.flags.c_contiguous else np.ascontiguousarray(a)).view(np.uint64)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array (int64 or uint64 addresses/sizes), got dtype={a.dtype}")
+    if a.dtype.kind == "i" and a.size and int(a.min()) < 0:
+        raise ValueError(f"{name} has a negative entry {int(a.min())}; expected addresses/sizes >= 0")
+    return a.astype(np.uint64)
+
+
+def check_descriptors(src_ptrs, dst_ptrs, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate a descriptor list and return it as three contiguous ``uint64`` arrays.
+
+    Raises TypeError for non-integer dtypes, ValueError for unequal lengths, a negative
+    size, or a null address with a non-zero size -- each naming the argument and index.
+    Cheap on the common path (a few reductions), because it runs once per batched copy.
+    """
+    sz_raw = sizes if type(sizes) is np.ndarray else np.asarray(sizes)
+    if sz_raw.dtype.kind == "i" and sz_raw.ndim == 1 and sz_raw.size and sz_raw.min() < 0:
+        i = int(np.argmin(sz_raw))
+        raise ValueError(f"sizes[{i}]={int(sz_raw[i])} is negative; expected byte counts >= 0")
+    src = _as_u64("src_ptrs", src_ptrs)
+    dst = _as_u64("dst_ptrs", dst_ptrs)
+    sz = _as_u64("sizes", sz_raw)
+    if not (src.size == dst.size == sz.size):
+        raise ValueError(f"descriptor arrays differ in length: len(src_ptrs)={src.size}, "
+                         f"len(dst_ptrs)={dst.size}, len(sizes)={sz.size}; expected equal lengths")
+    if not (src.all() and dst.all()):  # some address is 0: only an error for a non-empty copy
+        for name, ptrs in (("src_ptrs", src), ("dst_ptrs", dst)):
+            bad = np.flatnonzero((ptrs == 0) & (sz > 0))
+            if bad.size:
+                i = int(bad[0])
+                raise ValueError(f"{name}[{i}] is a null address but sizes[{i}]={int(sz[i])}; "
+                                 "expected a valid address for every non-empty copy")
+    return src, dst, sz
+
+
+def check_ranges(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
+    """ValueError unless every non-empty descriptor reads and writes inside live memory
+    (:data:`vtnumba.backend.address_ranges.LIVE`)."""
+    LIVE.check("src_ptrs", src, sizes)
+    LIVE.check("dst_ptrs", dst, sizes)
+
+
+def address_of(obj) -> int:
+    """The address of the first byte of a Buffer, a numpy array, or a (simulated) device array.
+
+    On ``cpu`` and ``cudasim`` this is a host address; on ``cuda`` a device address.  The
+    object must be C-contiguous (the copy treats it as one flat byte range).
+    """
+    if isinstance(obj, Buffer):
+        return obj.ptr
+    return _array_address(obj)
+
+
+# --------------------------------------------------------------------------- host loop
+_host_loop = None
+_host_loop_lock = threading.Lock()
+
+
+def _python_loop(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
+    # ctypes.memmove releases the GIL for each call; fine for a handful of descriptors.
+    for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+        if n:
+            ctypes.memmove(d, s, n)
+
+
+def _get_host_loop():
+    """Compile (once per process) the nogil njit loop over libc memmove."""
+    global _host_loop
+    if _host_loop is not None:
+        return _host_loop
+    with _host_loop_lock:
+        if _host_loop is None:
+            try:
+                import numba
+
+                libc = ctypes.CDLL(None)
+                memmove = libc.memmove
+                memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+                memmove.restype = ctypes.c_void_p
+
+                # Not cached on disk: the function pointer of memmove is baked into the
+                # machine code, and it differs from process to process (ASLR).
+                @numba.njit(nogil=True)
+                def _memmove_loop(src, dst, sizes):
+                    for i in range(src.shape[0]):
+                        if sizes[i] != 0:
+                            memmove(dst[i], src[i], sizes[i])
+
+                probe_src = np.arange(8, dtype=np.uint8)
+                probe_dst = np.zeros(8, dtype=np.uint8)
+                _memmove_loop(np.array([probe_src.ctypes.data], np.uint64),
+                              np.array([probe_dst.ctypes.data], np.uint64), np.array([8], np.uint64))
+                if not np.array_equal(probe_src, probe_dst):  # pragma: no cover - defensive
+                    raise RuntimeError("njit memmove probe copied the wrong bytes")
+                _host_loop = _memmove_loop
+            except Exception:  # pragma: no cover - numba unavailable: the ctypes loop is correct too
+                _host_loop = _python_loop
+    return _host_loop
+
+
+def prepare(backend: Backend | None = None) -> None:
+    """Compile the host loop now (about a second, once per process) if ``backend`` copies on
+    the host -- so the first timed copy does not include the compilation."""
+    if backend is None or _runs_on_host(backend):
+        _get_host_loop()
+
+
+def host_batched_copy(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
+    """Run a validated uint64 descriptor list on the host, now, without the GIL."""
+    if src.size:
+        _get_host_loop()(src, dst, sizes)
+
+
+# --------------------------------------------------------------------------- CUDA driver path
+_cuda_batch_ok: bool | None = None
+
+
+def cuda_batch_api_available() -> bool:
+    """True when ``cuMemcpyBatchAsync`` exists in cuda.bindings and the driver is >= 12.8."""
+    global _cuda_batch_ok
+    if _cuda_batch_ok is None:
+        try:
+            from cuda.bindings import driver as cu
+
+            err, version = cu.cuDriverGetVersion()
+            _cuda_batch_ok = (err == cu.CUresult.CUDA_SUCCESS and version >= 12080
+                              and hasattr(cu, "cuMemcpyBatchAsync"))
+        except Exception:
+            _cuda_batch_ok = False
+    return _cuda_batch_ok
+
+
+def _stream_handle(stream):
+    from cuda.bindings import driver as cu
+
+    h = getattr(stream, "handle", stream)
+    if isinstance(h, (int, np.integer)):
+        return cu.CUstream(int(h))
+    if hasattr(h, "value") and not isinstance(h, cu.CUstream):  # a ctypes c_void_p
+        return cu.CUstream(int(h.value or 0))
+    return h
+
+
+def _cuda_batched_copy(stream, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, src_access_order: str) -> None:
+    global _cuda_batch_ok
+    from cuda.bindings import driver as cu
+
+    h = _stream_handle(stream)
+    n = int(sizes.size)
+    if n == 0:
+        return
+    if cuda_batch_api_available():
+        attr = cu.CUmemcpyAttributes()
+        attr.srcAccessOrder = (cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_ANY
+                               if src_access_order == "any" else
+                               cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+        res = cu.cuMemcpyBatchAsync([cu.CUdeviceptr(int(p)) for p in dst.tolist()],
+                                    [cu.CUdeviceptr(int(p)) for p in src.tolist()],
+                                    sizes.tolist(), n, [attr], [0], 1, h)
+        err = res[0] if isinstance(res, tuple) else res
+        if err == cu.CUresult.CUDA_SUCCESS:
+            return
+        # The batch API refused (an old device, or memory it cannot batch): fall back to the
+        # per-descriptor loop for good.  A real addressing error fails there too, with a message.
+        warnings.warn(f"cuMemcpyBatchAsync of {n} descriptors returned {err}; using cuMemcpyAsync per "
+                      "descriptor from now on", RuntimeWarning, stacklevel=3)
+        _cuda_batch_ok = False
+    for s, d, nb in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+        if nb:
+            (err,) = cu.cuMemcpyAsync(cu.CUdeviceptr(int(d)), cu.CUdeviceptr(int(s)), int(nb), h)
+            if err != cu.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuMemcpyAsync({nb} bytes) failed: {err}")
+
+
+# --------------------------------------------------------------------------- public API
+def _resolve(backend: Backend | None) -> Backend:
+    if backend is None:
+        from vtnumba.backend.default import default_backend
+
+        return default_backend()
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be a Backend, got {type(backend).__name__}")
+    return backend
+
+
+def _runs_on_host(backend: Backend) -> bool:
+    return backend.capabilities.host_addressable
+
+
+def batched_copy(src_ptrs, dst_ptrs, sizes, queue: Queue | None = None, backend: Backend | None = None, *,
+                 src_access_order: str = "stream") -> int:
+    """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` for every i, as one call.
+
+    With ``queue`` the batch is submitted in queue order and may still be running when
+    this returns (threaded cpu queues, real GPUs); without it the copy is complete on
+    return.  ``src_access_order="any"`` tells the CUDA driver the sources are not written
+    by earlier work on the stream (true for the shared region on loads), which lets it
+    start reading early; it is ignored on the host.  Returns the number of bytes copied.
+    """
+    if src_access_order not in ("stream", "any"):
+        raise ValueError(f"src_access_order={src_access_order!r}; expected 'stream' or 'any'")
+    src, dst, sz = check_descriptors(src_ptrs, dst_ptrs, sizes)
+    be = _resolve(backend)
+    if queue is not None and not isinstance(queue, Queue):
+        raise TypeError(f"queue must be a vtnumba Queue or None, got {type(queue).__name__}")
+    check_ranges(src, dst, sz)
+    total = int(sz.sum(dtype=np.uint64)) if sz.size else 0
+    if sz.size == 0:
+        return 0
+    own_queue = queue is None
+    q = be.create_queue("batched_copy") if own_queue else queue
+    try:
+        if _runs_on_host(be):
+            loop = _get_host_loop()  # compile here, on the caller, not inside the queued work
+            be.submit(q, lambda _stream: loop(src, dst, sz), "batched_copy",
+                      descriptors=int(sz.size), bytes=total)
+        else:
+            be.submit(q, lambda stream: _cuda_batched_copy(stream, src, dst, sz, src_access_order), "batched_copy",
+                      descriptors=int(sz.size), bytes=total)
+    finally:
+        if own_queue:
+            be.destroy_queue(q)  # waits for the copy: "no queue" means "done on return"
+    return total
+
+
+def batched_copy_reference(src_ptrs, dst_ptrs, sizes, queue: Queue | None = None, backend: Backend | None = None, *,
+                           src_access_order: str = "stream") -> int:
+    """Host reference for :func:`batched_copy`: one ``ctypes.memmove`` per descriptor, now.
+
+    Same signature; if ``queue`` is given, the queue is drained first so the reference sees
+    what the batched version would.  Host addresses only (cpu and cudasim targets).
+    """
+    if src_access_order not in ("stream", "any"):
+        raise ValueError(f"src_access_order={src_access_order!r}; expected 'stream' or 'any'")
+    src, dst, sz = check_descriptors(src_ptrs, dst_ptrs, sizes)
+    be = _resolve(backend)
+    check_ranges(src, dst, sz)
+    if not _runs_on_host(be):
+        raise RuntimeError("batched_copy_reference moves bytes with the host CPU; it cannot touch the device "
+                           f"addresses of {be.name} (use it on the cpu or cudasim targets)")
+    if queue is not None:
+        be.synchronize(queue)
+    _python_loop(src, dst, sz)
+    return int(sz.sum(dtype=np.uint64)) if sz.size else 0
