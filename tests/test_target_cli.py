@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import ON_GPU
 
 from vtnumba.backend.dtype import DType, as_dtype, check_dtype_supported, supported_dtypes
 
@@ -29,6 +30,18 @@ def test_info_json_cpu():
         assert key in info
     assert info["target"] == "cpu" and info["simulator"] is False and info["gpu"] == "none"
     assert "MPICH" in info["mpi_library"] or "Open MPI" in info["mpi_library"]
+    # Which numba.cuda is active, and on which binding (the wrong one breaks the GPU path).
+    assert info["numba_cuda_active"].startswith("numba-cuda (") and info["cuda_bindings"] != "not installed"
+    assert "numba_cuda_problem" not in info
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the message a machine without a GPU gets")
+def test_info_on_the_cuda_target_without_a_gpu_says_why_instead_of_a_traceback():
+    proc = run_cli("info", "--target", "cuda")
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "gpu" in proc.stdout and "unavailable:" in proc.stdout
+    assert "needs a usable GPU; run with --target cpu" in proc.stdout
 
 
 def test_info_cudasim_and_auto_reason():

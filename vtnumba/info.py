@@ -1,9 +1,11 @@
 """``vtnumba info``: what this process runs on, and why.
 
 Prints the versions of the stack (Python, numpy, numba, numba-cuda, mpi4py and the MPI
-library), the chosen target and the reason for the choice, the GPU (name and compute
-capability) or "none", whether kernels run in numba's simulator, and the MPI rank and
-size when started under ``mpiexec``.
+library), which ``numba.cuda`` is active and on which driver binding (numba-cuda's on NVIDIA's
+``cuda.bindings`` is the one vtnumba needs; see :mod:`vtnumba.backend.cuda_stack`), the chosen
+target and the reason for the choice, the GPU (name and compute capability) or "none",
+whether kernels run in numba's simulator, and the MPI rank and size when started under
+``mpiexec``.  On the ``cuda`` target without a usable GPU it says why, and exits 1.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def collect_info() -> dict:
         "numpy": _version("numpy"),
         "numba": _version("numba"),
         "numba_cuda": _version("numba-cuda"),
+        "cuda_bindings": _version("cuda-bindings"),
         "mpi4py": _version("mpi4py"),
         "target": choice.name,
         "target_reason": choice.reason,
@@ -53,7 +56,21 @@ def collect_info() -> dict:
             info["mpi_size"] = MPI.COMM_WORLD.Get_size()
     except Exception as exc:  # MPI missing must not hide everything else
         info["mpi_library"] = f"unavailable ({exc})"
+    from vtnumba.backend.cuda_stack import describe_cuda_stack
+
+    stack = describe_cuda_stack()
+    info["numba_cuda_active"] = f"{stack['implementation']} ({stack['numba_cuda_file'] or 'not importable'})"
+    if not stack["ok"]:
+        info["numba_cuda_problem"] = stack["problem"]
     if choice.name == "cuda":
+        from vtnumba.target import gpu_usable
+
+        ok, why = gpu_usable()
+        if not ok:
+            info["gpu"] = f"unavailable: {why}"
+            info["error"] = ("the cuda target needs a usable GPU; run with --target cpu (host kernels) or "
+                             "--target cudasim (the CUDA kernels in numba's simulator)")
+            return info
         from numba import cuda
 
         dev = cuda.get_current_device()
@@ -67,13 +84,14 @@ def collect_info() -> dict:
 
 def print_info(as_json: bool = False) -> int:
     info = collect_info()
+    status = 1 if "error" in info else 0
     if as_json:
         print(json.dumps(info, indent=2))
-        return 0
+        return status
     width = max(len(k) for k in info)
     for key, value in info.items():
         if key == "compute_capability" and value is None:
             value = "n/a"
         print(f"{key:<{width}}  {value}")
     sys.stdout.flush()
-    return 0
+    return status
