@@ -37,7 +37,11 @@ import sys
 import time
 from collections import deque
 
-import numpy as np
+from vtnumba.apps.processes import share_cores_between_local_ranks
+
+share_cores_between_local_ranks()  # before numpy loads its BLAS
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 

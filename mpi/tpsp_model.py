@@ -58,8 +58,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from vtnumba.apps.processes import share_cores_between_local_ranks
     from vtnumba.target import select_target
 
+    share_cores_between_local_ranks()  # before numpy loads its BLAS
     target = select_target(args.target)  # before anything imports numba.cuda
 
     import numpy as np

@@ -23,6 +23,11 @@ what only one kind of device can show:
 import os
 import sys
 
+from vtnumba.apps.processes import share_cores_between_local_ranks
+
+# Under mpiexec the test ranks share the cores, as vtnumba's programs do (before numpy loads).
+share_cores_between_local_ranks()
+
 _TARGET = os.environ.get("VTNUMBA_TARGET", "cpu").lower()
 ON_GPU = _TARGET == "cuda"
 DEVICE_TARGET = "cuda" if ON_GPU else "cudasim"

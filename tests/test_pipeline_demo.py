@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from vtnumba.models.pipeline import mm_hash_of, plan_ranks
+from vtnumba.apps.pipeline_demo import mm_hash_of, plan_ranks
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "data", "minilm_reference.npz")
 

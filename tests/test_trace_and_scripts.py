@@ -12,7 +12,7 @@ from conftest import ON_GPU
 from vtnumba import trace
 from vtnumba.bench.schema import row, suite, validate_all, validate_suite
 from vtnumba.bench.timing import Stats
-from vtnumba.tracing_tools import draw_timeline, merge_traces, rank_files, validate_trace
+from vtnumba.apps.trace_tools import draw_timeline, merge_traces, rank_files, validate_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 # The mpiexec that belongs to this interpreter's MPI (the mpich wheel puts it beside python),

@@ -20,7 +20,7 @@ work before it has finished.
 # then asks the registry for the backend that serves the target's default device.
 import threading
 
-from vtnumba.tutorial import start  # first: it shares the cores between ranks before numpy loads BLAS
+from vtnumba.apps.tutorial import start  # first: it shares the cores between ranks before numpy loads BLAS
 
 import numpy as np  # noqa: E402
 

@@ -17,7 +17,7 @@ copy engine run the copy on its own, while the GPU computes.
 # %%
 # Set up: the target's backend (threaded queues on cpu so that copies really run in the
 # background), a pinned staging buffer per direction, and a device buffer.
-from vtnumba.tutorial import start  # first: it shares the cores between ranks before numpy loads BLAS
+from vtnumba.apps.tutorial import start  # first: it shares the cores between ranks before numpy loads BLAS
 
 import numpy as np  # noqa: E402
 

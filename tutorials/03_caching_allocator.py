@@ -24,7 +24,7 @@ work on *any other* queue is invisible to it, unless you declare it with ``recor
 # *segments* and hands out *blocks* carved out of them.
 import threading
 
-from vtnumba.tutorial import start  # first: it shares the cores between ranks before numpy loads BLAS
+from vtnumba.apps.tutorial import start  # first: it shares the cores between ranks before numpy loads BLAS
 
 import numpy as np  # noqa: E402
 

@@ -27,7 +27,7 @@ until the arithmetic units are the limit.
 # numpy: importing vtnumba shares the cores between the local MPI ranks, which numpy's
 # BLAS reads once, when it loads.  Each rank draws its own matrices, so each rank checks
 # its own results; rank 0 narrates.
-from vtnumba.tutorial import start
+from vtnumba.apps.tutorial import start
 
 lesson = start("04 the tiled matmul ladder")
 

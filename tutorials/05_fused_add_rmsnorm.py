@@ -24,7 +24,7 @@ output once -- the same traffic as a copy, which is the speed limit to compare a
 # Setup.  The host part runs at a realistic size on every target -- numpy arrays always
 # run the host reference -- so every rank times 4096 token rows of hidden size 1024 (16 MiB
 # per array).  The device part uses tiny shapes in the simulator.
-from vtnumba.tutorial import start
+from vtnumba.apps.tutorial import start
 
 lesson = start("05 fused residual add + RMSNorm")
 

@@ -27,7 +27,7 @@ tells the reader when to look.
 # (``peer_access``: only then can they map each other's memory).
 import os
 
-from vtnumba.tutorial import start
+from vtnumba.apps.tutorial import start
 
 lesson = start("06 peer buffers")
 

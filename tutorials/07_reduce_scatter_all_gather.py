@@ -23,7 +23,7 @@ and no byte passes through a message queue.
 # Setup.  One tensor-parallel group of all ranks; peer buffers large enough for the
 # 16 MiB case at the end; and the three flags the protocol uses (``inbox_ready``,
 # ``gather_ready``, ``consumed``), each an epoch counter.
-from vtnumba.tutorial import start
+from vtnumba.apps.tutorial import start
 
 lesson = start("07 reduce-scatter and all-gather over peer buffers")
 

@@ -28,7 +28,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from vtnumba.tutorial import start
+from vtnumba.apps.tutorial import start
 
 lesson = start("08 TPSP: matmul -> reduce-scatter -> residual + norm -> all-gather")
 if lesson.size < 2:

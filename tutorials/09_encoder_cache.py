@@ -27,7 +27,7 @@ import os
 import threading
 import time
 
-from vtnumba.tutorial import start  # first: it shares the cores between ranks before numpy loads BLAS
+from vtnumba.apps.tutorial import start  # first: it shares the cores between ranks before numpy loads BLAS
 
 import numpy as np  # noqa: E402
 

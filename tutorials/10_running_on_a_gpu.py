@@ -25,7 +25,7 @@ peer's memory is mapped -- and what a launch costs, which is what graphs are for
 # process, before ``numba.cuda`` is imported; ``auto`` picks ``cuda`` when a GPU is usable
 # and ``cpu`` otherwise -- never the simulator, which is only ever asked for.  ``vtnumba
 # info`` prints the same facts as ``collect_info()`` here.
-from vtnumba.tutorial import start
+from vtnumba.apps.tutorial import start
 
 lesson = start("10 running on a real GPU")
 
@@ -38,7 +38,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from vtnumba import default_backend  # noqa: E402
-from vtnumba.info import collect_info  # noqa: E402
+from vtnumba.apps.info import collect_info  # noqa: E402
 from vtnumba.kernels import fused_add_rms_norm, linear  # noqa: E402
 
 target, rank = lesson.target, lesson.rank

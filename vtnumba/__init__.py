@@ -7,53 +7,42 @@ Three parts, one code base, three targets (``cpu``, ``cudasim``, ``cuda``):
    (:mod:`vtnumba.tpsp`, over :mod:`vtnumba.dist` and :mod:`vtnumba.kernels`);
 3. the encoder-cache connector (:mod:`vtnumba.ec`).
 
-Importing vtnumba never imports ``numba.cuda``: the target (and with it numba's simulator
-switch) is chosen first -- see :mod:`vtnumba.target`.
+The programs built on them (command line, demos, benchmarks) are in :mod:`vtnumba.apps`
+and :mod:`vtnumba.bench`; ``docs/architecture`` draws the floor plan.
+
+``import vtnumba`` is cheap and changes nothing in the process: the names below are loaded
+on first use, so a program can choose its target (and with it numba's simulator switch,
+:mod:`vtnumba.target`) and share the cores between MPI ranks
+(:mod:`vtnumba.apps.processes`) before numpy or ``numba.cuda`` are imported.
 """
-
-from vtnumba._threads import share_cores_between_local_ranks
-
-share_cores_between_local_ranks()  # must run before numpy (imported below) loads BLAS
-
-from vtnumba.backend import (  # noqa: E402
-    CPU,
-    Backend,
-    Buffer,
-    CPUBackend,
-    Device,
-    DeviceResourceOps,
-    DeviceType,
-    DType,
-    Event,
-    GraphHandle,
-    Queue,
-    alloc,
-    create_queue,
-    default_backend,
-    default_device,
-    destroy_queue,
-    free,
-    get_backend,
-    register_backend,
-    try_get_backend,
-)
-from vtnumba.target import current_target, select_target  # noqa: E402
 
 __version__ = "0.1.0"
 
+# name -> module that defines it (loaded on first access, see the module docstring)
+_LAZY = {
+    **{name: "vtnumba.backend" for name in (
+        "CPU", "Backend", "Buffer", "Capabilities", "CPUBackend", "Device", "DeviceResourceOps", "DeviceType",
+        "DType", "Event", "GraphHandle", "Queue", "alloc", "create_queue", "default_backend", "default_device",
+        "destroy_queue", "free", "get_backend", "register_backend", "try_get_backend")},
+    "CUDABackend": "vtnumba.backend.cuda",
+    "current_target": "vtnumba.target",
+    "select_target": "vtnumba.target",
+}
+
 
 def __getattr__(name):
-    # CUDABackend imports numba.cuda, so it is loaded only when asked for.
-    if name == "CUDABackend":
-        from vtnumba.backend.cuda import CUDABackend
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vtnumba' has no attribute {name!r}")
+    import importlib
 
-        return CUDABackend
-    raise AttributeError(f"module 'vtnumba' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later accesses skip this function
+    return value
 
 
-__all__ = [
-    "CPU", "Backend", "Buffer", "CPUBackend", "CUDABackend", "Device", "DeviceResourceOps", "DeviceType", "DType",
-    "Event", "GraphHandle", "Queue", "alloc", "create_queue", "default_backend", "default_device",
-    "destroy_queue", "free", "get_backend", "register_backend", "try_get_backend", "current_target",
-    "select_target", "__version__",
-]
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))
+
+
+__all__ = sorted(_LAZY) + ["__version__"]

@@ -1,7 +1,7 @@
-"""``python -m vtnumba`` -- see :mod:`vtnumba.cli`."""
+"""``python -m vtnumba`` -- see :mod:`vtnumba.apps.cli`."""
 
 import sys
 
-from vtnumba.cli import main
+from vtnumba.apps.cli import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ When ``VTNUMBA_TRACE=<path>`` is set (or :func:`enable` is called), every queue 
 the backends run -- kernel launches, copies, memsets, event records and waits, host
 synchronisations -- and every MPI exchange in :mod:`vtnumba.dist` is recorded with start
 and end timestamps and the queue ("track") it ran on.  :func:`flush` writes one JSON file
-per rank that Perfetto / ``chrome://tracing`` load; :mod:`vtnumba.tracing_tools` merges the
+per rank that Perfetto / ``chrome://tracing`` load; :mod:`vtnumba.apps.trace_tools` merges the
 ranks and draws a PNG.
 
 When tracing is off, :data:`RECORDER` is ``None`` and the hot paths pay one global lookup

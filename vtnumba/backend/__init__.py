@@ -18,6 +18,7 @@ Reading order (one concept per module):
 from vtnumba.backend.arrays import check_nbytes
 from vtnumba.backend.base import FLAG_MAX, Backend, Buffer, Capabilities, Event, GraphHandle, Queue
 from vtnumba.backend.cpu import CPUBackend
+from vtnumba.backend.default import default_backend, default_device
 from vtnumba.backend.device import CPU, MAX_DEVICES_PER_TYPE, Device, DeviceType
 from vtnumba.backend.dtype import DType, as_dtype, check_dtype_supported, supported_dtypes
 from vtnumba.backend.registry import (
@@ -32,7 +33,6 @@ from vtnumba.backend.registry import (
     try_get_backend,
     unregister_backend,
 )
-from vtnumba.backend.default import default_backend, default_device
 
 __all__ = [
     "Backend", "Buffer", "Capabilities", "FLAG_MAX", "Event", "GraphHandle", "Queue", "check_nbytes", "CPUBackend", "CPU",

@@ -39,6 +39,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from vtnumba.backend.arrays import is_int
+
 #: The element types whose words can be loaded and stored atomically here.
 WORD_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.int64), np.dtype(np.uint64))
 _WORD_TYPES = (types.int32, types.uint32, types.int64, types.uint64)
@@ -111,7 +113,7 @@ def _check(arr, idx) -> None:
     if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype not in WORD_DTYPES:
         raise TypeError(f"flags must be a 1-D numpy array of int32/uint32/int64/uint64 words, got "
                         f"{type(arr).__name__} {getattr(arr, 'dtype', None)} ndim={getattr(arr, 'ndim', None)}")
-    if isinstance(idx, bool) or not isinstance(idx, (int, np.integer)) or not 0 <= idx < arr.shape[0]:
+    if not is_int(idx) or not 0 <= idx < arr.shape[0]:
         raise IndexError(f"flag index {idx!r} is out of range for {arr.shape[0]} flags")
     if arr.ctypes.data % arr.dtype.itemsize or arr.strides[0] != arr.dtype.itemsize:
         raise ValueError(f"flags must be contiguous and {arr.dtype.itemsize}-byte aligned for atomic access")

@@ -43,7 +43,7 @@ from typing import Any, Callable
 import numpy as np
 
 from vtnumba.backend import address_ranges
-from vtnumba.backend.arrays import check_int, check_nbytes, check_seconds, check_shape, host_view
+from vtnumba.backend.arrays import check_int, check_nbytes, check_seconds, check_shape, host_view, is_int
 from vtnumba.backend.device import Device, DeviceType
 
 _ids = itertools.count(1)
@@ -295,7 +295,7 @@ class Backend(abc.ABC):
         """Set ``nbytes`` bytes of ``buf`` from ``offset`` to ``value`` (0..255), in queue order."""
         self._check_queue(q)
         self._check_own_buffer("buf", buf)
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= 255:
+        if not is_int(value) or not 0 <= int(value) <= 255:
             raise ValueError(f"value={value!r} must be a byte value, an int in 0..255")
         offset = check_nbytes("offset", offset)
         nbytes = buf.nbytes - offset if nbytes is None else check_nbytes("nbytes", nbytes)

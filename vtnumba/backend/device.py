@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import numpy as np
+from vtnumba.backend.arrays import is_int
 
 MAX_DEVICES_PER_TYPE = 16
 
@@ -40,7 +40,7 @@ class Device:
                 raise ValueError(f"Device type={self.type!r} is not a DeviceType; expected 'cpu' or 'cuda'") from None
         if not isinstance(self.type, DeviceType):
             raise TypeError(f"Device type={self.type!r} must be a DeviceType, got {type(self.type).__name__}")
-        if isinstance(self.index, bool) or not isinstance(self.index, (int, np.integer)):
+        if not is_int(self.index):
             raise TypeError(f"Device index={self.index!r} must be an int")
         if not 0 <= int(self.index) < MAX_DEVICES_PER_TYPE:
             raise ValueError(

@@ -39,8 +39,14 @@ import time
 import numpy as np
 
 from vtnumba.bench import schema
-from vtnumba.bench.timing import (device_copy_rate, measure, memcpy_bandwidth_gbs, stats_from_times, stream_handle,
-                                  time_on_queue)
+from vtnumba.bench.timing import (
+    device_copy_rate,
+    measure,
+    memcpy_bandwidth_gbs,
+    stats_from_times,
+    stream_handle,
+    time_on_queue,
+)
 from vtnumba.target import current_target
 
 EPS = 1e-5
@@ -258,7 +264,6 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
             gbs = traffic / st.median_s / 1e9
             results.append(schema.row(case, "vtnumba-fused-cuda", rows * h, "elements", "GB/s", gbs, st))
             ratios[f"{case} fused cuda GB/s / device copy traffic GB/s"] = gbs / copy_gbs
-        del y, res, out, new_res
 
         mm_sizes = [16] if simulator else ([1024] if cfg["quick"] else [2048, 4096])
         handle = None if simulator else stream_handle(q)

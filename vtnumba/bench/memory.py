@@ -17,7 +17,6 @@ The ratios are ``uncached / cached`` time per op: above 1 means caching wins.
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from vtnumba.bench import schema

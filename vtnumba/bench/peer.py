@@ -28,7 +28,6 @@ a barrier (not timed).  Ratios are peer / mpi4py busbw per size, plus their geom
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from vtnumba.bench import schema

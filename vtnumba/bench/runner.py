@@ -21,11 +21,37 @@ from vtnumba.bench.schema import validate_all, validate_suite
 
 MULTI_RANK = {"peer", "tpsp", "model"}
 ORDER = ("kernels", "memory", "ec", "peer", "tpsp", "model")
+BENCH_SUITES = ORDER
+BENCH_HELP = {
+    "kernels": "fused host norm vs numpy, host matmul vs BLAS; on a GPU the matmul ladder vs cuBLAS",
+    "memory": "cached vs uncached allocation",
+    "ec": "encoder-cache save/load throughput vs memcpy",
+    "peer": "peer-buffer reduce-scatter / all-gather vs mpi4py collectives (mpiexec -n 2)",
+    "tpsp": "fused TPSP vs matmul alone and the unfused mpi4py forward (mpiexec -n 2)",
+    "model": "MiniLM encoder with TPSP vs the regular forward (and sentence-transformers if installed)",
+    "all": "every suite above, one JSON document",
+}
 
 
-def machine_description() -> dict:
-    from vtnumba.info import collect_info
+def add_common_arguments(p) -> None:
+    """The flags every suite takes (``--json``, ``--plot``, ``--quick``)."""
+    p.add_argument("--json", metavar="PATH", nargs="?", const="-", default=None,
+                   help="write the results as JSON to PATH (or stdout with no PATH)")
+    p.add_argument("--plot", metavar="DIR", default=None, help="write perf_report-style PNG plots into DIR")
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds, not minutes)")
 
+
+def add_suite_arguments(name: str, p) -> None:
+    """Let a benchmark suite add its own flags (its ``add_arguments(parser)``, if any).
+
+    Suite modules import nothing heavy at module level, so this is cheap."""
+    add = getattr(importlib.import_module(f"vtnumba.bench.{name}"), "add_arguments", None)
+    if add is not None:
+        add(p)
+
+
+def machine_description(stack: dict | None = None) -> dict:
+    """The machine the numbers come from: ``stack`` (what ``vtnumba info`` collects) plus the CPU."""
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -35,7 +61,7 @@ def machine_description() -> dict:
                     break
     except OSError:
         pass
-    info = collect_info()
+    info = dict(stack or {})
     info.update(cpu=cpu, cores=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
     return info
 
@@ -50,8 +76,6 @@ def suite_args(name: str, args):
     ``vtnumba bench all`` parses only the common flags (--quick, --json, --plot); each
     suite still sees every attribute its ``add_arguments`` defines."""
     import argparse
-
-    from vtnumba.cli import add_suite_arguments
 
     parser = argparse.ArgumentParser(add_help=False)
     add_suite_arguments(name, parser)
@@ -133,7 +157,8 @@ def plot_suite(res: dict, out_dir: str) -> list[str]:
     return paths
 
 
-def run_bench(args) -> int:
+def run_bench(args, stack: dict | None = None) -> int:
+    """Run ``args.suite`` (or all); ``stack`` describes the software and target for the JSON document."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -147,7 +172,7 @@ def run_bench(args) -> int:
                 print_suite(res)
     if comm.Get_rank() != 0:
         return 0
-    doc = {"machine": machine_description(), "suites": suites}
+    doc = {"machine": machine_description(stack), "suites": suites}
     validate_all(doc)
     if args.json == "-":
         print(json.dumps(doc, indent=2))

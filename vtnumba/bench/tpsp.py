@@ -25,7 +25,6 @@ the reference shape ``T = 2048`` spelled out in the notes.
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from vtnumba.bench import schema

@@ -54,6 +54,7 @@ import numpy as np
 from mpi4py import MPI
 
 from vtnumba import trace
+from vtnumba.backend.arrays import is_int
 from vtnumba.backend.cpu import CPUBackend
 from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, wait_request
 from vtnumba.dist.peer_buffers import PeerBuffers
@@ -200,7 +201,7 @@ def reduce_scatter(pb, x, out, signals, *, offset: int = 0, queue=None, timeout_
         dt = np.dtype(x.dtype)
         if np.dtype(out.dtype) != dt:
             raise TypeError(f"out has dtype {np.dtype(out.dtype).name}; expected x's {dt.name}")
-        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0 \
+        if not is_int(offset) or offset < 0 \
                 or offset % dt.itemsize:
             raise ValueError(f"offset={offset!r} must be a non-negative multiple of {dt.itemsize}")
         need = offset + T * H * dt.itemsize
@@ -269,7 +270,7 @@ def all_gather(pb, x_shard, out, signals, *, offset: int = 0, queue=None, timeou
         dt = np.dtype(x_shard.dtype)
         if np.dtype(out.dtype) != dt:
             raise TypeError(f"out has dtype {np.dtype(out.dtype).name}; expected x_shard's {dt.name}")
-        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+        if not is_int(offset) or offset < 0:
             raise ValueError(f"offset={offset!r} must be a non-negative int")
         in_place = _already_in_buffer(pb, out, offset)
         need = offset + (T if in_place else R) * H * dt.itemsize

@@ -37,6 +37,7 @@ import struct
 
 import numpy as np
 
+from vtnumba.backend.arrays import is_int
 from vtnumba.backend.base import Backend, check_nbytes
 from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, agree_errors, allgather_bytes, barrier
 from vtnumba.dist.shm import ShmSegment
@@ -261,7 +262,7 @@ class PeerBuffers:
     def peer(self, rank: int):
         """Group rank ``rank``'s buffer as a flat uint8 array (``peer(self.group.rank)`` is ``local``)."""
         self._check_open()
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.group.size:
+        if not is_int(rank) or not 0 <= rank < self.group.size:
             raise ValueError(f"rank={rank!r} must be a group rank in 0..{self.group.size - 1} "
                              f"of group {self.group.name!r}")
         return self._peers[int(rank)]

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtnumba.backend.arrays import check_seconds, host_view
+from vtnumba.backend.arrays import check_seconds, host_view, is_int
 from vtnumba.backend.atomics import store_release
 from vtnumba.backend.polling import WaitTimeout, poll_until
 from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, agree_errors, barrier
@@ -133,7 +133,7 @@ class QueueFlags:
             return list(range(n))
         out = [ranks] if isinstance(ranks, (int, np.integer)) and not isinstance(ranks, bool) else list(ranks)
         for r in out:
-            if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < n:
+            if not is_int(r) or not 0 <= r < n:
                 raise ValueError(f"{what}={ranks!r} must be group ranks in 0..{n - 1} of group {self.group.name!r}")
         return [int(r) for r in out]
 

@@ -44,6 +44,7 @@ import time
 
 import numpy as np
 
+from vtnumba.backend.arrays import is_int
 from vtnumba.backend.atomics import _load_acquire, _store_release
 from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, _backoff, agree_errors, allgather_bytes
 
@@ -107,7 +108,7 @@ class PeerSignals:
             raise ValueError(f"unknown flag name={name!r}; this PeerSignals has {list(self.names)}") from None
 
     def _rank(self, rank, what: str) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.group.size:
+        if not is_int(rank) or not 0 <= rank < self.group.size:
             raise ValueError(f"{what}={rank!r} must be a group rank in 0..{self.group.size - 1} "
                              f"of group {self.group.name!r}")
         return int(rank)

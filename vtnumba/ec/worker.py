@@ -38,12 +38,12 @@ from typing import Any
 import numpy as np
 
 from vtnumba import trace
+from vtnumba.backend.address_ranges import register, unregister
 from vtnumba.backend.base import Backend, Buffer, Event, Queue
 from vtnumba.ec.descriptors import DescriptorBufferPool, DescriptorBuffers, coalesce_runs
 from vtnumba.ec.destination import LoadDestination, LoadDestinations
 from vtnumba.ec.metadata import ECConnectorMetadata, ECWorkerMetadata
 from vtnumba.ec.region import ECSharedRegion
-from vtnumba.backend.address_ranges import register, unregister
 from vtnumba.memory.copy_engine import address_of, batched_copy, prepare
 
 __all__ = ["ECWorker", "Transfer"]

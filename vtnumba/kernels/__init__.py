@@ -25,10 +25,10 @@ device array, and the ``@cuda.jit`` kernels themselves (``vtnumba.kernels.matmul
 attributes loaded on first access, for tutorials that launch one ladder step by hand.
 """
 
-from vtnumba.memory.copy_engine import batched_copy, batched_copy_reference
 from vtnumba.kernels.matmul import DEFAULT_VARIANT, VARIANTS, linear, linear_rows_to, matmul, matmul_rows_host
 from vtnumba.kernels.norm import add_norm_rows_host, fused_add_layer_norm, fused_add_rms_norm
 from vtnumba.kernels.peer import NORMS, gather_rows, gather_rows_host, peer_reduce_norm, peer_reduce_norm_rows_host
+from vtnumba.memory.copy_engine import batched_copy, batched_copy_reference
 
 __all__ = [
     "VARIANTS", "DEFAULT_VARIANT", "matmul", "linear", "linear_rows_to", "matmul_rows_host",

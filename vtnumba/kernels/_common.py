@@ -25,10 +25,8 @@ target never pays for (or is locked out of the simulator by) that import.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
-
-import numpy as np
 
 from vtnumba.backend.arrays import (  # noqa: F401  (re-exported: the kernels' shared vocabulary)
     DEVICE,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vtnumba.backend.arrays import is_int
 from vtnumba.kernels._common import HOST, check_array, common_kind, empty, run
 
 VARIANTS = ("naive", "smem", "regtile")
@@ -148,7 +149,7 @@ def linear_rows_to(x, w, bias, dests, rows_per_dest: int, queue=None, backend=No
     Returns ``dests``.  See the module docstring for why this is one launch per destination.
     """
     variant = _check_variant(variant)
-    if isinstance(rows_per_dest, bool) or not isinstance(rows_per_dest, (int, np.integer)) or rows_per_dest < 1:
+    if not is_int(rows_per_dest) or rows_per_dest < 1:
         raise ValueError(f"rows_per_dest={rows_per_dest!r} must be a positive int")
     R = int(rows_per_dest)
     if not isinstance(dests, (list, tuple)) or not dests:

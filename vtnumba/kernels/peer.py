@@ -28,6 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from vtnumba.backend.arrays import is_int
 from vtnumba.kernels._common import check_array, check_eps, common_kind, run
 from vtnumba.kernels._streaming import STREAM_MIN_BYTES, store_fence, store_row
 from vtnumba.kernels.norm import _finish_row
@@ -111,7 +112,7 @@ def _check_rows(rows, nrows: int) -> tuple[int, int]:
     except (TypeError, ValueError):
         raise TypeError(f"rows={rows!r} must be None or a (start, stop) pair of ints") from None
     for v in (start, stop):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        if not is_int(v):
             raise TypeError(f"rows={rows!r} must be None or a (start, stop) pair of ints")
     start, stop = int(start), int(stop)
     if not 0 <= start <= stop <= nrows:
@@ -186,7 +187,7 @@ def gather_rows(src, dests, row_offset: int = 0, queue=None, backend=None):
     kind = common_kind({"src": src, **{f"dests[{k}]": d for k, d in enumerate(dests)}})
     check_array("src", src, ndim=2, dtypes=_F32)
     n, h = src.shape
-    if isinstance(row_offset, bool) or not isinstance(row_offset, (int, np.integer)) or row_offset < 0:
+    if not is_int(row_offset) or row_offset < 0:
         raise ValueError(f"row_offset={row_offset!r} must be a non-negative int")
     row_offset = int(row_offset)
     for k, dest in enumerate(dests):

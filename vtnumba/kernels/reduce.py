@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from vtnumba.backend.arrays import is_int
+
 THREADS_PER_BLOCK = 128
 
 
@@ -134,9 +136,9 @@ def _check_rows(out, sources, row0, nrows) -> None:
     if not sources:
         raise ValueError("sources is empty; sum_rows needs at least one source array")
     R, H = (int(s) for s in out.shape)
-    if isinstance(row0, bool) or not isinstance(row0, (int, np.integer)) or row0 < 0:
+    if not is_int(row0) or row0 < 0:
         raise ValueError(f"row0={row0!r} must be a non-negative int")
-    if isinstance(nrows, bool) or not isinstance(nrows, (int, np.integer)) or not 0 <= nrows <= R:
+    if not is_int(nrows) or not 0 <= nrows <= R:
         raise ValueError(f"nrows={nrows!r} must be an int in 0..{R} (out has {R} rows)")
     for j, s in enumerate(sources):
         if getattr(s, "ndim", None) != 2 or int(s.shape[1]) != H:

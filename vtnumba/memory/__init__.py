@@ -18,13 +18,20 @@ from vtnumba.memory.allocator import (
     AllocatorOutOfMemory,
     Block,
     CachingAllocator,
+    note_use,
     round_size,
 )
 from vtnumba.memory.arena import ArenaOverflowError, StepArena
 from vtnumba.memory.copy_engine import batched_copy, batched_copy_reference
 from vtnumba.memory.current_queue import current_queue, using_queue
-from vtnumba.memory.hazards import (HazardChecker, HazardError, HazardReport, active_checker, check_hazards,
-                                    hazard_checks_off, note_use)
+from vtnumba.memory.hazards import (
+    HazardChecker,
+    HazardError,
+    HazardReport,
+    active_checker,
+    check_hazards,
+    hazard_checks_off,
+)
 from vtnumba.memory.numba_emm import install_numba_memory_manager, numba_memory_manager_class, record_stream_array
 
 __all__ = [

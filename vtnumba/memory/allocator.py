@@ -558,3 +558,23 @@ class CachingAllocator:
 def _expect(ok: bool, what: str) -> None:
     if not ok:
         raise RuntimeError(f"CachingAllocator invariant broken: {what}")
+
+
+def note_use(block, queue: Queue) -> None:
+    """Tell the checker that work on ``queue`` uses ``block`` (cheap no-op when it is off).
+
+    Call it right after submitting the work -- a copy, a kernel -- on a queue that is not
+    the block's own.  It does not protect the block (that is ``record_stream``); it lets the
+    checker notice when nothing else does.
+    """
+    if not isinstance(block, Block):
+        raise TypeError(f"note_use(block=...) needs a Block from CachingAllocator.allocate, "
+                        f"got {type(block).__name__}")
+    if not isinstance(queue, Queue):
+        raise TypeError(f"note_use(queue=...) needs a Queue, got {type(queue).__name__}")
+    if queue.backend is not block.backend:
+        raise ValueError(f"note_use(queue={queue.name}) belongs to {queue.backend.name}, not to the block's "
+                         f"backend {block.backend.name}")
+    checker = _hazards.active_checker()
+    if checker is not None:
+        checker.note_use(block, queue)

@@ -14,7 +14,7 @@ What it tracks, per block:
 
 * the **queues that used it**: the owner (noted by ``allocate``), every queue passed to
   ``record_stream`` (*covered*: the allocator will wait for it), and every queue reported
-  with :func:`note_use` -- library code that submits work touching a block on some queue
+  with :func:`vtnumba.memory.note_use` -- library code that submits work touching a block on some queue
   calls ``note_use(block, queue)``, exactly the information the allocator lacks;
 * at ``free``, an **event on each of those queues**, so "has that use completed?" has an answer.
 
@@ -253,28 +253,6 @@ def hazard_checks_off():
     (for demonstrations of the unchecked hazard)."""
     with _pushed(None):
         yield
-
-
-def note_use(block, queue: Queue) -> None:
-    """Tell the checker that work on ``queue`` uses ``block`` (cheap no-op when it is off).
-
-    Call it right after submitting the work -- a copy, a kernel -- on a queue that is not
-    the block's own.  It does not protect the block (that is ``record_stream``); it lets the
-    checker notice when nothing else does.
-    """
-    from vtnumba.memory.allocator import Block
-
-    if not isinstance(block, Block):
-        raise TypeError(f"note_use(block=...) needs a Block from CachingAllocator.allocate, "
-                        f"got {type(block).__name__}")
-    if not isinstance(queue, Queue):
-        raise TypeError(f"note_use(queue=...) needs a Queue, got {type(queue).__name__}")
-    if queue.backend is not block.backend:
-        raise ValueError(f"note_use(queue={queue.name}) belongs to {queue.backend.name}, not to the block's "
-                         f"backend {block.backend.name}")
-    checker = active_checker()
-    if checker is not None:
-        checker.note_use(block, queue)
 
 
 def _mode_from_env() -> str | None:

@@ -11,7 +11,7 @@ import math
 
 from numba import cuda, float32
 
-from vtnumba.nn.activation import SQRT_2_OVER_PI
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)  # the tanh-GELU constant (same value as the host twin's)
 
 
 @cuda.jit

@@ -26,9 +26,7 @@ from typing import Any
 
 import numpy as np
 
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+from vtnumba.backend.arrays import is_int
 
 
 @dataclass(frozen=True)
@@ -50,14 +48,14 @@ class TPSPConfig:
 
     def __post_init__(self) -> None:
         c = self.chunk_tokens_per_rank
-        if not _is_int(c):
+        if not is_int(c):
             raise TypeError(f"TPSPConfig.chunk_tokens_per_rank={c!r} must be an int, got {type(c).__name__}")
         if c < 1:
             raise ValueError(f"TPSPConfig.chunk_tokens_per_rank={c} must be >= 1 (token rows per rank per step)")
         object.__setattr__(self, "chunk_tokens_per_rank", int(c))
         s = self.sm_count_target
         if s is not None:
-            if not _is_int(s):
+            if not is_int(s):
                 raise TypeError(f"TPSPConfig.sm_count_target={s!r} must be an int or None, got {type(s).__name__}")
             if s < 1:
                 raise ValueError(f"TPSPConfig.sm_count_target={s} must be >= 1 (or None for no limit)")
@@ -77,19 +75,19 @@ class TPSPProfile:
         if not isinstance(self.enabled, (bool, np.bool_)):
             raise TypeError(f"TPSPProfile.enabled={self.enabled!r} must be a bool")
         m = self.max_batched_tokens
-        if not _is_int(m) or m < 1:
+        if not is_int(m) or m < 1:
             raise ValueError(f"TPSPProfile.max_batched_tokens={m!r} must be an int >= 1")
         t = self.threshold_tokens
         if self.enabled:
-            if not _is_int(t) or not 1 <= t <= m:
+            if not is_int(t) or not 1 <= t <= m:
                 raise ValueError(f"TPSPProfile.threshold_tokens={t!r} must be an int in 1..max_batched_tokens={m} "
                                  "when enabled")
-        elif t is not None and (not _is_int(t) or t < 1):
+        elif t is not None and (not is_int(t) or t < 1):
             raise ValueError(f"TPSPProfile.threshold_tokens={t!r} must be None or an int >= 1")
 
     def is_active(self, num_tokens: int) -> bool:
         """Should a batch of ``num_tokens`` tokens use TPSP?  Raises for counts outside 1..max_batched_tokens."""
-        if not _is_int(num_tokens):
+        if not is_int(num_tokens):
             raise TypeError(f"num_tokens={num_tokens!r} must be an int")
         if not 1 <= num_tokens <= self.max_batched_tokens:
             raise ValueError(f"num_tokens={num_tokens} is outside the profiled range 1..max_batched_tokens="

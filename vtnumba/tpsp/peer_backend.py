@@ -30,6 +30,7 @@ import threading
 import numpy as np
 
 from vtnumba import trace
+from vtnumba.backend.arrays import is_int
 from vtnumba.dist import DEFAULT_TIMEOUT_S, agree_errors, all_ranks_ready, get_group
 from vtnumba.tpsp.backend import TPSPBackend
 from vtnumba.tpsp.config import TPSPConfig
@@ -76,9 +77,6 @@ class TPSPHandle:
                 f"max_tokens={self.max_batched_tokens} chunk={self.config.chunk_tokens_per_rank} "
                 f"exchange={self.workspace.exchange} ({state})>")
 
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 class PeerTPSPBackend(TPSPBackend):
@@ -186,14 +184,14 @@ class PeerTPSPBackend(TPSPBackend):
             return ValueError(f"open(group_name={group_name!r}) but this backend serves group {self.group_name!r}")
         if device is not None and device != self.device:
             return ValueError(f"open(device={device}) but this backend serves device {self.device}")
-        if not _is_int(tp_size) or tp_size != group.size:
+        if not is_int(tp_size) or tp_size != group.size:
             return ValueError(f"tp_size={tp_size!r} but group {group.name!r} has {group.size} ranks")
-        if not _is_int(hidden_size) or hidden_size < 1:
+        if not is_int(hidden_size) or hidden_size < 1:
             return ValueError(f"hidden_size={hidden_size!r} must be a positive int")
         if hidden_size % tp_size:
             return ValueError(f"hidden_size={hidden_size} is not divisible by tp_size={tp_size} (the seed's "
                               "requirement; pick a hidden size that is a multiple of the group size)")
-        if not _is_int(max_batched_tokens) or max_batched_tokens < 1:
+        if not is_int(max_batched_tokens) or max_batched_tokens < 1:
             return ValueError(f"max_batched_tokens={max_batched_tokens!r} must be a positive int")
         if not isinstance(name, str) or not name:
             return ValueError(f"name={name!r} must be a non-empty str (the ops group the handle serves)")
@@ -219,7 +217,7 @@ class PeerTPSPBackend(TPSPBackend):
     def _resolve_config(self, handle: TPSPHandle, config) -> TPSPConfig:
         if config is None:
             return handle.config
-        if _is_int(config):
+        if is_int(config):
             config = TPSPConfig(int(config))
         if not isinstance(config, TPSPConfig):
             raise TypeError(f"config={config!r} must be a TPSPConfig or an int microchunk size")

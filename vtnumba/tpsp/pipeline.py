@@ -62,8 +62,6 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-import numpy as np
-
 from vtnumba import trace
 from vtnumba.backend.arrays import cdiv
 from vtnumba.backend.polling import WaitTimeout

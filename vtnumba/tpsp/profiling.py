@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
+from vtnumba.backend.arrays import is_int
 from vtnumba.dist import all_ranks_ready, barrier, get_group
 from vtnumba.dist.comm import wait_request
 from vtnumba.tpsp.config import TPSPConfig, TPSPContext, TPSPProfile, check_ops_groups
@@ -64,9 +65,6 @@ class ProfileReport:
     parity_max_err: float | None = None
     elapsed_s: float = 0.0
 
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _allreduce_max(value: float, group, timeout_s: float) -> float:
@@ -255,9 +253,9 @@ def profile_tpsp(backend, ops_groups, max_batched_tokens: int, *, search: bool =
     if backend.closed:
         raise RuntimeError(f"{type(backend).__name__} is closed")
     groups = check_ops_groups(ops_groups)
-    if not _is_int(max_batched_tokens) or max_batched_tokens < 1:
+    if not is_int(max_batched_tokens) or max_batched_tokens < 1:
         raise ValueError(f"max_batched_tokens={max_batched_tokens!r} must be a positive int")
-    if threshold_tokens is not None and (not _is_int(threshold_tokens)
+    if threshold_tokens is not None and (not is_int(threshold_tokens)
                                          or not 1 <= threshold_tokens <= max_batched_tokens):
         raise ValueError(f"threshold_tokens={threshold_tokens!r} must be an int in 1..max_batched_tokens="
                          f"{max_batched_tokens}")

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from vtnumba.backend.arrays import is_int
+
 
 def shard_rows(num_tokens: int, tp: int) -> int:
     """``R = ceil(T / tp)``: rows per rank (at least 1)."""
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
+    if not is_int(num_tokens) or num_tokens < 1:
         raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 1")
-    if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
+    if not is_int(tp) or tp < 1:
         raise ValueError(f"tp={tp!r} must be an int >= 1")
     return -(-int(num_tokens) // int(tp))
 
@@ -26,7 +28,7 @@ def shard_rows(num_tokens: int, tp: int) -> int:
 def token_range(num_tokens: int, tp: int, rank: int) -> tuple[int, int]:
     """The real (not padding) token rows ``[start, stop)`` that ``rank`` owns; may be empty."""
     R = shard_rows(num_tokens, tp)
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < tp:
+    if not is_int(rank) or not 0 <= rank < tp:
         raise ValueError(f"rank={rank!r} must be an int in 0..{tp - 1}")
     start = min(rank * R, num_tokens)
     return start, min(start + R, num_tokens)

@@ -29,7 +29,7 @@ def _scale_kernel_host(data: np.ndarray, factor: float) -> None:
 def _run_scale(backend, q, arr, factor: float) -> None:
     """Submit ``arr *= factor`` on queue ``q`` (a CUDA kernel on cuda/cudasim)."""
     if current_target().uses_cuda_kernels:
-        from vtnumba.demo_kernels import scale_kernel as scale
+        from vtnumba.apps.runtime_tour_kernels import scale_kernel as scale
 
         threads = 128
         blocks = (arr.size + threads - 1) // threads

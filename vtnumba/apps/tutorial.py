@@ -11,7 +11,11 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from vtnumba.apps.processes import share_cores_between_local_ranks
 from vtnumba.target import TARGETS, select_target
+
+# A tutorial imports this module first, before numpy: share the cores between the ranks now.
+share_cores_between_local_ranks()
 
 
 @dataclass

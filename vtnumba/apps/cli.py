@@ -3,8 +3,8 @@
 Every command takes ``--target auto|cuda|cudasim|cpu`` (default: ``$VTNUMBA_TARGET`` or
 ``auto``).  The target is chosen *before* any command module is imported, because the
 simulator must be switched on before ``numba.cuda`` is imported (see
-:mod:`vtnumba.target`).  This module only parses and dispatches: each command lives in
-the package that owns the concept.
+:mod:`vtnumba.target`).  This module only parses and dispatches: each command lives in a
+module of its own in :mod:`vtnumba.apps`, the benchmarks in :mod:`vtnumba.bench`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vtnumba.apps.processes import share_cores_between_local_ranks
 from vtnumba.target import TARGETS, select_target
-
-BENCH_SUITES = ("kernels", "memory", "peer", "tpsp", "ec", "model")
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
@@ -22,36 +21,11 @@ def _add_target(p: argparse.ArgumentParser) -> None:
                    help="execution target (default: $VTNUMBA_TARGET or 'auto' = cuda if a GPU is usable, else cpu)")
 
 
-BENCH_HELP = {
-    "kernels": "fused host norm vs numpy, host matmul vs BLAS; on a GPU the matmul ladder vs cuBLAS",
-    "memory": "cached vs uncached allocation",
-    "ec": "encoder-cache save/load throughput vs memcpy",
-    "peer": "peer-buffer reduce-scatter / all-gather vs mpi4py collectives (mpiexec -n 2)",
-    "tpsp": "fused TPSP vs matmul alone and the unfused mpi4py forward (mpiexec -n 2)",
-    "model": "MiniLM encoder with TPSP vs the regular forward (and sentence-transformers if installed)",
-    "all": "every suite above, one JSON document",
-}
-
-
-def _add_bench_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="PATH", nargs="?", const="-", default=None,
-                   help="write the results as JSON to PATH (or stdout with no PATH)")
-    p.add_argument("--plot", metavar="DIR", default=None, help="write perf_report-style PNG plots into DIR")
-    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds, not minutes)")
-
-
-def add_suite_arguments(name: str, p: argparse.ArgumentParser) -> None:
-    """Let a benchmark suite add its own flags (its ``add_arguments(parser)``, if any).
-
-    Suite modules import nothing heavy at module level, so this is cheap."""
-    import importlib
-
-    add = getattr(importlib.import_module(f"vtnumba.bench.{name}"), "add_arguments", None)
-    if add is not None:
-        add(p)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    # The benchmark suites add their own flags; their modules load numpy, so main() has
+    # shared the cores between ranks before this runs.
+    from vtnumba.bench.runner import BENCH_HELP, BENCH_SUITES, add_common_arguments, add_suite_arguments
+
     parser = argparse.ArgumentParser(
         prog="vtnumba",
         description="vtnumba: a readable inference-engine runtime (device runtime, TPSP, encoder cache). "
@@ -88,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in BENCH_SUITES + ("all",):
         sp = suites.add_parser(name, help=BENCH_HELP[name])
         _add_target(sp)
-        _add_bench_common(sp)
+        add_common_arguments(sp)
         if name != "all":
             add_suite_arguments(name, sp)
 
@@ -101,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    share_cores_between_local_ranks()  # before anything loads numpy's BLAS
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -110,27 +85,28 @@ def main(argv: list[str] | None = None) -> int:
     select_target(args.target)
 
     if args.command == "info":
-        from vtnumba.info import print_info
+        from vtnumba.apps.info import print_info
 
         return print_info(as_json=args.json)
     if args.command == "demo":
         if args.which == "runtime":
-            from vtnumba.demo_runtime import run_runtime_demo
+            from vtnumba.apps.runtime_tour import run_runtime_demo
 
             return run_runtime_demo()
-        from vtnumba.models.pipeline import run_pipeline_demo
+        from vtnumba.apps.pipeline_demo import run_pipeline_demo
 
         return run_pipeline_demo(args)
     if args.command == "embed":
-        from vtnumba.models.cli import run_embed
+        from vtnumba.apps.embed import run_embed
 
         return run_embed(args)
     if args.command == "bench":
+        from vtnumba.apps.info import collect_info
         from vtnumba.bench.runner import run_bench
 
-        return run_bench(args)
+        return run_bench(args, collect_info())
     if args.command == "trace":
-        from vtnumba.tracing_tools import run_traced
+        from vtnumba.apps.trace_tools import run_traced
 
         cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
         if not cmd:

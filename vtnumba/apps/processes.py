@@ -1,0 +1,29 @@
+"""Process-wide settings a program makes before it loads anything heavy: sharing the cores.
+
+Under ``mpiexec -n N`` on one machine, every rank's OpenBLAS would otherwise start one
+thread per core, so N ranks run N x cores threads that fight for the same cores (two
+ranks with a BLAS thread per core each ran the MiniLM encoder at about half the speed of
+one thread each).  BLAS reads its thread count once, when numpy is first imported, so a
+program calls :func:`share_cores_between_local_ranks` first thing -- the command line, the
+tutorial helper, the ``mpi/`` scripts and the test suite's conftest do.  The library never
+does it by itself: ``import vtnumba`` changes nothing in the process.  An explicit
+``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` always wins.
+"""
+
+import os
+
+
+def share_cores_between_local_ranks() -> None:
+    """Give each of the MPI ranks on this machine an equal share of its cores for BLAS."""
+    local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if not local or any(v in os.environ for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        return
+    try:
+        ranks = max(1, int(local))
+    except ValueError:
+        return
+    if ranks > 1:
+        os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+
+
+__all__ = ["share_cores_between_local_ranks"]
