@@ -65,7 +65,7 @@ def run_runtime_demo(n: int | None = None) -> int:
 
     start, copied, done = (backend.create_event() for _ in range(3))
     gate = threading.Event()
-    can_hold = backend.supports_aux_stream() and not getattr(backend, "simulator", False)
+    can_hold = backend.capabilities.async_queues
 
     backend.record_event(start, copy_q)
     if can_hold:

@@ -201,7 +201,7 @@ def device_copy_rate(backend, q=None, nbytes: int = 1 << 30, *, direction: str =
     if own_queue:
         q = backend.create_queue("copy-rate")
     try:
-        if getattr(backend, "simulator", False):
+        if backend.capabilities.simulator:
             nbytes = min(nbytes, 64 << 10)
             dev = cuda.device_array(nbytes, np.uint8)
             other = cuda.device_array(nbytes, np.uint8) if direction == "d2d" else np.zeros(nbytes, np.uint8)

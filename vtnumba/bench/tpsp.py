@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vtnumba.backend.arrays import cdiv
 from vtnumba.bench import schema
 from vtnumba.bench.timing import stats_from_times, time_rounds_on_group
 
@@ -70,7 +71,7 @@ def _measure(group, backend, handle, T, K, H, w, bias, norm_w, rng, repeat, devi
     from mpi4py import MPI
 
     tp = group.size
-    R = -(-T // tp)
+    R = cdiv(T, tp)
     x = rng.standard_normal((T, K), dtype=np.float32)
     residual = rng.standard_normal((R, H), dtype=np.float32)
     p = np.empty((T, H), np.float32)

@@ -54,8 +54,7 @@ import numpy as np
 from mpi4py import MPI
 
 from vtnumba import trace
-from vtnumba.backend.arrays import is_int
-from vtnumba.backend.cpu import CPUBackend
+from vtnumba.backend.arrays import cdiv, host_view, is_c_contiguous, is_int, to_host
 from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, wait_request
 from vtnumba.dist.peer_buffers import PeerBuffers
 from vtnumba.dist.signals import PeerSignals
@@ -66,22 +65,6 @@ _OP_ALL_GATHER = 2
 
 
 # ---------------------------------------------------------------------------- array plumbing
-def _host_view(arr):
-    """A numpy view of ``arr`` if it lives in host memory (numpy or a simulator array), else None."""
-    if isinstance(arr, np.ndarray):
-        return arr
-    ary = getattr(arr, "_ary", None)  # the simulator's FakeCUDAArray wraps a numpy array
-    return ary if isinstance(ary, np.ndarray) else None
-
-
-def _is_c_contiguous(arr) -> bool:
-    host = _host_view(arr)
-    if host is not None:
-        return bool(host.flags["C_CONTIGUOUS"])
-    fn = getattr(arr, "is_c_contiguous", None)
-    return bool(fn()) if fn is not None else False
-
-
 def _already_in_buffer(pb, x, offset: int) -> bool:
     return pb.is_local_view(x, offset)
 
@@ -90,7 +73,7 @@ def _check_2d(name: str, arr) -> tuple[int, int]:
     shape = getattr(arr, "shape", None)
     if shape is None or len(shape) != 2:
         raise ValueError(f"{name} must be a 2-D array, got shape {shape}")
-    if not _is_c_contiguous(arr):
+    if not is_c_contiguous(arr):
         raise ValueError(f"{name} (shape {tuple(shape)}) must be C-contiguous")
     return int(shape[0]), int(shape[1])
 
@@ -109,8 +92,9 @@ def _check_pair(pb, signals):
 
 
 def _host_sync(pb) -> bool:
-    """A synchronous cpu backend: queue work would run inline anyway, so do it directly."""
-    return isinstance(pb.backend, CPUBackend) and not pb.backend.threaded
+    """A synchronous host backend: queue work would run inline anyway, so do it directly."""
+    caps = pb.backend.capabilities
+    return caps.kernel_arrays == "numpy" and not caps.async_queues
 
 
 def _copy(pb, q, dst, src, nbytes: int, dst_offset: int = 0, src_offset: int = 0) -> None:
@@ -127,10 +111,6 @@ def _copy(pb, q, dst, src, nbytes: int, dst_offset: int = 0, src_offset: int = 0
 def _finish(pb, q) -> None:
     if not _host_sync(pb):
         pb.backend.synchronize(q)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---------------------------------------------------------------------------- the shared protocol
@@ -193,7 +173,7 @@ def reduce_scatter(pb, x, out, signals, *, offset: int = 0, queue=None, timeout_
         T, H = _check_2d("x", x)
         if T < 1 or H < 1:
             raise ValueError(f"x has shape ({T}, {H}); expected at least one row and one column")
-        R = _cdiv(T, pb.group.size)
+        R = cdiv(T, pb.group.size)
         oR, oH = _check_2d("out", out)
         if (oR, oH) != (R, H):
             raise ValueError(f"out has shape ({oR}, {oH}); expected (R, H) = ({R}, {H}) with "
@@ -312,16 +292,13 @@ _MPI_DTYPES = (np.float32, np.float64, np.int32, np.int64)
 
 
 def _to_host(arr) -> np.ndarray:
-    host = _host_view(arr)
-    if host is not None:
-        return host
-    return arr.copy_to_host()  # a real device array (mpich from pip is not CUDA-aware)
+    return to_host(arr)  # a real device array is copied: the pip mpich is not CUDA-aware
 
 
 def _back_to(dst, host: np.ndarray) -> None:
-    if _host_view(dst) is not None:
-        if _host_view(dst) is not host:
-            np.copyto(_host_view(dst), host)
+    if host_view(dst) is not None:
+        if host_view(dst) is not host:
+            np.copyto(host_view(dst), host)
         return
     dst.copy_to_device(host)
 
@@ -342,7 +319,7 @@ def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT_TIMEO
     """
     T, H = _check_2d("x", x)
     tp = group.size
-    R = _cdiv(T, tp)
+    R = cdiv(T, tp)
     if tuple(int(s) for s in out.shape) != (R, H):
         raise ValueError(f"out has shape {tuple(out.shape)}; expected (R, H) = ({R}, {H})")
     dt = np.dtype(x.dtype)
@@ -355,7 +332,7 @@ def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT_TIMEO
     else:  # Reduce_scatter_block needs equal blocks: pad with zero rows
         send = np.zeros((tp * R, H), dtype=dt)
         send[:T] = xh
-    recv = _host_view(out) if _host_view(out) is not None else np.empty((R, H), dtype=dt)
+    recv = host_view(out) if host_view(out) is not None else np.empty((R, H), dtype=dt)
     _run_mpi(group, "mpi_reduce_scatter",
              lambda: group.comm.Reduce_scatter_block(send, recv, op=MPI.SUM),
              lambda: group.comm.Ireduce_scatter_block(send, recv, op=MPI.SUM), timeout_s)
@@ -375,7 +352,7 @@ def mpi_all_gather(x_shard, out, group, *, timeout_s: float | None = DEFAULT_TIM
         raise TypeError(f"mpi_all_gather supports float32/float64/int32/int64 with out of x_shard's dtype; "
                         f"got x_shard {dt.name}, out {np.dtype(out.dtype).name}")
     xh = _to_host(x_shard)
-    out_h = _host_view(out)
+    out_h = host_view(out)
     recv = out_h if (out_h is not None and T == tp * R) else np.empty((tp * R, H), dtype=dt)
     _run_mpi(group, "mpi_all_gather",
              lambda: group.comm.Allgather(xh, recv),

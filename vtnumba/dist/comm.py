@@ -19,36 +19,13 @@ reaction is to abort the job (``python -m mpi4py`` does that for an uncaught exc
 
 from __future__ import annotations
 
-import os
-import time
-
 import numpy as np
 from mpi4py import MPI
 
 from vtnumba import trace
+from vtnumba.backend.polling import poll_until
 
 DEFAULT_TIMEOUT_S = 60.0
-
-SPIN_S = 0.005        # poll this long before sleeping: peers on one node answer in microseconds
-PURE_SPIN_S = 0.0002  # ... of which this long without ever yielding the core
-
-
-def _backoff(polls: int, waited: float) -> None:
-    """How a waiting rank spends the time between two polls.
-
-    First a pure spin (a peer on the same node usually answers within microseconds, and a
-    yield on a busy machine can cost hundreds of microseconds before we run again); then
-    a spin that yields now and then (if ranks outnumber cores, the rank we wait for may
-    need this core); then short sleeps, so a long wait does not burn a core at all.
-    """
-    if waited < PURE_SPIN_S:
-        return
-    if waited < SPIN_S:
-        if polls % 64 == 0:
-            os.sched_yield()
-    else:
-        time.sleep(min(1e-3, waited / 100))
-
 
 def _check_timeout(timeout_s) -> float:
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -67,23 +44,17 @@ def wait_request(req: MPI.Request, group, what: str, timeout_s: float = DEFAULT_
 
     ``group`` only names the ranks in the error message (``None`` for a bare communicator).
 
-    Polling follows :func:`_backoff`: a busy loop first (collectives between ranks of one
-    node finish in microseconds, and MPI only progresses inside MPI calls such as
-    ``Test``), occasional yields next (a machine may have fewer cores than ranks), then
-    short sleeps so a long wait does not burn a core.
+    Polling follows :func:`vtnumba.backend.polling.poll_until`: a busy loop first
+    (collectives between ranks of one node finish in microseconds, and MPI only progresses
+    inside MPI calls such as ``Test``), occasional yields next (a machine may have fewer
+    cores than ranks), then short sleeps so a long wait does not burn a core.
     """
     timeout_s = _check_timeout(timeout_s)
-    start = time.perf_counter()
-    polls = 0
-    while not req.Test():
-        polls += 1
-        waited = time.perf_counter() - start
-        if waited > timeout_s:
-            raise RuntimeError(
-                f"{what} on {_describe(group)} timed out after {timeout_s:g} s: at least one peer rank "
-                "never joined (it crashed, hangs, or took another code path). The MPI request cannot be "
-                "cancelled, so this communicator is unusable; abort the job.")
-        _backoff(polls, waited)
+    poll_until(req.Test, timeout_s,
+               lambda waited: f"{what} on {_describe(group)} timed out after {timeout_s:g} s: at least one peer "
+                              "rank never joined (it crashed, hangs, or took another code path). The MPI request "
+                              "cannot be cancelled, so this communicator is unusable; abort the job.",
+               error=RuntimeError)
 
 
 def barrier(group, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

@@ -37,22 +37,18 @@ import struct
 
 import numpy as np
 
-from vtnumba.backend.arrays import is_int
+from vtnumba.backend.arrays import address_of, is_int
 from vtnumba.backend.base import Backend, check_nbytes
 from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, agree_errors, allgather_bytes, barrier
 from vtnumba.dist.shm import ShmSegment
 
 
-def array_address(arr) -> int | None:
-    """The address of an array's first element: host address for numpy and simulator
-    arrays, device address for CUDA arrays; None for anything else."""
-    if isinstance(arr, np.ndarray):
-        return arr.__array_interface__["data"][0]
-    host = getattr(arr, "_ary", None)  # the simulator's FakeCUDAArray wraps a numpy array
-    if isinstance(host, np.ndarray):
-        return host.__array_interface__["data"][0]
-    cai = getattr(arr, "__cuda_array_interface__", None)
-    return cai["data"][0] if cai is not None else None
+def _address_or_none(arr) -> int | None:
+    """``arr``'s address (host or device), or None for something that is not an array."""
+    try:
+        return address_of(arr)
+    except (TypeError, ValueError):
+        return None
 
 
 class PeerAccessError(RuntimeError):
@@ -60,9 +56,10 @@ class PeerAccessError(RuntimeError):
 
 
 def _transport_kind(backend: Backend) -> str:
-    if backend.device_type.value == "cpu":
+    caps = backend.capabilities
+    if caps.kernel_arrays == "numpy":
         return "shm"
-    if getattr(backend, "simulator", False):
+    if caps.host_addressable:  # numba's simulator: "device" memory is host memory
         return "shm-sim"
     return "cuda_ipc"
 
@@ -312,8 +309,8 @@ class PeerBuffers:
         """
         self._check_open()
         if self._local_address is None:  # once: the mapping never moves while open
-            self._local_address = array_address(self._local)
-        a = array_address(arr)
+            self._local_address = _address_or_none(self._local)
+        a = _address_or_none(arr)
         return a is not None and self._local_address is not None and a == self._local_address + offset
 
     @property

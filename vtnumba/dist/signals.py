@@ -40,13 +40,12 @@ forever.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from vtnumba.backend.arrays import is_int
 from vtnumba.backend.atomics import _load_acquire, _store_release
-from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, _backoff, agree_errors, allgather_bytes
+from vtnumba.backend.polling import poll_until
+from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, agree_errors, allgather_bytes
 
 DEFAULT_NAMES = ("inbox_ready", "gather_ready", "consumed")
 META_SLOTS = 8
@@ -183,12 +182,9 @@ class PeerSignals:
         area = self._areas[me]
         base = self._slot(name, 0)
         pending = list(sources)
-        start = time.perf_counter()
-        polls = 0
-        while True:
-            pending = [s for s in pending if _load_acquire(area, base + s) < value]
-            if not pending:
-                return
+
+        def arrived() -> bool:
+            pending[:] = [s for s in pending if _load_acquire(area, base + s) < value]
             for s in pending:
                 # An abort stamp >= value means the source gave up before raising this flag.
                 # Re-read the flag after seeing the stamp: a source that finished its part
@@ -197,15 +193,13 @@ class PeerSignals:
                     raise RuntimeError(
                         f"rank {me} of group {self.group.name!r}: waiting for flag {name!r} >= {value} from rank "
                         f"{s}, but rank {s} aborted (it raised an error in the same step)")
-            polls += 1
-            waited = time.perf_counter() - start
-            if waited > timeout_s:
-                s = pending[0]
-                seen = int(_load_acquire(area, base + s))
-                raise RuntimeError(
-                    f"rank {me} of group {self.group.name!r}: timed out after {timeout_s:g} s waiting for flag "
-                    f"{name!r} from rank {s} to reach {value}; it is {seen}")
-            _backoff(polls, waited)
+            return not pending
+
+        poll_until(arrived, timeout_s,
+                   lambda waited: f"rank {me} of group {self.group.name!r}: timed out after {timeout_s:g} s waiting "
+                                  f"for flag {name!r} from rank {pending[0]} to reach {value}; it is "
+                                  f"{int(_load_acquire(area, base + pending[0]))}",
+                   error=RuntimeError)
 
     def wait_consumed(self, timeout_s: float | None = None) -> None:
         """Wait until every peer has consumed the current epoch (finished reading my buffer).

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 from numba import cuda, float32
 
+from vtnumba.backend.arrays import cdiv
+
 # ---------------------------------------------------------------------------- tile sizes
 # smem kernel: one TILE x TILE thread block per TILE x TILE output tile.
 TILE = 16
@@ -226,18 +228,14 @@ def matmul_regtile_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias):
 KERNELS = {"naive": matmul_naive_kernel, "smem": matmul_smem_kernel, "regtile": matmul_regtile_kernel}
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def launch_config(variant: str, rows: int, n: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """(grid, block) covering a ``rows x n`` output for the given ladder step."""
     if variant == "naive":
-        return (_cdiv(n, 16), _cdiv(rows, 16)), (16, 16)
+        return (cdiv(n, 16), cdiv(rows, 16)), (16, 16)
     if variant == "smem":
-        return (_cdiv(n, TILE), _cdiv(rows, TILE)), (TILE, TILE)
+        return (cdiv(n, TILE), cdiv(rows, TILE)), (TILE, TILE)
     if variant == "regtile":
-        return (_cdiv(n, BN), _cdiv(rows, BM)), (THREADS_X, THREADS_Y)
+        return (cdiv(n, BN), cdiv(rows, BM)), (THREADS_X, THREADS_Y)
     raise ValueError(f"variant={variant!r} is not a matmul variant; expected one of {', '.join(KERNELS)}")
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from numba import cuda, float32
 
+from vtnumba.backend.arrays import cdiv
 from vtnumba.kernels.norm_cuda import normalize_row, threads_for
 
 MAX_SOURCES = 8
@@ -139,7 +140,7 @@ def launch_peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, is_
     # More than MAX_SOURCES: fold the surplus into new_residual first (see module docstring).
     while len(sources) > MAX_SOURCES:
         head, sources = sources[:MAX_SOURCES], sources[MAX_SOURCES:]
-        blocks = -(-nrows * h // _ELEMENTWISE_THREADS)
+        blocks = cdiv(nrows * h, _ELEMENTWISE_THREADS)
         sum_sources_kernel[blocks, _ELEMENTWISE_THREADS, stream](
             *_pad(head, MAX_SOURCES), len(head), residual if has_residual else new_residual, int(has_residual),
             new_residual, int(r0), int(r1))
@@ -157,7 +158,7 @@ def launch_gather_rows(src, dests, row_offset, stream) -> None:
     n, h = src.shape
     if n == 0 or h == 0:
         return
-    blocks = -(-n * h // _ELEMENTWISE_THREADS)
+    blocks = cdiv(n * h, _ELEMENTWISE_THREADS)
     dests = list(dests)
     for k in range(0, len(dests), MAX_DESTS):
         chunk = dests[k:k + MAX_DESTS]

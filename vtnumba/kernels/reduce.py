@@ -158,7 +158,7 @@ def sum_rows(out, sources, row0: int, nrows: int, *, backend, queue) -> None:
     """
     _check_rows(out, sources, row0, nrows)
     row0, nrows = int(row0), int(nrows)
-    on_host = backend.device_type.value == "cpu"
+    on_host = backend.capabilities.kernel_arrays == "numpy"
     steps = [("copy_rows", (sources[0],))] if len(sources) == 1 else \
         [("add_rows", (sources[0], sources[1]))] + [("accumulate_rows", (s,)) for s in sources[2:]]
     for name, srcs in steps:

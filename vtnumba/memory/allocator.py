@@ -43,6 +43,7 @@ import time
 
 import numpy as np
 
+from vtnumba.backend.arrays import cdiv
 from vtnumba.backend.base import Backend, Buffer, Queue, check_nbytes
 from vtnumba.memory import hazards as _hazards
 
@@ -60,7 +61,7 @@ _seg_ids = itertools.count(1)
 
 def round_size(nbytes: int, min_block: int = MIN_BLOCK) -> int:
     """The size class of a request: ``nbytes`` rounded up to a multiple of ``min_block``."""
-    return -(-nbytes // min_block) * min_block
+    return cdiv(nbytes, min_block) * min_block
 
 
 class AllocatorOutOfMemory(MemoryError):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vtnumba.backend.arrays import cdiv
 from vtnumba.backend.base import Backend, check_nbytes
 
 ALIGN = 64  # cache line on the host; >= what any vector load on the GPU needs
@@ -25,7 +26,7 @@ class ArenaOverflowError(MemoryError):
 
 
 def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+    return cdiv(n, ALIGN) * ALIGN
 
 
 class StepArena:

@@ -224,7 +224,7 @@ def _legacy_default_queue(backend) -> Queue:
     from numba import cuda
 
     q = backend.create_queue("legacy-default")
-    if getattr(backend, "simulator", True) is False:
+    if not backend.capabilities.simulator:
         q.stream = cuda.default_stream()
     return q
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vtnumba.backend.arrays import cdiv
 from vtnumba.tpsp.norm_type import LAYER, get_tpsp_norm_type
 
 
@@ -79,7 +80,7 @@ def check_call(x, w, bias, residual, norm_weight, eps, norm_bias, norm, tp: int,
     if hidden_size is not None and H != hidden_size:
         raise ValueError(f"w has shape {tuple(w.shape)}: H={H}, but this TPSP handle was opened for "
                          f"hidden_size={hidden_size}")
-    R = -(-T // tp)
+    R = cdiv(T, tp)
     if bias is not None:
         check_array("bias", bias, (H,))
     try:

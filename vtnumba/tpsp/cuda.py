@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vtnumba.backend.arrays import cdiv
 from vtnumba.backend.device import Device, DeviceType
 from vtnumba.dist import DEFAULT_TIMEOUT_S
 from vtnumba.kernels import linear_rows_to
@@ -95,7 +96,7 @@ class CudaTPSPBackend(PeerTPSPBackend):
 
     @property
     def simulator(self) -> bool:
-        return bool(getattr(self._backend, "simulator", False))
+        return self._backend.capabilities.simulator
 
     def _check_array_kind(self, arrays: dict) -> None:
         from vtnumba.backend.cuda import is_device_array
@@ -121,7 +122,7 @@ class CudaTPSPBackend(PeerTPSPBackend):
     def default_config(self, handle) -> TPSPConfig:
         # Overlap needs several chunks; 4 steps of at least one granule each is a sane start.
         rows = handle.max_chunk_rows
-        chunk = max(self.tpsp_chunk_granularity, -(-rows // 4))
+        chunk = max(self.tpsp_chunk_granularity, cdiv(rows, 4))
         return TPSPConfig(min(rows, chunk))
 
     def sm_count(self) -> int | None:

@@ -30,7 +30,7 @@ import threading
 import numpy as np
 
 from vtnumba import trace
-from vtnumba.backend.arrays import is_int
+from vtnumba.backend.arrays import cdiv, is_int
 from vtnumba.dist import DEFAULT_TIMEOUT_S, agree_errors, all_ranks_ready, get_group
 from vtnumba.tpsp.backend import TPSPBackend
 from vtnumba.tpsp.config import TPSPConfig
@@ -136,7 +136,7 @@ class PeerTPSPBackend(TPSPBackend):
         """Rows per rank one workspace slot holds (seed: ``max_chunk_rows``)."""
         cap = max_batched_tokens if self.tpsp_max_microchunk_tokens is None else \
             min(max_batched_tokens, self.tpsp_max_microchunk_tokens)
-        return -(-cap // tp_size)
+        return cdiv(cap, tp_size)
 
     def open(self, *, dtype=np.float32, tp_size: int, hidden_size: int, max_batched_tokens: int,
              group_name: str | None = None, device=None, name: str = "default") -> TPSPHandle | None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from vtnumba.backend.arrays import is_int
+from vtnumba.backend.arrays import is_int, to_host
 from vtnumba.dist import all_ranks_ready, barrier, get_group
 from vtnumba.dist.comm import wait_request
 from vtnumba.tpsp.config import TPSPConfig, TPSPContext, TPSPProfile, check_ops_groups
@@ -218,10 +218,7 @@ def _scan_threshold(runners, max_batched_tokens: int, deadline: float, report: P
 
 
 def _host(arr) -> np.ndarray:
-    if isinstance(arr, np.ndarray):
-        return arr
-    ary = getattr(arr, "_ary", None)
-    return ary if isinstance(ary, np.ndarray) else arr.copy_to_host()
+    return to_host(arr)
 
 
 def _parity(runners, report: ProfileReport) -> tuple[bool, str]:

@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from vtnumba import trace
+from vtnumba.backend.arrays import array_kind, empty, host_view
 from vtnumba.dist import DEFAULT_TIMEOUT_S, mpi_all_gather, mpi_reduce_scatter
 from vtnumba.dist.comm import wait_request
 from vtnumba.kernels import fused_add_layer_norm, fused_add_rms_norm, linear
@@ -40,11 +41,7 @@ from vtnumba.tpsp.norm_type import LAYER, get_tpsp_norm_type
 
 def _empty_like_kind(ref, shape):
     """A new float32 array of ``shape`` in the same memory as ``ref`` (numpy or device)."""
-    if isinstance(ref, np.ndarray):
-        return np.empty(shape, dtype=np.float32)
-    from numba import cuda
-
-    return cuda.device_array(shape, dtype=np.float32)
+    return empty(array_kind("ref", ref), shape, np.float32)
 
 
 def add_norm(y, residual, weight, eps, bias, norm_bias, norm: str, out, new_residual):
@@ -81,7 +78,7 @@ def regular_matmul_rs_norm_ag(group, x, w, bias, residual, norm_weight, eps, nor
 
 def mpi_all_reduce_(partial, group, timeout_s: float | None = DEFAULT_TIMEOUT_S):
     """In-place MPI sum of ``partial`` over ``group`` (device arrays staged through the host)."""
-    host = partial if isinstance(partial, np.ndarray) else getattr(partial, "_ary", None)
+    host = host_view(partial)
     staged = host is None
     if staged:
         host = partial.copy_to_host()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtnumba.backend.arrays import is_int
+from vtnumba.backend.arrays import cdiv, is_int
 
 
 def shard_rows(num_tokens: int, tp: int) -> int:
@@ -22,7 +22,7 @@ def shard_rows(num_tokens: int, tp: int) -> int:
         raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 1")
     if not is_int(tp) or tp < 1:
         raise ValueError(f"tp={tp!r} must be an int >= 1")
-    return -(-int(num_tokens) // int(tp))
+    return cdiv(num_tokens, tp)
 
 
 def token_range(num_tokens: int, tp: int, rank: int) -> tuple[int, int]:
