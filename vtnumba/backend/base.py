@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from vtnumba import trace
 from vtnumba.backend import address_ranges
 from vtnumba.backend.arrays import check_int, check_nbytes, check_seconds, check_shape, host_view, is_int
 from vtnumba.backend.device import Device, DeviceType
@@ -177,6 +178,21 @@ class Event:
 
     def __repr__(self) -> str:
         return f"<Event #{self.id} on {self.backend.device}{' (destroyed)' if self.destroyed else ''}>"
+
+
+class EventMark:
+    """One recording of an event on the host side: fires once, remembers when (host backends and
+    the simulator use it; a GPU event keeps that state in the driver)."""
+
+    __slots__ = ("done", "time_ns")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.time_ns = 0
+
+    def fire(self) -> None:
+        self.time_ns = trace.now_ns()
+        self.done.set()
 
 
 class GraphHandle:

@@ -23,7 +23,7 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.atomics import load_acquire, store_release
-from vtnumba.backend.base import Backend, Buffer, Capabilities, Event, Queue
+from vtnumba.backend.base import Backend, Buffer, Capabilities, Event, EventMark, Queue
 from vtnumba.backend.device import CPU, Device, DeviceType
 from vtnumba.backend.polling import WaitTimeout, poll_until
 
@@ -64,24 +64,10 @@ def wait_flag_word(flags: np.ndarray, index: int, value: int, timeout_s: float, 
                               f"{load_acquire(flags, index)}", error=WaitTimeout)
 
 
-class _Mark:
-    """One recording of an event: fires once, remembers when."""
-
-    __slots__ = ("done", "time_ns")
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.time_ns = 0
-
-    def fire(self) -> None:
-        self.time_ns = trace.now_ns()
-        self.done.set()
-
-
 class _CPUEvent(Event):
     def __init__(self, backend, blocking):
         super().__init__(backend, blocking)
-        self.mark = _Mark()
+        self.mark = EventMark()
         self.mark.fire()  # never recorded = complete, as in CUDA
 
 
@@ -251,7 +237,7 @@ class CPUBackend(Backend):
         pass
 
     def _record_event(self, e, q) -> None:
-        mark = _Mark()
+        mark = EventMark()
         e.mark = mark  # later waits see this recording; earlier waiters keep the old mark
         q.put("record_event", mark.fire, {"event": e.id}, marker=True)
 

@@ -50,8 +50,8 @@ from vtnumba.backend.arrays import (
     wrap_host_memory,
 )
 from vtnumba.backend.atomics import store_release
-from vtnumba.backend.base import Backend, Buffer, Capabilities, Event, Queue
-from vtnumba.backend.cpu import _Mark, aligned_empty, wait_flag_word
+from vtnumba.backend.base import Backend, Buffer, Capabilities, Event, EventMark, Queue
+from vtnumba.backend.cpu import aligned_empty, wait_flag_word
 from vtnumba.backend.device import Device, DeviceType
 from vtnumba.target import current_target
 
@@ -114,7 +114,7 @@ class _CUDAEvent(Event):
     def __init__(self, backend, blocking, native):
         super().__init__(backend, blocking)
         self.native = native  # a numba Event on a real GPU; None in the simulator
-        self.mark = _Mark()
+        self.mark = EventMark()
         self.mark.fire()
 
 
@@ -399,7 +399,7 @@ class CUDABackend(Backend):
 
     def _record_event(self, e, q) -> None:
         if self.simulator:
-            mark = _Mark()
+            mark = EventMark()
             mark.fire()  # everything submitted before is already done in the simulator
             e.mark = mark
             return

@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from vtnumba.backend.arrays import is_int
-from vtnumba.backend.atomics import _load_acquire, _store_release
+from vtnumba.backend.atomics import load_acquire, store_release
 from vtnumba.backend.polling import poll_until
 from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, agree_errors, allgather_bytes
 
@@ -142,11 +142,11 @@ class PeerSignals:
         if after is not None:
             self._finish(after)
         area = self._areas[target]
-        current = int(_load_acquire(area, slot))
+        current = int(load_acquire(area, slot))
         if value < current:
             raise ValueError(f"set({name!r}, target_rank={target}, value={value}): flags are epoch counters and "
                              f"must not decrease (it is already {current})")
-        _store_release(area, slot, value)
+        store_release(area, slot, value)
 
     def set_all(self, name: str, value: int, *, after=None, include_self: bool = False) -> None:
         """``set`` on every other rank of the group (and on this one with ``include_self``)."""
@@ -160,7 +160,7 @@ class PeerSignals:
         """The value rank ``source`` last set for ``name`` in *this* rank's area (acquire load)."""
         self._check_open()
         slot = self._slot(name, self._rank(source, "source"))
-        return int(_load_acquire(self._areas[self.group.rank], slot))
+        return int(load_acquire(self._areas[self.group.rank], slot))
 
     def wait(self, name: str, value: int, source=None, timeout_s: float | None = None) -> None:
         """Block until this rank's flag ``name`` is ``>= value`` from every source.
@@ -184,12 +184,12 @@ class PeerSignals:
         pending = list(sources)
 
         def arrived() -> bool:
-            pending[:] = [s for s in pending if _load_acquire(area, base + s) < value]
+            pending[:] = [s for s in pending if load_acquire(area, base + s) < value]
             for s in pending:
                 # An abort stamp >= value means the source gave up before raising this flag.
                 # Re-read the flag after seeing the stamp: a source that finished its part
                 # (raised the flag) before aborting is not a failure.
-                if _load_acquire(area, self._abort_at + s) >= value and _load_acquire(area, base + s) < value:
+                if load_acquire(area, self._abort_at + s) >= value and load_acquire(area, base + s) < value:
                     raise RuntimeError(
                         f"rank {me} of group {self.group.name!r}: waiting for flag {name!r} >= {value} from rank "
                         f"{s}, but rank {s} aborted (it raised an error in the same step)")
@@ -198,7 +198,7 @@ class PeerSignals:
         poll_until(arrived, timeout_s,
                    lambda waited: f"rank {me} of group {self.group.name!r}: timed out after {timeout_s:g} s waiting "
                                   f"for flag {name!r} from rank {pending[0]} to reach {value}; it is "
-                                  f"{int(_load_acquire(area, base + pending[0]))}",
+                                  f"{int(load_acquire(area, base + pending[0]))}",
                    error=RuntimeError)
 
     def wait_consumed(self, timeout_s: float | None = None) -> None:
@@ -225,15 +225,15 @@ class PeerSignals:
         stamp = ABORT_FOREVER if epoch is None else int(epoch)
         slot = self._abort_at + self.group.rank
         for r in range(self.group.size):
-            if stamp > _load_acquire(self._areas[r], slot):  # stamps only grow
-                _store_release(self._areas[r], slot, stamp)
+            if stamp > load_acquire(self._areas[r], slot):  # stamps only grow
+                store_release(self._areas[r], slot, stamp)
 
     def abort_stamp(self, rank: int) -> int:
         """The epoch at which ``rank`` last gave up (0: never), read from this rank's own area,
         where every peer stamps its aborts."""
         self._check_open()
         r = self._rank(rank, "rank")
-        return int(_load_acquire(self._areas[self.group.rank], self._abort_at + r))
+        return int(load_acquire(self._areas[self.group.rank], self._abort_at + r))
 
     def _meta_slice(self, bank) -> slice:
         if bank not in range(META_BANKS) or isinstance(bank, bool):

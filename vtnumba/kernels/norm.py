@@ -41,7 +41,7 @@ _F32 = (np.float32,)
 
 # ---------------------------------------------------------------------------- host reference
 @numba.njit(nogil=True, fastmath=True, cache=True)
-def _finish_row(z, o, partial, weight, norm_bias, has_norm_bias, eps, is_layer):
+def finish_row(z, o, partial, weight, norm_bias, has_norm_bias, eps, is_layer):
     """Normalise the scratch row ``z`` into the scratch row ``o``, given pass 1's sum
     (of ``z^2`` for RMSNorm, of ``z`` for LayerNorm); mirrors the CUDA ``normalize_row``."""
     h = z.shape[0]
@@ -83,7 +83,7 @@ def _add_norm_rows(y, bias, has_bias, residual, has_residual, weight, norm_bias,
                 v += residual[r, i]
             z[i] = v
             s += v if is_layer else v * v
-        _finish_row(z, o, s, weight, norm_bias, has_norm_bias, eps32, is_layer)
+        finish_row(z, o, s, weight, norm_bias, has_norm_bias, eps32, is_layer)
         # Inputs of row r are fully read before its outputs are written: in-place is safe.
         store_row(new_residual, r, z, stream)
         store_row(out, r, o, stream)

@@ -31,7 +31,7 @@ import numpy as np
 from vtnumba.backend.arrays import is_int
 from vtnumba.kernels._common import check_array, check_eps, common_kind, run
 from vtnumba.kernels._streaming import STREAM_MIN_BYTES, store_fence, store_row
-from vtnumba.kernels.norm import _finish_row
+from vtnumba.kernels.norm import finish_row
 
 _F32 = (np.float32,)
 NORMS = ("rms", "layer")
@@ -63,7 +63,7 @@ def _reduce_add_norm_rows(sources, bias, has_bias, residual, has_residual, weigh
         s = np.float32(0.0)
         for i in range(h):
             s += z[i] if is_layer else z[i] * z[i]
-        _finish_row(z, o, s, weight, norm_bias, has_norm_bias, eps32, is_layer)
+        finish_row(z, o, s, weight, norm_bias, has_norm_bias, eps32, is_layer)
         store_row(new_residual, r, z, stream)
         store_row(out, r, o, stream)
     if stream:
