@@ -46,6 +46,7 @@ import ctypes
 import threading
 import warnings
 
+import numba
 import numpy as np
 
 from vtnumba.backend.address_ranges import LIVE
@@ -137,6 +138,23 @@ def _get_host_loop():
     global _host_loop
     if _host_loop is not None:
         return _host_loop
+    with _host_loop_lock:
+        if _host_loop is None:
+            libc = ctypes.CDLL(None)
+            memmove = libc.memmove
+            memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+            memmove.restype = ctypes.c_void_p
+
+            # Not cached on disk: the function pointer of memmove is baked into the
+            # machine code, and it differs from process to process (ASLR).
+            @numba.njit(nogil=True)
+            def _memmove_loop(src, dst, sizes):
+                for i in range(src.shape[0]):
+                    if sizes[i] != 0:
+                        memmove(dst[i], src[i], sizes[i])
+
+            _host_loop = _memmove_loop
+    return _host_loop
     with _host_loop_lock:
         if _host_loop is None:
             try:
