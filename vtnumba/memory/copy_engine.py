@@ -155,34 +155,6 @@ def _get_host_loop():
 
             _host_loop = _memmove_loop
     return _host_loop
-    with _host_loop_lock:
-        if _host_loop is None:
-            try:
-                import numba
-
-                libc = ctypes.CDLL(None)
-                memmove = libc.memmove
-                memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-                memmove.restype = ctypes.c_void_p
-
-                # Not cached on disk: the function pointer of memmove is baked into the
-                # machine code, and it differs from process to process (ASLR).
-                @numba.njit(nogil=True)
-                def _memmove_loop(src, dst, sizes):
-                    for i in range(src.shape[0]):
-                        if sizes[i] != 0:
-                            memmove(dst[i], src[i], sizes[i])
-
-                probe_src = np.arange(8, dtype=np.uint8)
-                probe_dst = np.zeros(8, dtype=np.uint8)
-                _memmove_loop(np.array([probe_src.ctypes.data], np.uint64),
-                              np.array([probe_dst.ctypes.data], np.uint64), np.array([8], np.uint64))
-                if not np.array_equal(probe_src, probe_dst):  # pragma: no cover - defensive
-                    raise RuntimeError("njit memmove probe copied the wrong bytes")
-                _host_loop = _memmove_loop
-            except Exception:  # pragma: no cover - numba unavailable: the ctypes loop is correct too
-                _host_loop = _python_loop
-    return _host_loop
 
 
 def prepare(backend: Backend | None = None) -> None:
