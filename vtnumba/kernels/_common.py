@@ -41,6 +41,16 @@ from vtnumba.backend.arrays import (  # noqa: F401  (re-exported: the kernels' s
 )
 
 
+#: How the host references are compiled.  ``nogil`` lets a threaded queue run them beside
+#: other work.  The fast-math flags allow what vectorising a float32 sum needs -- reassociation
+#: (SIMD lanes keep separate partial sums), contraction into FMAs, reciprocal approximations,
+#: ignoring the sign of zero -- but *not* "no NaNs / no infinities": a NaN in a row must come
+#: out as NaN, as on a GPU, not be optimised into anything else.  ``error_model="numpy"`` makes
+#: a division by zero an IEEE infinity or NaN instead of a Python ZeroDivisionError raised
+#: from inside a queued kernel.
+HOST_JIT = dict(nogil=True, fastmath={"reassoc", "contract", "arcp", "nsz"}, error_model="numpy", cache=True)
+
+
 def _resolve_backend(kind: str, queue, backend):
     from vtnumba.backend.base import Queue
     from vtnumba.backend.device import DeviceType

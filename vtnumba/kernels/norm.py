@@ -22,8 +22,10 @@ functions pick one from the array type (numpy -> host, device array -> CUDA).
 for one row in a scratch row, keeps the running sum in a register, then normalises the
 scratch row and writes both outputs touches DRAM once per input and output byte -- numpy
 cannot express that without full-size temporaries (five or six passes over memory).
-``fastmath`` lets LLVM reorder the float32 sums so they vectorise (SIMD lanes keep
-separate partial sums); ``nogil`` lets a threaded queue run it beside other work.  Large
+Fast-math reassociation lets LLVM reorder the float32 sums so they vectorise (SIMD lanes
+keep separate partial sums) -- without assuming "no NaNs", so a NaN in a row propagates as
+on a GPU (:data:`vtnumba.kernels._common.HOST_JIT`); ``nogil`` lets a threaded queue run it
+beside other work.  Large
 outputs are written with non-temporal stores (:mod:`vtnumba.kernels._streaming`), which
 skip the read-for-ownership a normal store to an uncached line costs.
 """
@@ -33,14 +35,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from vtnumba.kernels._common import check_array, check_eps, common_kind, empty, run
+from vtnumba.kernels._common import HOST_JIT, check_array, check_eps, common_kind, empty, run
 from vtnumba.kernels._streaming import STREAM_MIN_BYTES, store_fence, store_row
 
 _F32 = (np.float32,)
 
 
 # ---------------------------------------------------------------------------- host reference
-@numba.njit(nogil=True, fastmath=True, cache=True)
+@numba.njit(**HOST_JIT)
 def finish_row(z, o, partial, weight, norm_bias, has_norm_bias, eps, is_layer):
     """Normalise the scratch row ``z`` into the scratch row ``o``, given pass 1's sum
     (of ``z^2`` for RMSNorm, of ``z`` for LayerNorm); mirrors the CUDA ``normalize_row``."""
@@ -65,7 +67,7 @@ def finish_row(z, o, partial, weight, norm_bias, has_norm_bias, eps, is_layer):
             o[i] = z[i] * inv * weight[i]
 
 
-@numba.njit(nogil=True, fastmath=True, cache=True)
+@numba.njit(**HOST_JIT)
 def _add_norm_rows(y, bias, has_bias, residual, has_residual, weight, norm_bias, has_norm_bias, eps, is_layer,
                    out, new_residual, r0, r1, stream):
     h = y.shape[1]
@@ -114,6 +116,9 @@ def _fused_add_norm(name, y, residual, weight, norm_bias, eps, bias, out, new_re
                         "out": out, "new_residual": new_residual})
     check_array("y", y, ndim=2, dtypes=_F32)
     rows, h = y.shape
+    if h == 0:
+        raise ValueError(f"y has shape {tuple(y.shape)}: a norm over zero elements is undefined; expected a hidden "
+                         "size H >= 1")
     if residual is not None:
         check_array("residual", residual, ndim=2, dtypes=_F32, shape=(rows, h))
     check_array("weight", weight, ndim=1, dtypes=_F32, shape=(h,))

@@ -29,7 +29,7 @@ import numba
 import numpy as np
 
 from vtnumba.backend.arrays import is_int
-from vtnumba.kernels._common import check_array, check_eps, common_kind, run
+from vtnumba.kernels._common import HOST_JIT, check_array, check_eps, common_kind, run
 from vtnumba.kernels._streaming import STREAM_MIN_BYTES, store_fence, store_row
 from vtnumba.kernels.norm import finish_row
 
@@ -38,7 +38,7 @@ NORMS = ("rms", "layer")
 
 
 # ---------------------------------------------------------------------------- host reference
-@numba.njit(nogil=True, fastmath=True, cache=True)
+@numba.njit(**HOST_JIT)
 def _reduce_add_norm_rows(sources, bias, has_bias, residual, has_residual, weight, norm_bias, has_norm_bias, eps,
                           is_layer, out, new_residual, r0, r1, stream):
     h = new_residual.shape[1]
@@ -147,6 +147,9 @@ def peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, out, new_r
     kind = common_kind(arrays)
     check_array("sources[0]", sources[0], ndim=2, dtypes=_F32)
     R, h = sources[0].shape
+    if h == 0:
+        raise ValueError(f"sources[0] has shape {tuple(sources[0].shape)}: a norm over zero elements is undefined; "
+                         "expected a hidden size H >= 1")
     for k, src in enumerate(sources[1:], start=1):
         check_array(f"sources[{k}]", src, ndim=2, dtypes=_F32, shape=(R, h))
     if residual is not None:
