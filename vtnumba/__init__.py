@@ -10,11 +10,17 @@ Three parts, one code base, three targets (``cpu``, ``cudasim``, ``cuda``):
 The programs built on them (command line, demos, benchmarks) are in :mod:`vtnumba.apps`
 and :mod:`vtnumba.bench`; ``docs/architecture`` draws the floor plan.
 
-``import vtnumba`` is cheap and changes nothing in the process: the names below are loaded
-on first use, so a program can choose its target (and with it numba's simulator switch,
-:mod:`vtnumba.target`) and share the cores between MPI ranks
-(:mod:`vtnumba.apps.processes`) before numpy or ``numba.cuda`` are imported.
+``import vtnumba`` is cheap: the names below are loaded on first use, so a program can
+choose its target and share the cores between MPI ranks (:mod:`vtnumba.apps.processes`)
+before numpy or ``numba.cuda`` are imported.  It changes nothing in the process, with one
+exception that honours the caller's own request: ``VTNUMBA_TARGET=cudasim`` switches numba's
+simulator on right away (:func:`vtnumba.target.apply_requested_target`), so that even
+``import vtnumba; import numba.cuda`` gets the simulator.
 """
+
+from vtnumba.target import apply_requested_target as _apply_requested_target
+
+_apply_requested_target()
 
 __version__ = "0.1.0"
 

@@ -45,10 +45,14 @@ class TargetChoice:
 _choice: TargetChoice | None = None
 
 
+class TargetError(ValueError):
+    """An unknown target name (``--target`` or ``VTNUMBA_TARGET``)."""
+
+
 def _validate(name: str, where: str) -> str:
-    if not isinstance(name, str) or name.lower() not in TARGETS:
-        raise ValueError(f"{where}={name!r} is not a target; expected one of {', '.join(TARGETS)}")
-    return name.lower()
+    if not isinstance(name, str) or name.strip().lower() not in TARGETS:
+        raise TargetError(f"{where}={name!r} is not a target; expected one of {', '.join(TARGETS)}")
+    return name.strip().lower()
 
 
 def _numba_cuda_imported() -> bool:
@@ -57,6 +61,23 @@ def _numba_cuda_imported() -> bool:
 
 def _simulator_requested() -> bool:
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+def _simulator_active_in_numba() -> bool:
+    config = sys.modules.get("numba.core.config")
+    return bool(config is not None and config.ENABLE_CUDASIM)
+
+
+def apply_requested_target() -> None:
+    """What ``import vtnumba`` does: if ``VTNUMBA_TARGET=cudasim`` asks for the simulator, switch
+    numba's simulator on now -- so that even ``import vtnumba; import numba.cuda`` gets it --
+    nothing else (``auto``, ``cpu``, ``cuda``, no variable at all -- or a misspelt one, which
+    :func:`select_target` refuses with a clear message when the target is chosen) leaves any
+    trace in the process."""
+    requested = os.environ.get("VTNUMBA_TARGET", "")
+    if requested.strip().lower() == "cudasim" and not _numba_cuda_imported() and not _simulator_requested():
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+        _reload_numba_config()
 
 
 def _reload_numba_config() -> None:
@@ -114,11 +135,12 @@ def select_target(name: str | None = None) -> TargetChoice:
             "(choose it once, before anything imports numba.cuda)"
         )
     if resolved.name == "cudasim":
-        if _numba_cuda_imported() and not _simulator_requested():
+        if _numba_cuda_imported() and not _simulator_active_in_numba():
             raise RuntimeError(
-                "target 'cudasim' was requested after numba.cuda was imported without the simulator; "
-                "set VTNUMBA_TARGET=cudasim (or NUMBA_ENABLE_CUDASIM=1) before starting Python"
-            )
+                f"target 'cudasim' was requested ({source}), but numba.cuda was already imported as the real CUDA "
+                "target: numba reads the simulator switch only once, when numba.cuda is first imported. Choose the "
+                "target before anything imports numba.cuda -- import vtnumba (or call vtnumba.select_target) first, "
+                "or start Python with NUMBA_ENABLE_CUDASIM=1")
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
         _reload_numba_config()
     os.environ["VTNUMBA_TARGET"] = resolved.name  # child processes (mpiexec -n) inherit the choice

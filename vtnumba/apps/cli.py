@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from vtnumba.apps.processes import share_cores_between_local_ranks
-from vtnumba.target import TARGETS, select_target
+from vtnumba.target import TARGETS, TargetError, select_target
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
@@ -82,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     # Choose the target first: nothing below may import numba.cuda before this line.
-    select_target(args.target)
+    try:
+        select_target(args.target)
+    except TargetError as exc:
+        parser.error(str(exc))
 
     if args.command == "info":
         from vtnumba.apps.info import print_info
