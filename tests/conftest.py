@@ -6,9 +6,9 @@ Every test runs on the target the run asks for with ``VTNUMBA_TARGET``:
   the ``@cuda.jit`` kernels run on the *device target*, which is numba's CUDA simulator --
   switched on here, before anything imports ``numba.cuda``;
 * ``VTNUMBA_TARGET=cuda`` (a GPU machine): the same tests, with the device target being the
-  real GPU.  The simulator is never switched on, and an import guard makes any attempt to
-  load it (a test building a ``FakeCUDAArray``, say) fail loudly instead of passing
-  simulator arrays to real kernels.
+  real GPU.  The simulator is never switched on, and a guard makes any attempt to use it
+  (a test building a ``FakeCUDAArray``, say) fail loudly instead of passing simulator
+  arrays to real kernels.
 
 Tests reach the device target through one fixture, :func:`device_backend` (a
 :class:`~vtnumba.backend.cuda.CUDABackend`; its ``asarray``/``empty``/``to_host`` make and
@@ -21,7 +21,6 @@ what only one kind of device can show:
 """
 
 import os
-import sys
 
 from vtnumba.apps.processes import share_cores_between_local_ranks
 
@@ -35,19 +34,31 @@ if not ON_GPU:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
 
-class _NoSimulatorOnGPU:
-    """An import hook, active under VTNUMBA_TARGET=cuda, refusing numba's CUDA simulator."""
+def _refuse_simulator_objects() -> None:
+    """Under VTNUMBA_TARGET=cuda: creating a simulated device array or kernel is an error.
 
-    def find_spec(self, name, path=None, target=None):
-        if name == "numba.cuda.simulator" or name.startswith("numba.cuda.simulator."):
-            raise ImportError(f"{name}: the test run targets a real GPU (VTNUMBA_TARGET=cuda); a test must not "
-                              "use numba's simulator there -- use the device_backend fixture, or mark the test "
-                              "simulator_only")
-        return None
+    The guard is on *use*, not on import: numba-cuda's own ``cuda.jit`` decorator module
+    imports the simulator's kernel class (and with it the simulator package) even when the
+    simulator is off, so its modules are always loaded once ``numba.cuda`` is.  What a GPU
+    run must never do is build a ``FakeCUDAArray`` (or a simulated kernel) and hand it to
+    real code -- that is the bug this turns into a loud error at the line that does it.
+    """
+    from numba.cuda.simulator import kernel as sim_kernel
+    from numba.cuda.simulator.cudadrv import devicearray as sim_arrays
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError(f"numba.cuda.simulator: {type(self).__name__} made on a run that targets a real GPU "
+                           "(VTNUMBA_TARGET=cuda); a test must not use numba's simulator there -- use the "
+                           "device_backend fixture, or mark the test simulator_only")
+
+    sim_arrays.FakeCUDAArray.__init__ = refuse
+    sim_kernel.FakeCUDAKernel.__init__ = refuse
 
 
 if ON_GPU:
-    sys.meta_path.insert(0, _NoSimulatorOnGPU())
+    # A simulator switch left in the environment would turn the GPU run into a simulator run.
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+    _refuse_simulator_objects()
 
 import pytest  # noqa: E402
 
@@ -61,8 +72,15 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs a real GPU (run with VTNUMBA_TARGET=cuda on a GPU machine)")
     on_gpu = pytest.mark.skip(reason="checks numba's CUDA simulator; this run targets a real GPU")
+    usable = False
+    if ON_GPU:
+        from vtnumba.target import gpu_usable
+
+        usable, why = gpu_usable()
+        if not usable:  # VTNUMBA_TARGET=cuda on a machine without a GPU: skip, do not fail
+            no_gpu = pytest.mark.skip(reason=f"VTNUMBA_TARGET=cuda but no usable GPU: {why}")
     for item in items:
-        if item.get_closest_marker("cuda") is not None and not ON_GPU:
+        if item.get_closest_marker("cuda") is not None and not usable:
             item.add_marker(no_gpu)
         if item.get_closest_marker("simulator_only") is not None and ON_GPU:
             item.add_marker(on_gpu)
@@ -105,8 +123,10 @@ def device_backend(device_backend_factory):
 
 @pytest.fixture
 def rng(request):
-    """A fresh, seeded-per-test random generator (never zeros as inputs)."""
+    """A fresh random generator seeded from the test's id: different data for every test, the
+    same data in every run (so a failure can be reproduced; ``hash()`` would change per run)."""
+    import zlib
+
     import numpy as np
 
-    seed = abs(hash(request.node.nodeid)) % (2**32)
-    return np.random.default_rng(seed)
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

@@ -1,6 +1,8 @@
-"""The Backend seam on every backend available here: cpu (sync), cpu (threaded), cudasim.
+"""The Backend seam on every backend: cpu (sync), cpu (threaded), and the device target.
 
-A real GPU adds a fourth parameter (``VTNUMBA_TARGET=cuda``)."""
+The device target is numba's CUDA simulator, or the GPU under ``VTNUMBA_TARGET=cuda`` (see
+tests/conftest.py); the tests read device memory only through ``backend.copy``, so they
+hold for both."""
 
 import threading
 
@@ -11,24 +13,11 @@ import vtnumba
 from vtnumba.backend import (CPU, MAX_DEVICES_PER_TYPE, Buffer, CPUBackend, Device, DeviceResourceOps, DeviceType,
                              get_backend, register_backend, try_get_backend, unregister_backend)
 from vtnumba.backend import registry
-from conftest import ON_GPU
-
-KINDS = ["cpu", "cpu-threaded", "cudasim"] + (["cuda"] if ON_GPU else [])
 
 
-def make_backend(kind):
-    if kind == "cpu":
-        return CPUBackend()
-    if kind == "cpu-threaded":
-        return CPUBackend(threaded=True)
-    from vtnumba.backend.cuda import CUDABackend
-
-    return CUDABackend()
-
-
-@pytest.fixture(params=[k for k in KINDS if k != "cudasim" or not ON_GPU])
-def backend(request):
-    b = make_backend(request.param)
+@pytest.fixture(params=["cpu", "cpu-threaded", "device"])
+def backend(request, device_backend_factory):
+    b = device_backend_factory() if request.param == "device" else CPUBackend(threaded=request.param == "cpu-threaded")
     yield b
     b.close()
 
@@ -44,8 +33,7 @@ def test_alignment_and_metadata(backend):
     for n in (1, 7, 64, 1000, 4097):
         b = backend.alloc(n)
         assert b.nbytes == n and b.device == backend.device
-        if not getattr(backend, "simulator", True) or isinstance(backend, CPUBackend) or backend.device.type is DeviceType.CUDA:
-            assert b.ptr % 64 == 0, f"alloc({n}) returned address {b.ptr:#x}, not 64-byte aligned"
+        assert b.ptr % 64 == 0, f"alloc({n}) returned address {b.ptr:#x}, not 64-byte aligned"
         backend.free(b)
 
 

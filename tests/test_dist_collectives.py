@@ -1,8 +1,9 @@
 """Reference collectives on one rank, and the row-sum kernels they use (vtnumba.kernels.reduce).
 
-Kernels: host references vs float64 numpy; the @cuda.jit kernels in the simulator vs the
-host references (fresh random inputs, NaN-poisoned outputs, odd shapes); and every kernel
-compiled to PTX for cc 8.0 and 9.0 in a subprocess with the simulator off.
+Kernels: host references vs float64 numpy; the @cuda.jit kernels on the device target (numba's
+simulator, or the GPU under ``VTNUMBA_TARGET=cuda``) vs the host references (fresh random
+inputs, NaN-poisoned outputs, odd shapes); and every kernel compiled to PTX for cc 8.0 and
+9.0 in a subprocess with the simulator off.
 Multi-rank correctness of the collectives is in tests/mpi/test_dist_peer_mpi.py.
 """
 
@@ -55,43 +56,37 @@ def test_accumulate_leaves_padding_rows_alone(rng):
     np.testing.assert_array_equal(out[2:], keep)
 
 
-# ---------------------------------------------------------------------------- simulator kernels
+# ---------------------------------------------------------------------------- device kernels
 @pytest.mark.parametrize("R,H", SHAPES)
-def test_cuda_kernels_match_host_references_in_the_simulator(R, H, rng):
-    from vtnumba.backend.cuda import fake_device_array, sim_host_view
+def test_cuda_kernels_match_host_references_on_the_device(device_backend, R, H, rng):
+    from numba import cuda
 
     T = R + 2
     a, b, c = (rng.standard_normal((T, H)).astype(np.float32) for _ in range(3))
-    from numba import cuda
-
     row0 = 1
     nrows = R - 1 if R > 1 else 1  # R > 1: the last row is padding (zeros / untouched)
 
     for name, args in [("copy_rows", (a,)), ("add_rows", (a, b)), ("accumulate_rows", (c,))]:
         want = poisoned((R, H)) if name != "accumulate_rows" else rng.standard_normal((R, H)).astype(np.float32)
-        got = fake_device_array(want.copy())
+        got = device_backend.asarray(want)
         kr.HOST_REFERENCES[name](want, *args, row0, nrows)
-        kr.launch(name, cuda.default_stream(), got, *[fake_device_array(x) for x in args], row0, nrows)
-        np.testing.assert_allclose(sim_host_view(got), want, rtol=1e-6, err_msg=name)
+        kr.launch(name, cuda.default_stream(), got, *[device_backend.asarray(x) for x in args], row0, nrows)
+        np.testing.assert_allclose(device_backend.to_host(got), want, rtol=1e-6, err_msg=name)
 
 
-def test_sum_rows_on_cpu_and_simulator_backends(rng):
-    from vtnumba.backend.cuda import CUDABackend, fake_device_array, sim_host_view
-
+@pytest.mark.parametrize("kind", ["cpu", "device"])
+def test_sum_rows_on_cpu_and_device_backends(request, kind, rng):
+    be = CPUBackend() if kind == "cpu" else request.getfixturevalue("device_backend")
     srcs = [rng.standard_normal((6, 7)).astype(np.float32) for _ in range(3)]
-    for be in (CPUBackend(), CUDABackend()):
-        q = be.create_queue()
-        if isinstance(be, CPUBackend):
-            out, args = poisoned((3, 7)), srcs
-        else:
-            out, args = fake_device_array(poisoned((3, 7))), [fake_device_array(s) for s in srcs]
-        for k in (1, 2, 3):
-            kr.sum_rows(out, args[:k], 4, 2, backend=be, queue=q)
-            be.synchronize(q)
-            w = np.zeros((3, 7), np.float32)
-            w[:2] = sum(s[4:6] for s in srcs[:k])
-            np.testing.assert_allclose(out if isinstance(out, np.ndarray) else sim_host_view(out), w, rtol=1e-6)
-        be.destroy_queue(q)
+    q = be.create_queue()
+    out, args = be.asarray(poisoned((3, 7))), [be.asarray(s) for s in srcs]
+    for k in (1, 2, 3):
+        kr.sum_rows(out, args[:k], 4, 2, backend=be, queue=q)
+        be.synchronize(q)
+        w = np.zeros((3, 7), np.float32)
+        w[:2] = sum(s[4:6] for s in srcs[:k])
+        np.testing.assert_allclose(be.to_host(out), w, rtol=1e-6)
+    be.destroy_queue(q)
 
 
 def test_sum_rows_validation():
@@ -149,23 +144,24 @@ def group():
     dist.destroy_distributed()
 
 
-@pytest.fixture(params=["cpu", "cudasim"])
+@pytest.fixture(params=["cpu", "device"])
 def setup(request, group):
-    if request.param == "cpu":
-        be = CPUBackend()
-        wrap = unwrap = lambda a: a  # noqa: E731
-    else:
-        from vtnumba.backend.cuda import CUDABackend, fake_device_array, sim_host_view
+    be = CPUBackend() if request.param == "cpu" else request.getfixturevalue("device_backend")
 
-        be = CUDABackend()
-        wrap, unwrap = fake_device_array, sim_host_view
+    def put(dst, host):
+        """Write ``host`` into ``dst`` (a view of the peer buffer) in place, as a producer kernel would."""
+        q = be.create_queue("put")
+        be.copy(q, dst, np.ascontiguousarray(host, dtype=np.float32), dst.nbytes)
+        be.synchronize(q)
+        be.destroy_queue(q)
+
     with dist.PeerBuffers(4096, group, be) as pb, dist.PeerSignals(group, backend=be, timeout_s=10) as sig:
-        yield pb, sig, wrap, unwrap
+        yield pb, sig, be.asarray, be.to_host, put
 
 
 @pytest.mark.parametrize("T,H", [(1, 1), (3, 7), (5, 33)])
 def test_one_rank_collectives_are_copies(setup, T, H, rng):
-    pb, sig, wrap, unwrap = setup
+    pb, sig, wrap, unwrap, put = setup
     x = rng.standard_normal((T, H)).astype(np.float32)
     out = wrap(poisoned((T, H)))
     dist.reduce_scatter(pb, wrap(x), out, sig)
@@ -175,19 +171,19 @@ def test_one_rank_collectives_are_copies(setup, T, H, rng):
     np.testing.assert_array_equal(unwrap(g), x)
     # zero-copy input: x produced directly in the local peer buffer, at an offset
     (xin,) = pb.views(np.float32, (T, H), offset=64)
-    unwrap(xin)[...] = x + 1
+    put(xin, x + 1)
     out2 = wrap(poisoned((T, H)))
     dist.reduce_scatter(pb, xin, out2, sig, offset=64)
     np.testing.assert_array_equal(unwrap(out2), x + 1)
     assert sig.epoch == 3
     # in-place all-gather: out is the peer buffer, the shard already sits in its own rows
     (gin,) = pb.views(np.float32, (T, H), offset=128)
-    unwrap(gin)[...] = x
+    put(gin, x)
     dist.all_gather(pb, gin[0:T], gin, sig, offset=128)
     np.testing.assert_array_equal(unwrap(gin), x)
     # in place with the shard elsewhere: it is staged into out's rows
     (gin2,) = pb.views(np.float32, (T, H), offset=1024)
-    unwrap(gin2)[...] = np.nan
+    put(gin2, poisoned((T, H)))
     dist.all_gather(pb, wrap(x - 1), gin2, sig, offset=1024)
     np.testing.assert_array_equal(unwrap(gin2), x - 1)
 

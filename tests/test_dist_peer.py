@@ -24,23 +24,14 @@ def group():
     dist.destroy_distributed()
 
 
-@pytest.fixture(params=["cpu", "cudasim"])
+@pytest.fixture(params=["cpu", "device"])
 def backend(request):
-    if request.param == "cpu":
-        b = CPUBackend()
-    else:
-        from vtnumba.backend.cuda import CUDABackend
-
-        b = CUDABackend()
-        assert b.simulator
+    if request.param == "device":  # the simulator, or the GPU under VTNUMBA_TARGET=cuda
+        yield request.getfixturevalue("device_backend")
+        return
+    b = CPUBackend()
     yield b
     b.close()
-
-
-def host(arr):
-    from vtnumba.backend.cuda import sim_host_view
-
-    return arr if isinstance(arr, np.ndarray) else sim_host_view(arr)
 
 
 def _mine():
@@ -106,20 +97,27 @@ def test_atexit_hook_unlinks_names_still_linked(shm_clean):
 
 # ---------------------------------------------------------------------------- PeerBuffers
 def test_peer_buffers_single_rank(group, backend, shm_clean, rng):
+    # The transport follows the backend: shared memory for cpu and the simulator (whose
+    # "device" memory is host memory), CUDA IPC handles on a GPU.
+    caps = backend.capabilities
+    kind = "shm" if isinstance(backend, CPUBackend) else ("shm-sim" if caps.simulator else "cuda_ipc")
     with dist.PeerBuffers(1000, group, backend) as pb:
         assert pb.nbytes == 1000 and pb.group is group and not pb.closed
-        assert pb.kind == ("shm" if isinstance(backend, CPUBackend) else "shm-sim")
+        assert pb.kind == kind
         assert not [s for s in shm.list_segments() if f"-{os.getpid()}-" in s], \
             "the segment name must be unlinked as soon as every rank mapped it"
         assert pb.peer(0) is pb.local
-        if pb.kind == "shm-sim":
-            from vtnumba.backend.cuda import is_device_array
+        if caps.kernel_arrays == "device":
+            from vtnumba.backend.arrays import is_device_array
 
-            assert is_device_array(pb.local)  # a zero-copy simulator array, not plain numpy
+            assert is_device_array(pb.local)  # what the device's kernels take, not plain numpy
         pattern = rng.standard_normal(250).astype(np.float32)
-        host(pb.local).view(np.float32)[:] = pattern
+        q = backend.create_queue("fill")
+        backend.copy(q, pb.local, pattern, pattern.nbytes)  # write through the buffer itself
+        backend.synchronize(q)
+        backend.destroy_queue(q)
         (v,) = pb.views(np.float32, (25, 10))
-        np.testing.assert_array_equal(host(v), pattern.reshape(25, 10))
+        np.testing.assert_array_equal(backend.to_host(v), pattern.reshape(25, 10))
         (w,) = pb.views(np.float64, 3, offset=8)
         assert w.shape == (3,)
         with pytest.raises(ValueError, match=r"need 1008 bytes but the peer buffers have nbytes=1000"):

@@ -21,15 +21,7 @@ from vtnumba.ec import (
 SENTINEL = -77  # int8 poison in every block before a test
 
 
-def _cuda_sim():
-    from vtnumba.backend.cuda import CUDABackend
-
-    return CUDABackend()
-
-
-# "sim-or-gpu": numba's simulator in the test suite, a real GPU under VTNUMBA_TARGET=cuda.
-BACKENDS = {"cpu-sync": lambda: CPUBackend(), "cpu-threaded": lambda: CPUBackend(threaded=True),
-            "sim-or-gpu": _cuda_sim}
+CPU_BACKENDS = {"cpu-sync": lambda: CPUBackend(), "cpu-threaded": lambda: CPUBackend(threaded=True)}
 
 
 def _ec_files():
@@ -43,9 +35,12 @@ def no_leftover_files():
     assert _ec_files() == before, "a test left a region file in /dev/shm"
 
 
-@pytest.fixture(params=list(BACKENDS))
+@pytest.fixture(params=[*CPU_BACKENDS, "device"])
 def backend(request):
-    be = BACKENDS[request.param]()
+    if request.param == "device":  # numba's simulator, or the GPU under VTNUMBA_TARGET=cuda
+        yield request.getfixturevalue("device_backend")
+        return
+    be = CPU_BACKENDS[request.param]()
     yield be
     be.close()
 
@@ -100,13 +95,10 @@ def env_factory(request):
 
 
 def host_of(arr):
-    if isinstance(arr, np.ndarray):
-        return arr
-    if hasattr(arr, "_ary"):  # the simulator's device array wraps host memory
-        from vtnumba.backend.cuda import sim_host_view
+    """An array's contents as numpy: itself on cpu, a view in the simulator, a copy from a GPU."""
+    from vtnumba.backend.arrays import to_host
 
-        return sim_host_view(arr)
-    return arr.copy_to_host()  # a real GPU
+    return to_host(arr)
 
 
 def complete(worker, timeout=10.0):

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from vtnumba.backend.cuda import CUDABackend
+from conftest import DEVICE_TARGET
 from vtnumba.bench import kernels as bench
 from vtnumba.bench import timing
 from vtnumba.bench.schema import suite, validate_suite
@@ -28,17 +28,18 @@ def test_quick_run_follows_schema():
     assert result["baselines"]["memcpy traffic GB/s (read + write)"] > 0
 
 
-def test_device_part_runs_in_the_simulator():
-    # Numbers from the simulator mean nothing; this shows the GPU code path works end to end.
+def test_device_part_runs_end_to_end_on_the_device(device_backend):
+    # The GPU code path end to end at the simulator's tiny sizes (bench_device's simulator=True),
+    # on the device target: numbers that small mean nothing, the schema and the cases do.
     old = sys.getswitchinterval()
     sys.setswitchinterval(5e-4)
     try:
         results, ratios, baselines, notes = [], {}, {}, []
         cfg = bench._settings(argparse.Namespace(quick=True, sizes=None, norm_shape=None))
-        bench.bench_device(cfg, CUDABackend(), results, ratios, baselines, notes, simulator=True)
+        bench.bench_device(cfg, device_backend, results, ratios, baselines, notes, simulator=True)
     finally:
         sys.setswitchinterval(old)
-    validate_suite(suite("kernels", "cudasim", 1, results, ratios, baselines, notes))
+    validate_suite(suite("kernels", DEVICE_TARGET, 1, results, ratios, baselines, notes))
     impls = {(r["case"], r["impl"]) for r in results}
     assert {("matmul_fp32", f"vtnumba-{v}") for v in ("naive", "smem", "regtile")} <= impls
     assert {("rmsnorm", "vtnumba-fused-cuda"), ("layernorm", "vtnumba-fused-cuda")} <= impls
@@ -48,12 +49,14 @@ def test_device_part_runs_in_the_simulator():
     assert baselines["device copy traffic GB/s"] > 0
 
 
-def test_device_copy_rate_in_the_simulator():
-    # The helper the peer and ec benchmarks can share: every direction, tiny in the simulator.
-    backend = CUDABackend()
+def test_device_copy_rate_on_the_device(device_backend):
+    # The helper the peer and ec benchmarks can share: every direction.  The simulator copies at
+    # most 64 KiB (its rate says nothing about a GPU); a GPU copies what it is asked to.
+    backend = device_backend
+    want = (64 << 10) if backend.capabilities.simulator else (1 << 20)
     for direction in ("d2d", "d2h", "h2d"):
-        rate = timing.device_copy_rate(backend, nbytes=1 << 30, direction=direction, repeat=2)
-        assert rate.nbytes == 64 << 10 and rate.direction == direction
+        rate = timing.device_copy_rate(backend, nbytes=1 << 20, direction=direction, repeat=2)
+        assert rate.nbytes == want and rate.direction == direction
         assert rate.stats.samples == 2 and rate.traffic_gbs == 2 * rate.copied_gbs > 0
     with pytest.raises(ValueError, match="direction"):
         timing.device_copy_rate(backend, direction="p2p")

@@ -1,7 +1,10 @@
-"""Matmul: the CUDA ladder in the simulator, the host reference at realistic sizes, and bad input.
+"""Matmul: the CUDA ladder on the device target, the host reference at realistic sizes, and bad input.
 
-Every run uses fresh random inputs, poisons the output with NaN first (so an element the
-kernel forgets to write shows up), and compares with float64 numpy.
+The device target is numba's CUDA simulator, or the GPU under ``VTNUMBA_TARGET=cuda`` (see
+tests/conftest.py); inputs go in with ``device_backend.asarray`` and results come back with
+``device_backend.to_host``, so the same test runs on both.  Every run uses fresh random
+inputs, poisons the output with NaN first (so an element the kernel forgets to write shows
+up), and compares with float64 numpy.
 """
 
 import sys
@@ -10,7 +13,6 @@ import numpy as np
 import pytest
 
 from vtnumba.backend.cpu import CPUBackend
-from vtnumba.backend.cuda import CUDABackend, fake_device_array
 from vtnumba.kernels import VARIANTS, linear, linear_rows_to, matmul, matmul_rows_host
 
 TOL = {np.float32: 1e-5, np.float16: 1e-2}
@@ -25,8 +27,16 @@ def _fast_barriers():
     sys.setswitchinterval(old)
 
 
-def dev(a):
-    return fake_device_array(a)
+@pytest.fixture
+def dev(device_backend):
+    """``dev(host)``: a copy of ``host`` in the device target's memory (None stays None)."""
+    return lambda a: None if a is None else device_backend.asarray(a)
+
+
+@pytest.fixture
+def host(device_backend):
+    """``host(arr)``: a device array's contents as numpy (a view in the simulator, a copy on a GPU)."""
+    return device_backend.to_host
 
 
 def rel_err(out, ref):
@@ -45,7 +55,7 @@ def nan_out(shape):
 
 # Shapes cover 1, 7, 33 and 65 along each of M, K, N, both B layouts, both dtypes, with and
 # without bias; kept small because the simulator runs ~7000 threads/s.
-SIM_CASES = [
+DEVICE_CASES = [
     (1, 65, 33, False, np.float32, True),
     (65, 7, 1, True, np.float32, False),
     (33, 33, 7, True, np.float16, True),
@@ -54,16 +64,16 @@ SIM_CASES = [
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("M,K,N,trans,dtype,with_bias", SIM_CASES)
-def test_ladder_in_simulator(rng, variant, M, K, N, trans, dtype, with_bias):
+@pytest.mark.parametrize("M,K,N,trans,dtype,with_bias", DEVICE_CASES)
+def test_ladder_matches_float64_on_the_device(dev, host, rng, variant, M, K, N, trans, dtype, with_bias):
     a = make(rng, (M, K), dtype)
     b = make(rng, (N, K) if trans else (K, N), dtype)
     bias = make(rng, N) if with_bias else None
-    out = nan_out((M, N))
     fn = linear if trans else matmul
-    d_out = dev(out)
-    ret = fn(dev(a), dev(b), None if bias is None else dev(bias), d_out, variant=variant)
+    d_out = dev(nan_out((M, N)))
+    ret = fn(dev(a), dev(b), dev(bias), d_out, variant=variant)
     assert ret is d_out
+    out = host(d_out)
     assert np.isfinite(out).all(), "some output element was never written"
     b64 = (b.T if trans else b).astype(np.float64)
     ref = a.astype(np.float64) @ b64 + (0 if bias is None else bias)
@@ -73,46 +83,47 @@ def test_ladder_in_simulator(rng, variant, M, K, N, trans, dtype, with_bias):
 
 
 @pytest.mark.parametrize("M,K,N,trans", [(130, 3, 2, False), (2, 9, 131, True)])
-def test_regtile_with_several_blocks(rng, M, K, N, trans):
+def test_regtile_with_several_blocks(dev, host, rng, M, K, N, trans):
     # regtile's 128 x 128 tiles: the shapes above exercise block rows/columns past the first.
     a, b, bias = make(rng, (M, K)), make(rng, (N, K) if trans else (K, N)), make(rng, N)
-    out = nan_out((M, N))
-    (linear if trans else matmul)(dev(a), dev(b), dev(bias), dev(out), variant="regtile")
+    d_out = dev(nan_out((M, N)))
+    (linear if trans else matmul)(dev(a), dev(b), dev(bias), d_out, variant="regtile")
+    out = host(d_out)
     ref = a.astype(np.float64) @ (b.T if trans else b).astype(np.float64) + bias
     assert np.isfinite(out).all() and rel_err(out, ref) <= 1e-5
 
 
-def test_float16_against_unrounded_data(rng):
+def test_float16_against_unrounded_data(dev, host, rng):
     # The float16 error budget (1e-2) holds against the float32 data before rounding.
     a32, b32 = make(rng, (33, 65)), make(rng, (65, 7))
-    out = nan_out((33, 7))
-    matmul(dev(a32.astype(np.float16)), dev(b32.astype(np.float16)), out=dev(out), variant="naive")
-    assert rel_err(out, a32.astype(np.float64) @ b32) <= 1e-2
+    d_out = dev(nan_out((33, 7)))
+    matmul(dev(a32.astype(np.float16)), dev(b32.astype(np.float16)), out=d_out, variant="naive")
+    assert rel_err(host(d_out), a32.astype(np.float64) @ b32) <= 1e-2
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_rows_to_destinations_in_simulator(rng, variant):
+def test_rows_to_destinations_on_the_device(dev, host, rng, variant):
     # M=7 rows over 4 destinations of R=3: dest 2 gets one real row + 2 zero rows, dest 3 only zeros.
     M, K, N, R = 7, 5, 9, 3
     x, w, bias = make(rng, (M, K)), make(rng, (N, K)), make(rng, N)
-    dests = [nan_out((R, N)) for _ in range(4)]
-    linear_rows_to(dev(x), dev(w), dev(bias), [dev(d) for d in dests], R, variant=variant)
-    full = np.concatenate(dests)
+    dests = [dev(nan_out((R, N))) for _ in range(4)]
+    linear_rows_to(dev(x), dev(w), dev(bias), dests, R, variant=variant)
+    full = np.concatenate([host(d) for d in dests])
     ref = x.astype(np.float64) @ w.T.astype(np.float64) + bias
     assert np.isfinite(full).all()
     assert rel_err(full[:M], ref) <= 1e-5
     assert (full[M:] == 0).all()
 
 
-def test_rows_to_host_matches_simulator(rng):
+def test_rows_to_host_reference_matches_the_device(dev, host, rng):
     M, K, N, R = 10, 33, 7, 4
     x, w, bias = make(rng, (M, K)), make(rng, (N, K)), make(rng, N)
-    host = [nan_out((R, N)) for _ in range(3)]
-    sim = [nan_out((R, N)) for _ in range(3)]
-    linear_rows_to(x, w, bias, host, R)
-    linear_rows_to(dev(x), dev(w), dev(bias), [dev(d) for d in sim], R, variant="regtile")
-    assert rel_err(np.concatenate(sim), np.concatenate(host)) <= 1e-5
-    assert (np.concatenate(host)[M:] == 0).all()
+    on_host = [nan_out((R, N)) for _ in range(3)]
+    on_device = [dev(nan_out((R, N))) for _ in range(3)]
+    linear_rows_to(x, w, bias, on_host, R)
+    linear_rows_to(dev(x), dev(w), dev(bias), on_device, R, variant="regtile")
+    assert rel_err(np.concatenate([host(d) for d in on_device]), np.concatenate(on_host)) <= 1e-5
+    assert (np.concatenate(on_host)[M:] == 0).all()
 
 
 # ---------------------------------------------------------------------------- host reference
@@ -171,8 +182,8 @@ def test_cpu_queues_run_in_order(rng):
         backend.close()
 
 
-def test_simulated_cuda_queue_with_buffers(rng):
-    backend = CUDABackend()
+def test_cuda_queue_with_buffers(device_backend, rng):
+    backend = device_backend
     q = backend.create_queue("mm")
     M, K, N = 7, 33, 5
     bufs = [backend.alloc(n * 4) for n in (M * K, K * N, M * N)]
@@ -190,9 +201,9 @@ def test_simulated_cuda_queue_with_buffers(rng):
         backend.free(buf)
 
 
-def test_queue_of_the_wrong_kind_is_refused(rng):
+def test_queue_of_the_wrong_kind_is_refused(device_backend, dev, rng):
     a, b = make(rng, (3, 4)), make(rng, (4, 5))
-    cuda_backend, cpu_backend = CUDABackend(), CPUBackend()
+    cuda_backend, cpu_backend = device_backend, CPUBackend()
     qc, qh = cuda_backend.create_queue(), cpu_backend.create_queue()
     with pytest.raises(TypeError, match="numpy arrays need a cpu backend queue"):
         matmul(a, b, queue=qc)
@@ -205,7 +216,7 @@ def test_queue_of_the_wrong_kind_is_refused(rng):
 
 
 # ---------------------------------------------------------------------------- bad input
-def test_bad_inputs_name_the_argument(rng):
+def test_bad_inputs_name_the_argument(dev, rng):
     a, b = make(rng, (4, 6)), make(rng, (6, 5))
     with pytest.raises(ValueError, match=r"a must be a 2-D array"):
         matmul(a[0], b)

@@ -1,4 +1,9 @@
-"""Peer reduce fused with the norm, and the gather copy: simulator kernels, host reference, bad input."""
+"""Peer reduce fused with the norm, and the gather copy: device kernels, host reference, bad input.
+
+The device kernels run on the device target -- numba's CUDA simulator, or the GPU under
+``VTNUMBA_TARGET=cuda`` (see tests/conftest.py): inputs and NaN/sentinel-poisoned outputs
+go in with ``device_backend.asarray``, results come back with ``device_backend.to_host``.
+"""
 
 import sys
 
@@ -6,7 +11,6 @@ import numpy as np
 import pytest
 
 from vtnumba.backend.cpu import CPUBackend
-from vtnumba.backend.cuda import CUDABackend, fake_device_array
 from vtnumba.kernels import gather_rows, peer_reduce_norm
 from vtnumba.kernels.peer_cuda import MAX_DESTS, MAX_SOURCES
 
@@ -22,8 +26,28 @@ def _fast_barriers():
     sys.setswitchinterval(old)
 
 
-def dev(a):
-    return None if a is None else fake_device_array(a)
+@pytest.fixture
+def dev(device_backend):
+    """``dev(host)``: a copy of ``host`` in the device target's memory (None stays None)."""
+    return lambda a: None if a is None else device_backend.asarray(a)
+
+
+@pytest.fixture
+def host(device_backend):
+    """``host(arr)``: a device array's contents as numpy (a view in the simulator, a copy on a GPU)."""
+    return device_backend.to_host
+
+
+@pytest.fixture(params=["host", "device"])
+def where(request):
+    """``(wrap, unwrap)`` for one kind of array: numpy as it is, or the device target's arrays."""
+    if request.param == "host":
+        return (lambda a: a), (lambda a: a)
+    return request.getfixturevalue("dev"), request.getfixturevalue("host")
+
+
+def full(shape, value=np.nan):
+    return np.full(shape, value, np.float32)
 
 
 def rel_err(out, ref):
@@ -55,67 +79,68 @@ def problem(rng, tp, R, H, layer, *, bias=True, residual=True):
 
 
 def run(p, layer, out, new_res, wrap=lambda a: a, rows=None, **kw):
+    """peer_reduce_norm on ``wrap``ped inputs; ``out``/``new_res`` are already of the right kind."""
     return peer_reduce_norm([wrap(s) for s in p["sources"]], wrap(p["bias"]), wrap(p["residual"]), wrap(p["weight"]),
-                            wrap(p["norm_bias"]), EPS, wrap(out), wrap(new_res), norm="layer" if layer else "rms",
+                            wrap(p["norm_bias"]), EPS, out, new_res, norm="layer" if layer else "rms",
                             rows=rows, **kw)
 
 
 # (tp, R, H): one, two and three sources; odd shapes 1, 7, 33, 65.
-SIM_CASES = [(1, 7, 33), (2, 33, 7), (3, 1, 65), (2, 65, 1)]
+DEVICE_CASES = [(1, 7, 33), (2, 33, 7), (3, 1, 65), (2, 65, 1)]
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
-@pytest.mark.parametrize("tp,R,H", SIM_CASES)
-def test_kernel_in_simulator(rng, tp, R, H, layer):
+@pytest.mark.parametrize("tp,R,H", DEVICE_CASES)
+def test_kernel_matches_float64_on_the_device(dev, host, rng, tp, R, H, layer):
     p = problem(rng, tp, R, H, layer)
-    out, new_res = np.full((R, H), np.nan, np.float32), np.full((R, H), np.nan, np.float32)
-    run(p, layer, out, new_res, dev)
+    d_out, d_new_res = dev(full((R, H))), dev(full((R, H)))
+    run(p, layer, d_out, d_new_res, dev)
+    out, new_res = host(d_out), host(d_new_res)
     assert np.isfinite(out).all() and np.isfinite(new_res).all()
     ref, z = reference(p["sources"], p["bias"], p["residual"], p["weight"], p["norm_bias"], EPS, layer)
     assert rel_err(out, ref) <= 1e-5 and rel_err(new_res, z) <= 1e-6
 
 
-@pytest.mark.parametrize("wrap", [None, dev], ids=["host", "sim"])
-def test_row_range_leaves_other_rows_untouched(rng, wrap):
-    wrap = wrap or (lambda a: a)
+def test_row_range_leaves_other_rows_untouched(rng, where):
+    wrap, unwrap = where
     R, H = 7, 33
     p = problem(rng, 2, R, H, True)
-    out, new_res = np.full((R, H), SENTINEL), np.full((R, H), SENTINEL)
-    run(p, True, out, new_res, wrap, rows=(2, 5))
+    d_out, d_new_res = wrap(full((R, H), SENTINEL)), wrap(full((R, H), SENTINEL))
+    run(p, True, d_out, d_new_res, wrap, rows=(2, 5))
+    out, new_res = unwrap(d_out), unwrap(d_new_res)
     ref, z = reference(p["sources"], p["bias"], p["residual"], p["weight"], p["norm_bias"], EPS, True)
     assert rel_err(out[2:5], ref[2:5]) <= 1e-5 and rel_err(new_res[2:5], z[2:5]) <= 1e-6
     for a in (out, new_res):
         assert (a[:2] == SENTINEL).all() and (a[5:] == SENTINEL).all()
     # An empty range touches nothing.
-    run(p, True, out, new_res, wrap, rows=(4, 4))
-    assert (out[:2] == SENTINEL).all()
+    run(p, True, d_out, d_new_res, wrap, rows=(4, 4))
+    assert (unwrap(d_out)[:2] == SENTINEL).all()
 
 
-@pytest.mark.parametrize("wrap", [None, dev], ids=["host", "sim"])
-def test_more_sources_than_one_launch_takes(rng, wrap):
+def test_more_sources_than_one_launch_takes(rng, where):
     # tp > MAX_SOURCES: the surplus is folded into new_residual first, which may be residual itself.
-    wrap = wrap or (lambda a: a)
+    wrap, unwrap = where
     tp, R, H = MAX_SOURCES + 3, 3, 5
     p = problem(rng, tp, R, H, False)
     ref, z = reference(p["sources"], p["bias"], p["residual"], p["weight"], None, EPS, False)
-    out = np.full((R, H), np.nan, np.float32)
-    res = p["residual"]
-    d_res = wrap(res)
+    d_out, d_res = wrap(full((R, H))), wrap(p["residual"])
     peer_reduce_norm([wrap(s) for s in p["sources"]], wrap(p["bias"]), d_res, wrap(p["weight"]), None, EPS,
-                     wrap(out), d_res, norm="rms", rows=(1, 3))
+                     d_out, d_res, norm="rms", rows=(1, 3))
+    out, res = unwrap(d_out), unwrap(d_res)
     assert rel_err(out[1:], ref[1:]) <= 1e-5 and rel_err(res[1:], z[1:]) <= 1e-6
     assert np.isnan(out[0]).all()
 
 
-def test_no_residual_no_bias_simulator_matches_host(rng):
+def test_no_residual_no_bias_device_matches_host(dev, host, rng):
     p = problem(rng, 3, 5, 20, True, bias=False, residual=False)
-    host = [np.full((5, 20), np.nan, np.float32) for _ in range(2)]
-    sim = [np.full((5, 20), np.nan, np.float32) for _ in range(2)]
-    run(p, True, *host)
-    run(p, True, *sim, dev)
-    assert rel_err(sim[0], host[0]) <= 1e-5 and rel_err(sim[1], host[1]) <= 1e-6
+    on_host = [full((5, 20)) for _ in range(2)]
+    on_device = [dev(full((5, 20))) for _ in range(2)]
+    run(p, True, *on_host)
+    run(p, True, *on_device, dev)
+    got = [host(d) for d in on_device]
+    assert rel_err(got[0], on_host[0]) <= 1e-5 and rel_err(got[1], on_host[1]) <= 1e-6
     ref, _ = reference(p["sources"], None, None, p["weight"], p["norm_bias"], EPS, True)
-    assert rel_err(host[0], ref) <= 1e-5
+    assert rel_err(on_host[0], ref) <= 1e-5
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
@@ -130,18 +155,18 @@ def test_host_reference_realistic(rng, layer):
 
 # ---------------------------------------------------------------------------- gather
 @pytest.mark.parametrize("ndest", [1, 3, MAX_DESTS + 2])
-def test_gather_in_simulator_and_host(rng, ndest):
+def test_gather_on_host_and_device(rng, where, ndest):
+    wrap, unwrap = where
     n, H, T, off = 3, 7, 9, 4
     src = make(rng, (n, H))
-    for wrap in (lambda a: a, dev):
-        dests = [np.full((T, H), SENTINEL) for _ in range(ndest)]
-        gather_rows(wrap(src), [wrap(d) for d in dests], off)
-        for d in dests:
-            assert (d[off:off + n] == src).all()
-            assert (d[:off] == SENTINEL).all() and (d[off + n:] == SENTINEL).all()
+    dests = [wrap(full((T, H), SENTINEL)) for _ in range(ndest)]
+    gather_rows(wrap(src), dests, off)
+    for d in map(unwrap, dests):
+        assert (d[off:off + n] == src).all()
+        assert (d[:off] == SENTINEL).all() and (d[off + n:] == SENTINEL).all()
 
 
-def test_gather_on_queues(rng):
+def test_gather_on_queues(device_backend, dev, host, rng):
     src = make(rng, (65, 33))
     backend = CPUBackend(threaded=True)
     q = backend.create_queue("gather")
@@ -151,17 +176,17 @@ def test_gather_on_queues(rng):
     assert all((d[65:] == src).all() and (d[:65] == SENTINEL).all() for d in dests)
     backend.destroy_queue(q)
     backend.close()
-    cuda_backend = CUDABackend()
+    cuda_backend = device_backend
     cq = cuda_backend.create_queue("gather")
-    dests = [np.full((65, 33), SENTINEL) for _ in range(2)]
-    gather_rows(dev(src), [dev(d) for d in dests], 0, queue=cq)
+    dests = [dev(full((65, 33), SENTINEL)) for _ in range(2)]
+    gather_rows(dev(src), dests, 0, queue=cq)
     cuda_backend.synchronize(cq)
-    assert all((d == src).all() for d in dests)
+    assert all((host(d) == src).all() for d in dests)
     cuda_backend.destroy_queue(cq)
 
 
 # ---------------------------------------------------------------------------- bad input
-def test_bad_inputs_name_the_argument(rng):
+def test_bad_inputs_name_the_argument(dev, rng):
     R, H = 4, 8
     s = [make(rng, (R, H)) for _ in range(2)]
     w, out, nr = make(rng, H), np.empty((R, H), np.float32), np.empty((R, H), np.float32)

@@ -1,6 +1,7 @@
 """CachingAllocator: size classes, per-queue reuse, record_stream, splitting, OOM, bad input.
 
-Every core test runs on the sync cpu backend, threaded cpu queues and the CUDA simulator.
+Every core test runs on the sync cpu backend, threaded cpu queues and the device target
+(numba's CUDA simulator, or the GPU under ``VTNUMBA_TARGET=cuda``).
 """
 
 import numpy as np
@@ -8,14 +9,14 @@ import pytest
 
 from vtnumba.backend import Buffer, CPUBackend
 from vtnumba.memory import SMALL_SEGMENT, AllocatorOutOfMemory, CachingAllocator, round_size
-from test_memory_support import KINDS, Holder, host_bytes, make_backend
+from test_memory_support import KINDS, Holder, make_backend, read, write
 
 MiB = 1 << 20
 
 
 @pytest.fixture(params=KINDS)
-def backend(request):
-    b = make_backend(request.param)
+def backend(request, device_backend_factory):
+    b = make_backend(request.param, device_backend_factory)
     yield b
     b.close()
 
@@ -178,14 +179,14 @@ def test_views_copies_and_memset_on_blocks(backend, rng):
     backend.synchronize(q)
     np.testing.assert_array_equal(out, src)
     view = b.view(np.float32, (7, 33))             # what a kernel gets; aliases the segment
-    np.testing.assert_array_equal(host_bytes(view), src)
-    host_bytes(b.view(np.float32, 1, offset=4))[0] = 42.0
+    np.testing.assert_array_equal(read(backend, view), src)
+    write(backend, b.view(np.float32, 1, offset=4), 42.0)
     backend.copy(q, out, b, src.nbytes)
     backend.synchronize(q)
     assert out[0, 1] == 42.0
     backend.memset(q, b, 0x7F, nbytes=8)
     backend.synchronize(q)
-    assert (host_bytes(b.array)[:8] == 0x7F).all() and host_bytes(pad.array).size == 100
+    assert (read(backend, b.array)[:8] == 0x7F).all() and read(backend, pad.array).size == 100
     with pytest.raises(ValueError, match="block #.* has only"):
         b.view(np.float32, (8, 33))
     a.free(b)

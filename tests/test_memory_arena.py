@@ -5,18 +5,19 @@ import pytest
 
 from vtnumba.backend import CPUBackend
 from vtnumba.memory import ArenaOverflowError, StepArena
-from test_memory_support import KINDS, host_bytes, make_backend
+from vtnumba.backend.arrays import address_of
+from test_memory_support import KINDS, make_backend, read, write
 
 
 @pytest.fixture(params=KINDS)
-def backend(request):
-    b = make_backend(request.param)
+def backend(request, device_backend_factory):
+    b = make_backend(request.param, device_backend_factory)
     yield b
     b.close()
 
 
 def _addr(view) -> int:
-    return host_bytes(view).ctypes.data
+    return address_of(view)  # a host address on cpu and in the simulator, a device address on a GPU
 
 
 def test_bump_allocation_is_aligned_and_typed(backend, rng):
@@ -27,14 +28,14 @@ def test_bump_allocation_is_aligned_and_typed(backend, rng):
         base = _addr(a)
         assert base % 64 == 0
         assert [_addr(v) - base for v in (a, b, c)] == [0, 64, 64 + 192]
-        assert host_bytes(b).dtype == np.float32 and host_bytes(c).shape == (5, 13)
+        assert np.dtype(b.dtype) == np.float32 and tuple(c.shape) == (5, 13)
         assert arena.used == 256 + 520 and arena.remaining == 4096 - 832 and arena.allocations == 3
         vals = rng.standard_normal((5, 13))
-        host_bytes(c)[:] = vals                 # views alias the slab, and do not overlap
-        host_bytes(a)[:] = 0x5A
-        host_bytes(b)[:] = np.float32(1.5)
-        np.testing.assert_array_equal(host_bytes(c), vals)
-        assert (host_bytes(a) == 0x5A).all() and (host_bytes(b) == 1.5).all()
+        write(backend, c, vals)                 # views alias the slab, and do not overlap
+        write(backend, a, 0x5A)
+        write(backend, b, 1.5)
+        np.testing.assert_array_equal(read(backend, c), vals)
+        assert (read(backend, a) == 0x5A).all() and (read(backend, b) == 1.5).all()
         assert arena.alloc(0).size == 0 and arena.used == 776 + 56  # zero bytes: aligned, nothing taken
 
 

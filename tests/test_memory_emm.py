@@ -92,6 +92,7 @@ def test_defer_cleanup_and_memory_info(core):
         no_limit.memory_info()
 
 
+@pytest.mark.simulator_only  # the refusal itself: numba's simulator has no memory-manager hook to install into
 def test_install_refuses_the_simulator():
     with pytest.raises(RuntimeError, match="simulator has no external memory manager"):
         install_numba_memory_manager()

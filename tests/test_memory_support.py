@@ -1,7 +1,9 @@
 """Helpers shared by the memory tests (this file holds no tests).
 
-* :func:`make_backend` -- the backends every core memory test runs on;
-* :func:`host_bytes` -- a block's bytes as a numpy array (zero-copy on cpu and simulator);
+* :func:`make_backend` -- the backends every core memory test runs on: sync and threaded
+  cpu, and the device target (numba's simulator, or the GPU under ``VTNUMBA_TARGET=cuda``);
+* :func:`read` / :func:`write` -- a block's or view's bytes to and from the host, through
+  the backend (a GPU's memory cannot be read in place; copies work on every backend);
 * :class:`Holder` -- keeps a queue "still running", so events recorded behind it stay
   incomplete.  On threaded cpu queues that is real: a host function waits at a gate on
   the queue's thread.  Synchronous backends (seed cpu, the simulator) finish every
@@ -15,26 +17,30 @@ import numpy as np
 
 from vtnumba.backend import CPUBackend
 
-KINDS = ["cpu", "cpu-threaded", "cudasim"]
+KINDS = ["cpu", "cpu-threaded", "device"]
 
 
-def make_backend(kind):
+def make_backend(kind, device_backend_factory):
+    """A backend of ``kind``; "device" comes from conftest's ``device_backend_factory`` fixture."""
     if kind == "cpu":
         return CPUBackend()
     if kind == "cpu-threaded":
         return CPUBackend(threaded=True)
-    from vtnumba.backend.cuda import CUDABackend
-
-    return CUDABackend()
+    return device_backend_factory()
 
 
-def host_bytes(arr) -> np.ndarray:
-    """The host numpy array behind a block's array/view (cpu: itself; simulator: ._ary)."""
-    if isinstance(arr, np.ndarray):
-        return arr
-    from vtnumba.backend.cuda import sim_host_view
+def read(backend, arr) -> np.ndarray:
+    """``arr``'s contents as numpy (in place where the host can read it, else a copy)."""
+    return backend.to_host(arr)
 
-    return sim_host_view(arr)
+
+def write(backend, arr, values) -> None:
+    """Store ``values`` (broadcast to ``arr``'s shape) into ``arr`` in place, like a kernel would."""
+    src = np.ascontiguousarray(np.broadcast_to(np.asarray(values, dtype=arr.dtype), arr.shape))
+    q = backend.create_queue("write")
+    backend.copy(q, arr, src, src.nbytes)
+    backend.synchronize(q)
+    backend.destroy_queue(q)
 
 
 class Holder:

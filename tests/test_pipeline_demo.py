@@ -1,4 +1,8 @@
-"""The README's main job and the embed command, run as a user runs them (mpiexec subprocesses)."""
+"""The README's main job and the embed command, run as a user runs them (mpiexec subprocesses).
+
+Both load the real MiniLM checkpoint: the tests that run them take the ``weights`` fixture,
+which fails without it -- or skips, on a GPU run (see tests/minilm_weights.py).
+"""
 
 import json
 import os
@@ -8,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from minilm_weights import minilm_dir
 from vtnumba.apps.pipeline_demo import mm_hash_of, plan_ranks
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "data", "minilm_reference.npz")
@@ -19,11 +24,17 @@ def vt(*args, ranks=3, timeout=240):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+@pytest.fixture
+def weights():
+    """The checkpoint the subprocesses will load, looked up here first for a clear failure (or skip)."""
+    return minilm_dir()
+
+
 def vtnumba_shm():
     return {f for f in os.listdir("/dev/shm") if f.startswith("vtnumba")}
 
 
-def test_pipeline_demo_three_ranks_hits_evictions_and_verification():
+def test_pipeline_demo_three_ranks_hits_evictions_and_verification(weights):
     before = vtnumba_shm()
     proc = vt("demo", "--target", "cpu")
     out = proc.stdout
@@ -44,7 +55,7 @@ def test_pipeline_demo_three_ranks_hits_evictions_and_verification():
     assert vtnumba_shm() == before
 
 
-def test_pipeline_demo_consumer_failure_ends_every_rank_cleanly():
+def test_pipeline_demo_consumer_failure_ends_every_rank_cleanly(weights):
     before = vtnumba_shm()
     proc = vt("demo", "--target", "cpu", "--fail-at", "2", timeout=120)
     assert proc.returncode != 0
@@ -63,7 +74,7 @@ def test_pipeline_demo_refuses_layouts_it_cannot_run():
     assert plan_ranks(3, None) == (2, 1) and plan_ranks(4, 3) == (3, 1)
 
 
-def test_pipeline_demo_region_too_small_is_a_clear_error():
+def test_pipeline_demo_region_too_small_is_a_clear_error(weights):
     before = vtnumba_shm()
     proc = vt("demo", "--target", "cpu", "--region-mib", "0.05", ranks=2, timeout=120)
     assert proc.returncode != 0 and "must hold at least one input of 256 tokens" in proc.stderr
@@ -76,7 +87,7 @@ def test_mm_hash_is_a_function_of_token_ids():
 
 
 @pytest.mark.parametrize("extra", [[], ["--no-tpsp"]])
-def test_embed_json_matches_sentence_transformers(extra):
+def test_embed_json_matches_sentence_transformers(weights, extra):
     ref = np.load(REFERENCE)
     texts = [str(t) for t in ref["texts"]]
     proc = vt("embed", "--target", "cpu", "--json", *extra, *texts, ranks=2, timeout=120)
@@ -87,7 +98,7 @@ def test_embed_json_matches_sentence_transformers(extra):
     assert np.abs(emb - ref["sentence_embeddings"]).max() <= 1e-5
 
 
-def test_embed_refuses_bad_input_on_every_rank():
+def test_embed_refuses_bad_input_on_every_rank(weights):
     proc = vt("embed", "--target", "cpu", "fine", "   ", ranks=2, timeout=60)
     assert proc.returncode != 0 and "empty" in (proc.stderr + proc.stdout).lower()
     proc = vt("embed", "--target", "cpu", "hello", ranks=5, timeout=120)

@@ -201,10 +201,11 @@ def test_check_call_limits(rng):
 
 
 # ---------------------------------------------------------------------------- backend selection
-def test_get_tpsp_backend_picks_by_device():
+def test_get_tpsp_backend_picks_by_device(device_backend):
+    # device_backend: "cuda:0" must be usable -- the simulator, or the GPU under VTNUMBA_TARGET=cuda.
     assert isinstance(get_tpsp_backend("tp", CPU), HostTPSPBackend)
     assert isinstance(get_tpsp_backend("tp", "cpu"), HostTPSPBackend)
-    be = get_tpsp_backend("tp", "cuda:0")  # the simulator's CUDA backend in the test process
+    be = get_tpsp_backend("tp", "cuda:0")  # makes its own CUDABackend on the device target
     assert isinstance(be, CudaTPSPBackend) and be.device == Device(DeviceType.CUDA, 0)
     assert be.exchange == "push" and HostTPSPBackend().exchange == "pull"
     assert HostTPSPBackend(exchange="push").exchange == "push"

@@ -1,4 +1,7 @@
-"""vtnumba.nn: parallel linears, norms, activations (host vs float64, CUDA kernels in the simulator vs host).
+"""vtnumba.nn: parallel linears, norms, activations (host vs float64, CUDA kernels on the device target vs host).
+
+The device target is numba's CUDA simulator, or the GPU under ``VTNUMBA_TARGET=cuda`` (the
+``device_backend`` fixture of tests/conftest.py).
 
     python -m pytest tests/test_tpsp_nn.py -q
 """
@@ -134,27 +137,23 @@ def test_add_bias_host(rows, cols, rng):
 
 @pytest.mark.parametrize("rows, cols", [(1, 1), (7, 33), (3, 65)])
 @pytest.mark.parametrize("kind", ["relu", "gelu", "silu"])
-def test_activation_kernel_matches_host_reference(rows, cols, kind, rng):
-    from numba import cuda
-
+def test_activation_kernel_matches_host_reference(device_backend, rows, cols, kind, rng):
     x = (3 * rng.standard_normal((rows, cols))).astype(np.float32)
-    d_out = cuda.to_device(np.full_like(x, np.nan))
-    activation(cuda.to_device(x), kind, out=d_out)
+    d_out = device_backend.asarray(np.full_like(x, np.nan))
+    activation(device_backend.asarray(x), kind, out=d_out)
     host = np.full_like(x, np.nan)
     activation_host(x, {"relu": 0, "gelu": 1, "silu": 2}[kind], host)
-    np.testing.assert_allclose(d_out.copy_to_host(), host, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(device_backend.to_host(d_out), host, rtol=1e-5, atol=1e-6)
 
 
-def test_add_bias_kernel_matches_host_reference(rng):
-    from numba import cuda
-
+def test_add_bias_kernel_matches_host_reference(device_backend, rng):
     x = rng.standard_normal((7, 33), dtype=np.float32)
     b = rng.standard_normal(33, dtype=np.float32)
-    d = cuda.to_device(x)
-    add_bias(d, cuda.to_device(b))
+    d = device_backend.asarray(x)
+    add_bias(d, device_backend.asarray(b))
     host = x.copy()
     add_bias_host(host, b)
-    np.testing.assert_allclose(d.copy_to_host(), host, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(device_backend.to_host(d), host, rtol=1e-6, atol=1e-6)
 
 
 def test_activation_errors(rng):
@@ -169,14 +168,13 @@ def test_activation_errors(rng):
         add_bias(x, np.zeros(4, np.float32))
 
 
-def test_device_params_follow_the_input(rng):
-    from numba import cuda
-
+def test_device_params_follow_the_input(device_backend, rng):
     lin = ColumnParallelLinear(6, 4, tp_size=1, tp_rank=0, seed=1)
     x = rng.standard_normal((3, 6), dtype=np.float32)
-    np.testing.assert_allclose(lin(cuda.to_device(x)).copy_to_host(), lin(x), rtol=1e-5, atol=1e-5)
+    on_device = lambda: device_backend.to_host(lin(device_backend.asarray(x)))  # noqa: E731
+    np.testing.assert_allclose(on_device(), lin(x), rtol=1e-5, atol=1e-5)
     lin.weight = lin.weight * 2  # a new host array drops the stale device copy
-    np.testing.assert_allclose(lin(cuda.to_device(x)).copy_to_host(), lin(x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(on_device(), lin(x), rtol=1e-5, atol=1e-5)
 
 
 def test_nn_kernels_compile_to_ptx():

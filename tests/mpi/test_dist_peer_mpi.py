@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from conftest import ON_GPU
 from vtnumba import dist
+from vtnumba.backend.arrays import to_host
 from vtnumba.backend.cpu import CPUBackend
 from vtnumba.dist import shm
 from vtnumba.dist.peer_buffers import PeerAccessError
@@ -85,35 +86,19 @@ def shm_unchanged():
     assert all(d == ([], []) for d in diffs), f"/dev/shm changed: (added, removed) per rank: {diffs}"
 
 
-KINDS = ["cpu", "cudasim"] + (["cuda"] if ON_GPU else [])
-
-
-def make_backend(kind):
-    if kind == "cpu":
-        return CPUBackend()
-    from vtnumba.backend.cuda import CUDABackend
-
-    b = CUDABackend()
-    assert b.simulator == (kind == "cudasim")
-    return b
-
-
-@pytest.fixture(params=[k for k in KINDS if not (ON_GPU and k == "cudasim")])
+@pytest.fixture(params=["cpu", "device"])
 def backend(request):
-    return make_backend(request.param)
-
-
-def to_host(arr) -> np.ndarray:
-    if isinstance(arr, np.ndarray):
-        return arr
-    if hasattr(arr, "_ary"):
-        return arr._ary  # simulator: the live host memory itself
-    return arr.copy_to_host()
+    """cpu, or the device target: numba's simulator, or the GPU under VTNUMBA_TARGET=cuda."""
+    if request.param == "device":
+        return request.getfixturevalue("device_backend")
+    return CPUBackend()
 
 
 def host_write(arr, values: np.ndarray) -> None:
-    if isinstance(arr, np.ndarray) or hasattr(arr, "_ary"):
-        to_host(arr)[...] = values
+    """Store ``values`` into ``arr`` in place: numpy directly, a device array (local or a
+    peer's) with a host-to-device copy."""
+    if isinstance(arr, np.ndarray):
+        arr[...] = values
     else:
         arr.copy_to_device(values)
 
@@ -316,27 +301,31 @@ def test_reduce_scatter_and_all_gather_match_numpy_on_cpu(tp, dtype, threaded, s
     collectively(body)
 
 
-def test_reduce_scatter_and_all_gather_on_the_simulator(tp, shm_unchanged):
-    from vtnumba.backend.cuda import CUDABackend, fake_device_array, sim_host_view
-
+def test_reduce_scatter_and_all_gather_on_the_device(tp, device_backend, shm_unchanged):
+    """Both collectives with the device's kernels on its peer buffers: shared memory seen as
+    device memory in the simulator, raw-handle CUDA IPC buffers (kernels reading peers) on a GPU."""
     n, me = tp.size, tp.rank
-    H = 3
+    be = device_backend
+    if be.capabilities.simulator:  # ~7000 threads/s: tiny rows
+        kind, nbytes, H, Ts, atol = "shm-sim", 1024, 3, sorted({1, max(n - 1, 1), n, 7}), 1e-6
+    else:  # wider rows, up to 129 tokens; float32 sums in another order than numpy's
+        kind, nbytes, H, Ts, atol = "cuda_ipc", 1 << 20, 65, _ts(n), 1e-5
 
     def body():
-        be = CUDABackend()
-        with dist.PeerBuffers(1024, tp, be, timeout_s=TIMEOUT) as pb, \
+        with dist.PeerBuffers(nbytes, tp, be, timeout_s=TIMEOUT) as pb, \
                 dist.PeerSignals(tp, backend=be, timeout_s=TIMEOUT) as sig:
-            for T in sorted({1, max(n - 1, 1), n, 7}):
+            assert pb.kind == kind
+            for T in Ts:
                 R = -(-T // n)
                 xs = [np.random.default_rng(7 * T + r).standard_normal((T, H)).astype(np.float32) for r in range(n)]
                 total = np.zeros((n * R, H), np.float32)
                 total[:T] = np.sum(xs, axis=0)
-                out = fake_device_array(np.full((R, H), np.nan, np.float32))
-                dist.reduce_scatter(pb, fake_device_array(xs[me]), out, sig)
-                np.testing.assert_allclose(sim_host_view(out), total[me * R:(me + 1) * R], rtol=1e-5, atol=1e-6)
-                gathered = fake_device_array(np.full((T, H), np.nan, np.float32))
+                out = be.asarray(np.full((R, H), np.nan, np.float32))
+                dist.reduce_scatter(pb, be.asarray(xs[me]), out, sig)
+                np.testing.assert_allclose(be.to_host(out), total[me * R:(me + 1) * R], rtol=1e-5, atol=atol)
+                gathered = be.asarray(np.full((T, H), np.nan, np.float32))
                 dist.all_gather(pb, out, gathered, sig)
-                np.testing.assert_allclose(sim_host_view(gathered), total[:T], rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(be.to_host(gathered), total[:T], rtol=1e-5, atol=atol)
 
     collectively(body)
 
@@ -368,36 +357,6 @@ def test_shapes_that_differ_across_ranks_fail_everywhere_and_the_channel_recover
         collectively(ok)
 
 
-@pytest.mark.cuda
-def test_cuda_ipc_collectives_on_a_real_gpu(tp, shm_unchanged):
-    """Real GPUs only: raw-handle CUDA IPC buffers, kernels reading peers, both collectives."""
-    from numba import cuda
-
-    from vtnumba.backend.cuda import CUDABackend
-
-    n, me = tp.size, tp.rank
-
-    def body():
-        be = CUDABackend()
-        with dist.PeerBuffers(1 << 20, tp, be, timeout_s=TIMEOUT) as pb, \
-                dist.PeerSignals(tp, backend=be, timeout_s=TIMEOUT) as sig:
-            assert pb.kind == "cuda_ipc"
-            for T in _ts(n):
-                H = 65
-                R = -(-T // n)
-                xs = [np.random.default_rng(3 * T + r).standard_normal((T, H)).astype(np.float32) for r in range(n)]
-                total = np.zeros((n * R, H), np.float32)
-                total[:T] = np.sum(xs, axis=0)
-                out = cuda.to_device(np.full((R, H), np.nan, np.float32))
-                dist.reduce_scatter(pb, cuda.to_device(xs[me]), out, sig)
-                np.testing.assert_allclose(out.copy_to_host(), total[me * R:(me + 1) * R], rtol=1e-5, atol=1e-5)
-                gathered = cuda.to_device(np.full((T, H), np.nan, np.float32))
-                dist.all_gather(pb, out, gathered, sig)
-                np.testing.assert_allclose(gathered.copy_to_host(), total[:T], rtol=1e-5, atol=1e-5)
-
-    collectively(body)
-
-
 def test_bench_peer_runs_under_mpi_and_follows_the_schema(tp):
     import argparse
 
@@ -406,7 +365,7 @@ def test_bench_peer_runs_under_mpi_and_follows_the_schema(tp):
     def body():
         d = peer.run(argparse.Namespace(quick=True, sizes=[0.25], repeat=2))
         schema.validate_suite(d)
-        assert d["ranks"] == tp.size and d["target"] == "cpu"
+        assert d["ranks"] == tp.size and d["target"] == ("cuda" if ON_GPU else "cpu")
         assert all(r["value"] > 0 and r["samples"] == 2 for r in d["results"])
         for key in ("reduce_scatter peer-in-buffer/mpi4py @0.25MiB", "all_gather peer-in-place/mpi4py geomean"):
             assert d["ratios"][key] > 0, key

@@ -1,8 +1,10 @@
-"""MiniLM with TPSP's CUDA backend in numba's simulator: one short sentence, a slice of layers.
+"""MiniLM with TPSP's CUDA backend on the device target: one short sentence, a slice of layers.
 
-The simulator runs ~7,000 GPU threads per second, so this runs the first layer (two
-fused TPSP calls: attention output and output projection) on a 6-token sentence
-and compares them with the host model's regular forward on the same layers.
+The device target is numba's simulator, or the GPU under ``VTNUMBA_TARGET=cuda`` (the
+``device_backend`` fixture of tests/conftest.py).  The simulator runs ~7,000 GPU threads per
+second, so this runs the first layer (two fused TPSP calls: attention output and output
+projection) on a 6-token sentence and compares them with the host model's regular forward
+on the same layers.  It needs the real checkpoint (see tests/minilm_weights.py).
 """
 
 import numpy as np
@@ -12,10 +14,9 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 MPI = pytest.importorskip("mpi4py.MPI")
 
-from vtnumba.backend import Device, DeviceType  # noqa: E402
-from vtnumba.backend.cuda import simulator_active  # noqa: E402
+from minilm_weights import minilm_dir  # noqa: E402
 from vtnumba.dist import destroy_distributed, init_distributed  # noqa: E402
-from vtnumba.models import MiniLMEncoder, TPSPReduceNorm, find_minilm_dir, load_minilm_weights  # noqa: E402
+from vtnumba.models import MiniLMEncoder, TPSPReduceNorm, load_minilm_weights  # noqa: E402
 from vtnumba.models.minilm_batch import pack_batch  # noqa: E402
 from vtnumba.tpsp import CudaTPSPBackend, TPSPOp, TPSPOpsGroup, profile_tpsp  # noqa: E402
 
@@ -23,15 +24,13 @@ LAYERS = 1
 
 
 @pytest.mark.mpi(min_size=2)
-def test_minilm_layers_with_cuda_tpsp_in_the_simulator():
-    if not simulator_active():
-        pytest.skip("this is the simulator check; a real GPU runs the cuda-target suite instead")
+def test_minilm_layers_with_cuda_tpsp_match_the_regular_forward(device_backend):
     comm = MPI.COMM_WORLD
     if 12 % comm.Get_size():
         pytest.skip("the world size must divide MiniLM's 12 heads")
-    weights = load_minilm_weights(find_minilm_dir())
+    weights = load_minilm_weights(minilm_dir())
     group = init_distributed()
-    backend = CudaTPSPBackend(group.name, Device(DeviceType.CUDA, 0))
+    backend = CudaTPSPBackend(group.name, backend=device_backend)
     try:
         enc = MiniLMEncoder(group, weights=weights)
         ids = enc.tokenize(["A cat sat down."])
@@ -42,7 +41,7 @@ def test_minilm_layers_with_cuda_tpsp_in_the_simulator():
         # this test itself, so the profile's own is skipped -- it would double the runtime).
         groups = [TPSPOpsGroup(n, p, nm) for n, p, nm in enc.model.row_parallel_projections()][:2 * LAYERS]
         ctx = profile_tpsp(backend, groups, max_batched_tokens=16, parity_check=False)
-        assert ctx is not None, "TPSP declined in the simulator"
+        assert ctx is not None, "TPSP declined on the device"
         ops = {g.name: TPSPOp(ctx, g.name, norm="layer", group=group) for g in groups}
         enc.model.set_reduce_norm(TPSPReduceNorm(ops, group.rank, group.size, device=True))
         got = enc.model.forward(batch, num_layers=LAYERS)

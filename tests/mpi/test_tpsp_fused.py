@@ -186,24 +186,24 @@ def test_threaded_host_queue_gives_the_same_result(group):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("exchange, T, chunk, norm", [("push", 5, 1, "layer"), ("pull", 3, 8, "rms")])
-def test_cuda_backend_in_the_simulator(group, exchange, T, chunk, norm):
-    """CudaTPSPBackend with the @cuda.jit kernels in numba's simulator: tiny shapes (~7000 threads/s)."""
-    from numba import cuda
+def test_cuda_backend_on_the_device(group, device_backend, exchange, T, chunk, norm):
+    """CudaTPSPBackend with the @cuda.jit kernels on the device target (numba's simulator, or the
+    GPU under VTNUMBA_TARGET=cuda): tiny shapes, for the simulator's ~7000 threads/s."""
 
     def body():
         H = 8 * group.size
-        be = CudaTPSPBackend("tp", exchange=exchange)
-        h = be.open(tp_size=group.size, hidden_size=H, max_batched_tokens=8, name="sim")
+        be = CudaTPSPBackend("tp", exchange=exchange, backend=device_backend)
+        h = be.open(tp_size=group.size, hidden_size=H, max_batched_tokens=8, name="device")
         try:
             layer = Layer(group, T, H, 8, norm, True, seed=T + chunk)
-            d = cuda.to_device
+            d = device_backend.asarray
             R = -(-T // group.size)
             out = d(np.full((T, H), np.nan, np.float32))
             new_res = d(np.full((R, H), np.nan, np.float32))
             be.tpsp_matmul_rs_norm_ag(h, d(layer.x), d(layer.w), d(layer.bias), d(layer.res), d(layer.nw), layer.eps,
                                       None if layer.nb is None else d(layer.nb), norm=norm, config=chunk, out=out,
                                       new_residual=new_res)
-            layer.check(out.copy_to_host(), new_res.copy_to_host(), tol=1e-5)
+            layer.check(device_backend.to_host(out), device_backend.to_host(new_res), tol=1e-5)
             with pytest.raises(TypeError, match="device arrays"):
                 be.tpsp_matmul_rs_norm_ag(h, layer.x, layer.w, None, layer.res, layer.nw, layer.eps)
         finally:

@@ -309,13 +309,14 @@ def test_profile_is_active_range_and_regular_fallback(backend, group):
     collectively(body)
 
 
-def test_cuda_backend_checks_in_the_simulator(group):
-    """The GPU backend's own checks, without running kernels (instant in the simulator)."""
+def test_cuda_backend_checks_on_the_device(group, device_backend):
+    """The GPU backend's own checks, without running kernels (instant even in the simulator)."""
     def body():
-        be = CudaTPSPBackend("tp")
+        be = CudaTPSPBackend("tp", backend=device_backend)
         h = be.open(tp_size=group.size, hidden_size=4 * group.size, max_batched_tokens=8, name="c")
         assert h.workspace.exchange == "push"
-        be.set_config(h, TPSPConfig(2, sm_count_target=3))  # no SM count to compare with in the simulator
+        # 3 SMs: within every GPU's count (the simulator has none to compare with).
+        be.set_config(h, TPSPConfig(2, sm_count_target=3))
         assert h.config.sm_count_target == 3
         with pytest.raises(TypeError, match="device arrays"):
             _call(be, h, _inputs(group, T=4))

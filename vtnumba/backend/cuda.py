@@ -168,7 +168,11 @@ class CUDABackend(Backend):
     def _asarray(self, host: np.ndarray):
         if self.simulator:
             return wrap_host_memory(host.copy())
-        return _cuda().to_device(host)
+        arr = _cuda().to_device(host)
+        # The copy went through the legacy default stream, which vtnumba's (non-blocking)
+        # queues do not wait for: finish it here, so "synchronous" really means done.
+        _cuda().default_stream().synchronize()
+        return arr
 
     def _empty(self, shape, dtype):
         if self.simulator:
