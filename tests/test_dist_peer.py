@@ -48,18 +48,19 @@ def shm_clean():
 
 
 # ---------------------------------------------------------------------------- shm segments
-def test_segment_create_attach_unlink(shm_clean, rng):
+def test_anonymous_segment_has_no_name_anywhere(shm_clean, rng):
     seg = shm.ShmSegment.create(4096, tag="t")
-    st = os.stat(seg.path)
-    assert st.st_mode & 0o777 == 0o600 and st.st_size == 4096
+    assert seg.path is None and seg.handle.startswith(f"fd:{os.getpid()}:")
     assert seg.name.startswith(shm.NAME_PREFIX) and len(seg.name.rsplit("-", 1)[1]) == 32  # 128-bit token
-    other = shm.ShmSegment.attach(seg.name, 4096)
+    assert seg.name not in shm.list_segments()  # nothing in /dev/shm, so nothing a kill could leak
+    other = shm.ShmSegment.attach(seg.handle, 4096)  # through /proc/<pid>/fd/<fd>
     pattern = rng.integers(0, 256, 4096, dtype=np.uint8)
     seg.array[:] = pattern
     np.testing.assert_array_equal(other.array, pattern)  # same physical pages
-    seg.unlink()
-    assert not os.path.exists(seg.path)
-    other.array[7] = 99  # mapping outlives the name
+    seg.unlink()  # the creator's descriptor closes: nobody new can open it ...
+    with pytest.raises(OSError):
+        shm.ShmSegment.attach(seg.handle, 4096)
+    other.array[7] = 99  # ... while the mappings live on
     assert seg.array[7] == 99
     other.close()
     seg.close()
@@ -67,28 +68,85 @@ def test_segment_create_attach_unlink(shm_clean, rng):
         _ = seg.array
 
 
-def test_segment_close_with_live_view_and_checks(shm_clean):
+def test_named_segment_lifecycle_and_mode(shm_clean, rng):
+    seg = shm.ShmSegment.create(4096, tag="t", named=True)
+    st = os.stat(seg.path)
+    assert st.st_mode & 0o777 == 0o600 and st.st_size == 4096
+    assert seg.handle == f"name:{seg.name}" and seg.name in shm.list_segments()
+    other = shm.ShmSegment.attach(seg.handle, 4096)
+    seg.array[:] = rng.integers(0, 256, 4096, dtype=np.uint8)
+    np.testing.assert_array_equal(other.array, seg.array)
+    seg.unlink()
+    assert not os.path.exists(seg.path)
+    other.array[7] = 99  # mapping outlives the name
+    assert seg.array[7] == 99
+    other.close()
+    seg.close()
+
+
+def test_a_descriptor_that_is_not_the_segment_is_refused(tmp_path):
     seg = shm.ShmSegment.create(64)
+    try:
+        pid, fd = seg.handle.split(":")[1:3]
+        other_name = f"{shm.NAME_PREFIX}other-{pid}-{'0' * 32}"
+        with pytest.raises(ValueError, match="not the shared-memory segment"):
+            shm.ShmSegment.attach(f"fd:{pid}:{fd}:{other_name}", 64)
+        with pytest.raises(ValueError, match="is malformed"):
+            shm.ShmSegment.attach("fd:1:x", 64)
+        with pytest.raises(ValueError, match="not a vtnumba segment handle"):
+            shm.ShmSegment.attach("/etc/passwd", 64)
+    finally:
+        seg.close()
+
+
+def test_a_symlink_or_a_foreign_file_at_a_segment_name_is_refused(shm_clean, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x" * 64)
+    name = f"{shm.NAME_PREFIX}planted-{os.getpid()}-{'a' * 32}"
+    link = os.path.join(shm.SHM_DIR, name)
+    os.symlink(secret, link)
+    try:
+        with pytest.raises(OSError):  # O_NOFOLLOW: a planted symlink is never followed
+            shm.ShmSegment.attach(f"name:{name}", 64)
+    finally:
+        os.unlink(link)
+    fd = os.open(link, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    os.ftruncate(fd, 64)
+    os.close(fd)
+    try:
+        with pytest.raises(PermissionError, match="mode 644; expected uid .* mode 600"):
+            shm.ShmSegment.attach(f"name:{name}", 64)
+    finally:
+        os.unlink(link)
+
+
+def test_segment_close_with_live_view_and_checks(shm_clean):
+    seg = shm.ShmSegment.create(64, named=True)
     view = seg.array[:8]
     seg.close()  # a numpy view is still alive: close must not fail, the name is gone
     view[:] = 1
     assert not os.path.exists(seg.path)
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="must be a positive int"):
         shm.ShmSegment.create(0)
     with pytest.raises(ValueError, match="is not a vtnumba segment name"):
-        shm.ShmSegment.attach("../etc/passwd", 10)
+        shm.ShmSegment.attach("name:../etc/passwd", 10)
     with pytest.raises(ValueError, match="is not a vtnumba segment name"):
-        shm.ShmSegment.attach("vtnumba-x/../../y", 10)
+        shm.ShmSegment.attach("name:vtnumba-x/../../y", 10)
     a = shm.ShmSegment.create(64)
     try:
         with pytest.raises(ValueError, match="has 64 bytes, expected 128"):
-            shm.ShmSegment.attach(a.name, 128)
+            shm.ShmSegment.attach(a.handle, 128)
     finally:
         a.close()
 
 
+def test_a_segment_too_large_to_map_says_how_much_was_asked_for():
+    with pytest.raises(OSError, match=r"could not allocate 1125899906842624 bytes \(1.05e\+06 GiB\)"):
+        shm.ShmSegment.create(1 << 50)
+
+
 def test_atexit_hook_unlinks_names_still_linked(shm_clean):
-    seg = shm.ShmSegment.create(64)
+    seg = shm.ShmSegment.create(64, named=True)
     assert os.path.exists(seg.path)
     shm._unlink_leftovers()  # what runs at interpreter exit
     assert not os.path.exists(seg.path)
@@ -290,3 +348,18 @@ def test_signals_bad_names(group, shm_clean):
     assert sig.closed
     with pytest.raises(RuntimeError, match="is closed"):
         _ = sig.get("x", 0)
+
+
+def test_peer_buffers_too_large_say_how_much_on_every_rank(group):
+    with pytest.raises(dist.PeerAccessError, match=r"PeerBuffers export: .*could not allocate 1125899906842624 bytes"):
+        dist.PeerBuffers(1 << 50, group, CPUBackend())
+
+
+def test_a_collective_on_a_freed_group_is_a_clear_error():
+    from mpi4py import MPI
+
+    dist.destroy_distributed()
+    g = dist.init_distributed(comm=MPI.COMM_SELF.Dup())
+    dist.destroy_distributed()
+    with pytest.raises(RuntimeError, match="group 'tp' was freed .*destroy_distributed"):
+        dist.barrier(g)

@@ -5,9 +5,9 @@ What it does: gives every rank a buffer that every *other* rank maps too -- symm
 memory, the workspace TPSP exchanges its partial sums through.  Each rank writes a
 pattern into its own buffer and reads every peer's straight out of memory; then one rank
 writes into its neighbour's buffer and raises a flag there to say so.  On the way: how a
-POSIX shared-memory segment is made and why its name disappears from ``/dev/shm`` as soon
-as everyone has mapped it, how the ranks *agree* before any of them moves on, what a
-flag's epoch is, and what a wait that times out looks like.
+shared-memory segment is made without ever having a name in ``/dev/shm`` (so a crash cannot
+leave one behind), how a peer opens it anyway, how the ranks *agree* before any of them
+moves on, what a flag's epoch is, and what a wait that times out looks like.
 
 Run it::
 
@@ -15,8 +15,8 @@ Run it::
     mpiexec -n 2 python tutorials/06_peer_buffers.py --target cudasim
     mpiexec -n 2 python tutorials/06_peer_buffers.py --target cuda  # CUDA IPC
 
-Key insight: only *names* travel between the ranks (a file name in ``/dev/shm``, or a
-64-byte CUDA IPC handle on a GPU), exchanged once with MPI.  After that the data moves by
+Key insight: only *handles* travel between the ranks (the creator's pid and descriptor
+number, or a 64-byte CUDA IPC handle on a GPU), exchanged once with MPI.  After that the data moves by
 plain loads and stores into mapped memory, and a small flag, written after the data,
 tells the reader when to look.
 """
@@ -50,11 +50,6 @@ lesson.say(f"group: {group}")
 lesson.check(group.peer_access, "all ranks are on one node, so they can map each other's memory")
 
 
-def mine() -> list[str]:
-    """The segments in /dev/shm that this process created (the pid is part of the name)."""
-    return [n for n in list_segments() if f"-{os.getpid()}-" in n]
-
-
 def to_host(arr) -> np.ndarray:
     """A numpy copy of a buffer view, whatever the target's array type."""
     return arr.copy() if isinstance(arr, np.ndarray) else arr.copy_to_host()
@@ -76,41 +71,43 @@ def write(arr, values: np.ndarray) -> None:
 
 
 # %%
-# 1. A shared-memory segment, by hand.  Rank 0 *creates* a file in ``/dev/shm`` (a tmpfs:
-# RAM, not disk) with ``O_CREAT | O_EXCL``, mode 0600 and an unguessable name, maps it and
-# writes into it.  The name is the handle: rank 0 broadcasts it, the others *attach*.
-# Once everyone has mapped it, rank 0 *unlinks* the name -- the memory lives on as long
-# as a process maps it, and from now on no crash can leave a file behind.
+# 1. A shared-memory segment, by hand.  Rank 0 *creates* it with ``memfd_create``: an
+# anonymous file in RAM that has no name in any directory -- it exists only while a process
+# holds a descriptor or a mapping of it.  Rank 0 maps it and writes into it.  The handle it
+# broadcasts is ``fd:<pid>:<fd>:<name>``: the others *attach* by opening
+# ``/proc/<pid>/fd/<fd>``, rank 0's own descriptor (the kernel lets only the same user do
+# that).  Once everyone has mapped it, rank 0 closes its descriptor -- the memory lives on as
+# long as a process maps it.  At no moment was there a file a crash could leave behind.
 seg = ShmSegment.create(4096, tag="demo") if rank == 0 else None
-name = lesson.comm.bcast(seg.name if seg else None, root=0)
+handle = lesson.comm.bcast(seg.handle if seg else None, root=0)
 if rank == 0:
     seg.array[:5] = np.frombuffer(b"hello", np.uint8)
 else:
-    seg = ShmSegment.attach(name, 4096)
-listed_before = name in list_segments()
+    seg = ShmSegment.attach(handle, 4096)
+name = handle.rsplit(":", 1)[1]
 barrier(group)                       # everyone has mapped it ...
 if rank == 0:
-    seg.unlink()                     # ... so the name can go
+    seg.unlink()                     # ... so nobody needs to open it again
 barrier(group)
 text = bytes(seg.array[:5]).decode()
-lesson.say(f"segment {name}: in /dev/shm while being set up: {listed_before}; after unlink: "
-           f"{name in list_segments()}; rank {rank} still reads {text!r} through its mapping")
-lesson.check(listed_before and name not in list_segments() and text == "hello",
-             "the name is gone once every rank mapped it, the memory is not")
+lesson.say(f"segment handle {handle}; in /dev/shm: {name in list_segments()}; rank {rank} reads {text!r} "
+           "through its mapping")
+lesson.check(name not in list_segments() and text == "hello", "the memory is shared and has no name to leak")
 seg.close()
+# (``ShmSegment.create(..., named=True)`` makes the textbook /dev/shm file instead, unlinked as
+# soon as every rank mapped it -- PeerBuffers falls back to it where /proc/<pid>/fd cannot be
+# opened; only a kill inside those few milliseconds could leave that file behind.)
 
 # %%
 # 2. ``PeerBuffers`` does all of that for every rank, collectively: each rank creates its
 # segment (or, on a GPU, allocates device memory and exports a CUDA IPC handle), the
 # handles are allgathered as raw bytes, every rank opens every peer's, and the ranks
 # *agree* after each step -- if any rank fails, every rank raises the same error instead
-# of leaving the others waiting.  When the constructor returns, the names are unlinked.
+# of leaving the others waiting.  When the constructor returns, nobody can open them again.
 N = 1024                                # int32 values per rank
 pb = PeerBuffers(2 * N * 4, group)      # two regions: the pattern (1) and a mailbox (3)
 lesson.say(f"{pb}; local array type: {type(pb.local).__name__}")
-lesson.say(f"segments of this process left in /dev/shm right after construction: {len(mine())} "
-           "(each existed only while the ranks were mapping it)")
-lesson.check(not mine(), "PeerBuffers unlinked its segment as soon as every rank had mapped it")
+lesson.say(f"vtnumba files in /dev/shm: {list_segments()} (the segments have no names)")
 
 # Each rank writes a pattern that says who wrote it into its own buffer ...
 patterns = pb.views(np.int32, (N,), offset=0)   # one view per rank: patterns[j] is rank j's memory
@@ -191,12 +188,12 @@ else:
 
 # %%
 # Teardown is collective too: ``close()`` synchronizes, waits until nobody uses any
-# buffer, unmaps the peers', waits until nobody maps its own, then frees it.  Nothing of
-# this process is left in ``/dev/shm``.
+# buffer, unmaps the peers', waits until nobody maps its own, then frees it -- the last
+# unmap returns the pages to the kernel.
 sig.close()
 pb.close()
 destroy_distributed()
-lesson.check(not mine(), "no /dev/shm file of this process is left")
+lesson.check(not [n for n in list_segments() if f"-{os.getpid()}-" in n], "no /dev/shm file of this process")
 lesson.say("done")
 
 # %%

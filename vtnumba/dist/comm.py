@@ -136,6 +136,9 @@ def agree_errors(error: BaseException | str | None, group, *, context: str = "",
 def _check_group(group) -> None:
     if getattr(group, "cpu_comm", None) is None:
         raise TypeError(f"group must be a live ProcessGroup, got {group!r}")
+    if getattr(group, "freed", False):
+        raise RuntimeError(f"group {group.name!r} was freed (destroy_distributed() ran); call init_distributed() "
+                           "again and use the group it returns")
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "wait_request", "barrier", "all_ranks_ready", "allgather_bytes", "agree_errors"]

@@ -8,8 +8,8 @@ process's target without a copy:
 ======== ========================== ==================================================================
 target   transport                  arrays handed out
 ======== ========================== ==================================================================
-cpu      POSIX shm (``shm.py``)     numpy views of the mmap
-cudasim  POSIX shm (``shm.py``)     ``FakeCUDAArray`` over those views (zero-copy in the simulator)
+cpu      shared memory (``shm.py``) numpy views of the mmap
+cudasim  shared memory (``shm.py``) ``FakeCUDAArray`` over those views (zero-copy in the simulator)
 cuda     CUDA IPC (``cuda_ipc.py``) numba device arrays on the opened IPC mappings
 ======== ========================== ==================================================================
 
@@ -53,6 +53,10 @@ def _address_or_none(arr) -> int | None:
 
 class PeerAccessError(RuntimeError):
     """Peer buffers cannot be set up for this group (raised identically on every rank)."""
+
+
+class _OpenFailed(PeerAccessError):
+    """A rank could not open a peer's buffer: the next transport mode may still work."""
 
 
 def _transport_kind(backend: Backend) -> str:
@@ -134,12 +138,28 @@ class PeerBuffers:
                 f"group {group.name!r} (world ranks {group.world_ranks}) spans more than one node, so its ranks "
                 "cannot map each other's memory; use the MPI collectives (mpi_reduce_scatter / mpi_all_gather)")
 
-        # 3. Export my buffer.
+        # 3-5. Export, exchange handles, open every peer's buffer.  Host memory is tried as
+        #      anonymous segments first (no name that could leak, see dist.shm); if a rank
+        #      cannot open a peer's /proc/<pid>/fd (a sandbox without a shared procfs), every
+        #      rank learns it from the agreement and all retry with named /dev/shm segments.
+        modes = ["ipc"] if self.kind == "cuda_ipc" else ["anonymous", "named"]
+        for attempt, mode in enumerate(modes):
+            try:
+                self._setup(mode, nbytes, fail_export, fail_open)
+                break
+            except _OpenFailed as exc:  # identical on every rank (it comes out of an agreement)
+                if attempt == len(modes) - 1:
+                    raise PeerAccessError(str(exc)) from exc
+        self._closed = False
+
+    def _setup(self, mode: str, nbytes: int, fail_export, fail_open) -> None:
+        group, timeout_s = self.group, self.timeout_s
+        # Export my buffer.
         err, handle = None, b""
         try:
             if fail_export == group.rank:
                 raise PeerAccessError(f"forced export failure on group rank {group.rank} (test hook)")
-            handle = self._export_local(nbytes)
+            handle = self._export_local(nbytes, named=mode == "named")
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             err = exc
         try:
@@ -148,7 +168,7 @@ class PeerBuffers:
             self._release_local()
             raise
 
-        # 4. Exchange handles (raw bytes) and open every peer's buffer.
+        # Exchange handles (raw bytes) and open every peer's buffer.
         handles = allgather_bytes(handle, group, timeout_s)
         err = None
         try:
@@ -158,7 +178,7 @@ class PeerBuffers:
         except Exception as exc:  # noqa: BLE001
             err = exc
         try:
-            agree_errors(err, group, context="PeerBuffers open", exc_type=PeerAccessError, timeout_s=timeout_s)
+            agree_errors(err, group, context="PeerBuffers open", exc_type=_OpenFailed, timeout_s=timeout_s)
         except BaseException:
             # Undo in the safe order: close peers' memory, wait until every rank did, free mine.
             self._close_peers()
@@ -168,11 +188,11 @@ class PeerBuffers:
                 self._release_local()
             raise
 
-        # 5. The agreement above completed on every rank, so every peer has mapped my
-        #    segment: remove its name now.  From here on a crash cannot leak /dev/shm files.
+        # The agreement above completed on every rank, so every peer has mapped my segment:
+        # nobody needs to open it again -- close its descriptor or remove its name.  From here
+        # on a crash cannot leak anything.
         if isinstance(self._export, ShmSegment):
             self._export.unlink()
-        self._closed = False
 
     # ------------------------------------------------------------------ construction helpers
     def _wrap(self, host: np.ndarray):
@@ -182,16 +202,20 @@ class PeerBuffers:
             return fake_device_array(host)
         return host
 
-    def _export_local(self, nbytes: int) -> bytes:
+    def _export_local(self, nbytes: int, *, named: bool) -> bytes:
         if self.kind == "cuda_ipc":
             from vtnumba.dist.cuda_ipc import CudaIpcExport
 
-            self._export = CudaIpcExport(self.backend, nbytes)
+            try:
+                self._export = CudaIpcExport(self.backend, nbytes)
+            except Exception as exc:  # an out-of-memory error does not say how much was asked for
+                raise PeerAccessError(f"could not allocate and export {nbytes} bytes of device memory for "
+                                      f"PeerBuffers: {exc}") from exc
             self._local = self._export.array
             return self._export.handle_bytes
-        self._export = ShmSegment.create(nbytes, tag=f"pb{self.group.rank}")
+        self._export = ShmSegment.create(nbytes, tag=f"pb{self.group.rank}", named=named)
         self._local = self._wrap(self._export.array)
-        return self._export.name.encode()
+        return self._export.handle.encode()
 
     def _open_peers(self, handles: list[bytes], nbytes: int) -> None:
         peers = []

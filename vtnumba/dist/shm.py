@@ -1,25 +1,35 @@
-"""POSIX shared-memory segments: the peer-memory transport of the ``cpu`` and ``cudasim`` targets.
+"""Shared-memory segments: the peer-memory transport of the ``cpu`` and ``cudasim`` targets.
 
 Seed concept: on a GPU, ranks share device memory through CUDA IPC handles.  Without a GPU
-the same idea is a file in ``/dev/shm`` (a tmpfs: RAM, not disk) that every rank maps
-with ``mmap(MAP_SHARED)``; a store by one rank is a store into the page every other rank
-sees.  The "handle" that travels between ranks is just the file name.
+the same idea is host memory that every rank maps with ``mmap(MAP_SHARED)``: a store by one
+rank is a store into the page every other rank sees.  What travels between ranks is a
+*handle* -- a short string saying how to open the creator's memory.
 
-Lifecycle, chosen so that nothing is left in ``/dev/shm`` after a run, even after a crash:
+**No name, nothing to leak.**  A file in ``/dev/shm`` is the textbook way, but a name is what
+leaks: a rank killed between creating the file and the last peer mapping it leaves it behind
+for good.  So by default a segment has no name at all:
 
-1. ``ShmSegment.create`` makes the file with ``O_CREAT | O_EXCL`` (never reuse or truncate
-   someone else's file), mode ``0600`` (only this user), under an unguessable name
-   (``secrets.token_hex``: another user cannot pre-create it or guess it);
-2. ``ftruncate`` sizes it (tmpfs pages read as zeros until written), ``mmap`` maps it and
-   the descriptor is closed (the mapping keeps the memory alive);
-3. peers ``ShmSegment.attach`` by name;
-4. as soon as every peer has mapped it, the creator ``unlink``\\ s the name.  From then on
-   the memory lives exactly as long as some process maps it and has no name anyone could
-   leak: a rank that raises or is killed later leaves nothing behind.
+1. the creator makes it with ``memfd_create`` -- an anonymous file that exists only while some
+   process holds a descriptor or a mapping of it -- sizes it (``ftruncate``; pages read as
+   zeros until written) and maps it;
+2. its handle is ``fd:<pid>:<fd>:<name>``: a peer opens ``/proc/<pid>/fd/<fd>``, the creator's
+   own descriptor, which the kernel allows only to processes of the same user; it checks the
+   descriptor really is that memfd (``readlink`` shows its name), maps it and closes its
+   descriptor;
+3. once every peer has mapped it (an agreement in :class:`~vtnumba.dist.PeerBuffers`) the
+   creator closes its descriptor too (:meth:`ShmSegment.unlink`): from then on the memory
+   lives exactly as long as some process maps it.
 
-Between 1 and 4 (a few milliseconds of setup) a name exists; an ``atexit`` hook unlinks any
-name this process created and has not yet unlinked (a Python-level exception in that
-window), and only a hard kill inside the window could leak a file.
+Whatever happens -- an exception, ``SIGKILL`` at any moment -- no file is ever left behind:
+there is none.
+
+**Named segments** (``named=True``) are the fallback where ``/proc/<pid>/fd`` cannot be
+opened (a sandbox without a shared procfs): a ``/dev/shm/vtnumba-*`` file made with
+``O_CREAT | O_EXCL`` (never reuse someone else's file), mode ``0600``, an unguessable name
+(``secrets.token_hex``), opened by peers with ``O_NOFOLLOW`` (a symlink planted at the name
+is refused) after checking it is this user's and mode ``0600``, and unlinked as soon as every
+peer has mapped it -- with an ``atexit`` hook for a Python-level failure in between.  Only
+a hard kill inside that window of a few milliseconds could leak its file.
 
 Arrays handed out are ``np.frombuffer(mmap)``: zero-copy views.  In the simulator they are
 wrapped as ``FakeCUDAArray`` by the caller, because the simulator copies plain numpy
@@ -31,15 +41,18 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
+import re
 import secrets
+import stat
 import threading
 
 import numpy as np
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "vtnumba-"
+_NAME = re.compile(r"vtnumba-[A-Za-z0-9_.-]{1,160}")
 
-_linked: set[str] = set()  # paths this process created and has not unlinked yet
+_linked: set[str] = set()  # named segments this process created and has not unlinked yet
 _linked_lock = threading.Lock()
 
 
@@ -59,51 +72,87 @@ atexit.register(_unlink_leftovers)
 
 def _check_name(name: str) -> str:
     # Names come from peers; refuse anything that could point outside /dev/shm.
-    if not isinstance(name, str) or not name.startswith(NAME_PREFIX) or "/" in name or len(name) > 200 \
-            or not all(c.isalnum() or c in "-_." for c in name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"shm segment name {name!r} is not a vtnumba segment name")
     return name
 
 
-class ShmSegment:
-    """One mapped ``/dev/shm`` file.  Use :meth:`create` or :meth:`attach`, never the constructor."""
+def _describe_nbytes(nbytes: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes} bytes ({nbytes / size:.3g} {unit})"
+    return f"{nbytes} bytes"
 
-    def __init__(self, name: str, nbytes: int, mm: mmap.mmap, owner: bool):
+
+def _map(fd: int, nbytes: int, what: str) -> mmap.mmap:
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise OSError(exc.errno, f"could not allocate {_describe_nbytes(nbytes)} of shared memory for {what}: "
+                                 f"{exc.strerror}") from exc
+
+
+class ShmSegment:
+    """One mapped shared-memory segment.  Use :meth:`create` or :meth:`attach`, never the constructor."""
+
+    def __init__(self, name: str, handle: str, nbytes: int, mm: mmap.mmap, owner: bool, *,
+                 fd: int | None = None, path: str | None = None):
         self.name = name
-        self.path = os.path.join(SHM_DIR, name)
+        self.handle = handle
+        self.path = path          # the /dev/shm path of a named segment, else None
         self.nbytes = nbytes
         self.owner = owner
+        self._fd = fd             # anonymous segments: the creator's descriptor, until unlink()
         self._mmap: mmap.mmap | None = mm
         self._array: np.ndarray | None = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
-        self.linked = owner
+        self.linked = owner       # can a peer still open it (name or descriptor still there)?
 
     @classmethod
-    def create(cls, nbytes: int, tag: str = "seg") -> "ShmSegment":
-        """Create, size and map a fresh segment (mode 0600, unguessable name)."""
-        if nbytes <= 0:
-            raise ValueError(f"nbytes={nbytes} must be > 0 for a shared-memory segment")
+    def create(cls, nbytes: int, tag: str = "seg", *, named: bool = False) -> "ShmSegment":
+        """Create, size and map a fresh segment: anonymous (default) or a named ``/dev/shm`` file."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
+            raise ValueError(f"nbytes={nbytes!r} must be a positive int for a shared-memory segment")
+        nbytes = int(nbytes)
+        name = _check_name(f"{NAME_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(16)}")
+        if not named:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            try:
+                mm = _map(fd, nbytes, f"segment {name}")
+            except BaseException:
+                os.close(fd)
+                raise
+            return cls(name, f"fd:{os.getpid()}:{fd}:{name}", nbytes, mm, owner=True, fd=fd)
         if not os.path.isdir(SHM_DIR):
             raise RuntimeError(f"{SHM_DIR} does not exist: POSIX shared memory is unavailable on this system")
-        name = f"{NAME_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(16)}"
         path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         with _linked_lock:
             _linked.add(path)
         try:
-            os.ftruncate(fd, nbytes)
-            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.fchmod(fd, 0o600)  # exactly, whatever the umask
+            mm = _map(fd, nbytes, f"segment {path}")
         except BaseException:
             os.close(fd)
             _unlink_path(path)
             raise
         os.close(fd)  # the mapping keeps the memory; the descriptor is not needed any more
-        return cls(name, nbytes, mm, owner=True)
+        return cls(name, f"name:{name}", nbytes, mm, owner=True, path=path)
 
     @classmethod
-    def attach(cls, name: str, nbytes: int) -> "ShmSegment":
-        """Map a peer's segment by name; checks it has exactly ``nbytes``."""
-        path = os.path.join(SHM_DIR, _check_name(name))
-        fd = os.open(path, os.O_RDWR)
+    def attach(cls, handle: str, nbytes: int) -> "ShmSegment":
+        """Map a peer's segment from its handle; checks it is a vtnumba segment of exactly ``nbytes``."""
+        if not isinstance(handle, str):
+            raise TypeError(f"handle must be a str, got {type(handle).__name__}")
+        kind, _, rest = handle.partition(":")
+        if kind == "fd":
+            fd, name, path = cls._open_descriptor(rest)
+        elif kind == "name":
+            name = _check_name(rest)
+            path = os.path.join(SHM_DIR, name)
+            fd = cls._open_named(path)
+        else:
+            raise ValueError(f"shm handle {handle!r} is not a vtnumba segment handle (expected fd:... or name:...)")
         try:
             size = os.fstat(fd).st_size
             if size != nbytes:
@@ -111,7 +160,32 @@ class ShmSegment:
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return cls(name, nbytes, mm, owner=False)
+        return cls(name, handle, nbytes, mm, owner=False, path=path if kind == "name" else None)
+
+    @staticmethod
+    def _open_descriptor(rest: str) -> tuple[int, str, str]:
+        try:
+            pid_s, fd_s, name = rest.split(":", 2)
+            pid, fd_num = int(pid_s), int(fd_s)
+        except ValueError:
+            raise ValueError(f"shm handle 'fd:{rest}' is malformed (expected fd:<pid>:<fd>:<name>)") from None
+        _check_name(name)
+        path = f"/proc/{pid}/fd/{fd_num}"
+        # The descriptor number could have been reused by something else: it must be our memfd.
+        target = os.readlink(path)
+        if target not in (f"/memfd:{name}", f"/memfd:{name} (deleted)"):
+            raise ValueError(f"{path} is {target!r}, not the shared-memory segment {name}")
+        return os.open(path, os.O_RDWR), name, path
+
+    @staticmethod
+    def _open_named(path: str) -> int:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # a symlink planted at the name fails here
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o600 or not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise PermissionError(f"{path} is not a vtnumba segment of this user (owner uid {st.st_uid}, mode "
+                                  f"{stat.S_IMODE(st.st_mode):o}; expected uid {os.getuid()}, mode 600)")
+        return fd
 
     @property
     def array(self) -> np.ndarray:
@@ -121,17 +195,23 @@ class ShmSegment:
         return self._array
 
     def unlink(self) -> None:
-        """Remove the name (the creator calls this once every peer has mapped the segment)."""
-        if self.owner and self.linked:
-            self.linked = False
+        """No peer may open the segment any more (the creator calls this once every peer has
+        mapped it): an anonymous segment's descriptor is closed, a named one's file removed."""
+        if not (self.owner and self.linked):
+            return
+        self.linked = False
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+        if self.path is not None:
             _unlink_path(self.path)
 
     def close(self) -> None:
         """Unmap.  If a caller still holds a view, the mapping lives on until that view dies.
 
         ``mmap.close`` refuses while numpy views of it exist (``BufferError``); then we just
-        drop our references and the memory is unmapped when the last view is collected.  The
-        name is already unlinked, so nothing can leak into ``/dev/shm`` either way.
+        drop our references and the memory is unmapped when the last view is collected.
+        Nothing can leak either way: :meth:`unlink` runs first.
         """
         self.unlink()
         mm, self._mmap, self._array = self._mmap, None, None
@@ -152,7 +232,8 @@ def _unlink_path(path: str) -> None:
 
 
 def list_segments() -> list[str]:
-    """Names of vtnumba segments currently in ``/dev/shm`` (for tests and diagnostics)."""
+    """Names of vtnumba files currently in ``/dev/shm`` (for tests and diagnostics; anonymous
+    segments never appear: they have no name)."""
     try:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(NAME_PREFIX))
     except FileNotFoundError:
