@@ -24,7 +24,7 @@ N = 4096
 OLD, NEW = 0xAB, 0xCD
 
 
-def _seed_hazard(backend, *, record_stream: bool, hold):
+def _seed_hazard(backend, *, record_stream: bool, hold, report_use: bool = True):
     """Run the scenario; returns (bytes the side copy read, reallocated-at-same-address?)."""
     alloc = CachingAllocator(backend)
     main, side = backend.create_queue("main"), backend.create_queue("side")
@@ -37,7 +37,8 @@ def _seed_hazard(backend, *, record_stream: bool, hold):
     hold(side)                                       # ... and not yet: held at the gate
     out = np.zeros(N, np.uint8)
     backend.copy(side, out, block, N)                # side reads the block (queued)
-    note_use(block, side)                            # what library code tells the checker
+    if report_use:
+        note_use(block, side)                        # what library code may tell the checker
     if record_stream:
         alloc.record_stream(block, side)             # the fix: tell the allocator too
     alloc.free(block)
@@ -68,6 +69,34 @@ def threaded():
     b = CPUBackend(threaded=True)
     yield b
     b.close()
+
+
+@pytest.mark.parametrize("how", ["backend.copy", "a kernel on the side queue"])
+def test_checker_sees_a_cross_queue_use_made_through_the_backend_api_alone(threaded, how):
+    """Nobody calls note_use: the side queue's copy (or kernel) is reported by the Backend API itself."""
+    from vtnumba.kernels import fused_add_rms_norm
+
+    hold, release = _gate_holder(threaded)
+    with check_hazards("record") as checker:
+        alloc = CachingAllocator(threaded)
+        main, side = threaded.create_queue("main"), threaded.create_queue("side")
+        block = alloc.allocate(N, main)
+        threaded.memset(main, block, OLD)
+        threaded.synchronize(main)
+        hold(side)
+        if how == "backend.copy":
+            out = np.zeros(N, np.uint8)
+            threaded.copy(side, out, block, N)
+        else:
+            y = block.view(np.float32, (8, N // 32))
+            fused_add_rms_norm(y, None, np.ones(N // 32, np.float32), 1e-5, queue=side)
+        alloc.free(block)                    # no record_stream, no note_use
+        again = alloc.allocate(N, main)
+        release()
+        threaded.synchronize(side)
+        assert [r.kind for r in checker.reports] == ["reuse-before-complete"], checker.reports
+        assert "queue 'side'" in checker.reports[0].message
+        alloc.free(again)
 
 
 def test_without_record_stream_the_copy_reads_wrong_bytes(threaded):

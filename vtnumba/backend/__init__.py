@@ -16,7 +16,17 @@ Reading order (one concept per module):
 """
 
 from vtnumba.backend.arrays import check_nbytes
-from vtnumba.backend.base import FLAG_MAX, Backend, Buffer, Capabilities, Event, GraphHandle, Queue
+from vtnumba.backend.base import (
+    FLAG_MAX,
+    Backend,
+    Buffer,
+    Capabilities,
+    Event,
+    GraphHandle,
+    Queue,
+    add_use_observer,
+    remove_use_observer,
+)
 from vtnumba.backend.cpu import CPUBackend
 from vtnumba.backend.default import default_backend, default_device
 from vtnumba.backend.device import CPU, MAX_DEVICES_PER_TYPE, Device, DeviceType
@@ -35,7 +45,7 @@ from vtnumba.backend.registry import (
 )
 
 __all__ = [
-    "Backend", "Buffer", "Capabilities", "FLAG_MAX", "Event", "GraphHandle", "Queue", "check_nbytes", "CPUBackend", "CPU",
+    "Backend", "Buffer", "Capabilities", "FLAG_MAX", "Event", "add_use_observer", "remove_use_observer", "GraphHandle", "Queue", "check_nbytes", "CPUBackend", "CPU",
     "MAX_DEVICES_PER_TYPE", "Device", "DeviceType", "DType", "as_dtype", "check_dtype_supported",
     "supported_dtypes", "DeviceResourceOps", "alloc", "create_queue", "destroy_queue", "free", "get_backend",
     "register_backend", "registered_devices", "try_get_backend", "unregister_backend", "default_backend",

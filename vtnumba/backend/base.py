@@ -44,10 +44,45 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend import address_ranges
-from vtnumba.backend.arrays import check_int, check_nbytes, check_seconds, check_shape, host_view, is_int
+from vtnumba.backend.arrays import address_of, check_int, check_nbytes, check_seconds, check_shape, host_view, is_int
 from vtnumba.backend.device import Device, DeviceType
 
 _ids = itertools.count(1)
+
+
+# Who wants to hear about every use of memory on a queue (the hazard checker of vtnumba.memory,
+# while it is active): ``observer(backend, queue, [(address, nbytes), ...])`` after each copy,
+# memset and submit that names the memory it touches.  Empty -- and so free -- otherwise.
+_use_observers: list[Callable] = []
+
+
+def add_use_observer(fn: Callable) -> None:
+    """Call ``fn(backend, queue, ranges)`` after every queued use of memory (see :meth:`Backend.submit`)."""
+    if fn not in _use_observers:
+        _use_observers.append(fn)
+
+
+def remove_use_observer(fn: Callable) -> None:
+    """Stop calling ``fn`` (a no-op if it was not registered)."""
+    if fn in _use_observers:
+        _use_observers.remove(fn)
+
+
+def observing_uses() -> bool:
+    """Is anyone listening (so that describing a use is worth its cost)?"""
+    return bool(_use_observers)
+
+
+def _range_of(obj, offset: int = 0, nbytes: int | None = None) -> tuple[int, int] | None:
+    """(address, nbytes) of a Buffer or array (None where it has no address, e.g. a scalar)."""
+    if isinstance(obj, tuple) and len(obj) == 2:
+        return int(obj[0]), int(obj[1])
+    try:
+        start = obj.ptr if isinstance(obj, Buffer) else address_of(obj)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    size = int(obj.nbytes) - offset if nbytes is None else nbytes
+    return int(start) + offset, size
 
 
 #: Largest value a 32-bit flag word holds; queue flags count epochs well below it (see wait_value32).
@@ -319,6 +354,8 @@ class Backend(abc.ABC):
             raise ValueError(f"memset of nbytes={nbytes} at offset={offset} runs past the end of buffer "
                              f"#{buf.id} ({buf.nbytes} bytes)")
         self._memset(q, buf, int(value), nbytes, offset)
+        if _use_observers:
+            self._notify_use(q, [_range_of(buf, offset, nbytes)])
 
     def copy(self, q: Queue, dst, src, nbytes: int, *, dst_offset: int = 0, src_offset: int = 0) -> None:
         """Copy ``nbytes`` from ``src`` to ``dst`` in queue order (H2D, D2H, D2D or H2H).
@@ -340,6 +377,8 @@ class Backend(abc.ABC):
             raise ValueError(f"copy of nbytes={nbytes} at src_offset={src_offset} runs past the end of src "
                              f"({s_size} bytes)")
         self._copy(q, dst, src, nbytes, dst_offset, src_offset)
+        if _use_observers:
+            self._notify_use(q, [_range_of(dst, dst_offset, nbytes), _range_of(src, src_offset, nbytes)])
 
     def _extent(self, name: str, obj) -> int:
         if isinstance(obj, Buffer):
@@ -393,17 +432,26 @@ class Backend(abc.ABC):
         if q is not None:
             self._check_queue(q)
 
-    def submit(self, q: Queue, fn: Callable[[Any], None], name: str = "op", **trace_args) -> None:
+    def submit(self, q: Queue, fn: Callable[[Any], None], name: str = "op", *, uses=(), **trace_args) -> None:
         """Run ``fn(native_stream)`` in queue order.
 
         This is how kernels and host functions reach a queue.  On the cpu backend ``fn``
         does the work itself (on the queue's thread in threaded mode); on cuda it *launches*
         device work into the stream it is given, which is then ordered like any copy.
+        ``uses`` names the memory the work touches (Buffers, arrays, or ``(address, nbytes)``
+        pairs), so that a hazard checker can see cross-queue uses the caller did not report.
         """
         self._check_queue(q)
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         self._submit(q, fn, name, trace_args)
+        if _use_observers and uses:
+            self._notify_use(q, [_range_of(u) for u in uses if u is not None])
+
+    def _notify_use(self, q: Queue, ranges) -> None:
+        ranges = [r for r in ranges if r is not None and r[1] > 0]
+        for fn in list(_use_observers):
+            fn(self, q, ranges)
 
     def launch_host_func(self, q: Queue, fn: Callable[[], None], name: str = "host_func") -> None:
         """Run a host function once everything before it on ``q`` has finished (cuLaunchHostFunc).

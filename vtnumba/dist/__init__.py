@@ -29,8 +29,8 @@ from vtnumba.dist.groups import (
     new_group,
 )
 from vtnumba.dist.peer_buffers import PeerAccessError, PeerBuffers
-from vtnumba.dist.shm import ShmSegment, list_segments
 from vtnumba.dist.queue_flags import RELEASED, QueueFlags, QueueFlagsError
+from vtnumba.dist.shm import ShmSegment, list_segments
 from vtnumba.dist.signals import DEFAULT_NAMES, PeerSignals
 
 __all__ = [

@@ -40,7 +40,6 @@ from vtnumba.backend.arrays import (  # noqa: F401  (re-exported: the kernels' s
     is_c_contiguous,
 )
 
-
 #: How the host references are compiled.  ``nogil`` lets a threaded queue run them beside
 #: other work.  The fast-math flags allow what vectorising a float32 sum needs -- reassociation
 #: (SIMD lanes keep separate partial sums), contraction into FMAs, reciprocal approximations,
@@ -70,17 +69,18 @@ def _resolve_backend(kind: str, queue, backend):
 
 
 def run(kind: str, name: str, queue, backend, host_fn: Callable[[], None],
-        launch_fn: Callable[[Any], None], **trace_args) -> None:
+        launch_fn: Callable[[Any], None], *, uses=(), **trace_args) -> None:
     """Run ``host_fn()`` (host arrays) or ``launch_fn(stream)`` (device arrays) in queue order.
 
     See the module docstring for the three cases (queue / no queue / simulator).
     """
     if queue is not None:
         backend = _resolve_backend(kind, queue, backend)
+        # ``uses``: the arrays the work touches, for the hazard checker (see Backend.submit).
         if kind == HOST:
-            backend.submit(queue, lambda _stream: host_fn(), name=name, **trace_args)
+            backend.submit(queue, lambda _stream: host_fn(), name=name, uses=uses, **trace_args)
         else:
-            backend.submit(queue, launch_fn, name=name, **trace_args)
+            backend.submit(queue, launch_fn, name=name, uses=uses, **trace_args)
         return
     if kind == HOST:
         host_fn()

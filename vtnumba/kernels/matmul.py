@@ -116,7 +116,7 @@ def _matmul_into(name, a_name, a, b_name, b, trans_b, bias, out, queue, backend,
     if out is None:
         out = empty(kind, (M, N), np.float32)
     check_array("out", out, ndim=2, dtypes=_OUT_DTYPES, shape=(M, N))
-    run(kind, name if kind == HOST else f"{name}[{variant}]", queue, backend,
+    run(kind, name if kind == HOST else f"{name}[{variant}]", queue, backend, uses=(a, b, bias, out),
         host_fn=lambda: matmul_rows_host(a, b, bias, out, 0, M, trans_b),
         launch_fn=lambda stream: _launch(variant, a, b, bias, out, 0, M, trans_b, stream),
         flops=2 * M * N * K)
@@ -177,6 +177,7 @@ def linear_rows_to(x, w, bias, dests, rows_per_dest: int, queue=None, backend=No
             _launch(variant, x, w, bias, dest, d * R, M - d * R, True, stream)
 
     run(kind, "linear_rows_to" if kind == HOST else f"linear_rows_to[{variant}]", queue, backend,
+        uses=(x, w, bias, *dests),
         host_fn=host_fn, launch_fn=launch_fn, flops=2 * M * N * K, dests=len(dests))
     return dests
 

@@ -136,7 +136,7 @@ def _fused_add_norm(name, y, residual, weight, norm_bias, eps, bias, out, new_re
     if out is new_residual:
         raise ValueError("out and new_residual must be different arrays (z is re-read after out is written)")
     args = (y, bias, residual, weight, norm_bias, eps, is_layer, out, new_residual, 0, rows)
-    run(kind, name, queue, backend,
+    run(kind, name, queue, backend, uses=(y, bias, residual, weight, norm_bias, out, new_residual),
         host_fn=lambda: add_norm_rows_host(*args),
         launch_fn=lambda stream: _launch(*args, stream),
         bytes=(4 if residual is not None else 3) * rows * h * 4)

@@ -173,6 +173,7 @@ def peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, out, new_r
     r0, r1 = _check_rows(rows, R)
     args = (sources, bias, residual, weight, norm_bias, eps, norm == "layer", out, new_residual, r0, r1)
     run(kind, "peer_reduce_norm", queue, backend,
+        uses=(*sources, bias, residual, weight, norm_bias, out, new_residual),
         host_fn=lambda: peer_reduce_norm_rows_host(*args),
         launch_fn=lambda stream: _launch_reduce(*args, stream),
         sources=len(sources), rows=r1 - r0)
@@ -200,7 +201,7 @@ def gather_rows(src, dests, row_offset: int = 0, queue=None, backend=None):
                              f"do not fit (row_offset={row_offset}, src has {n} rows)")
         if dest is src:
             raise ValueError(f"dests[{k}] is src; the gather copies between different arrays")
-    run(kind, "gather_rows", queue, backend,
+    run(kind, "gather_rows", queue, backend, uses=(src, *dests),
         host_fn=lambda: gather_rows_host(src, dests, row_offset),
         launch_fn=lambda stream: _launch_gather(src, dests, row_offset, stream),
         bytes=n * h * 4 * (1 + len(dests)), dests=len(dests))

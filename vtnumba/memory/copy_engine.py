@@ -51,7 +51,7 @@ import numpy as np
 
 from vtnumba.backend.address_ranges import LIVE
 from vtnumba.backend.arrays import address_of as _array_address
-from vtnumba.backend.base import Backend, Buffer, Queue
+from vtnumba.backend.base import Backend, Buffer, Queue, observing_uses
 
 __all__ = ["batched_copy", "batched_copy_reference", "check_descriptors", "check_ranges", "address_of",
            "cuda_batch_api_available", "prepare", "host_batched_copy"]
@@ -269,13 +269,16 @@ def batched_copy(src_ptrs, dst_ptrs, sizes, queue: Queue | None = None, backend:
     own_queue = queue is None
     q = be.create_queue("batched_copy") if own_queue else queue
     try:
+        # Every descriptor's two ranges, for a hazard checker that may be watching (see Backend.submit).
+        uses = [(int(p), int(n)) for p, n in zip(np.concatenate([src, dst]).tolist(), np.concatenate([sz, sz]).tolist())
+                if n] if observing_uses() else ()
         if _runs_on_host(be):
             loop = _get_host_loop()  # compile here, on the caller, not inside the queued work
-            be.submit(q, lambda _stream: loop(src, dst, sz), "batched_copy",
+            be.submit(q, lambda _stream: loop(src, dst, sz), "batched_copy", uses=uses,
                       descriptors=int(sz.size), bytes=total)
         else:
             be.submit(q, lambda stream: _cuda_batched_copy(stream, src, dst, sz, src_access_order), "batched_copy",
-                      descriptors=int(sz.size), bytes=total)
+                      uses=uses, descriptors=int(sz.size), bytes=total)
     finally:
         if own_queue:
             be.destroy_queue(q)  # waits for the copy: "no queue" means "done on return"

@@ -13,9 +13,10 @@ It is opt-in (bookkeeping costs an event per queue per freed block):
 What it tracks, per block:
 
 * the **queues that used it**: the owner (noted by ``allocate``), every queue passed to
-  ``record_stream`` (*covered*: the allocator will wait for it), and every queue reported
-  with :func:`vtnumba.memory.note_use` -- library code that submits work touching a block on some queue
-  calls ``note_use(block, queue)``, exactly the information the allocator lacks;
+  ``record_stream`` (*covered*: the allocator will wait for it), every queue whose copies,
+  memsets and kernels touched the block's memory -- the Backend API reports them while a
+  checker is active (:func:`vtnumba.backend.add_use_observer`) -- and every queue reported
+  with :func:`vtnumba.memory.note_use` (for work that reaches a queue some other way);
 * at ``free``, an **event on each of those queues**, so "has that use completed?" has an answer.
 
 What it reports (a :class:`HazardReport`; raised as :class:`HazardError` or collected in
@@ -40,7 +41,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from vtnumba.backend.base import Queue
+from vtnumba.backend.base import Queue, add_use_observer, remove_use_observer
 
 _MODES = ("raise", "record")
 
@@ -65,13 +66,17 @@ class HazardError(RuntimeError):
 
 
 class _Uses:
-    """The queues that used one live block, and which of them record_stream covers."""
+    """The queues that used one live block, which of them record_stream covers, and where the
+    block's memory is (so uses reported by address can be matched to it)."""
 
-    __slots__ = ("queues", "covered")
+    __slots__ = ("queues", "covered", "block", "start", "end")
 
-    def __init__(self, owner: Queue):
-        self.queues: dict[int, Queue] = {owner.id: owner}
+    def __init__(self, block):
+        self.queues: dict[int, Queue] = {block.queue.id: block.queue}
         self.covered: set[int] = set()
+        self.block = block
+        self.start = block.ptr
+        self.end = block.ptr + block.size
 
 
 @dataclass
@@ -125,7 +130,7 @@ class HazardChecker:
                     for q, ev, covered in rec.uses:
                         if q is not block.queue and not block.backend.query_event(ev):
                             found.append((rec, q, covered))
-            self._live[block.id] = _Uses(block.queue)
+            self._live[block.id] = _Uses(block)
         for rec, q, covered in found:
             if covered:
                 msg = (f"allocator bug: {_describe(block)} reuses the memory of freed {rec.desc} before the "
@@ -176,12 +181,24 @@ class HazardChecker:
             else:
                 uses = self._live.get(block.id)
                 if uses is None:
-                    uses = self._live[block.id] = _Uses(block.queue)
+                    uses = self._live[block.id] = _Uses(block)
                 uses.queues[queue.id] = queue
                 if covered:
                     uses.covered.add(queue.id)
                 return
         self._report(report)
+
+    def on_use(self, backend, queue: Queue, ranges) -> None:
+        """A copy, memset or kernel on ``queue`` touches ``ranges`` ((address, nbytes) pairs):
+        note a use of every live block they overlap, as ``note_use`` would -- the Backend
+        API reports these (see :func:`vtnumba.backend.add_use_observer`), so a cross-queue
+        use cannot escape the checker just because nobody called ``note_use``."""
+        with self._lock:
+            hits = [u.block for u in self._live.values()
+                    if u.block.backend is backend and queue.id not in u.queues
+                    and any(a < u.end and u.start < a + n for a, n in ranges)]
+        for block in hits:
+            self.note_use(block, queue)
 
     # ------------------------------------------------------------------ housekeeping
     def pending(self) -> int:
@@ -224,16 +241,33 @@ def active_checker() -> HazardChecker | None:
     return _stack[-1] if _stack else None
 
 
+def _observe_use(backend, queue, ranges) -> None:
+    checker = active_checker()
+    if checker is not None:
+        checker.on_use(backend, queue, ranges)
+
+
+def _listen_while_active() -> None:
+    # The backends describe every queued use only while someone listens: register the
+    # observer while a checker is in force, and only then (it costs a call per operation).
+    if any(e is not None for e in _stack):
+        add_use_observer(_observe_use)
+    else:
+        remove_use_observer(_observe_use)
+
+
 @contextmanager
 def _pushed(entry):
     with _stack_lock:
         _stack.append(entry)
+        _listen_while_active()
     try:
         yield entry
     finally:
         with _stack_lock:
             # Remove this very entry (identity, not equality: several None entries may nest).
             del _stack[max(i for i, e in enumerate(_stack) if e is entry)]
+            _listen_while_active()
 
 
 @contextmanager
@@ -269,3 +303,4 @@ def _mode_from_env() -> str | None:
 _env_mode = _mode_from_env()
 if _env_mode is not None:
     _stack.append(HazardChecker(_env_mode))
+    _listen_while_active()
