@@ -19,6 +19,11 @@ down-projection fused with the next norm.  Random weights, identical on every ra
 It prints the largest difference between the two final hidden states and residuals (the
 TPSP residual shards are gathered for the comparison), each forward's time on the
 slowest rank, and their ratio; it exits with status 1 if the outputs disagree.
+
+Failures end the job (``docs/failure_model``): the ranks first check they were started with
+the same arguments; a rank that raises tells the others at once (they stop waiting and
+say which rank failed and what it was doing), and a rank that is stopped or hung makes the
+others give up after ``--timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -47,13 +52,36 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="timed runs of each forward (default 3)")
     p.add_argument("--seed", type=int, default=0, help="weight/input seed (default 0)")
     p.add_argument("--tol", type=float, default=1e-4, help="largest accepted difference (default 1e-4)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds any wait for another rank may take before this rank gives up (default 60)")
+    # Test hook: make one rank fail at a given point, e.g. raise:1:between, kill:0:tpsp, stop:1:regular
+    # (points: setup, profile, regular, between, tpsp).
+    p.add_argument("--inject", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not (args.timeout > 0 and args.timeout < float("inf")):
+        p.error(f"--timeout={args.timeout} must be a positive number of seconds")
     for name in ("layers", "tokens", "hidden", "ffn", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     if args.chunk is not None and args.chunk < 1:
         p.error("--chunk must be >= 1")
     return args
+
+
+INJECT_POINTS = ("setup", "profile", "regular", "between", "tpsp")
+
+
+def _parse_inject(spec: str | None):
+    if spec is None:
+        return None
+    try:
+        how, rank, point = spec.split(":")
+        rank = int(rank)
+    except ValueError:
+        raise SystemExit(f"--inject={spec!r} must look like raise:1:between") from None
+    if how not in ("raise", "kill", "stop") or point not in INJECT_POINTS:
+        raise SystemExit(f"--inject={spec!r}: expected (raise|kill|stop):RANK:({'|'.join(INJECT_POINTS)})")
+    return how, rank, point
 
 
 def main(argv=None) -> int:
@@ -63,17 +91,51 @@ def main(argv=None) -> int:
 
     share_cores_between_local_ranks()  # before numpy loads its BLAS
     target = select_target(args.target)  # before anything imports numba.cuda
+    inject = _parse_inject(args.inject)
+
+    from vtnumba.dist import run_collectively
+
+    return run_collectively(lambda: _run(args, target, inject), timeout_s=args.timeout)
+
+
+def _fault(inject, rank: int, point: str) -> None:
+    """The --inject test hook: fail here if asked to."""
+    import os
+    import signal
+
+    if inject is None or inject[1] != rank or inject[2] != point:
+        return
+    how = inject[0]
+    if how == "raise":
+        raise RuntimeError(f"injected failure at {point}")
+    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+
+def _run(args, target, inject) -> int:
+    import json
 
     import numpy as np
     from mpi4py import MPI
 
-    from vtnumba.dist import barrier, destroy_distributed, init_distributed
+    from vtnumba.dist import agree_errors, allgather_bytes, barrier, destroy_distributed, init_distributed, phase
+    from vtnumba.dist.comm import set_default_timeout
     from vtnumba.nn import ParallelMLPStack
     from vtnumba.tpsp import TPSPOp, get_tpsp_backend, shard_residual
 
+    set_default_timeout(args.timeout)  # every wait for another rank, in vtnumba too
     group = init_distributed()
     tp, rank = group.size, group.rank
     say = print if rank == 0 else (lambda *a, **k: None)
+
+    # Every rank must build the same model: compare the arguments before anything else, so a
+    # mismatch reads as what it is -- not as TPSP disagreeing with the regular forward later.
+    mine = {k: v for k, v in vars(args).items() if k != "inject"}
+    everyone = [json.loads(b) for b in allgather_bytes(json.dumps(mine, sort_keys=True).encode(), group)]
+    differ = sorted({k for other in everyone for k in mine if other.get(k) != mine[k]})
+    agree_errors(None if not differ else
+                 f"the ranks were started with different arguments ({', '.join('--' + d for d in differ)}: "
+                 + "; ".join(f"rank {r}: {', '.join(f'{d}={e[d]}' for d in differ)}" for r, e in enumerate(everyone))
+                 + "); start every rank with the same command line", group, default_type=ValueError)
     if args.hidden % tp:
         say(f"--hidden {args.hidden} must be a multiple of the rank count {tp}")
         return 2
@@ -81,47 +143,57 @@ def main(argv=None) -> int:
     say(f"tpsp_model: {tp} ranks, target {target.name}, {args.layers} blocks, T={T} H={H} F={args.ffn} "
         f"norm={args.norm} act={args.act}")
 
-    stack = ParallelMLPStack(args.layers, H, args.ffn, norm=args.norm, act=args.act, seed=args.seed)
-    embeddings = np.random.default_rng(args.seed + 99).standard_normal((T, H), dtype=np.float32)
-    device = target.name != "cpu"
-    if device:
-        from numba import cuda
+    with phase("building the model"):
+        _fault(inject, rank, "setup")
+        stack = ParallelMLPStack(args.layers, H, args.ffn, norm=args.norm, act=args.act, seed=args.seed)
+        embeddings = np.random.default_rng(args.seed + 99).standard_normal((T, H), dtype=np.float32)
+        device = target.name != "cpu"
+        if device:
+            from numba import cuda
 
-        to_target, to_host = cuda.to_device, (lambda a: a.copy_to_host())
-    else:
-        to_target, to_host = (lambda a: a), (lambda a: a)
-    emb = to_target(embeddings)
-    shard0 = to_target(shard_residual(embeddings, tp, rank))
+            to_target, to_host = cuda.to_device, (lambda a: a.copy_to_host())
+        else:
+            to_target, to_host = (lambda a: a), (lambda a: a)
+        emb = to_target(embeddings)
+        shard0 = to_target(shard_residual(embeddings, tp, rank))
 
-    backend = get_tpsp_backend("tp")
-    t0 = time.perf_counter()
-    context = backend.profile(stack.ops_groups(), max_batched_tokens=T, search=args.search, config=args.chunk,
-                              budget_s=args.budget)
+    with phase("profiling TPSP"):
+        _fault(inject, rank, "profile")
+        backend = get_tpsp_backend("tp", timeout_s=args.timeout)
+        t0 = time.perf_counter()
+        context = backend.profile(stack.ops_groups(), max_batched_tokens=T, search=args.search, config=args.chunk,
+                                  budget_s=args.budget)
     say(f"profile ({'measured' if args.search else 'static'}, {time.perf_counter() - t0:.1f} s): "
         + ("TPSP disabled, regular forward everywhere" if context is None else
            f"TPSP from {context.profile.threshold_tokens} tokens, chunks "
            f"{ {n: h.config.chunk_tokens_per_rank for n, h in context.handles.items()} }"))
-    ops = [TPSPOp(context, g.name, norm=args.norm, group=group) for g in stack.ops_groups()]
+    ops = [TPSPOp(context, g.name, norm=args.norm, group=group, timeout_s=args.timeout) for g in stack.ops_groups()]
 
-    def timed(fn):
+    def timed(what, fn, point):
         times, result = [], None
-        for _ in range(args.repeat + 1):  # the first run warms up (jit, page faults)
-            barrier(group)
-            start = time.perf_counter()
-            result = fn()
-            times.append(time.perf_counter() - start)
+        for k in range(args.repeat + 1):  # the first run warms up (jit, page faults)
+            with phase(f"{what}, run {k + 1} of {args.repeat + 1}"):
+                barrier(group)
+                if k == 1:
+                    _fault(inject, rank, point)
+                start = time.perf_counter()
+                result = fn()
+                times.append(time.perf_counter() - start)
         mine = float(np.median(times[1:]))
         return group.cpu_comm.allreduce(mine, op=MPI.MAX), result
 
-    t_reg, (x_reg, res_reg) = timed(lambda: stack.forward_regular(emb, group))
-    t_tpsp, (x_tpsp, res_shard) = timed(lambda: stack.forward_tpsp(emb, shard0, ops))
+    t_reg, (x_reg, res_reg) = timed("the regular forward", lambda: stack.forward_regular(emb, group), "regular")
+    with phase("between the forwards"):
+        _fault(inject, rank, "between")
+    t_tpsp, (x_tpsp, res_shard) = timed("the TPSP forward", lambda: stack.forward_tpsp(emb, shard0, ops), "tpsp")
 
-    x_reg, res_reg, x_tpsp = to_host(x_reg), to_host(res_reg), to_host(x_tpsp)
-    shards = group.cpu_comm.allgather(np.ascontiguousarray(to_host(res_shard)))
-    res_tpsp = np.concatenate(shards, axis=0)[:T]
-    err_x = float(np.max(np.abs(x_tpsp - x_reg)))
-    err_res = float(np.max(np.abs(res_tpsp - res_reg)) / max(1.0, float(np.max(np.abs(res_reg)))))
-    err = group.cpu_comm.allreduce(max(err_x, err_res), op=MPI.MAX)
+    with phase("comparing the results"):
+        x_reg, res_reg, x_tpsp = to_host(x_reg), to_host(res_reg), to_host(x_tpsp)
+        shards = group.cpu_comm.allgather(np.ascontiguousarray(to_host(res_shard)))
+        res_tpsp = np.concatenate(shards, axis=0)[:T]
+        err_x = float(np.max(np.abs(x_tpsp - x_reg)))
+        err_res = float(np.max(np.abs(res_tpsp - res_reg)) / max(1.0, float(np.max(np.abs(res_reg)))))
+        err = group.cpu_comm.allreduce(max(err_x, err_res), op=MPI.MAX)
     fused = sum(op.fused_calls for op in ops)
     say(f"regular forward: {t_reg * 1e3:9.2f} ms   (all-reduce of [T, H] per block, replicated residual)")
     say(f"TPSP forward:    {t_tpsp * 1e3:9.2f} ms   ({fused} fused calls, "
@@ -132,10 +204,11 @@ def main(argv=None) -> int:
     ok = err <= args.tol
     say("OK: TPSP matches the regular forward" if ok else "MISMATCH: TPSP differs from the regular forward")
 
-    if context is not None:
-        context.close()
-    backend.close()
-    destroy_distributed()
+    with phase("closing"):
+        if context is not None:
+            context.close()
+        backend.close()
+        destroy_distributed()
     return 0 if ok else 1
 
 

@@ -17,17 +17,46 @@ How a waiter spends the time between two polls matters as much as the deadline:
 :func:`poll_until` is that loop; everything that waits uses it (the MPI waits of
 :mod:`vtnumba.dist.comm`, the peer flags of :mod:`vtnumba.dist.signals`, the encoder-cache
 channel, the host side of :meth:`vtnumba.backend.Backend.wait_value32`).
+
+A wait can also end *early* because something elsewhere went wrong: a *watch*
+(:func:`add_watch`) is called every few milliseconds of every wait on the main thread and
+may raise -- :mod:`vtnumba.dist.failures` uses one so that a rank that failed tells every
+other rank within milliseconds, wherever they are waiting, instead of after their timeouts.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 
 SPIN_S = 0.005        # poll this long before sleeping: peers on one node answer in microseconds
 PURE_SPIN_S = 0.0002  # ... of which this long without ever yielding the core
 MAX_NAP_S = 0.001     # the longest sleep between two polls
+
+
+WATCH_EVERY_S = 0.002  # how often a long wait asks the watches (cheap: an MPI iprobe)
+
+_watches: list[Callable[[], None]] = []
+
+
+def add_watch(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` now and then during every wait on the main thread; it may raise to end the wait."""
+    if fn not in _watches:
+        _watches.append(fn)
+
+
+def remove_watch(fn: Callable[[], None]) -> None:
+    """Stop calling ``fn`` (a no-op if it was not added)."""
+    if fn in _watches:
+        _watches.remove(fn)
+
+
+def _run_watches() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for fn in list(_watches):
+            fn()
 
 
 class WaitTimeout(RuntimeError):
@@ -58,14 +87,19 @@ def poll_until(done: Callable[[], bool], timeout_s: float, describe: Callable[[f
         return 0.0
     start = time.perf_counter()
     polls = 0
+    next_watch = WATCH_EVERY_S
     while True:
         polls += 1
         waited = time.perf_counter() - start
         if waited > timeout_s:
             raise error(describe(waited))
+        if _watches and waited >= next_watch:
+            next_watch = waited + WATCH_EVERY_S
+            _run_watches()
         backoff(polls, waited)
         if done():
             return time.perf_counter() - start
 
 
-__all__ = ["SPIN_S", "PURE_SPIN_S", "MAX_NAP_S", "WaitTimeout", "backoff", "poll_until"]
+__all__ = ["SPIN_S", "PURE_SPIN_S", "MAX_NAP_S", "WATCH_EVERY_S", "WaitTimeout", "backoff", "poll_until", "add_watch",
+           "remove_watch"]

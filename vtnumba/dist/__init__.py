@@ -11,12 +11,15 @@ Reading order (each module is one concept):
 * :mod:`~vtnumba.dist.signals`      -- ``PeerSignals``: host-side epoch flags with timeouts;
 * :mod:`~vtnumba.dist.queue_flags`  -- ``QueueFlags``: epoch flags raised and awaited by queues
   (GPU streams: stream memory operations), with a guarded finish;
+* :mod:`~vtnumba.dist.failures`     -- failures are messages: ``PeerFailed`` in every wait,
+  ``run_collectively`` and the exit protocol that always ends the job;
 * :mod:`~vtnumba.dist.collectives`  -- reduce-scatter / all-gather over peer buffers, and the
   MPI baselines they are measured against.
 """
 
 from vtnumba.dist.collectives import all_gather, mpi_all_gather, mpi_reduce_scatter, reduce_scatter
 from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, agree_errors, all_ranks_ready, allgather_bytes, barrier
+from vtnumba.dist.failures import PeerFailed, phase, run_collectively
 from vtnumba.dist.groups import (
     GroupNotFoundError,
     ProcessGroup,
@@ -38,6 +41,6 @@ __all__ = [
     "new_group", "get_group", "get_tp_group", "get_world_group",
     "DEFAULT_TIMEOUT_S", "all_ranks_ready", "barrier", "allgather_bytes", "agree_errors",
     "PeerBuffers", "PeerAccessError", "ShmSegment", "list_segments",
-    "PeerSignals", "DEFAULT_NAMES", "QueueFlags", "QueueFlagsError", "RELEASED",
+    "PeerFailed", "phase", "run_collectively", "PeerSignals", "DEFAULT_NAMES", "QueueFlags", "QueueFlagsError", "RELEASED",
     "reduce_scatter", "all_gather", "mpi_reduce_scatter", "mpi_all_gather",
 ]

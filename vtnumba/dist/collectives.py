@@ -55,7 +55,7 @@ from mpi4py import MPI
 
 from vtnumba import trace
 from vtnumba.backend.arrays import cdiv, host_view, is_c_contiguous, is_int, to_host
-from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, wait_request
+from vtnumba.dist.comm import DEFAULT, wait_request
 from vtnumba.dist.peer_buffers import PeerBuffers
 from vtnumba.dist.signals import PeerSignals
 from vtnumba.kernels.reduce import sum_rows
@@ -311,7 +311,7 @@ def _run_mpi(group, what: str, blocking, nonblocking, timeout_s) -> None:
             wait_request(nonblocking(), group, what, timeout_s)
 
 
-def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT):
     """Same contract as :func:`reduce_scatter`, with ``MPI_Reduce_scatter_block`` on ``group.comm``.
 
     ``timeout_s=None`` makes the plain blocking call (the stock baseline the benchmark
@@ -340,7 +340,7 @@ def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT_TIMEO
     return out
 
 
-def mpi_all_gather(x_shard, out, group, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+def mpi_all_gather(x_shard, out, group, *, timeout_s: float | None = DEFAULT):
     """Same contract as :func:`all_gather`, with ``MPI_Allgather`` on ``group.comm``."""
     R, H = _check_2d("x_shard", x_shard)
     T, oH = _check_2d("out", out)

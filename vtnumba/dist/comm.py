@@ -25,11 +25,42 @@ from mpi4py import MPI
 from vtnumba import trace
 from vtnumba.backend.polling import poll_until
 
+#: How long any wait for another rank may take before it raises, unless a program says otherwise.
 DEFAULT_TIMEOUT_S = 60.0
 
+
+class _ProcessDefault:
+    """The ``timeout_s`` default of every wait: "the process's default timeout", looked up when the
+    wait starts -- so a program's ``--timeout`` flag (:func:`set_default_timeout`) reaches every
+    wait of the library, not only the ones it passes a number to."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT = _ProcessDefault()
+_default_timeout_s = DEFAULT_TIMEOUT_S
+
+
+def set_default_timeout(seconds: float) -> None:
+    """Make ``seconds`` the timeout of every wait that is not given one (programs' ``--timeout``)."""
+    global _default_timeout_s
+    _default_timeout_s = _check_timeout(seconds)
+
+
+def default_timeout() -> float:
+    """The process's current default timeout, in seconds."""
+    return _default_timeout_s
+
+
+def resolve_timeout(timeout_s) -> float:
+    """``timeout_s`` as a number of seconds: :data:`DEFAULT` means the process's default."""
+    return _default_timeout_s if timeout_s is DEFAULT else _check_timeout(timeout_s)
+
+
 def _check_timeout(timeout_s) -> float:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < float("inf")):
+        raise ValueError(f"timeout_s={timeout_s!r} must be a positive, finite number of seconds")
     return float(timeout_s)
 
 
@@ -39,7 +70,7 @@ def _describe(group) -> str:
     return f"group {group.name!r} (rank {group.rank} of {group.size}, world ranks {group.world_ranks})"
 
 
-def wait_request(req: MPI.Request, group, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def wait_request(req: MPI.Request, group, what: str, timeout_s: float = DEFAULT) -> None:
     """Poll a non-blocking MPI request until it completes; raise RuntimeError after ``timeout_s``.
 
     ``group`` only names the ranks in the error message (``None`` for a bare communicator).
@@ -49,7 +80,7 @@ def wait_request(req: MPI.Request, group, what: str, timeout_s: float = DEFAULT_
     inside MPI calls such as ``Test``), occasional yields next (a machine may have fewer
     cores than ranks), then short sleeps so a long wait does not burn a core.
     """
-    timeout_s = _check_timeout(timeout_s)
+    timeout_s = resolve_timeout(timeout_s)
     poll_until(req.Test, timeout_s,
                lambda waited: f"{what} on {_describe(group)} timed out after {timeout_s:g} s: at least one peer "
                               "rank never joined (it crashed, hangs, or took another code path). The MPI request "
@@ -57,14 +88,14 @@ def wait_request(req: MPI.Request, group, what: str, timeout_s: float = DEFAULT_
                error=RuntimeError)
 
 
-def barrier(group, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def barrier(group, timeout_s: float = DEFAULT) -> None:
     """A barrier over ``group`` that raises RuntimeError (naming group and rank) after ``timeout_s``."""
     _check_group(group)
     with trace.span("barrier", "mpi", f"mpi:{group.name}"):
         wait_request(group.cpu_comm.Ibarrier(), group, "barrier", timeout_s)
 
 
-def all_ranks_ready(ok: bool, group, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+def all_ranks_ready(ok: bool, group, timeout_s: float = DEFAULT) -> bool:
     """True on every rank if ``ok`` is true on every rank, else False on every rank.
 
     The seed's agreement: an all-reduce with MIN of 0/1.  Every rank must call it.
@@ -77,7 +108,7 @@ def all_ranks_ready(ok: bool, group, timeout_s: float = DEFAULT_TIMEOUT_S) -> bo
     return bool(recv[0])
 
 
-def allgather_bytes(data: bytes, group, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[bytes]:
+def allgather_bytes(data: bytes, group, timeout_s: float = DEFAULT) -> list[bytes]:
     """Every rank contributes ``data`` (any length); every rank gets the list, indexed by group rank.
 
     Raw bytes, never pickles: what travels is exactly what the caller packed (a shm name, a
@@ -106,7 +137,7 @@ _RAISABLE = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": R
 
 def agree_errors(error: BaseException | str | None, group, *, context: str = "",
                  default_type: type = RuntimeError, exc_type: type | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT) -> None:
     """Collective: if any rank passes an error, raise the *same* exception on every rank.
 
     Each rank passes the exception it caught (or a message, or None when it is fine).  The
@@ -141,4 +172,4 @@ def _check_group(group) -> None:
                            "again and use the group it returns")
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "wait_request", "barrier", "all_ranks_ready", "allgather_bytes", "agree_errors"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT", "set_default_timeout", "default_timeout", "resolve_timeout", "wait_request", "barrier", "all_ranks_ready", "allgather_bytes", "agree_errors"]

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, agree_errors
+from vtnumba.dist import failures
+from vtnumba.dist.comm import agree_errors
 
 
 class GroupNotFoundError(KeyError, ValueError):
@@ -128,7 +129,7 @@ def _agree_args(parent_group: ProcessGroup, local_error: BaseException | str | N
     from vtnumba.dist.comm import allgather_bytes
 
     mine = pickle.dumps(args)
-    everyone = allgather_bytes(mine, parent_group, DEFAULT_TIMEOUT_S)
+    everyone = allgather_bytes(mine, parent_group)
     err = local_error
     if err is None and any(e != mine for e in everyone):
         shown = "; ".join(f"rank {r}: {pickle.loads(e)!r}" for r, e in enumerate(everyone))
@@ -185,6 +186,8 @@ def init_distributed(tp_size: int | None = None, comm: MPI.Comm | None = None) -
         tp_group = _make_group("tp", world.comm, me // tp, me, list(range(first, first + tp)))
         _state = _State(parent, world, tp, {"world": world, "tp": tp_group},
                         {"world": world_ranks, "tp": tp_group.world_ranks})
+        # From now on a rank that fails can tell the others at once (see vtnumba.dist.failures).
+        failures.install(parent)
         return tp_group
 
 
@@ -195,6 +198,7 @@ def destroy_distributed() -> None:
         if _state is None:
             return
         state, _state = _state, None
+        failures.uninstall()
         # Free in reverse creation order; the world goes last (the others were split from it).
         for g in reversed([g for g in state.groups.values() if g is not None and g is not state.world]):
             g._free()

@@ -39,7 +39,7 @@ import numpy as np
 
 from vtnumba.backend.arrays import address_of, is_int
 from vtnumba.backend.base import Backend, check_nbytes
-from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, agree_errors, allgather_bytes, barrier
+from vtnumba.dist.comm import DEFAULT, agree_errors, allgather_bytes, barrier, resolve_timeout
 from vtnumba.dist.shm import ShmSegment
 
 
@@ -85,7 +85,7 @@ class PeerBuffers:
     """
 
     def __init__(self, nbytes: int, group, backend: Backend | None = None, *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, _fail_on_rank: int | None = None,
+                 timeout_s: float = DEFAULT, _fail_on_rank: int | None = None,
                  _fail_stage: str = "open"):
         if getattr(group, "cpu_comm", None) is None or getattr(group, "freed", False):
             raise TypeError(f"group must be a live ProcessGroup, got {group!r}")
@@ -99,7 +99,7 @@ class PeerBuffers:
             raise ValueError(f"_fail_stage={_fail_stage!r} must be 'export' or 'open'")
         self.group = group
         self.backend = backend
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s = resolve_timeout(timeout_s)
         self.kind = _transport_kind(backend)
         self.nbytes = 0
         self._closed = True  # until construction completes

@@ -44,10 +44,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtnumba.backend.arrays import check_seconds, host_view, is_int
+from vtnumba.backend.arrays import host_view, is_int
 from vtnumba.backend.atomics import store_release
 from vtnumba.backend.polling import WaitTimeout, poll_until
-from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, agree_errors, barrier
+from vtnumba.dist.comm import DEFAULT, agree_errors, barrier, resolve_timeout
 from vtnumba.dist.peer_buffers import PeerBuffers
 from vtnumba.dist.signals import PeerSignals
 
@@ -68,7 +68,7 @@ class QueueFlags:
     used for abort stamps (one is made and owned if not given).
     """
 
-    def __init__(self, group, names, backend, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, group, names, backend, *, timeout_s: float = DEFAULT,
                  host_signals: PeerSignals | None = None):
         err = None
         names_t = tuple(names) if isinstance(names, (list, tuple)) else None
@@ -80,7 +80,7 @@ class QueueFlags:
         self.group = group
         self.names = names_t
         self.backend = backend
-        self.timeout_s = check_seconds("timeout_s", timeout_s)
+        self.timeout_s = timeout_s = resolve_timeout(timeout_s)
         self._index = {name: k for k, name in enumerate(names_t)}
         words = len(names_t) * group.size
         self._pb = PeerBuffers(words * 4, group, backend, timeout_s=timeout_s)

@@ -45,7 +45,7 @@ import numpy as np
 from vtnumba.backend.arrays import is_int
 from vtnumba.backend.atomics import load_acquire, store_release
 from vtnumba.backend.polling import poll_until
-from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, agree_errors, allgather_bytes
+from vtnumba.dist.comm import DEFAULT, agree_errors, allgather_bytes, resolve_timeout
 
 DEFAULT_NAMES = ("inbox_ready", "gather_ready", "consumed")
 META_SLOTS = 8
@@ -67,7 +67,7 @@ class PeerSignals:
     queue before raising a flag (``set(..., after=queue)``).
     """
 
-    def __init__(self, group, names=DEFAULT_NAMES, backend=None, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, group, names=DEFAULT_NAMES, backend=None, *, timeout_s: float = DEFAULT):
         from vtnumba.dist.peer_buffers import PeerBuffers
 
         if getattr(group, "cpu_comm", None) is None:
@@ -87,7 +87,7 @@ class PeerSignals:
         self.group = group
         self.names = names_t
         self.backend = backend
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s = resolve_timeout(timeout_s)
         self.epoch = 0
         n = group.size
         self._index = {name: k for k, name in enumerate(names_t)}

@@ -30,7 +30,7 @@ import numpy as np
 
 from vtnumba.backend.arrays import cdiv
 from vtnumba.backend.device import Device, DeviceType
-from vtnumba.dist import DEFAULT_TIMEOUT_S
+from vtnumba.dist.comm import DEFAULT
 from vtnumba.kernels import linear_rows_to
 from vtnumba.tpsp.config import TPSPConfig
 from vtnumba.tpsp.peer_backend import PeerTPSPBackend
@@ -77,7 +77,7 @@ class CudaTPSPBackend(PeerTPSPBackend):
     tpsp_chunk_granularity = 64
 
     def __init__(self, group_name: str = "tp", device=None, *, backend=None, exchange: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT) -> None:
         device = Device(DeviceType.CUDA, 0) if device is None else device
         if not isinstance(device, Device) or device.type is not DeviceType.CUDA:
             raise ValueError(f"device={device!r} must be a CUDA Device for CudaTPSPBackend")

@@ -50,7 +50,7 @@ from __future__ import annotations
 import numpy as np
 
 from vtnumba.backend import CPU, CPUBackend
-from vtnumba.dist import DEFAULT_TIMEOUT_S
+from vtnumba.dist.comm import DEFAULT
 from vtnumba.kernels import gather_rows, linear_rows_to
 from vtnumba.tpsp.peer_backend import PeerTPSPBackend
 from vtnumba.tpsp.pipeline import ChunkStrategy
@@ -114,7 +114,7 @@ class HostTPSPBackend(PeerTPSPBackend):
     tpsp_chunk_granularity = 64
 
     def __init__(self, group_name: str = "tp", device=CPU, *, threaded: bool = False, exchange: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT) -> None:
         super().__init__(group_name, device, exchange=exchange, timeout_s=timeout_s)
         # A private host backend: its queues are ours (threaded or not), and its memory is host
         # memory whatever the process target is (tests run with the simulator switched on).

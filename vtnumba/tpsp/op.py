@@ -14,7 +14,7 @@ and the same profile, so every rank takes the same path.
 
 from __future__ import annotations
 
-from vtnumba.dist import DEFAULT_TIMEOUT_S
+from vtnumba.dist.comm import DEFAULT
 from vtnumba.tpsp.config import TPSPContext
 from vtnumba.tpsp.norm_type import get_tpsp_norm_type
 from vtnumba.tpsp.regular import regular_matmul_rs_norm_ag
@@ -24,7 +24,7 @@ class TPSPOp:
     """``op(x, w, bias, residual, norm_weight, eps, norm_bias=None, *, out=None, new_residual=None)``."""
 
     def __init__(self, context: TPSPContext | None, name: str, *, norm="rms", group=None,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S):
+                 timeout_s: float | None = DEFAULT):
         self.context = context
         self.name = name
         self.norm = get_tpsp_norm_type(norm)

@@ -31,7 +31,8 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.arrays import cdiv, is_int
-from vtnumba.dist import DEFAULT_TIMEOUT_S, agree_errors, all_ranks_ready, get_group
+from vtnumba.dist import agree_errors, all_ranks_ready, get_group
+from vtnumba.dist.comm import DEFAULT, resolve_timeout
 from vtnumba.tpsp.backend import TPSPBackend
 from vtnumba.tpsp.config import TPSPConfig
 from vtnumba.tpsp.pipeline import ChunkPipeline, ChunkStrategy, TPSPCall
@@ -86,15 +87,13 @@ class PeerTPSPBackend(TPSPBackend):
     default_exchange = "push"
 
     def __init__(self, group_name: str, device, *, exchange: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT) -> None:
         super().__init__(group_name, device)
         exchange = self.default_exchange if exchange is None else exchange
         if exchange not in EXCHANGE_MODES:
             raise ValueError(f"exchange={exchange!r} must be one of {EXCHANGE_MODES}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         self.exchange = exchange
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = resolve_timeout(timeout_s)
         self._handles: dict[int, TPSPHandle] = {}
         self._lock = threading.Lock()
 

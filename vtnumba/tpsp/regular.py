@@ -32,8 +32,8 @@ from mpi4py import MPI
 
 from vtnumba import trace
 from vtnumba.backend.arrays import array_kind, empty, host_view
-from vtnumba.dist import DEFAULT_TIMEOUT_S, mpi_all_gather, mpi_reduce_scatter
-from vtnumba.dist.comm import wait_request
+from vtnumba.dist import mpi_all_gather, mpi_reduce_scatter
+from vtnumba.dist.comm import DEFAULT, wait_request
 from vtnumba.kernels import fused_add_layer_norm, fused_add_rms_norm, linear
 from vtnumba.tpsp._args import check_array, check_call, check_eps
 from vtnumba.tpsp.norm_type import LAYER, get_tpsp_norm_type
@@ -53,7 +53,7 @@ def add_norm(y, residual, weight, eps, bias, norm_bias, norm: str, out, new_resi
 
 
 def regular_matmul_rs_norm_ag(group, x, w, bias, residual, norm_weight, eps, norm_bias=None, *, norm="rms",
-                              out=None, new_residual=None, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+                              out=None, new_residual=None, timeout_s: float | None = DEFAULT):
     """The unfused forward with the fused op's contract; returns ``(gathered [T, H], new_residual [R, H])``.
 
     Collective over ``group`` (a :class:`vtnumba.dist.ProcessGroup`): every rank calls it
@@ -76,7 +76,7 @@ def regular_matmul_rs_norm_ag(group, x, w, bias, residual, norm_weight, eps, nor
     return out, new_residual
 
 
-def mpi_all_reduce_(partial, group, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+def mpi_all_reduce_(partial, group, timeout_s: float | None = DEFAULT):
     """In-place MPI sum of ``partial`` over ``group`` (device arrays staged through the host)."""
     host = host_view(partial)
     staged = host is None
@@ -93,7 +93,7 @@ def mpi_all_reduce_(partial, group, timeout_s: float | None = DEFAULT_TIMEOUT_S)
 
 
 def regular_matmul_ar_norm(group, x, w, bias, residual, norm_weight, eps, norm_bias=None, *, norm="rms",
-                           out=None, new_residual=None, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+                           out=None, new_residual=None, timeout_s: float | None = DEFAULT):
     """Tensor parallelism without sequence parallelism; returns ``(normed [T, H], new_residual [T, H])``.
 
     ``residual`` is the *full* ``[T, H]`` residual, replicated on every rank.  The partial

@@ -1,0 +1,86 @@
+"""The failure model, tried the way a user meets it: a rank of ``mpi/tpsp_model.py`` raises, is
+killed or is stopped at a chosen point, and the job must end on its own -- quickly when a rank
+raises (its peers hear about it at once), within about twice ``--timeout`` when a rank is
+stopped -- saying which rank failed and what it was doing, and leaving nothing in /dev/shm.
+
+(The encoder-cache programs have fault tests of their own; docs/failure_model.rst lists both.)
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
+SMALL = ["--tokens", "64", "--hidden", "96", "--ffn", "192", "--layers", "2", "--repeat", "2"]
+
+
+def _vtnumba_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if "vtnumba" in n.lower()}
+
+
+def _run(ranks: int, *extra: str, timeout_s: float = 5.0, mpmd=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM",)}
+    env["VTNUMBA_TARGET"] = "cpu"
+    script = str(ROOT / "mpi" / "tpsp_model.py")
+    if mpmd is None:
+        cmd = [MPIEXEC, "-n", str(ranks), sys.executable, script, *SMALL, "--timeout", str(timeout_s), *extra]
+    else:  # one command per rank (each with its own arguments)
+        cmd = [MPIEXEC]
+        for i, args in enumerate(mpmd):
+            cmd += ([":"] if i else []) + ["-n", "1", sys.executable, script, *SMALL, "--timeout", str(timeout_s), *args]
+    before = _vtnumba_files()
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+                          stdin=subprocess.DEVNULL)
+    elapsed = time.monotonic() - t0
+    assert _vtnumba_files() <= before, f"left in /dev/shm: {_vtnumba_files() - before}"
+    return proc, elapsed, proc.stdout + proc.stderr
+
+
+def test_a_healthy_run_passes():
+    proc, _, out = _run(2)
+    assert proc.returncode == 0, out
+    assert "OK: TPSP matches the regular forward" in out and " 0 fused calls" not in out
+
+
+@pytest.mark.parametrize("ranks, inject, phase", [
+    (2, "raise:1:between", "between the forwards"),
+    (3, "raise:2:tpsp", "the TPSP forward, run 2 of 3"),
+    (3, "raise:0:regular", "the regular forward, run 2 of 3"),
+])
+def test_a_rank_that_raises_stops_every_rank_at_once(ranks, inject, phase):
+    proc, elapsed, out = _run(ranks, "--inject", inject, timeout_s=30)
+    bad = int(inject.split(":")[1])
+    assert proc.returncode != 0
+    assert elapsed < 25, f"the peers waited for a timeout instead of hearing about the failure ({elapsed:.1f} s)"
+    assert f"[rank {bad}] failed while {phase}: RuntimeError: injected failure" in out, out
+    for r in set(range(ranks)) - {bad}:
+        assert f"[rank {r}] stopped while" in out and f"because rank {bad} failed while {phase}" in out, out
+
+
+def test_a_killed_rank_ends_the_job():
+    proc, elapsed, out = _run(2, "--inject", "kill:1:tpsp", timeout_s=30)
+    assert proc.returncode != 0 and elapsed < 25, out
+
+
+@pytest.mark.parametrize("ranks, inject", [(2, "stop:1:regular"), (3, "stop:0:tpsp")])
+def test_a_stopped_rank_ends_the_job_after_the_timeout(ranks, inject):
+    proc, elapsed, out = _run(ranks, "--inject", inject, timeout_s=3)
+    bad = int(inject.split(":")[1])
+    assert proc.returncode != 0
+    assert elapsed < 2 * 3 + 15, f"took {elapsed:.1f} s"
+    assert "timed out after 3 s" in out, out
+    assert "did not leave within 3 s (stopped or hung); ending the job without MPI_Finalize" in out, out
+    if inject.endswith("tpsp"):
+        assert f"from rank {bad}" in out  # the fused op's flags say whom it waited for
+
+
+def test_ranks_started_with_different_arguments_say_so_instead_of_blaming_tpsp():
+    proc, elapsed, out = _run(2, mpmd=[["--seed", "0"], ["--seed", "1"]])
+    assert proc.returncode != 0 and "MISMATCH" not in out
+    assert "the ranks were started with different arguments (--seed: rank 0: seed=0; rank 1: seed=1)" in out, out

@@ -1,0 +1,183 @@
+"""Failures are messages: one rank's error reaches every rank in milliseconds, and the job always ends.
+
+Collective programs deadlock in two ways when one rank fails.  A rank that raises simply
+stops taking part, and its peers wait for it in the next collective -- until a timeout, if
+they have one.  And a rank that is *stopped* (``SIGSTOP``, a debugger, a hung driver call)
+keeps even the others' ``MPI_Finalize`` waiting, because finalizing is collective too.  Two
+mechanisms make every vtnumba program end:
+
+**The failure board.**  :func:`install` (called by :func:`vtnumba.dist.init_distributed`)
+opens a communicator of its own over the world and registers a *watch* with
+:mod:`vtnumba.backend.polling`, which every wait calls every few milliseconds.  A rank that
+fails calls :func:`report` -- non-blocking sends of "rank r failed while <phase>: <error>"
+to every other rank -- and the watch on every other rank, wherever it is waiting (an MPI
+collective, a peer flag, a queue's finish), receives it and raises :class:`PeerFailed`
+with that text.  So a failure travels in milliseconds instead of a timeout, and the error
+each rank prints names the rank that failed first and what it was doing (:func:`phase`).
+
+**The exit protocol.**  :func:`exit_after_failure` is how a failed rank leaves: it waits
+(bounded) in a barrier of the failure board's communicator; when every rank arrives --
+they all failed, or gave up after the report -- it returns and the program exits normally
+(``MPI_Finalize`` completes).  If some rank never arrives (stopped, or stuck where no watch
+runs), it leaves *without* ``MPI_Finalize`` (``os._exit``): ``mpiexec`` then sees a rank
+gone and ends the whole job -- what ``MPI_Abort`` would do, but only when agreement was
+impossible.
+
+:func:`run_collectively` wraps a program's ``main`` with both; ``docs/failure_model``
+lists what each program does when a rank raises, is killed or stops.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from contextlib import contextmanager
+
+from mpi4py import MPI
+
+from vtnumba.backend import polling
+from vtnumba.dist.comm import DEFAULT
+
+_TAG = 31990  # below MPI_TAG_UB's guaranteed minimum (32767)
+
+
+class PeerFailed(RuntimeError):
+    """Another rank reported a failure (its text names the rank and what it was doing)."""
+
+    def __init__(self, rank: int, text: str):
+        super().__init__(text)
+        self.rank = rank
+        self.text = text
+
+
+_phases: list[str] = []
+_phase_lock = threading.Lock()
+
+
+@contextmanager
+def phase(what: str):
+    """Say what this rank is doing (for failure messages): ``with phase("TPSP forward, run 2"): ...``.
+
+    An exception leaving the block remembers the phase it left (the innermost one), so the
+    report made further up still says where it happened.
+    """
+    with _phase_lock:
+        _phases.append(str(what))
+    try:
+        yield
+    except BaseException as exc:
+        if not hasattr(exc, "vtnumba_phase"):
+            try:
+                exc.vtnumba_phase = current_phase()
+            except AttributeError:  # an exception type that refuses new attributes
+                pass
+        raise
+    finally:
+        with _phase_lock:
+            _phases.pop()
+
+
+def current_phase() -> str:
+    with _phase_lock:
+        return " / ".join(_phases) if _phases else "running"
+
+
+class FailureBoard:
+    """A communicator of its own (so failure notes never match anybody's data), and the notes."""
+
+    def __init__(self, comm: MPI.Comm):
+        self.comm = comm.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.failed_peer: PeerFailed | None = None
+
+    def post(self, text: str) -> None:
+        """Tell every other rank.  Non-blocking and fire-and-forget: a note is small, so MPI sends
+        it eagerly, and a peer that already left simply never reads it."""
+        for r in range(self.size):
+            if r != self.rank:
+                self.comm.isend(text, dest=r, tag=_TAG).Free()
+
+    def check(self) -> None:
+        """Raise PeerFailed if a peer has posted a failure (the watch every wait calls)."""
+        if self.failed_peer is None and self.comm.iprobe(source=MPI.ANY_SOURCE, tag=_TAG):
+            status = MPI.Status()
+            text = self.comm.recv(source=MPI.ANY_SOURCE, tag=_TAG, status=status)
+            self.failed_peer = PeerFailed(status.Get_source(), text)
+        if self.failed_peer is not None:
+            raise PeerFailed(self.failed_peer.rank, self.failed_peer.text)
+
+    def close(self) -> None:
+        polling.remove_watch(self.check)
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+
+
+_board: FailureBoard | None = None
+
+
+def install(comm: MPI.Comm | None = None) -> FailureBoard:
+    """Open the failure board over ``comm`` (default: the world) and watch it in every wait."""
+    global _board
+    if _board is None:
+        _board = FailureBoard(MPI.COMM_WORLD if comm is None else comm)
+        polling.add_watch(_board.check)
+    return _board
+
+
+def uninstall() -> None:
+    global _board
+    board, _board = _board, None
+    if board is not None:
+        board.close()
+
+
+def report(exc: BaseException) -> str:
+    """Tell every other rank that this one failed (unless it failed *because* a peer did);
+    returns the one line to print about it."""
+    board = _board
+    rank = board.rank if board is not None else MPI.COMM_WORLD.Get_rank()
+    where = getattr(exc, "vtnumba_phase", None) or current_phase()
+    if isinstance(exc, PeerFailed):
+        return f"[rank {rank}] stopped while {where}, because {exc.text}"
+    what = f"failed while {where}: {type(exc).__name__}: {exc}"
+    if board is not None:
+        try:
+            board.post(f"rank {rank} {what}")
+        except MPI.Exception:  # the report is best effort: the exit protocol still ends the job
+            pass
+    return f"[rank {rank}] {what}"
+
+
+def exit_after_failure(timeout_s: float = DEFAULT, code: int = 1) -> int:
+    """Leave after a failure so that the job ends (see the module docstring).  Returns ``code``
+    when every rank agreed to leave; otherwise does not return (``os._exit``)."""
+    board = _board
+    comm = board.comm if board is not None else MPI.COMM_WORLD
+    if board is not None:
+        polling.remove_watch(board.check)  # we are leaving anyway: peers' notes change nothing
+    req = comm.Ibarrier()
+    try:
+        polling.poll_until(req.Test, timeout_s, lambda waited: "exit barrier")
+        return code
+    except polling.WaitTimeout:
+        print(f"[rank {comm.Get_rank()}] a rank did not leave within {timeout_s:g} s (stopped or hung); ending the "
+              "job without MPI_Finalize", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)
+
+
+def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
+    """Run ``main()`` -> exit code on every rank; on any failure, report it to the peers, print
+    one line naming the rank and the phase, and leave with :func:`exit_after_failure`."""
+    install()
+    try:
+        return int(main() or 0)
+    except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 - every failure must reach the peers
+        print(report(exc), file=sys.stderr, flush=True)
+        return exit_after_failure(timeout_s)
+
+
+__all__ = ["PeerFailed", "FailureBoard", "phase", "current_phase", "install", "uninstall", "report",
+           "exit_after_failure", "run_collectively"]
