@@ -22,8 +22,8 @@ from vtnumba.tpsp import (
     token_range,
     unshard_residual,
 )
-from vtnumba.tpsp._args import check_call
 from vtnumba.tpsp.config import check_ops_groups
+from vtnumba.tpsp.pipeline import check_call
 from vtnumba.tpsp.profiling import chunk_candidates, threshold_sizes
 
 

@@ -30,15 +30,19 @@ TARGETS = ("auto", "cuda", "cudasim", "cpu")
 class TargetChoice:
     """The target this process runs on, and a sentence saying why."""
 
+    #: The resolved target, ``"cuda"``, ``"cudasim"`` or ``"cpu"`` (never ``"auto"``).
     name: str
+    #: Why this target was chosen (which flag or variable asked for it, or what ``auto`` found when it probed).
     reason: str
 
     @property
     def simulator(self) -> bool:
+        """True on ``cudasim``, where kernels run in numba's CUDA simulator."""
         return self.name == "cudasim"
 
     @property
     def uses_cuda_kernels(self) -> bool:
+        """True on ``cuda`` and ``cudasim``, where the ``@cuda.jit`` kernels run (not the host references)."""
         return self.name in ("cuda", "cudasim")
 
 
@@ -154,6 +158,7 @@ def current_target() -> TargetChoice:
 
 
 def target_name() -> str:
+    """The process's target name, ``"cuda"``, ``"cudasim"`` or ``"cpu"`` (chosen on first use, as above)."""
     return current_target().name
 
 

@@ -25,10 +25,15 @@ def _version(dist: str) -> str:
 
 
 def under_mpiexec() -> bool:
+    """Was this process started by an MPI launcher?  Judged from the variables it sets (PMI, PMIx, Open MPI, Hydra)."""
     return any(v in os.environ for v in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "HYDRA_CONTROL_FD"))
 
 
 def collect_info() -> dict:
+    """Everything ``vtnumba info`` reports, as a flat dict (JSON-serialisable); chooses the target if not yet chosen.
+
+    An ``"error"`` key is present when the chosen target cannot run here (``cuda`` without a usable GPU).
+    """
     from vtnumba.target import current_target
 
     choice = current_target()
@@ -83,6 +88,7 @@ def collect_info() -> dict:
 
 
 def print_info(as_json: bool = False) -> int:
+    """Print :func:`collect_info` as aligned ``key  value`` lines, or as JSON; returns the exit status (1 on error)."""
     info = collect_info()
     status = 1 if "error" in info else 0
     if as_json:

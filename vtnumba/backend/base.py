@@ -1,8 +1,8 @@
-"""The Backend seam: one abstract class every device implements (seed: ``vt/backend.h``).
+"""The Backend seam: one abstract class every device implements (vllm.cpp: ``vt/backend.h``).
 
 An inference engine talks to hardware through a narrow interface: allocate, copy, make
 queues (streams), record and wait on events, capture graphs.  This module defines that
-interface with Pythonic names for the seed's methods, plus the small handle classes it
+interface with Pythonic names for ``vt::Backend``'s methods, plus the small handle classes it
 passes around:
 
 * :class:`Buffer` -- memory returned by ``alloc``/``alloc_pinned``; usable by kernels on its
@@ -11,7 +11,7 @@ passes around:
 * :class:`Event`  -- a marker recorded into a queue; completes when the queue reaches it;
 * :class:`GraphHandle` -- a captured sequence of queue work that can be replayed.
 
-Semantics every backend keeps (they are what the seed's comments promise):
+Semantics every backend keeps (they are what the comments of ``vt/backend.h`` promise):
 
 * work on one queue runs in submission order; work on two queues is unordered unless a
   ``queue_wait_event`` orders it;
@@ -91,29 +91,25 @@ FLAG_MAX = (1 << 32) - 1
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can do, declared once, so no other layer has to guess from types.
+    """What a backend can do, declared once, so no other layer has to guess from types."""
 
-    * ``host_addressable`` -- the host can read and write this backend's memory in place
-      (cpu; numba's simulator, whose "device" memory is host memory).  False on a real GPU:
-      bytes must be copied to be seen.
-    * ``simulator``        -- kernels run in numba's CUDA simulator (one launch at a time,
-      synchronously; times measure the simulator, not a GPU).
-    * ``kernel_arrays``    -- the arrays its kernels take: ``"numpy"`` (host references) or
-      ``"device"`` (numba device arrays, real or simulated).
-    * ``async_queues``     -- queued work may still be running after the call that queued it
-      returned (threaded cpu queues, GPU streams); False means every queue runs its work at
-      once, on the caller's thread.
-    * ``aux_stream``       -- work on a second queue can overlap work on the first.
-    * ``graph_capture``    -- ``begin_capture``/``end_capture``/``replay`` are available.
-    * ``unified_memory``   -- host and device share one address space (no copies needed).
-    """
-
+    #: The host can read and write this backend's memory in place (cpu; numba's simulator, whose
+    #: "device" memory is host memory).  False on a real GPU: bytes must be copied to be seen.
     host_addressable: bool
+    #: Kernels run in numba's CUDA simulator (one launch at a time, synchronously; times measure
+    #: the simulator, not a GPU).
     simulator: bool
+    #: The kind of array its kernels take, ``"numpy"`` (host references) or ``"device"`` (numba
+    #: device arrays, real or simulated).
     kernel_arrays: str
+    #: Queued work may still be running after the call that queued it returned (threaded cpu
+    #: queues, GPU streams); False means every queue runs its work at once, on the caller's thread.
     async_queues: bool
+    #: Work on a second queue can overlap work on the first.
     aux_stream: bool
+    #: ``begin_capture``/``end_capture``/``replay`` are available (only on a real GPU).
     graph_capture: bool
+    #: Host and device share one address space (no copies needed).
     unified_memory: bool
 
 
@@ -145,6 +141,10 @@ class Buffer:
 
     @property
     def array(self):
+        """The raw storage, a 1-D ``uint8`` array (numpy on cpu, a device array on cuda/cudasim).
+
+        Raises RuntimeError once the buffer is freed.
+        """
         self._check_live("buffer")
         return self._array
 
@@ -202,7 +202,13 @@ class Queue:
 
 
 class Event:
-    """A marker in a queue.  ``blocking`` events make ``synchronize_event`` sleep, not spin."""
+    """A marker in a queue: recorded on one queue, waited for by the host or by another queue.
+
+    ``blocking`` is the upstream flag (``cudaEventBlockingSync``: the host sleeps in
+    ``synchronize_event`` instead of spinning); vtnumba keeps it on the event, but no backend
+    acts on it: cpu events always sleep on a ``threading.Event``, and numba-cuda creates its
+    events without the flag, so ``synchronize_event`` on a GPU spins as CUDA's default does.
+    """
 
     def __init__(self, backend: "Backend", blocking: bool = False):
         self.backend = backend
@@ -222,10 +228,13 @@ class EventMark:
     __slots__ = ("done", "time_ns")
 
     def __init__(self):
+        #: A :class:`threading.Event`, set when the mark fires; waiters block on it.
         self.done = threading.Event()
+        #: The host clock (:func:`vtnumba.trace.now_ns`) when the mark fired; 0 before.
         self.time_ns = 0
 
     def fire(self) -> None:
+        """Record the host time and wake everyone waiting on ``done``."""
         self.time_ns = trace.now_ns()
         self.done.set()
 
@@ -244,6 +253,7 @@ class Backend(abc.ABC):
     """The device seam.  Subclasses implement the ``_``-prefixed primitives; the public
     methods validate arguments and keep the bookkeeping every backend shares."""
 
+    #: The kind of device this backend serves; each subclass sets it.
     device_type: DeviceType
 
     def __init__(self, device: Device):
@@ -258,6 +268,7 @@ class Backend(abc.ABC):
     # ------------------------------------------------------------------ description
     @property
     def name(self) -> str:
+        """A short name for messages and traces, the class name (subclasses add their mode)."""
         return type(self).__name__
 
     @property
@@ -278,6 +289,7 @@ class Backend(abc.ABC):
         return self.capabilities.aux_stream
 
     def supports_graph_capture(self) -> bool:
+        """Can this backend capture and replay graphs (:attr:`Capabilities.graph_capture`; a real GPU only)?"""
         return self.capabilities.graph_capture
 
     # ------------------------------------------------------------------ arrays
@@ -319,6 +331,10 @@ class Backend(abc.ABC):
         return buf
 
     def free(self, buf: Buffer) -> None:
+        """Release ``buf`` (made by :meth:`alloc` or :meth:`alloc_pinned` of this backend).
+
+        From then on every use of ``buf`` raises RuntimeError, and so does a second ``free``.
+        """
         self._check_own_buffer("buf", buf)
         with self._lock:
             if buf.freed or buf.id not in self._live_buffers:
@@ -338,6 +354,7 @@ class Backend(abc.ABC):
         return buf
 
     def free_pinned(self, buf: Buffer) -> None:
+        """Release a buffer made by :meth:`alloc_pinned`; ValueError for one that is not pinned."""
         if isinstance(buf, Buffer) and not buf.pinned:
             raise ValueError(f"free_pinned(buf) got buffer #{buf.id}, which is not pinned; use free()")
         self.free(buf)
@@ -394,6 +411,8 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------------ queues
     def create_queue(self, name: str | None = None) -> Queue:
+        """A new queue: a non-blocking CUDA stream on a GPU, a host queue on cpu (a worker thread in
+        threaded mode).  ``name`` labels it in traces and messages (default ``queue<id>``)."""
         q = self._create_queue(name)
         with self._lock:
             self._queues.add(q.id)
@@ -503,12 +522,14 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------------ events
     def create_event(self, blocking: bool = False) -> Event:
+        """A new event.  Until it is first recorded it counts as complete, as in CUDA."""
         ev = self._create_event(bool(blocking))
         with self._lock:
             self._events.add(ev.id)
         return ev
 
     def destroy_event(self, e: Event) -> None:
+        """Release ``e``; any later use of it, a second destroy included, raises RuntimeError."""
         self._check_event(e)
         with self._lock:
             self._events.discard(e.id)
@@ -516,12 +537,20 @@ class Backend(abc.ABC):
         self._destroy_event(e)
 
     def record_event(self, e: Event, q: Queue) -> None:
+        """Mark "everything submitted to ``q`` so far": ``e`` fires when ``q`` gets there.
+
+        Re-recording moves the mark; a ``queue_wait_event`` already issued keeps waiting for the old one.
+        """
         self._check_event(e)
         self._check_queue(q)
         e.recorded = True
         self._record_event(e, q)
 
     def synchronize_event(self, e: Event) -> None:
+        """Block until ``e``'s latest recording has fired (at once if it was never recorded).
+
+        It does not raise a queue's sticky error; :meth:`synchronize` does.
+        """
         self._check_event(e)
         self._synchronize_event(e)
 
@@ -547,6 +576,12 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------------ graphs
     def begin_capture(self, q: Queue) -> None:
+        """Start capturing the work submitted to ``q`` into a graph instead of running it.
+
+        RuntimeError where graphs are not supported (see :meth:`supports_graph_capture`) or when
+        ``q`` is already capturing.  Launch each kernel once before capturing: a first launch
+        compiles, and compiling would try to synchronize inside the capture.
+        """
         self._check_queue(q)
         if not self.supports_graph_capture():
             raise RuntimeError(f"{self.name} on {self.device} does not support graph capture "
@@ -564,6 +599,7 @@ class Backend(abc.ABC):
         return GraphHandle(self, self._end_capture(q, state))
 
     def replay_graph(self, q: Queue, graph: GraphHandle) -> None:
+        """Launch the captured ``graph`` on ``q``, in queue order; it can be replayed until destroyed."""
         self._check_queue(q)
         if not isinstance(graph, GraphHandle) or graph.backend is not self:
             raise ValueError("graph must be a GraphHandle made by this backend's end_capture_graph")
@@ -572,6 +608,7 @@ class Backend(abc.ABC):
         self._replay(q, graph.native)
 
     def destroy_graph(self, graph: GraphHandle) -> None:
+        """Release a captured graph; replaying or destroying it afterwards raises RuntimeError."""
         if not isinstance(graph, GraphHandle) or graph.backend is not self:
             raise ValueError("graph must be a GraphHandle made by this backend")
         if graph.destroyed:
@@ -580,12 +617,13 @@ class Backend(abc.ABC):
         self._destroy_graph(graph.native)
 
     def end_capture(self, q: Queue) -> None:
-        """Seed's single-graph API: end capture and keep the graph as the default one."""
+        """vllm.cpp's single-graph API: end capture and keep the graph as the default one."""
         if self._default_graph is not None and not self._default_graph.destroyed:
             self.destroy_graph(self._default_graph)
         self._default_graph = self.end_capture_graph(q)
 
     def replay(self, q: Queue) -> None:
+        """Replay the graph :meth:`end_capture` kept on ``q``; RuntimeError if there is none."""
         if self._default_graph is None or self._default_graph.destroyed:
             raise RuntimeError("replay: nothing captured; call begin_capture/end_capture first")
         self.replay_graph(q, self._default_graph)
@@ -604,6 +642,7 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------------ teardown
     def live_buffers(self) -> list[Buffer]:
+        """The buffers allocated by this backend and not yet freed (a snapshot, e.g. to find leaks)."""
         with self._lock:
             return list(self._live_buffers.values())
 

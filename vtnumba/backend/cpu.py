@@ -1,8 +1,8 @@
 """The CPU backend: host memory, and queues that are either synchronous or real threads.
 
-Seed semantics (``threaded=False``, the default): every queue operation runs at once, on
+vllm.cpp's semantics (``threaded=False``, the default): every queue operation runs at once, on
 the calling thread, so an event is complete the moment it is recorded.  Simple, and what
-the seed's CPU backend does -- but it hides every ordering bug, because nothing is ever
+vllm.cpp's CPU backend does -- but it hides every ordering bug, because nothing is ever
 "still running".
 
 Threaded mode (``CPUBackend(threaded=True)`` or ``VTNUMBA_CPU_QUEUES=threaded``): each
@@ -104,7 +104,7 @@ class _CPUQueue(Queue):
 
     def put(self, name: str, fn, args: dict | None = None, marker: bool = False) -> None:
         if self._ops is None:
-            # Synchronous (seed) mode: run now and let errors reach the caller directly.
+            # Synchronous (vllm.cpp's) mode: run now and let errors reach the caller directly.
             with trace.span(name, "queue", f"cpu:{self.name}", **(args or {})):
                 fn()
             return
@@ -143,6 +143,7 @@ class _CPUQueue(Queue):
 class CPUBackend(Backend):
     """Host memory and host queues (see the module docstring for the two queue modes)."""
 
+    #: Always :attr:`DeviceType.CPU <vtnumba.backend.device.DeviceType.CPU>`.
     device_type = DeviceType.CPU
 
     def __init__(self, device: Device = CPU, threaded: bool | None = None):
@@ -156,6 +157,7 @@ class CPUBackend(Backend):
 
     @property
     def name(self) -> str:
+        """``"CPUBackend"``, or ``"CPUBackend(threaded)"`` when each queue has its own worker thread."""
         return "CPUBackend(threaded)" if self.threaded else "CPUBackend"
 
     @property

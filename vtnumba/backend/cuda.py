@@ -121,6 +121,7 @@ class _CUDAEvent(Event):
 class CUDABackend(Backend):
     """A CUDA device through numba-cuda; see the module docstring for the simulator."""
 
+    #: Always :attr:`DeviceType.CUDA <vtnumba.backend.device.DeviceType.CUDA>`, the simulator included.
     device_type = DeviceType.CUDA
 
     def __init__(self, device: Device | None = None):
@@ -142,6 +143,7 @@ class CUDABackend(Backend):
 
     @property
     def name(self) -> str:
+        """``"CUDABackend"`` on a real GPU, ``"CUDABackend(simulator)"`` in numba's CUDA simulator."""
         return "CUDABackend(simulator)" if self.simulator else "CUDABackend"
 
     @property
@@ -154,11 +156,13 @@ class CUDABackend(Backend):
                             aux_stream=not sim, graph_capture=not sim, unified_memory=False)
 
     def device_capability(self) -> tuple[int, int]:
+        """The current GPU's (major, minor) compute capability; (0, 0) in the simulator."""
         if self.simulator:
             return (0, 0)
         return tuple(_cuda().get_current_device().compute_capability)
 
     def device_name(self) -> str:
+        """The GPU's name as the driver reports it, or ``"numba CUDA simulator"``."""
         if self.simulator:
             return "numba CUDA simulator"
         name = _cuda().get_current_device().name

@@ -53,10 +53,15 @@ def wait_flag_kernel(flags, index, value):
 
 
 def launch_write_flag(flags, index: int, value: int, stream) -> None:
+    """Queue :func:`write_flag_kernel` (one thread) on ``stream``: the fallback for ``cuStreamWriteValue32``."""
     write_flag_kernel[1, 1, stream](flags, np.int64(index), np.uint32(value))
 
 
 def launch_wait_flag(flags, index: int, value: int, stream) -> None:
+    """Queue :func:`wait_flag_kernel` (one thread) on ``stream``: the fallback for ``cuStreamWaitValue32``.
+
+    Later work on ``stream`` starts only once the flag has arrived; the kernel never times out.
+    """
     wait_flag_kernel[1, 1, stream](flags, np.int64(index), np.uint32(value))
 
 

@@ -1,8 +1,8 @@
-"""Devices and dtypes: *where* memory lives and *what* it holds (seed: ``vt::Device``).
+"""Devices and dtypes: *where* memory lives and *what* it holds (mirrors vllm.cpp's ``vt::Device``).
 
 A :class:`Device` is a ``(DeviceType, index)`` pair.  ``Device(t, 0)`` is the type's
 default device and shares the type-level registry slot (see :mod:`vtnumba.backend.registry`).
-Indices run from 0 to :data:`MAX_DEVICES_PER_TYPE` - 1, as in the seed's fixed-size table.
+Indices run from 0 to :data:`MAX_DEVICES_PER_TYPE` - 1, as in vllm.cpp's fixed-size table (``vt/backend.h``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ MAX_DEVICES_PER_TYPE = 16
 class DeviceType(enum.Enum):
     """The kinds of device vtnumba knows: the host CPU and CUDA GPUs (real or simulated)."""
 
+    #: The host CPU, with numpy memory and host queues (see :class:`~vtnumba.backend.cpu.CPUBackend`).
     CPU = "cpu"
+    #: A CUDA GPU, or numba's simulator of one (see :class:`~vtnumba.backend.cuda.CUDABackend`).
     CUDA = "cuda"
 
     def __str__(self) -> str:
@@ -29,7 +31,9 @@ class DeviceType(enum.Enum):
 class Device:
     """One device: its type and its index among the devices of that type."""
 
+    #: The kind of device; a string such as ``"cuda"`` is accepted and converted.
     type: DeviceType
+    #: Which device of that type, 0 to :data:`MAX_DEVICES_PER_TYPE` - 1 (0 is the type's default device).
     index: int = 0
 
     def __post_init__(self) -> None:

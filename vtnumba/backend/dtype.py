@@ -15,12 +15,18 @@ import numpy as np
 
 
 class DType(Enum):
+    """An element type; its value is the numpy-style name (``DType("float16")`` works)."""
+
+    #: 32-bit IEEE float, the working type on every target and what matmuls accumulate in.
     FLOAT32 = "float32"
+    #: 16-bit IEEE float, for storage and matmul inputs on every target.
     FLOAT16 = "float16"
+    #: 16-bit brain float, available only inside kernels on a real GPU with compute capability >= 8.0.
     BFLOAT16 = "bfloat16"
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element (4 for float32, 2 for float16 and bfloat16)."""
         return 4 if self is DType.FLOAT32 else 2
 
     def to_numpy(self) -> np.dtype:

@@ -1,4 +1,4 @@
-"""The multi-device registry: which Backend serves which Device (seed: backend registry).
+"""The multi-device registry: which Backend serves which Device (vllm.cpp's backend registry).
 
 Backends are registered per device type and optionally per device index.  The
 type-level slot *is* index 0: ``register_backend(DeviceType.CUDA, b)`` and

@@ -3,7 +3,7 @@
 Reading order (each module is one concept):
 
 * :mod:`~vtnumba.dist.groups`       -- ``init_distributed``, named groups, ``get_tp_group``;
-* :mod:`~vtnumba.dist.comm`         -- ``all_ranks_ready`` (the seed's agreement), ``barrier``
+* :mod:`~vtnumba.dist.comm`         -- ``all_ranks_ready`` (vLLM TPSP's agreement), ``barrier``
   with a timeout, ``allgather_bytes``, ``agree_errors``;
 * :mod:`~vtnumba.dist.shm`          -- POSIX shared-memory segments (cpu / cudasim peer memory);
 * :mod:`~vtnumba.dist.cuda_ipc`     -- CUDA IPC handles as raw bytes (real-GPU peer memory);

@@ -1,6 +1,6 @@
 """Reference collectives over peer buffers -- reduce-scatter and all-gather -- and their MPI baselines.
 
-Seed concept: TPSP's exchange is a reduce-scatter over tokens followed by an all-gather,
+Upstream concept: the exchange of vLLM's TPSP is a reduce-scatter over tokens followed by an all-gather,
 done by *reading peers' memory directly* instead of sending messages.  These two
 functions are that exchange on its own, the way the tutorials teach it before fusing it
 with the matmul and the norm.

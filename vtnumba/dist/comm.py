@@ -1,6 +1,6 @@
 """Control-plane helpers on a group's CPU communicator: agreement, barrier, raw-bytes allgather.
 
-Seed concept: the seed's ``open()`` asks every rank "can you?" and all-reduces the answers
+Upstream concept: ``open()`` of vLLM's ``CudaTPSPBackend`` asks every rank "can you?" and all-reduces the answers
 with MIN, so either every rank goes down the fast path or none does.  That *agreement* is
 the rule that keeps a collective program from deadlocking: a rank that fails must not
 simply raise and leave its peers blocked in the next collective -- it reports the failure
@@ -98,7 +98,7 @@ def barrier(group, timeout_s: float = DEFAULT) -> None:
 def all_ranks_ready(ok: bool, group, timeout_s: float = DEFAULT) -> bool:
     """True on every rank if ``ok`` is true on every rank, else False on every rank.
 
-    The seed's agreement: an all-reduce with MIN of 0/1.  Every rank must call it.
+    The agreement of vLLM's ``CudaTPSPBackend.open()``: an all-reduce with MIN of 0/1.  Every rank must call it.
     """
     _check_group(group)
     send = np.array([1 if ok else 0], dtype=np.int32)

@@ -1,6 +1,6 @@
 """CUDA IPC: the peer-memory transport of the ``cuda`` target (real GPUs only).
 
-Seed concept: each rank ``cudaMalloc``\\ s its buffer, exports a 64-byte
+Upstream concept (vLLM's TPSP workspace): each rank ``cudaMalloc``\\ s its buffer, exports a 64-byte
 ``cudaIpcMemHandle_t`` for it, the handles are allgathered, and every rank opens every
 peer's handle (``cuIpcOpenMemHandle``) to get a device pointer it can pass to kernels.  A
 kernel on rank 0 then loads and stores rank 1's memory directly (over NVLink or PCIe, with
@@ -68,9 +68,14 @@ class CudaIpcExport:
 
     @property
     def array(self):
+        """This rank's buffer as a device ``uint8`` array (what its own kernels use); valid until :meth:`free`."""
         return self.buffer.array
 
     def free(self) -> None:
+        """Free the exported buffer (idempotent).
+
+        Call it only after every peer has closed its import of it (see the module docstring).
+        """
         if self.buffer is not None and not self.buffer.freed:
             self.backend.free(self.buffer)
         self.buffer = None
@@ -98,6 +103,7 @@ class CudaIpcImport:
         self.array = self._ipc.open_array(cuda.current_context(), shape=(size,), dtype=np.dtype(np.uint8))
 
     def close(self) -> None:
+        """Unmap the peer's buffer (``cuIpcCloseMemHandle``) and drop ``array``; idempotent."""
         if self._ipc is not None:
             self.array = None  # drop the view before the mapping goes away
             ipc, self._ipc = self._ipc, None

@@ -79,6 +79,7 @@ def phase(what: str):
 
 
 def current_phase() -> str:
+    """What this rank is doing: the open :func:`phase` blocks, outermost first, joined by " / " (or "running")."""
     with _phase_lock:
         return " / ".join(_phases) if _phases else "running"
 
@@ -109,6 +110,7 @@ class FailureBoard:
             raise PeerFailed(self.failed_peer.rank, self.failed_peer.text)
 
     def close(self) -> None:
+        """Stop watching the board and free its communicator (freeing is collective: every rank closes)."""
         polling.remove_watch(self.check)
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
@@ -127,6 +129,7 @@ def install(comm: MPI.Comm | None = None) -> FailureBoard:
 
 
 def uninstall() -> None:
+    """Close the board :func:`install` opened, if any (:func:`vtnumba.dist.destroy_distributed` calls it)."""
     global _board
     board, _board = _board, None
     if board is not None:

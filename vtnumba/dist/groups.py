@@ -1,6 +1,6 @@
 """Process groups over mpi4py: the world, tensor-parallel groups, and a registry by name.
 
-Seed concept: an inference engine keeps one named group per kind of parallelism ("tp" for
+Upstream concept (vLLM): an inference engine keeps one named group per kind of parallelism ("tp" for
 tensor parallelism) and hands it to every layer that communicates.  A group carries two
 communicators that span the same ranks:
 
@@ -50,14 +50,23 @@ class GroupNotFoundError(KeyError, ValueError):
 class ProcessGroup:
     """A set of ranks that communicate together.  Made by :func:`init_distributed`/:func:`new_group`."""
 
+    #: The name it is registered under (``"world"``, ``"tp"``, or the one given to :func:`new_group`).
     name: str
-    comm: MPI.Comm                 # data communicator
-    cpu_comm: MPI.Comm             # control communicator (agreement, barriers, handle exchange)
-    node_comm: MPI.Comm            # the ranks of this group on this rank's node
-    world_ranks: list[int]         # world rank of each group rank, indexed by group rank
-    peer_access: bool              # True: all ranks on one node, peer buffers possible
+    #: The data communicator, used by a device collective or its MPI fallback.
+    comm: MPI.Comm
+    #: The control communicator for agreement, barriers and handle exchange (same ranks, separate context).
+    cpu_comm: MPI.Comm
+    #: The ranks of this group on this rank's node.
+    node_comm: MPI.Comm
+    #: The world rank of each group rank, indexed by group rank.
+    world_ranks: list[int]
+    #: True when every rank is on one node, so peer buffers are possible; otherwise use MPI collectives.
+    peer_access: bool
+    #: This process's rank within the group (0 .. size - 1).
     rank: int = field(init=False)
+    #: The number of ranks in the group.
     size: int = field(init=False)
+    #: True once :func:`destroy_distributed` has freed the group's communicators; do not use it after.
     freed: bool = field(default=False, init=False)
 
     def __post_init__(self):

@@ -1,6 +1,6 @@
 """PeerBuffers: symmetric memory -- one buffer per rank, every rank can read and write all of them.
 
-Seed concept: TPSP's P2P workspace.  Every rank of a group allocates a buffer of the same
+Upstream concept: the P2P workspace of vLLM's ``CudaTPSPBackend``.  Every rank of a group allocates a buffer of the same
 size, exports a handle to it as raw bytes, allgathers the handles and opens every peer's;
 after that ``pb.peer(j)`` on any rank is rank ``j``'s memory, usable by kernels of this
 process's target without a copy:
@@ -22,7 +22,7 @@ Failures that mean "this machine cannot do peer memory" raise :class:`PeerAccess
 so callers fall back to MPI collectives.  Bad input (sizes that differ across ranks) stays
 a ValueError.
 
-Teardown follows the seed: ``close()`` = synchronize, barrier (nobody uses any buffer any
+Teardown follows vLLM's TPSP: ``close()`` = synchronize, barrier (nobody uses any buffer any
 more), unmap/close peers' memory, barrier (nobody maps my memory any more), free my own.
 
 Test hooks (to force a one-rank failure): the constructor's ``_fail_on_rank=<group rank>``
@@ -268,6 +268,7 @@ class PeerBuffers:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` has run; the buffers must not be used after that (most methods raise)."""
         return self._closed
 
     def _check_open(self) -> None:
@@ -276,7 +277,7 @@ class PeerBuffers:
 
     @property
     def local(self):
-        """This rank's buffer: a flat uint8 array of ``nbytes`` (the target's array type)."""
+        """This rank's buffer, a flat uint8 array of ``nbytes`` (the target's array type)."""
         self._check_open()
         return self._local
 

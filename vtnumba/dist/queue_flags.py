@@ -1,6 +1,6 @@
 """QueueFlags: epoch flags that *queues* raise and wait for -- device-side signalling between ranks.
 
-Seed concept: TPSP's P2P workspace has, next to the data slots, a small flag area per rank;
+Upstream concept (vLLM's TPSP): the P2P workspace has, next to the data slots, a small flag area per rank;
 a GPU stream raises a flag in a peer's area right after the kernel that produced the data,
 and the peer's stream waits for it before the kernel that consumes the data.  No host thread
 stands between two chunks: the host only *queues* the waits and the writes, and the streams
@@ -90,11 +90,13 @@ class QueueFlags:
         barrier(group, timeout_s)  # every area is zeroed before any rank can signal into it
         self._own_signals = host_signals is None
         self.host = PeerSignals(group, ("call",), timeout_s=timeout_s) if host_signals is None else host_signals
-        # The last value this rank queued a wait for, per (name, source): what the error
-        # message reports as "expected" when a peer never delivered.
+        #: The last value this rank queued a wait for, per ``(name, source)`` -- what an error
+        #: message reports as "expected" when a peer never delivered.
         self.expected: dict[tuple[str, int], int] = {}
         self._events: dict[int, object] = {}  # queue id -> the event finish() records there
-        self.call_epoch: int | None = None  # the host epoch of the call in progress (handshake -> finish)
+        #: The host epoch of the call in progress, set by :meth:`handshake` and cleared when :meth:`finish`
+        #: succeeds; None before the first call and between calls (a failed call leaves it set).
+        self.call_epoch: int | None = None
 
     # ------------------------------------------------------------------ one call
     def handshake(self, meta) -> list[tuple[int, ...]]:
@@ -171,7 +173,8 @@ class QueueFlags:
         words = self.backend.to_host(self._areas[self.group.rank])
         return {(name, s): int(words[self._slot(name, s)]) for name in self.names for s in range(self.group.size)}
 
-    def _missing(self) -> str:
+    def missing(self) -> str:
+        """The awaited flags that have not arrived (for error messages), or a note that all have."""
         got = self.received()
         short = [f"{name!r} from rank {s}: {got[(name, s)]} (waited for {want})"
                  for (name, s), want in sorted(self.expected.items()) if got[(name, s)] < want]
@@ -237,7 +240,7 @@ class QueueFlags:
                 raise
             self.call_epoch = None
             return
-        missing = self._missing()  # before fail() releases the words
+        missing = self.missing()  # before fail() releases the words
         self.fail(queues)
         if failure is not None:
             raise QueueFlagsError(f"{failure}; missing flags: {missing}")
@@ -328,6 +331,7 @@ class QueueFlags:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` has run; the flags must not be used after that."""
         return self._pb.closed
 
     def close(self) -> None:

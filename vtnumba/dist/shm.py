@@ -1,6 +1,6 @@
 """Shared-memory segments: the peer-memory transport of the ``cpu`` and ``cudasim`` targets.
 
-Seed concept: on a GPU, ranks share device memory through CUDA IPC handles.  Without a GPU
+Upstream concept (vLLM's TPSP): on a GPU, ranks share device memory through CUDA IPC handles.  Without a GPU
 the same idea is host memory that every rank maps with ``mmap(MAP_SHARED)``: a store by one
 rank is a store into the page every other rank sees.  What travels between ranks is a
 *handle* -- a short string saying how to open the creator's memory.

@@ -1,6 +1,6 @@
 """PeerSignals: flags in shared memory that say "my data is ready" / "I am done with yours".
 
-Seed concept: TPSP's workspace has, next to the inbox and gather slots, a small flag area
+Upstream concept (vLLM's TPSP): the workspace has, next to the inbox and gather slots, a small flag area
 per rank.  A producer writes its data, then raises a flag *in the consumer's flag area*;
 the consumer polls its own flags (local memory: cheap) and only then reads the data.
 
@@ -260,6 +260,7 @@ class PeerSignals:
     # ------------------------------------------------------------------ lifetime
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` has run; the flags must not be used after that (most methods raise)."""
         return self._pb.closed
 
     def close(self) -> None:

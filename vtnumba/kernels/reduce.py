@@ -73,6 +73,11 @@ def _bind_cuda() -> None:
 
 
 def copy_rows(out, a, row0, nrows):
+    """Kernel source: ``out[:nrows] = a[row0:row0+nrows]`` and ``out[nrows:] = 0``.
+
+    One thread per element of ``out``; compiled by :func:`cuda_kernels`, launched by :func:`launch`.
+    Host twin: :func:`copy_rows_host`.
+    """
     i = cuda.grid(1)
     h = out.shape[1]
     if i < out.shape[0] * h:
@@ -85,6 +90,10 @@ def copy_rows(out, a, row0, nrows):
 
 
 def add_rows(out, a, b, row0, nrows):
+    """Kernel source: ``out[:nrows] = a[rows] + b[rows]`` (``rows = row0:row0+nrows``) and ``out[nrows:] = 0``.
+
+    One thread per element of ``out``.  Host twin: :func:`add_rows_host`.
+    """
     i = cuda.grid(1)
     h = out.shape[1]
     if i < out.shape[0] * h:
@@ -97,6 +106,11 @@ def add_rows(out, a, b, row0, nrows):
 
 
 def accumulate_rows(out, src, row0, nrows):
+    """Kernel source: ``out[:nrows] += src[row0:row0+nrows]``; ``out[nrows:]`` is left alone.
+
+    Launched with one thread per element of ``out`` (threads past ``nrows * H`` do nothing).
+    Host twin: :func:`accumulate_rows_host`.
+    """
     i = cuda.grid(1)
     h = out.shape[1]
     if i < nrows * h:

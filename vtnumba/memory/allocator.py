@@ -1,8 +1,9 @@
-"""A stream-ordered caching allocator with ``record_stream`` (the allocator the seed relies on).
+"""A stream-ordered caching allocator with ``record_stream`` (the allocator vLLM relies on).
 
-The seed's encoder-cache worker registers each buffer "against the stream that is not its
-own ... without that, the caching allocator would be free to reissue memory a copy or a
-queued read still needs, since it only tracks the stream a buffer was allocated on."
+vLLM's encoder-cache worker (``ECCPUWorker``, ``ec_connector/cpu/worker.py``) registers each
+buffer "against the stream that is not its own ... without that, the caching allocator would be
+free to reissue memory a copy or a queued read still needs, since it only tracks the stream a
+buffer was allocated on."
 This module is that allocator, small enough to read in one sitting.
 
 How it works (the same design as PyTorch's CUDA caching allocator):
@@ -369,6 +370,7 @@ class CachingAllocator:
             return s
 
     def live_blocks(self) -> list[Block]:
+        """The blocks handed out and not yet freed (a snapshot; freed blocks awaiting events are not in it)."""
         with self._lock:
             return list(self._live.values())
 

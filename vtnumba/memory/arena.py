@@ -50,6 +50,7 @@ class StepArena:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` has given the slab back; allocating then raises RuntimeError."""
         return self._slab is None
 
     def alloc(self, nbytes: int, dtype=None, shape=None):

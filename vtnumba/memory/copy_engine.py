@@ -1,10 +1,10 @@
 """The copy engine: many ``(src, dst, nbytes)`` descriptors moved by one call on one queue.
 
-Seed: vLLM's ``swap_blocks_batch`` custom op, which the encoder-cache worker uses to move
-every block run of a step with *one* call instead of one ``copy_`` per block.  Each copy
-is tiny and the per-call overhead (a Python call, a driver call, a launch) dominates, so
-the worker first *coalesces* consecutive blocks into runs and then hands the whole list
-of runs to a single batched call.  The descriptors are three equal-length integer arrays
+Upstream: vLLM's ``swap_blocks_batch`` custom op, which the encoder-cache worker
+(``ECCPUWorker``) uses to move every block run of a step with *one* call instead of one
+``copy_`` per block.  Each copy is tiny and the per-call overhead (a Python call, a driver
+call, a launch) dominates, so the worker first *coalesces* consecutive blocks into runs and
+then hands the whole list of runs to a single batched call.  The descriptors are three equal-length integer arrays
 filled in bulk with numpy: source addresses, destination addresses, byte counts.
 
 How each target does it:

@@ -27,7 +27,7 @@ What it reports (a :class:`HazardReport`; raised as :class:`HazardError` or coll
 * ``use-after-free`` -- ``note_use`` on a block that was already freed.
 
 Limits, stated honestly: the check runs on the host when memory is handed out, so it sees
-real timing -- on synchronous queues (the seed's cpu semantics, the simulator) every use has
+real timing -- on synchronous queues (vllm.cpp's cpu semantics, the simulator) every use has
 completed and nothing is flagged, even where a GPU would race.  Ordering made with
 ``queue_wait_event`` is invisible to it; if you order a reuse that way, ``record_stream``
 anyway (it is cheap) or expect a report.  Views taken before ``free`` and used after it
@@ -50,10 +50,16 @@ _MODES = ("raise", "record")
 class HazardReport:
     """One detected hazard: what happened, to which blocks, on which queues, and the fix."""
 
-    kind: str                 # "reuse-before-complete" or "use-after-free"
+    #: ``"reuse-before-complete"`` (memory reissued while another queue still uses it, usually a
+    #: missing ``record_stream``) or ``"use-after-free"``.
+    kind: str
+    #: The full explanation, naming the blocks and queues and, for a missing ``record_stream``, the fix.
     message: str
-    block_id: int             # the block being used or handed out
-    other_block_id: int | None  # the freed block whose memory it overlaps
+    #: The id of the block being used or handed out.
+    block_id: int
+    #: The freed block whose memory it overlaps (``reuse-before-complete``); None for a use after free.
+    other_block_id: int | None
+    #: Names of the queues involved (the new owner's and the one still using the memory, or the using queue).
     queues: list[str] = field(default_factory=list)
 
 
@@ -110,6 +116,7 @@ class HazardChecker:
         if on_hazard not in _MODES:
             raise ValueError(f"on_hazard={on_hazard!r} must be one of {', '.join(_MODES)}")
         self.on_hazard = on_hazard
+        #: Every hazard found so far, in order -- in ``"raise"`` mode too (each is also raised).
         self.reports: list[HazardReport] = []
         self._lock = threading.RLock()
         self._live: dict[int, _Uses] = {}              # block id -> queues that used it

@@ -1,4 +1,4 @@
-"""TPSP: the fused tensor-parallel + sequence-parallel projection (seed: ``vllm/platforms/tpsp_cuda.py``).
+"""TPSP: the fused tensor-parallel + sequence-parallel projection (vLLM: ``vllm/platforms/tpsp_cuda.py``).
 
 One row-parallel projection and the norm after it, fused into a single collective op::
 

@@ -1,6 +1,6 @@
-"""``TPSPBackend``: the abstract lifecycle every TPSP implementation follows (seed: ``TPSPBackend``).
+"""``TPSPBackend``: the abstract lifecycle every TPSP implementation follows (vLLM: ``TPSPBackend``).
 
-A TPSP backend serves one process group on one device.  Its lifecycle, as in the seed::
+A TPSP backend serves one process group on one device.  Its lifecycle, as in vLLM's ``vllm/platforms/tpsp_cuda.py``::
 
     backend = get_tpsp_backend("tp", device)        # HostTPSPBackend or CudaTPSPBackend
     handle  = backend.open(dtype=..., tp_size=..., hidden_size=..., max_batched_tokens=...)
@@ -46,6 +46,7 @@ class TPSPBackend(abc.ABC):
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` (without a handle) has closed the backend; ``open`` and calls then raise."""
         return self._closed
 
     # ------------------------------------------------------------------ lifecycle
@@ -78,7 +79,7 @@ class TPSPBackend(abc.ABC):
 
     def fused_gemm_rs_norm_ag(self, handle, x, projection, residual, norm, *, config=None, out=None,
                               new_residual=None):
-        """The seed's module-level form: weights, bias, eps and norm type come from the modules."""
+        """vLLM's module-level form: weights, bias, eps and norm type come from the modules."""
         from vtnumba.tpsp.norm_type import get_tpsp_norm_type
 
         prepared = self.prepare_weights(handle, projection)

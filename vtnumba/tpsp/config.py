@@ -1,6 +1,6 @@
 """The small value types of TPSP: ops groups, the activation profile, contexts, tuning configs.
 
-Seed: ``vllm/model_executor/tpsp.py``.  An engine that turns TPSP on does it per *ops
+Upstream: vLLM's ``vllm/model_executor/tpsp.py``.  An engine that turns TPSP on does it per *ops
 group* -- a row-parallel projection and the norm right after it (``o_proj`` with the
 post-attention layernorm, ``down_proj`` with the next layer's input layernorm) -- and keeps
 one decision for the whole model:
@@ -31,19 +31,16 @@ from vtnumba.backend.arrays import is_int
 
 @dataclass(frozen=True)
 class TPSPConfig:
-    """Tuning of one TPSP handle.
+    """Tuning of one TPSP handle: the microchunk size and, on a GPU, the exchange's share of SMs."""
 
-    ``chunk_tokens_per_rank`` -- microchunk size ``c``: each pipeline step handles ``c``
-    rows of *every* rank's token shard (``tp * c`` tokens).  Smaller chunks overlap more
-    (chunk i+1's matmul runs while chunk i is exchanged) but pay more per-step overhead;
-    a chunk at least as large as the shard means one step (no pipelining).
-
-    ``sm_count_target`` -- GPUs only: the most streaming multiprocessors the exchange
-    kernels (reduce + norm, gather) may occupy at once, leaving the rest to the next
-    chunk's matmul.  ``None`` = no limit.  The host backend rejects it.
-    """
-
+    #: Microchunk size ``c`` -- each pipeline step handles ``c`` rows of *every* rank's token shard
+    #: (``tp * c`` tokens).  Smaller chunks overlap more (chunk i+1's matmul runs while chunk i is
+    #: exchanged) but pay more per-step overhead; a chunk at least as large as the shard means one
+    #: step (no pipelining).
     chunk_tokens_per_rank: int
+    #: On GPUs only, the most streaming multiprocessors the exchange kernels (reduce + norm, gather) may
+    #: occupy at once, leaving the rest to the next chunk's matmul.  ``None`` = no limit.  The host
+    #: backend rejects it.
     sm_count_target: int | None = None
 
     def __post_init__(self) -> None:
@@ -66,9 +63,15 @@ class TPSPConfig:
 class TPSPProfile:
     """The shared on/off decision: TPSP runs for ``T`` tokens iff enabled and ``T >= threshold_tokens``."""
 
+    #: Whether TPSP runs at all; False makes every call take the regular forward.
     enabled: bool
+    #: The smallest batch (in tokens) that runs fused, an int in 1..max_batched_tokens when enabled;
+    #: may be None when disabled.
     threshold_tokens: int | None
+    #: The largest batch the handles were opened for; :meth:`is_active` refuses more.
     max_batched_tokens: int
+    #: How the decision was made, for humans (e.g. ``"static profile"``, ``"measured profile"``), or
+    #: why TPSP is disabled.
     reason: str = ""
 
     def __post_init__(self) -> None:
@@ -98,6 +101,7 @@ class TPSPProfile:
 
     @classmethod
     def disabled(cls, max_batched_tokens: int, reason: str) -> "TPSPProfile":
+        """A profile that never runs TPSP (``enabled=False``, no threshold), saying ``reason`` why."""
         return cls(False, None, max_batched_tokens, reason)
 
 
@@ -105,13 +109,14 @@ class TPSPProfile:
 class TPSPOpsGroup:
     """A row-parallel ``projection`` followed by ``norm``: one fused TPSP call.
 
-    ``projection`` needs ``.weight`` ``[H, K_local]`` (and ``.bias`` ``[H]`` or None);
-    ``norm`` needs ``.weight`` ``[H]``, ``.eps`` and, for LayerNorm, ``.bias``.  The
-    :mod:`vtnumba.nn` modules have exactly these attributes.
+    The :mod:`vtnumba.nn` modules have exactly the attributes both fields need.
     """
 
+    #: The ops group's name (non-empty, unique in a profile); its handle is kept under it.
     name: str
+    #: The row-parallel projection, with ``.weight`` ``[H, K_local]`` (and ``.bias`` ``[H]`` or None).
     projection: Any
+    #: The norm after it, with ``.weight`` ``[H]``, ``.eps`` and, for LayerNorm, ``.bias``.
     norm: Any
 
     def __post_init__(self) -> None:
@@ -123,7 +128,7 @@ class TPSPOpsGroup:
 
 
 def check_ops_groups(ops_groups) -> list[TPSPOpsGroup]:
-    """A non-empty list of TPSPOpsGroup with unique names and one hidden size (the seed's checks)."""
+    """A non-empty list of TPSPOpsGroup with unique names and one hidden size (vLLM's checks)."""
     if isinstance(ops_groups, TPSPOpsGroup):
         ops_groups = [ops_groups]
     try:
@@ -147,20 +152,26 @@ def check_ops_groups(ops_groups) -> list[TPSPOpsGroup]:
 
 @dataclass
 class TPSPContext:
-    """The profile, the backend, and one handle per ops group name (seed: ``TPSPContext``)."""
+    """The profile, the backend, and one handle per ops group name (vLLM: ``TPSPContext``)."""
 
+    #: The shared on/off decision every :class:`~vtnumba.tpsp.op.TPSPOp` of this context asks.
     profile: TPSPProfile
+    #: The TPSP backend the handles were opened on (e.g. :class:`~vtnumba.tpsp.cuda.CudaTPSPBackend`).
     backend: Any
+    #: One open handle per ops group name (what ``backend.open`` returned).
     handles: dict[str, object] = field(default_factory=dict)
-    report: Any = None  # what a measured profile found (vtnumba.tpsp.profiling.ProfileReport)
+    #: What the profile measured (a :class:`~vtnumba.tpsp.profiling.ProfileReport`), or None.
+    report: Any = None
 
     def handle(self, name: str):
+        """The handle of ops group ``name``; KeyError listing the known names otherwise."""
         try:
             return self.handles[name]
         except KeyError:
             raise KeyError(f"no TPSP handle named {name!r}; this context has {sorted(self.handles)}") from None
 
     def is_active(self, num_tokens: int) -> bool:
+        """Should a batch of ``num_tokens`` tokens run fused?  Same as :meth:`TPSPProfile.is_active`."""
         return self.profile.is_active(num_tokens)
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """``CudaTPSPBackend``: TPSP with CUDA kernels on device arrays -- a real GPU, or numba's simulator.
 
-Seed: ``vllm/platforms/tpsp_cuda.py``.  The pipeline is :mod:`vtnumba.tpsp.pipeline` with:
+Upstream: vLLM's ``CudaTPSPBackend`` (``vllm/platforms/tpsp_cuda.py``).  The pipeline is
+:mod:`vtnumba.tpsp.pipeline` with:
 
 * device arrays everywhere (numba ``DeviceNDArray`` on a GPU, ``FakeCUDAArray`` in the
   simulator -- zero-copy views, so a peer's writes are seen);
@@ -10,7 +11,7 @@ Seed: ``vllm/platforms/tpsp_cuda.py``.  The pipeline is :mod:`vtnumba.tpsp.pipel
   reduce/gather, so chunk i+1's matmul can run while chunk i is exchanged;
 * peer memory through CUDA IPC handles on a GPU, POSIX shared memory in the simulator
   (:class:`vtnumba.dist.PeerBuffers` picks the transport);
-* ``exchange="push"`` by default: remote writes from the matmul epilogue, as the seed's
+* ``exchange="push"`` by default: remote writes from the matmul epilogue, as vLLM's
   design does over NVLink.
 
 ``TPSPConfig.sm_count_target`` is honoured here: the reduce + norm kernel uses one block per
@@ -96,6 +97,7 @@ class CudaTPSPBackend(PeerTPSPBackend):
 
     @property
     def simulator(self) -> bool:
+        """True when the kernels run in numba's CUDA simulator (``cudasim``), not on a GPU."""
         return self._backend.capabilities.simulator
 
     def _check_array_kind(self, arrays: dict) -> None:
@@ -120,6 +122,8 @@ class CudaTPSPBackend(PeerTPSPBackend):
         return DeviceChunkStrategy()
 
     def default_config(self, handle) -> TPSPConfig:
+        """About four pipeline steps per full slot: ``ceil(max_chunk_rows / 4)`` rows per rank, at least one
+        granule (``tpsp_chunk_granularity``) and at most the slot."""
         # Overlap needs several chunks; 4 steps of at least one granule each is a sane start.
         rows = handle.max_chunk_rows
         chunk = max(self.tpsp_chunk_granularity, cdiv(rows, 4))

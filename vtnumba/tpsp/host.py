@@ -12,36 +12,36 @@ The same chunk pipeline as on a GPU (:mod:`vtnumba.tpsp.pipeline`), with host pa
 
 **Pull, not push, by default.**  A GPU matmul's epilogue writes each destination's rows
 straight into that rank's inbox (push).  A BLAS call writes one array, and every extra call
-re-packs the whole ``[K, H]`` weight (3-6 ms each at ``K=2048, H=4096`` here), so the host
+re-packs the whole ``[K, H]`` weight (milliseconds at ``K=2048, H=4096``), so the host
 does the projection in *one* call either way:
 
 * ``"pull"`` (default): the call writes this rank's own shared outbox, which holds the
   rows of every destination contiguously in token order; each rank then reads its row
   block from every peer.  No copy -- but the GEMM writes ``/dev/shm`` pages, 4 KiB ones
-  (tmpfs has no transparent huge pages here), and writing its output tile by tile over
+  (tmpfs usually has no transparent huge pages), and writing its output tile by tile over
   many rows costs more TLB misses than numpy's huge-page private memory.
 * ``"push"``: the call writes private scratch (huge pages) and a copy -- the host's
   epilogue -- moves each peer's rows into that peer's inbox; this rank's own rows never
   move (the reduce reads them from the scratch).  The GEMM runs at full speed, but one
   more ``[R, H]`` copy crosses memory.
 
-Measured with both in the same run, interleaved (2 ranks on this 2-core machine,
-``T=2048``): pull spent 0.33-0.47x the unfused baseline's time above the matmul, push
-0.50-0.76x -- when memory bandwidth is the shared bottleneck, the copy costs more than the
-TLB misses.  So pull is the default and push the comparison (and the GPU's mode).
+Where memory bandwidth is the shared bottleneck (one core per rank, every rank streaming),
+the copy costs more than the TLB misses: measured in alternating runs of ``vtnumba bench
+tpsp --exchange pull`` and ``--exchange push`` (2 ranks with one core each, ``T=2048``), pull
+spent 0.33-0.47x the unfused baseline's time above the matmul and push 0.50-0.76x.  So pull
+is the default and push the comparison (and the GPU's mode).
 
 **Where the time goes.**  Above the matmul everything is memory traffic: the reduce + norm
 pass (reads the partials and the residual, writes the new residual and the normalised
-rows), the gather copies, and in push mode the epilogue copy.  With one core per rank (2
-ranks on this 2-core machine, no SMT) none of it can hide behind the matmul; it can only
+rows), the gather copies, and in push mode the epilogue copy.  With one core per rank (no
+spare core, no SMT) none of it can hide behind the matmul; it can only
 be *less* traffic than the unfused path's MPI copies and numpy temporaries.
 ``vtnumba bench tpsp`` measures both in one run.
 
 **Overlap.**  With ``threaded=True`` the matmuls run on a worker thread (a threaded
 :class:`~vtnumba.backend.CPUBackend` queue; BLAS and the njit kernels release the GIL), so
 chunk i+1's matmul runs beside chunk i's exchange.  Whether that pays depends on spare
-cores: with one core per rank (2 ranks on this 2-core machine) the two compete for the
-same core, so the default is the synchronous queue; the measured profile
+cores: with one core per rank the two compete for the same core, so the default is the synchronous queue; the measured profile
 (``profile(search=True)``) picks the chunk size that is fastest either way.
 """
 

@@ -1,6 +1,6 @@
 """Which normalisation a TPSP call fuses: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm).
 
-Seed: ``get_tpsp_norm_type``.  The fused op ends in a norm, and only two are supported --
+Upstream: vLLM's ``get_tpsp_norm_type``.  The fused op ends in a norm, and only two are supported --
 the ones the kernels implement::
 
     rms:   out = z * rsqrt(mean(z^2) + eps) * weight

@@ -42,6 +42,7 @@ class TPSPOp:
         self.regular_calls = 0
 
     def uses_tpsp(self, num_tokens: int) -> bool:
+        """Will a call with ``num_tokens`` rows of ``x`` run fused?  False without a context."""
         return self.context is not None and self.context.profile.is_active(num_tokens)
 
     def __call__(self, x, w, bias, residual, norm_weight, eps, norm_bias=None, *, out=None, new_residual=None):

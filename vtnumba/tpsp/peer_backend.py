@@ -1,6 +1,6 @@
 """The TPSP lifecycle over peer buffers, shared by the host and the CUDA backends.
 
-Everything the seed's ``CudaTPSPBackend`` checks happens here, once, for both targets:
+Everything vLLM's ``CudaTPSPBackend`` checks happens here, once, for both targets:
 the backend and the handle must be open, a handle must come from this backend, the
 arguments must fit the handle (hidden size, ``max_batched_tokens``, the residual shard's
 shape, the norm, the dtype), and the microchunk must fit the workspace.  What differs per
@@ -35,7 +35,7 @@ from vtnumba.dist import agree_errors, all_ranks_ready, get_group
 from vtnumba.dist.comm import DEFAULT, resolve_timeout
 from vtnumba.tpsp.backend import TPSPBackend
 from vtnumba.tpsp.config import TPSPConfig
-from vtnumba.tpsp.pipeline import ChunkPipeline, ChunkStrategy, TPSPCall
+from vtnumba.tpsp.pipeline import CallLimits, ChunkStrategy, run_fused
 from vtnumba.tpsp.workspace import EXCHANGE_MODES, TPSPWorkspace
 
 _LOG = logging.getLogger("vtnumba.tpsp")
@@ -47,11 +47,18 @@ class PreparedWeights:
     __slots__ = ("weight", "bias", "key")
 
     def __init__(self, weight, bias, key):
-        self.weight, self.bias, self.key = weight, bias, key
+        #: The weight as a float32 C-contiguous array of the target's kind (the module's own array
+        #: where it already is one).
+        self.weight = weight
+        #: The bias, prepared the same way, or None when the module has none.
+        self.bias = bias
+        #: The cache key ``(id(backend), id(weight), id(bias))`` taken at preparation; assigning a new
+        #: array to the module changes it, so the weights are prepared again.
+        self.key = key
 
 
 class TPSPHandle:
-    """What ``open`` returns: one ops group's workspace, queues and config (seed: ``CudaTPSPContext``)."""
+    """What ``open`` returns: one ops group's workspace, queues and config (vLLM: ``CudaTPSPContext``)."""
 
     def __init__(self, backend: "PeerTPSPBackend", name: str, group, hidden_size: int, max_batched_tokens: int,
                  max_chunk_rows: int, workspace: TPSPWorkspace, compute_queue, exchange_queue, config: TPSPConfig):
@@ -69,6 +76,8 @@ class TPSPHandle:
         self.exchange_queue = exchange_queue
         self.config = config
         self.closed = False
+        #: None while usable; after a failed call, what failed and on which rank (every call then
+        #: raises: close the handle and open a new one).
         self.broken: str | None = None
         self.calls = 0
 
@@ -116,6 +125,7 @@ class PeerTPSPBackend(TPSPBackend):
         """A new uninitialised float32 array of ``shape`` in the target's memory."""
 
     def default_config(self, handle) -> TPSPConfig:
+        """The config a new handle starts with: here one chunk as large as a workspace slot (no pipelining)."""
         return TPSPConfig(handle.max_chunk_rows)
 
     def _make_scratch(self, elements: int):
@@ -132,7 +142,7 @@ class PeerTPSPBackend(TPSPBackend):
 
     # ------------------------------------------------------------------ open
     def max_chunk_rows_for(self, tp_size: int, max_batched_tokens: int) -> int:
-        """Rows per rank one workspace slot holds (seed: ``max_chunk_rows``)."""
+        """Rows per rank one workspace slot holds (vLLM: ``max_chunk_rows``)."""
         cap = max_batched_tokens if self.tpsp_max_microchunk_tokens is None else \
             min(max_batched_tokens, self.tpsp_max_microchunk_tokens)
         return cdiv(cap, tp_size)
@@ -188,7 +198,7 @@ class PeerTPSPBackend(TPSPBackend):
         if not is_int(hidden_size) or hidden_size < 1:
             return ValueError(f"hidden_size={hidden_size!r} must be a positive int")
         if hidden_size % tp_size:
-            return ValueError(f"hidden_size={hidden_size} is not divisible by tp_size={tp_size} (the seed's "
+            return ValueError(f"hidden_size={hidden_size} is not divisible by tp_size={tp_size} (vLLM's "
                               "requirement; pick a hidden size that is a multiple of the group size)")
         if not is_int(max_batched_tokens) or max_batched_tokens < 1:
             return ValueError(f"max_batched_tokens={max_batched_tokens!r} must be a positive int")
@@ -234,7 +244,7 @@ class PeerTPSPBackend(TPSPBackend):
     def prepare_weights(self, handle, projection) -> PreparedWeights:
         """``projection.weight``/``.bias`` as float32 contiguous arrays in the target's memory.
 
-        Cached on the module (seed: ``_tpsp_transposed_weight``), keyed by the identity of
+        Cached on the module (vLLM: ``_tpsp_transposed_weight``), keyed by the identity of
         the weight and bias arrays: assigning a new array to ``.weight`` makes the next call
         prepare it again.  (A weight changed *in place* keeps its stale device copy -- assign
         it anew.)  On the host a float32 C-contiguous weight is used as is, without a copy.
@@ -278,15 +288,12 @@ class PeerTPSPBackend(TPSPBackend):
             cfg = self._resolve_config(h, config)
             self._check_array_kind({"x": x, "w": w, "bias": bias, "residual": residual, "norm_weight": norm_weight,
                                     "norm_bias": norm_bias, "out": out, "new_residual": new_residual})
-            call = TPSPCall.validate(x, w, bias, residual, norm_weight, eps, norm_bias, norm, tp=h.tp,
-                                     hidden_size=h.hidden_size, max_tokens=h.max_batched_tokens,
-                                     chunk=cfg.chunk_tokens_per_rank, max_chunk_rows=h.max_chunk_rows,
-                                     sm_limit=cfg.sm_count_target, out=out, new_residual=new_residual,
-                                     empty=self._empty)
-            with trace.span("tpsp_matmul_rs_norm_ag", "tpsp", f"tpsp:{h.group.name}", T=call.shape.T,
-                            K=call.shape.K, H=call.shape.H, chunk=call.chunk):
-                ChunkPipeline(ws, self.data_backend, h.compute_queue, h.exchange_queue, call,
-                              self.chunk_strategy(h)).run()
+            limits = CallLimits(tp=h.tp, hidden_size=h.hidden_size, max_tokens=h.max_batched_tokens,
+                                chunk=cfg.chunk_tokens_per_rank, max_chunk_rows=h.max_chunk_rows,
+                                sm_limit=cfg.sm_count_target, empty=self._empty)
+            out, new_residual = run_fused(ws, self.data_backend, h.compute_queue, h.exchange_queue,
+                                          self.chunk_strategy(h), limits, x, w, bias, residual, norm_weight, eps,
+                                          norm_bias, norm=norm, out=out, new_residual=new_residual)
         except BaseException as exc:
             # Peers may be waiting on this rank (in the handshake, or in queued waits): make
             # them fail now, not after a timeout, and leave no queue blocked on a flag.
@@ -295,7 +302,7 @@ class PeerTPSPBackend(TPSPBackend):
                 ws.flags.fail((h.compute_queue, h.exchange_queue))
             raise
         h.calls += 1
-        return call.out, call.new_residual
+        return out, new_residual
 
     # ------------------------------------------------------------------ close
     def close(self, handle=None) -> None:
@@ -313,7 +320,7 @@ class PeerTPSPBackend(TPSPBackend):
         self._close_handle(handle)
 
     def _close_handle(self, h: TPSPHandle) -> None:
-        """Collective (seed order): finish queued work, barrier, unmap peers, barrier, free.  Idempotent."""
+        """Collective (in vLLM's order): finish queued work, barrier, unmap peers, barrier, free.  Idempotent."""
         if h.closed:
             return
         h.closed = True

@@ -1,6 +1,6 @@
 """The fused op as a chunk pipeline: matmul -> reduce-scatter -> bias + residual + norm -> all-gather.
 
-Seed: ``tpsp_fused_matmul_reduce_scatter_norm_all_gather``.  With ``R = ceil(T / tp)`` rows
+Upstream: vLLM's ``tpsp_fused_matmul_reduce_scatter_norm_all_gather``.  With ``R = ceil(T / tp)`` rows
 per rank and microchunk ``c`` (``n = ceil(R / c)`` chunks), chunk ``i`` covers rows
 ``i*c .. i*c + c - 1`` of *every* rank's shard, so every rank has its share of work in
 every step.  Chunk ``i`` is global chunk ``g`` (chunks are numbered across calls, so no
@@ -62,12 +62,14 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 from vtnumba import trace
-from vtnumba.backend.arrays import cdiv
+from vtnumba.backend.arrays import cdiv, check_array, check_eps
 from vtnumba.backend.polling import WaitTimeout
 from vtnumba.dist.queue_flags import QueueFlagsError
 from vtnumba.kernels import gather_rows, peer_reduce_norm
-from vtnumba.tpsp._args import CallShape, check_call
+from vtnumba.tpsp.norm_type import LAYER, get_tpsp_norm_type
 
 _META_TAG = 0x7B5B
 _NORM_CODES = {"rms": 1, "layer": 2}
@@ -77,42 +79,122 @@ class TPSPShapeMismatch(ValueError):
     """The ranks called the fused op with different arguments (raised on every rank alike)."""
 
 
+# ---------------------------------------------------------------------------- the contract
+@dataclass(frozen=True)
+class CallShape:
+    """The sizes of one call: ``x [T, K]``, ``w [H, K]``, residual shard ``[R, H]`` with ``R = ceil(T / tp)``."""
+
+    T: int     #: token rows of ``x`` (the same on every rank)
+    K: int     #: this rank's slice of the reduction dimension
+    H: int     #: hidden size, the columns of the output and the norm
+    R: int     #: rows of this rank's residual shard, ``ceil(T / tp)``
+    norm: str  #: ``"rms"`` or ``"layer"``
+
+
+def check_tpsp_array(name: str, arr, shape: tuple) -> None:
+    """One TPSP array argument: float32, C-contiguous, ``shape`` (entries None are free)."""
+    if not (hasattr(arr, "shape") and hasattr(arr, "dtype")):
+        raise TypeError(f"{name} must be an array, got {type(arr).__name__}")
+    check_array(name, arr, ndim=len(shape), dtypes=(np.float32,), shape=shape)
+
+
+def check_call(x, w, bias, residual, norm_weight, eps, norm_bias, norm, tp: int, *, hidden_size: int | None = None,
+               max_tokens: int | None = None, out=None, new_residual=None) -> tuple[CallShape, float]:
+    """Validate one call of the fused op or of the regular forward (one contract, one set of messages).
+
+    Looks only at ``shape``/``dtype``/contiguity, so it works on numpy and device arrays alike,
+    and never communicates: every rank checks its own arguments (the pipeline's handshake then
+    compares them across ranks).  Returns the sizes and ``eps`` as a float.
+    """
+    norm = get_tpsp_norm_type(norm)
+    check_tpsp_array("x", x, (None, None))
+    T, K = (int(s) for s in x.shape)
+    if T < 1:
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected at least one token row")
+    if max_tokens is not None and T > max_tokens:
+        raise ValueError(f"x has T={T} token rows, more than max_batched_tokens={max_tokens} this TPSP handle "
+                         "was opened for (its workspace is sized for that)")
+    check_tpsp_array("w", w, (None, K))
+    H = int(w.shape[0])
+    if hidden_size is not None and H != hidden_size:
+        raise ValueError(f"w has shape {tuple(w.shape)}: H={H}, but this TPSP handle was opened for "
+                         f"hidden_size={hidden_size}")
+    R = cdiv(T, tp)
+    if bias is not None:
+        check_tpsp_array("bias", bias, (H,))
+    try:
+        check_tpsp_array("residual", residual, (R, H))
+    except ValueError as exc:
+        raise ValueError(f"{exc} -- the residual is this rank's token shard: R = ceil(T={T} / tp={tp}) = {R} "
+                         "rows (use shard_residual() to cut it from the full [T, H] residual)") from None
+    check_tpsp_array("norm_weight", norm_weight, (H,))
+    eps = check_eps(eps)
+    if norm_bias is not None:
+        if norm != LAYER:
+            raise ValueError(f"norm_bias is given but norm={norm!r}: only LayerNorm has a bias; pass norm='layer' "
+                             "or norm_bias=None")
+        check_tpsp_array("norm_bias", norm_bias, (H,))
+    if out is not None:
+        check_tpsp_array("out", out, (T, H))
+    if new_residual is not None:
+        check_tpsp_array("new_residual", new_residual, (R, H))
+        if out is not None and new_residual is out:
+            raise ValueError("out and new_residual must be different arrays")
+    return CallShape(T, K, H, R, norm), eps
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """What a TPSP handle and its config allow one call (the fixed side of the contract)."""
+
+    tp: int                #: ranks in the group
+    hidden_size: int       #: H the handle was opened for
+    max_tokens: int        #: ``max_batched_tokens``, the token count the workspace is sized for
+    chunk: int             #: microchunk, the rows of every rank's shard per pipeline step
+    max_chunk_rows: int    #: the most rows one exchange slot holds
+    sm_limit: int | None   #: on a GPU, the most rows (= blocks = SMs) one reduce launch may cover
+    empty: object          #: ``empty(shape)`` makes a new float32 array in the target's memory
+
+
 # ---------------------------------------------------------------------------- the call
 @dataclass(frozen=True)
 class TPSPCall:
     """One fused call's arguments, validated once (``out``/``new_residual`` allocated)."""
 
-    x: object
-    w: object
-    bias: object
-    residual: object
-    norm_weight: object
-    eps: float
-    norm_bias: object
-    norm: str
-    out: object
-    new_residual: object
-    shape: CallShape
-    chunk: int            # rows of every rank's shard per step (c <= R)
-    sm_limit: int | None  # GPU: the most rows (= blocks = SMs) one reduce launch may cover
+    x: object              #: ``[T, K]`` this rank's activations
+    w: object              #: ``[H, K]`` this rank's shard of the projection
+    bias: object           #: ``[H]`` or None, added once (after the reduction)
+    residual: object       #: ``[R, H]`` this rank's residual shard
+    norm_weight: object    #: ``[H]``
+    eps: float             #: the norm's epsilon
+    norm_bias: object      #: ``[H]`` or None (LayerNorm only)
+    norm: str              #: ``"rms"`` or ``"layer"``
+    out: object            #: ``[T, H]`` the gathered, normalised rows (every rank)
+    new_residual: object   #: ``[R, H]`` ``reduced + bias + residual`` for this rank's rows
+    shape: CallShape       #: the sizes, checked once
+    chunk: int             #: rows of every rank's shard per step (``c <= R``)
+    sm_limit: int | None   #: on a GPU, the most rows (= blocks = SMs) one reduce launch may cover
 
     @classmethod
-    def validate(cls, x, w, bias, residual, norm_weight, eps, norm_bias, norm, *, tp: int, hidden_size: int,
-                 max_tokens: int, chunk: int, max_chunk_rows: int, sm_limit, out, new_residual, empty):
-        """Check every argument (one contract with the regular forward); ``empty(shape)`` makes outputs."""
-        shape, eps = check_call(x, w, bias, residual, norm_weight, eps, norm_bias, norm, tp,
-                                hidden_size=hidden_size, max_tokens=max_tokens, out=out, new_residual=new_residual)
-        rows = min(chunk, shape.R)  # a chunk beyond the shard is the whole shard
-        if rows > max_chunk_rows:
-            raise ValueError(f"a microchunk of {rows} rows per rank (chunk_tokens_per_rank={chunk}, R={shape.R}) "
-                             f"exceeds the P2P workspace capacity of {max_chunk_rows} rows per rank")
-        out = empty((shape.T, shape.H)) if out is None else out
-        new_residual = empty((shape.R, shape.H)) if new_residual is None else new_residual
+    def validate(cls, limits: CallLimits, x, w, bias, residual, norm_weight, eps, norm_bias, norm, *, out=None,
+                 new_residual=None) -> "TPSPCall":
+        """Check every argument against the contract and the handle's limits; allocate missing outputs."""
+        shape, eps = check_call(x, w, bias, residual, norm_weight, eps, norm_bias, norm, limits.tp,
+                                hidden_size=limits.hidden_size, max_tokens=limits.max_tokens, out=out,
+                                new_residual=new_residual)
+        rows = min(limits.chunk, shape.R)  # a chunk beyond the shard is the whole shard
+        if rows > limits.max_chunk_rows:
+            raise ValueError(f"a microchunk of {rows} rows per rank (chunk_tokens_per_rank={limits.chunk}, "
+                             f"R={shape.R}) exceeds the P2P workspace capacity of {limits.max_chunk_rows} rows "
+                             "per rank")
+        out = limits.empty((shape.T, shape.H)) if out is None else out
+        new_residual = limits.empty((shape.R, shape.H)) if new_residual is None else new_residual
         return cls(x, w, bias, residual, norm_weight, eps, norm_bias, shape.norm, out, new_residual, shape, rows,
-                   sm_limit)
+                   limits.sm_limit)
 
     @property
     def num_chunks(self) -> int:
+        """How many pipeline steps the call takes, ``ceil(R / chunk)``."""
         return cdiv(self.shape.R, self.chunk)
 
     def meta(self) -> tuple[int, ...]:
@@ -138,17 +220,25 @@ class ChunkStrategy:
     signal; :meth:`own_partial` says where the reduce finds this rank's own partial rows.
     """
 
-    #: Most rows one reduce launch may cover (None: all): the GPU's SM budget, see TPSPConfig.
     def reduce_rows_per_launch(self, call: TPSPCall) -> int | None:
+        """The most rows one reduce launch may cover, or None for the whole chunk (this default).
+
+        The GPU strategy returns the SM budget (``TPSPConfig.sm_count_target``, one block per row).
+        """
         return None
 
     def begin(self, pipe: "ChunkPipeline") -> None:
         """Order the compute queue after whatever produced the inputs (GPU); default: nothing."""
 
     def compute(self, pipe: "ChunkPipeline", i: int, s: int) -> None:
+        """Queue chunk ``i``'s partial sums on ``pipe.compute_q`` into the exchange slots of set ``s``.
+
+        Every strategy must implement it; the pipeline has already queued the wait before it.
+        """
         raise NotImplementedError
 
     def own_partial(self, pipe: "ChunkPipeline", s: int, rows: int):
+        """The first ``rows`` of this rank's own partial in slot set ``s``; default: the exchange slot ``(me, me)``."""
         return pipe.partial_slot(pipe.me, pipe.me, s)[:rows]
 
 
@@ -190,6 +280,7 @@ class ChunkPipeline:
 
     # -- the steps ------------------------------------------------------------------------
     def compute(self, i: int) -> None:
+        """Queue the *compute* step of chunk ``i`` on the compute queue (wait, partials, signal ``inbox_ready``)."""
         g = self.base + i
         s = g % 2
         # Slot set s last held chunk g-2: every reducer must be done reading its partial blocks.
@@ -198,6 +289,8 @@ class ChunkPipeline:
         self.flags.signal(self.compute_q, "inbox_ready", g + 1)
 
     def reduce(self, i: int) -> None:
+        """Queue the *reduce* step of chunk ``i`` on the exchange queue: sum the partials, add bias and
+        residual, normalise, publish this rank's rows to the gather slots, signal ``gather_ready``."""
         call, q = self.call, self.exchange_q
         g = self.base + i
         s = g % 2
@@ -224,6 +317,8 @@ class ChunkPipeline:
         self.flags.signal(q, "gather_ready", g + 1)
 
     def collect(self, i: int) -> None:
+        """Queue the *collect* step of chunk ``i`` on the exchange queue: copy every peer's normalised
+        rows into ``out``, then signal ``consumed``."""
         q = self.exchange_q
         g = self.base + i
         s = g % 2
@@ -255,6 +350,11 @@ class ChunkPipeline:
         self.ws.chunks_done += self.n
 
     def run(self) -> None:
+        """The whole call: :meth:`agree`, queue every step in pipeline order, then wait for both queues.
+
+        Returns once the queued work is done on this rank; on any failure (here or a peer's) it
+        releases every queued wait, so no queue is left blocked, and raises.
+        """
         with trace.span("tpsp pipeline", "tpsp", self.track, chunks=self.n):
             self.agree()
             queues = (self.compute_q, self.exchange_q)
@@ -271,11 +371,27 @@ class ChunkPipeline:
             except WaitTimeout as exc:  # an inline (synchronous-queue) wait ran out of time
                 self.flags.fail(queues)
                 raise QueueFlagsError(f"rank {self.me} of group {self.ws.group.name!r}: {exc}; missing flags: "
-                                      f"{self.flags._missing()}") from exc
+                                      f"{self.flags.missing()}") from exc
             except BaseException:
                 self.flags.fail(queues)
                 raise
             self.flags.finish(queues, what="the fused TPSP op")
 
 
-__all__ = ["TPSPCall", "ChunkStrategy", "ChunkPipeline", "TPSPShapeMismatch"]
+def run_fused(ws, backend, compute_q, exchange_q, strategy: ChunkStrategy, limits: CallLimits, x, w, bias, residual,
+              norm_weight, eps, norm_bias=None, *, norm="rms", out=None, new_residual=None):
+    """The fused op on one workspace: validate the call once, run its chunk pipeline, return the outputs.
+
+    ``(out [T, H], new_residual [R, H])``, ready to read: the pipeline ends by waiting for
+    both queues (with a deadline, watching the peers; :meth:`~vtnumba.dist.QueueFlags.finish`).
+    """
+    call = TPSPCall.validate(limits, x, w, bias, residual, norm_weight, eps, norm_bias, norm, out=out,
+                             new_residual=new_residual)
+    with trace.span("tpsp_matmul_rs_norm_ag", "tpsp", f"tpsp:{ws.group.name}", T=call.shape.T, K=call.shape.K,
+                    H=call.shape.H, chunk=call.chunk):
+        ChunkPipeline(ws, backend, compute_q, exchange_q, call, strategy).run()
+    return call.out, call.new_residual
+
+
+__all__ = ["CallShape", "CallLimits", "check_call", "check_tpsp_array", "TPSPCall", "ChunkStrategy", "ChunkPipeline",
+           "TPSPShapeMismatch", "run_fused"]

@@ -1,6 +1,6 @@
 """Deciding when TPSP runs: static profiles, measured chunk/threshold search, and the parity check.
 
-Seed: ``profile_tpsp`` in ``vllm/model_executor/tpsp.py``.  ``backend.profile(ops_groups,
+Upstream: vLLM's ``profile_tpsp`` in ``vllm/model_executor/tpsp.py``.  ``backend.profile(ops_groups,
 max_batched_tokens, ...)`` does, for a list of :class:`~vtnumba.tpsp.config.TPSPOpsGroup`:
 
 1. **open** one handle per group (if any rank cannot, every rank gets ``None``);
@@ -59,10 +59,18 @@ class TPSPDisabledWarning(RuntimeWarning):
 class ProfileReport:
     """What a profile measured (kept on the returned context as ``context.report``)."""
 
-    chunks: dict = field(default_factory=dict)        # group name -> [(chunk, ms), ...]
-    chosen: dict = field(default_factory=dict)        # group name -> TPSPConfig
-    threshold_scan: list = field(default_factory=list)  # [(tokens, regular_ms, fused_ms, lower_saving_ms)]
+    #: The chunk search, per ops group name -- ``[(chunk_tokens_per_rank, ms), ...]`` in the order tried, each
+    #: the second-fastest of a few trials of the slowest rank.  Empty without ``search=True``.
+    chunks: dict = field(default_factory=dict)
+    #: The :class:`~vtnumba.tpsp.config.TPSPConfig` each ops group runs with (given, default or searched).
+    chosen: dict = field(default_factory=dict)
+    #: The threshold scan, from the largest size down -- rows ``(tokens, regular_ms, fused_ms, lower_saving_ms)``;
+    #: times are medians of all groups summed, ``lower_saving_ms`` the lower 95 % bound of regular - fused.
+    threshold_scan: list = field(default_factory=list)
+    #: The largest absolute difference between the fused and the regular outputs in the parity
+    #: check (this rank's); None when the check did not run.
     parity_max_err: float | None = None
+    #: Wall-clock seconds the whole profile took on this rank.
     elapsed_s: float = 0.0
 
 

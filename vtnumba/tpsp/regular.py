@@ -31,12 +31,12 @@ import numpy as np
 from mpi4py import MPI
 
 from vtnumba import trace
-from vtnumba.backend.arrays import array_kind, empty, host_view
+from vtnumba.backend.arrays import array_kind, check_eps, empty, host_view
 from vtnumba.dist import mpi_all_gather, mpi_reduce_scatter
 from vtnumba.dist.comm import DEFAULT, wait_request
 from vtnumba.kernels import fused_add_layer_norm, fused_add_rms_norm, linear
-from vtnumba.tpsp._args import check_array, check_call, check_eps
 from vtnumba.tpsp.norm_type import LAYER, get_tpsp_norm_type
+from vtnumba.tpsp.pipeline import check_call, check_tpsp_array
 
 
 def _empty_like_kind(ref, shape):
@@ -100,18 +100,18 @@ def regular_matmul_ar_norm(group, x, w, bias, residual, norm_weight, eps, norm_b
     ``x @ W.T`` is all-reduced, then every rank adds bias + residual and normalises all rows.
     """
     norm = get_tpsp_norm_type(norm)
-    check_array("x", x, (None, None))
+    check_tpsp_array("x", x, (None, None))
     T, K = (int(s) for s in x.shape)
-    check_array("w", w, (None, K))
+    check_tpsp_array("w", w, (None, K))
     H = int(w.shape[0])
-    check_array("residual", residual, (T, H))
-    check_array("norm_weight", norm_weight, (H,))
+    check_tpsp_array("residual", residual, (T, H))
+    check_tpsp_array("norm_weight", norm_weight, (H,))
     if bias is not None:
-        check_array("bias", bias, (H,))
+        check_tpsp_array("bias", bias, (H,))
     if norm_bias is not None:
         if norm != LAYER:
             raise ValueError(f"norm_bias is given but norm={norm!r}: only LayerNorm has a bias")
-        check_array("norm_bias", norm_bias, (H,))
+        check_tpsp_array("norm_bias", norm_bias, (H,))
     eps = check_eps(eps)
     partial = linear(x, w)
     if group is not None and group.size > 1:

@@ -6,7 +6,7 @@ split into ``tp`` equal blocks of ``R = ceil(T / tp)`` rows, rank ``r`` owns row
 may own only padding when ``T < tp``).  Every rank's shard has the same shape, which is
 what lets the exchange use fixed-size slots.
 
-Seed: ``tpsp_shard_residual``.
+Upstream: vLLM's ``tpsp_shard_residual``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The P2P workspace of one TPSP handle: exchange slots in peer memory, and the flags between ranks.
 
-Seed: the workspace ``init_tpsp_p2p`` allocates (``max_chunk_rows x hidden_size`` per slot).
+Upstream: the workspace vLLM's ``init_tpsp_p2p`` allocates (``max_chunk_rows x hidden_size`` per slot).
 Every rank owns one :class:`~vtnumba.dist.PeerBuffers` buffer that every peer can read and
 write, laid out as two *slot sets* (double buffering: while chunk ``i`` is being exchanged
 in slot ``i % 2``, chunk ``i + 1``'s matmul can already fill the other)::
@@ -14,7 +14,7 @@ in slot ``i % 2``, chunk ``i + 1``'s matmul can already fill the other)::
 
 Who writes a block and who reads it -- the ``exchange`` mode:
 
-* ``"push"`` (the seed's design; the CUDA default): rank ``s``'s matmul writes the rows owned by rank
+* ``"push"`` (vLLM's design; the CUDA default): rank ``s``'s matmul writes the rows owned by rank
   ``d`` into ``d``'s ``xfer[.][s]`` (*inbox* slot, indexed by source) and ``d`` reduces its
   own memory; after the norm, ``d`` writes its rows into every rank's ``gather[.][d]``.
   Remote *writes*: what a GPU epilogue does well over NVLink.
@@ -132,6 +132,7 @@ class TPSPWorkspace:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` has released the peer memory; the views must not be used after that."""
         return self.pb.closed
 
     def close(self) -> None:
