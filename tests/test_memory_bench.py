@@ -20,6 +20,8 @@ def test_quick_run_follows_the_schema():
     assert impls == {"uncached (backend.alloc+free)", "allocator miss (empty_cache each time)",
                      "cached (CachingAllocator hit)"}
     assert all(r["value"] > 0 and r["metric"] == "us/op" for r in res["results"])
+    # Each row carries the p10/p90 of its metric, which the tables and the plots' error bars show.
+    assert all(r["value_p10"] <= r["value"] <= r["value_p90"] for r in res["results"])
 
 
 def test_bad_sizes():

@@ -4,8 +4,20 @@ Each suite module (``vtnumba.bench.<name>``) exposes ``run(args) -> dict`` in th
 of :mod:`vtnumba.bench.schema`, measuring vtnumba against a stock baseline *in the same
 run*.  Suites that exchange data between ranks (peer, tpsp, model) run on every rank of
 ``mpiexec``; single-process suites (kernels, memory, ec) run on rank 0 while the others
-wait.  Rank 0 prints a table, writes ``--json`` and draws ``--plot`` figures in the style
-of Triton's ``perf_report``: the metric against size, one line per implementation.
+wait.  Rank 0 alone speaks: it prints a table per suite, writes ``--json`` and draws
+``--plot`` figures in the style of Triton's ``perf_report``: the metric against size, one
+line per implementation, the median with p10/p90 bars.
+
+Output that explains itself:
+
+* before a suite, one line with its name and an estimate of how long it takes (the
+  suite's own ``estimate_s(args, ranks)`` if it has one, and the last run of the same
+  suite on this machine, remembered in ``out/bench-durations.json``);
+* during it, a line for every step (size) that runs longer than ~2 s
+  (:func:`vtnumba.bench.timing.progress_step`);
+* generated files go under ``out/`` (ignored by git) unless a path is given:
+  ``--json`` alone writes ``out/bench-<suite>.json``, ``--plot`` alone ``out/plots/``, and
+  ``bench all`` writes both even when not asked.
 """
 
 from __future__ import annotations
@@ -14,10 +26,20 @@ import importlib
 import json
 import os
 import platform
+import re
 import sys
 import time
 
-from vtnumba.bench.schema import validate_all, validate_suite
+from vtnumba.bench.schema import (
+    axis_label,
+    format_number,
+    format_relative,
+    format_size,
+    metric_kind,
+    validate_all,
+    validate_suite,
+    value_bounds,
+)
 
 MULTI_RANK = {"peer", "tpsp", "model"}
 ORDER = ("kernels", "memory", "ec", "peer", "tpsp", "model")
@@ -32,12 +54,33 @@ BENCH_HELP = {
     "all": "every suite above, one JSON document",
 }
 
+#: Where generated files go when no path is given: ``$VTNUMBA_OUT_DIR``, else ``out/`` (in
+#: .gitignore).  The docs build points it into its build folder.
+OUT_DIR = os.environ.get("VTNUMBA_OUT_DIR") or "out"
+#: What ``--json`` / ``--plot`` hold when given without a path: "use the default under out/".
+AUTO = "<out>"
+#: A step running longer than this prints its progress line ("~2 s": long enough to wonder).
+PROGRESS_DELAY_S = 2.0
+#: A row whose p10 and p90 lie further apart than this fraction of its median is marked noisy.
+NOISY = 0.5
+
+
+def default_json_path(suite: str) -> str:
+    """Where ``--json`` without a path writes: ``out/bench-<suite>.json``."""
+    return os.path.join(OUT_DIR, f"bench-{suite}.json")
+
+
+def default_plot_dir() -> str:
+    """Where ``--plot`` without a directory draws: ``out/plots``."""
+    return os.path.join(OUT_DIR, "plots")
+
 
 def add_common_arguments(p) -> None:
     """The flags every suite takes (``--json``, ``--plot``, ``--quick``)."""
-    p.add_argument("--json", metavar="PATH", nargs="?", const="-", default=None,
-                   help="write the results as JSON to PATH (or stdout with no PATH)")
-    p.add_argument("--plot", metavar="DIR", default=None, help="write perf_report-style PNG plots into DIR")
+    p.add_argument("--json", metavar="PATH", nargs="?", const=AUTO, default=None,
+                   help=f"write the results as JSON to PATH ('-' for stdout; no PATH: {OUT_DIR}/bench-SUITE.json)")
+    p.add_argument("--plot", metavar="DIR", nargs="?", const=AUTO, default=None,
+                   help=f"write perf_report-style PNG plots into DIR (no DIR: {default_plot_dir()}/)")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds, not minutes)")
 
 
@@ -48,6 +91,23 @@ def add_suite_arguments(name: str, p) -> None:
     add = getattr(importlib.import_module(f"vtnumba.bench.{name}"), "add_arguments", None)
     if add is not None:
         add(p)
+
+
+def resolve_outputs(args) -> tuple[str | None, str | None]:
+    """Where ``--json`` and ``--plot`` write: the given path, the default under ``out/``, or None.
+
+    ``bench all`` saves both by default: a run of minutes should not be lost because a flag
+    was forgotten.  ``--json -`` still prints the JSON to stdout."""
+    suite = getattr(args, "suite", None) or "results"
+    json_path, plot_dir = getattr(args, "json", None), getattr(args, "plot", None)
+    if suite == "all":
+        json_path = AUTO if json_path is None else json_path
+        plot_dir = AUTO if plot_dir is None else plot_dir
+    if json_path == AUTO:
+        json_path = default_json_path(suite)
+    if plot_dir == AUTO:
+        plot_dir = default_plot_dir()
+    return json_path, plot_dir
 
 
 def machine_description(stack: dict | None = None) -> dict:
@@ -66,10 +126,91 @@ def machine_description(stack: dict | None = None) -> dict:
     return info
 
 
-def _progress(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+#: Where status and progress lines go: stdout, in order with the tables (under mpiexec, stdout
+#: and stderr reach the terminal through separate pipes and overtake each other), or stderr
+#: when stdout carries the JSON document (``--json -``).
+_status_to_stderr = False
 
 
+def status_stream():
+    """The stream status and progress lines go to (see ``_status_to_stderr``)."""
+    return sys.stderr if _status_to_stderr else sys.stdout
+
+
+def say(msg: str) -> None:
+    """One status line, flushed at once; rank 0 calls it."""
+    sys.stdout.flush()  # a table printed just before must not land after this line
+    print(msg, file=status_stream(), flush=True)
+
+
+def format_duration(seconds: float) -> str:
+    """``0.4 s``, ``12 s``, ``4 min 6 s``."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    minutes, s = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {s} s"
+
+
+# ---------------------------------------------------------------------------- estimates
+def durations_path() -> str:
+    """Where the runner remembers how long each suite took on this machine: beside its other
+    generated files (``out/``, ignored by git), never in the user's home."""
+    return os.path.join(OUT_DIR, "bench-durations.json")
+
+
+def _duration_key(name: str, quick: bool, target: str, ranks: int) -> str:
+    return f"{name} {'quick' if quick else 'full'} {target} {ranks} rank(s)"
+
+
+def load_durations() -> dict:
+    """The remembered suite durations (``{key: seconds}``); empty when there are none yet."""
+    try:
+        with open(durations_path()) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def remember_duration(key: str, seconds: float) -> None:
+    """Record a suite's wall time for the next run's estimate (best effort: a read-only home is fine)."""
+    path = durations_path()
+    data = load_durations()
+    data[key] = round(float(seconds), 2)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def estimate_line(module, sargs, ranks: int, key: str) -> str:
+    """What the runner says before a suite: its own estimate and/or the last run here."""
+    parts = []
+    estimate = getattr(module, "estimate_s", None)
+    if estimate is not None:
+        try:
+            got = estimate(sargs, ranks)
+        except Exception as exc:  # noqa: BLE001 - an estimate must never stop a benchmark
+            got = None
+            parts.append(f"no estimate ({type(exc).__name__}: {exc})")
+        if got is not None:
+            seconds, basis = got
+            parts.append(f"estimate {format_duration(seconds)} ({basis})")
+    last = load_durations().get(key)
+    if last is not None:
+        parts.append(f"last run here took {format_duration(last)}")
+    if not parts:
+        parts.append("no estimate yet (first run of this suite on this machine)")
+    return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------- running
 def suite_args(name: str, args):
     """The namespace a suite's ``run`` gets: its own flags' defaults under the common flags.
 
@@ -86,20 +227,37 @@ def suite_args(name: str, args):
     return ns
 
 
-def run_suite(name: str, args, comm) -> dict | None:
+def run_suite(name: str, args, comm, *, target: str | None = None) -> dict | None:
     """Run one suite on the ranks it needs; returns the result on rank 0 (None elsewhere)."""
+    from vtnumba.bench.timing import Progress, set_progress
+
     rank, size = comm.Get_rank(), comm.Get_size()
     if name in MULTI_RANK and size < 2:
         if rank == 0:
-            _progress(f"{name}: skipped (needs mpiexec -n 2 or more)")
+            say(f"bench {name}: skipped (needs mpiexec -n 2 or more)")
         return None
     module = importlib.import_module(f"vtnumba.bench.{name}")
+    sargs = suite_args(name, args)
+    ranks = size if name in MULTI_RANK else 1
+    if target is None:
+        from vtnumba.target import current_target
+
+        target = current_target().name
+    key = _duration_key(name, bool(args.quick), target, ranks)
     if rank == 0:
-        _progress(f"{name}: running{' (quick)' if args.quick else ''} ...")
+        how = f"{'quick' if args.quick else 'full sizes'}, {ranks} rank{'s' if ranks > 1 else ''}"
+        say(f"bench {name}: running ({how}); {estimate_line(module, sargs, ranks, key)}")
+    # Rank 0's progress lines for steps longer than ~2 s; the other ranks run the same steps silently.
+    progress = Progress(name, enabled=rank == 0, stream=status_stream(), delay_s=PROGRESS_DELAY_S)
+    previous = set_progress(progress)
     t0 = time.perf_counter()
     result = None
-    if name in MULTI_RANK or rank == 0:
-        result = module.run(suite_args(name, args))
+    try:
+        if name in MULTI_RANK or rank == 0:
+            result = module.run(sargs)
+    finally:
+        progress.close()
+        set_progress(previous)
     # A sleeping barrier: ranks idle during a single-process suite must not spin on a core
     # the measured code needs (a plain MPI Barrier busy-polls).
     from vtnumba.dist.comm import wait_request
@@ -107,26 +265,213 @@ def run_suite(name: str, args, comm) -> dict | None:
     wait_request(comm.Ibarrier(), None, f"the barrier after bench {name}", 3600.0)
     if rank == 0 and result is not None:
         validate_suite(result)
-        _progress(f"{name}: done in {time.perf_counter() - t0:.1f} s")
+        took = time.perf_counter() - t0
+        remember_duration(key, took)
+        say(f"bench {name}: done in {format_duration(took)}")
     return result if rank == 0 else None
 
 
+# ---------------------------------------------------------------------------- tables
+#: The table's columns, and which are numbers (right-aligned so their digits line up).
+COLUMNS = ("case", "impl", "size", "median", "metric", "p10", "p90", "")
+NUMERIC = {"median", "p10", "p90"}
+
+
+def _table(lines: list[tuple]) -> list[str]:
+    """Columns as wide as their widest cell."""
+    widths = [max(len(str(c)) for c in col) for col in zip(COLUMNS, *lines)]
+    out = []
+    for cells in (COLUMNS, *lines):
+        text = [str(c).rjust(w) if name in NUMERIC else str(c).ljust(w)
+                for name, c, w in zip(COLUMNS, cells, widths)]
+        out.append("  " + "  ".join(text).rstrip())
+    return out
+
+
+def _row_cells(r: dict) -> tuple[tuple, bool]:
+    """A result row's cells: p10/p90 relative to the median, and whether the row is noisy."""
+    lo, hi = value_bounds(r)
+    v = r["value"]
+    noisy = v != 0 and (hi - lo) / abs(v) > NOISY
+    size = format_size(r["size"], r["size_unit"], r.get("shape"))
+    if lo == hi == v and metric_kind(r["metric"]) == "count":
+        p10 = p90 = ""  # a count, not a timing: nothing varies
+    else:
+        p10, p90 = format_relative(lo, v), format_relative(hi, v)
+    return (r["case"], r["impl"], size, format_number(v), r["metric"], p10, p90, "noisy" if noisy else ""), noisy
+
+
+def _paired_cells(r: dict) -> tuple[tuple, bool]:
+    """A paired row's cells: p10/p90 in the row's own unit (a difference near zero has no useful
+    percentage), and whether its range includes "no difference" (0, or 1 for a ratio)."""
+    lo, hi = value_bounds(r)
+    neutral = 1.0 if metric_family(r["metric"]) == "ratio" else 0.0
+    unclear = lo <= neutral <= hi
+    size = format_size(r["size"], r["size_unit"], r.get("shape"))
+    return (r["case"], r["impl"], size, format_number(r["value"]), r["metric"], format_number(lo),
+            format_number(hi), "within noise" if unclear else ""), unclear
+
+
 def print_suite(res: dict) -> None:
-    print(f"\n== {res['suite']} (target {res['target']}, {res['ranks']} rank(s))")
-    print(f"  {'case':<26} {'impl':<24} {'size':>12} {'value':>12} {'metric':<9} {'spread':>7}")
+    """The suite as tables people can read: sizes as ``4 KiB`` / ``8 Ki × 4 Ki``, spreads as p10/p90
+    relative to the median (a long upper tail shows as ``-2% +40%``, not as one "42%")."""
+    ranks = res["ranks"]
+    print(f"\n== {res['suite']} (target {res['target']}, {ranks} rank{'s' if ranks > 1 else ''})")
+    cells, noisy = [], 0
     for r in res["results"]:
-        spread = (r["p90_s"] - r["p10_s"]) / r["median_s"] if r["median_s"] else 0.0
-        size = f"{r['size']:g} {r['size_unit']}"
-        print(f"  {r['case']:<26} {r['impl']:<24} {size:>12} {r['value']:>12.4g} {r['metric']:<9} {spread:>6.0%}")
+        c, n = _row_cells(r)
+        cells.append(c)
+        noisy += n
+    for line in _table(cells):
+        print(line)
+    print("  p10/p90: the 10th and 90th percentile, relative to the median"
+          + (f"; {noisy} row(s) noisy (p10..p90 wider than {NOISY:.0%} of the median)" if noisy else ""))
+    paired = res.get("paired") or []
+    if paired:
+        print("  compared round by round: the median, p10 and p90 of per-round differences or ratios")
+        pcells, unclear = [], 0
+        for r in paired:
+            c, n = _paired_cells(r)
+            pcells.append(c)
+            unclear += n
+        for line in _table(pcells):
+            print(line)
+        if unclear:
+            print(f"  within noise: {unclear} row(s) whose p10..p90 includes 0 (a difference) or 1 (a ratio): "
+                  "the rounds disagree on which side is faster")
     for k, v in res["baselines"].items():
         print(f"  baseline  {k}: {v:.4g}")
     for k, v in res["ratios"].items():
         print(f"  ratio     {k}: {v:.3f}")
     for n in res["notes"]:
         print(f"  note      {n}")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------- plots
+#: Words that mark an implementation as a baseline: drawn dashed, so vtnumba's lines stand out.
+BASELINE_WORDS = ("numpy", "mpi4py", "mpi-baseline", "memcpy", "matmul-only", "cublas", "uncached",
+                  "sentence-transformers", "copy")
+
+
+def _slug(text: str) -> str:
+    text = text.lower().replace("/", " per ").replace("=", " ")
+    return re.sub(r"[^a-z0-9]+", "_", text).strip("_") or "value"
+
+
+def metric_family(metric: str) -> str:
+    """Metrics that share an axis: ``GB/s (traffic)`` and ``GB/s`` are both ``GB/s``."""
+    return re.sub(r"\s*\(.*\)\s*$", "", metric).strip() or metric
+
+
+def plot_families(res: dict) -> dict:
+    """``{(metric family, size unit): {group: [row, ...]}}`` over the results and the paired rows.
+
+    One figure per family (the metric and the x axis it shares), one panel per group (the
+    row's ``group``, else its ``case``), one line per implementation across sizes."""
+    families: dict = {}
+    for r in list(res["results"]) + list(res.get("paired") or []):
+        key = (metric_family(r["metric"]), r["size_unit"])
+        families.setdefault(key, {}).setdefault(r.get("group", r["case"]), []).append(r)
+    return families
+
+
+def _style(impl: str, colors: dict, cmap) -> dict:
+    """One colour per implementation in a figure; dashed when it is a baseline.  For a paired
+    row (``a - b``, ``a / b``) what counts is ``a``, the implementation being compared."""
+    if impl not in colors:
+        colors[impl] = cmap(len(colors) % cmap.N)
+    first = re.split(r" [-/] ", impl)[0].lower()
+    dashed = any(w in first for w in BASELINE_WORDS)
+    return {"color": colors[impl], "linestyle": "--" if dashed else "-"}
+
+
+def figure_title(family: str, groups: dict) -> str:
+    """What the figure's y values are: ``time (ms)``, ``throughput (GB/s)``, ``ratio``."""
+    kinds = {metric_kind(r["metric"]) for rows in groups.values() for r in rows}
+    if family == "ratio":
+        return "ratio (below 1: the first is faster)"
+    if kinds == {"time"}:
+        return f"time ({family}), lower is better"
+    if kinds == {"rate"}:
+        return f"throughput ({family}), higher is better"
+    return family
+
+
+def _readable_log_axis(axis) -> None:
+    """Log-scale ticks at 1, 2, 5 x 10^k written as plain numbers (``200``, not ``2 x 10^2``)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _draw_lines(ax, rows, unit, colors, cmap) -> None:
+    """Line panel: x = size (log 2), one line per impl, median with p10/p90 error bars."""
+    from matplotlib.ticker import NullFormatter, NullLocator
+
+    xs = sorted({float(r["size"]) for r in rows})
+    markers = "osD^vP*Xh<>"
+    values = []
+    for i, impl in enumerate(dict.fromkeys(r["impl"] for r in rows)):
+        pts = sorted((float(r["size"]), r["value"], *value_bounds(r)) for r in rows if r["impl"] == impl)
+        x = [p[0] for p in pts]
+        y = [p[1] for p in pts]
+        err = [[max(p[1] - p[2], 0.0) for p in pts], [max(p[3] - p[1], 0.0) for p in pts]]
+        values += [p[2] for p in pts] + [p[3] for p in pts]
+        ax.errorbar(x, y, yerr=err, marker=markers[i % len(markers)], markersize=5, capsize=3, linewidth=1.6,
+                    label=impl, **_style(impl, colors, cmap))
+    if min(xs) > 0 and max(xs) / min(xs) >= 4:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([format_size(x, unit, with_unit=False) for x in xs], rotation=30 if len(xs) > 6 else 0)
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel(axis_label(unit))
+    positive = [v for v in values if v > 0]
+    if positive and len(positive) == len(values) and max(positive) / min(positive) > 30:
+        ax.set_yscale("log")
+        _readable_log_axis(ax.yaxis)
+    elif positive and len(positive) == len(values):
+        ax.set_ylim(bottom=0)  # a linear axis from zero: heights compare as the values do
+
+
+def _draw_bars(ax, rows, colors, cmap) -> None:
+    """Bar panel, for a group measured at one size only: one bar per impl with p10/p90 whiskers."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    by_impl = {r["impl"]: r for r in rows}
+    ys = list(range(len(impls)))[::-1]
+    values = []
+    for y, impl in zip(ys, impls):
+        r = by_impl[impl]
+        lo, hi = value_bounds(r)
+        values += [lo, hi]
+        style = _style(impl, colors, cmap)
+        ax.barh(y, r["value"], height=0.6, xerr=[[max(r["value"] - lo, 0.0)], [max(hi - r["value"], 0.0)]],
+                capsize=3, color=style["color"], alpha=0.85, hatch="//" if style["linestyle"] == "--" else None,
+                edgecolor="black", linewidth=0.5)
+        # The number just past the whisker, where it cannot hide behind it.
+        ax.annotate(f"{r['value']:.3g}", (max(hi, r["value"]), y), xytext=(4, 0), textcoords="offset points",
+                    va="center", fontsize=8)
+    ax.set_yticks(ys)
+    ax.set_yticklabels(impls, fontsize=8)
+    ax.set_ylim(-0.6, len(impls) - 0.4)
+    ax.margins(x=0.12)
+    positive = [v for v in values if v > 0]
+    if positive and len(positive) == len(values) and max(positive) / min(positive) > 30:
+        ax.set_xscale("log")
+        _readable_log_axis(ax.xaxis)
 
 
 def plot_suite(res: dict, out_dir: str) -> list[str]:
+    """Draw ``res`` into ``out_dir``: one PNG per metric family, ``bench_<suite>_<metric>_vs_<unit>.png``.
+
+    Each panel is one group of rows.  A group measured at several sizes is a line per
+    implementation (x: size, human-readable ticks; y: the median; bars: p10..p90); a group
+    measured at one size only is a bar per implementation.  Baselines are dashed (hatched).
+    A panel whose values cross zero (a paired difference) gets a line at 0, a ratio panel
+    one at 1.  Returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,53 +479,109 @@ def plot_suite(res: dict, out_dir: str) -> list[str]:
 
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    cases: dict[str, list[dict]] = {}
-    for r in res["results"]:
-        cases.setdefault(r["case"], []).append(r)
-    for case, rows in cases.items():
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for impl in dict.fromkeys(r["impl"] for r in rows):
-            pts = sorted((r["size"], r["value"]) for r in rows if r["impl"] == impl)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(f"size ({rows[0]['size_unit']})")
-        ax.set_ylabel(rows[0]["metric"])
-        ax.set_title(f"{res['suite']}: {case} [{res['target']}, {res['ranks']} rank(s)]")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in case)
-        path = os.path.join(out_dir, f"bench_{res['suite']}_{safe}.png")
+    cmap = plt.get_cmap("tab10")
+    ranks = res["ranks"]
+    for (family, unit), groups in plot_families(res).items():
+        n = len(groups)
+        ncols = 1 if n == 1 else 2
+        nrows = (n + ncols - 1) // ncols
+        singles = [len({float(r["size"]) for r in rows}) == 1 for rows in groups.values()]
+        bars = max(len({r["impl"] for r in rows}) for rows in groups.values())
+        # Bar panels need height for their bars only; line panels need room for the curves.
+        panel_h = 0.45 * bars + 1.5 if all(singles) else 4.6
+        fig, axes = plt.subplots(nrows, ncols, figsize=(6.8 * ncols, panel_h * nrows + 0.8), squeeze=False,
+                                 layout="constrained")
+        colors: dict = {}
+        samples = set()
+        for ax, (group, rows) in zip(axes.flat, groups.items()):
+            metrics = list(dict.fromkeys(r["metric"] for r in rows))
+            samples.update(r["samples"] for r in rows)
+            single = len({float(r["size"]) for r in rows}) == 1
+            if single:
+                _draw_bars(ax, rows, colors, cmap)
+                ax.set_xlabel(", ".join(metrics))
+                ax.set_title(f"{group} — {format_size(rows[0]['size'], unit, rows[0].get('shape'))}", fontsize=10)
+            else:
+                _draw_lines(ax, rows, unit, colors, cmap)
+                ax.set_ylabel(", ".join(metrics))
+                ax.set_title(group, fontsize=10)
+                lows = [value_bounds(r)[0] for r in rows]
+                if family == "ratio":
+                    ax.axhline(1.0, color="black", linewidth=0.9, linestyle=":", label="1 = equal time")
+                elif min(lows) < 0:
+                    ax.axhline(0.0, color="black", linewidth=0.9, linestyle=":", label="0 = no difference")
+                ax.legend(fontsize=7, loc="best", framealpha=0.85)
+            ax.grid(True, alpha=0.3, which="major")
+        for ax in list(axes.flat)[n:]:
+            ax.set_visible(False)
+        counts = f"{min(samples)}" if len(samples) == 1 else f"{min(samples)}-{max(samples)}"
+        timed = any(metric_kind(r["metric"]) != "count" for rows in groups.values() for r in rows)
+        how = (f"points: median of {counts} sample{'' if counts == '1' else 's'}; bars: 10th to 90th percentile"
+               if timed else "counts, not timings")
+        fig.suptitle(f"bench {res['suite']}: {figure_title(family, groups)}   "
+                     f"[{res['target']}, {ranks} rank{'s' if ranks > 1 else ''}]\n{how}", fontsize=11)
+        path = os.path.join(out_dir, f"bench_{res['suite']}_{_slug(family)}_vs_{_slug(unit)}.png")
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
     return paths
 
 
+# ---------------------------------------------------------------------------- the command
 def run_bench(args, stack: dict | None = None) -> int:
     """Run ``args.suite`` (or all); ``stack`` describes the software and target for the JSON document."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    target = (stack or {}).get("target")
+    if not isinstance(target, str):
+        from vtnumba.target import current_target
+
+        target = current_target().name
     names = ORDER if args.suite == "all" else (args.suite,)
-    suites = []
+    json_path, plot_dir = resolve_outputs(args)
+    global _status_to_stderr
+    _status_to_stderr = json_path == "-"
+    t0 = time.perf_counter()
+    if rank == 0 and args.suite == "all":
+        if args.quick:
+            say(f"bench all: {len(names)} suites at quick sizes")
+        else:
+            say(f"bench all: {len(names)} suites at full sizes, which takes minutes; "
+                "add --quick for small sizes and a few repeats (seconds)")
+        if comm.Get_size() < 2:
+            say("bench all: one rank, so peer, tpsp and model are skipped; run under mpiexec -n 2 for them")
+    suites, took = [], {}
     for name in names:
-        res = run_suite(name, args, comm)
+        t_suite = time.perf_counter()
+        res = run_suite(name, args, comm, target=target)
+        took[name] = time.perf_counter() - t_suite
         if res is not None:
             suites.append(res)
-            if comm.Get_rank() == 0 and args.json != "-":
+            if rank == 0 and json_path != "-":
                 print_suite(res)
-    if comm.Get_rank() != 0:
+    if rank != 0:
         return 0
     doc = {"machine": machine_description(stack), "suites": suites}
     validate_all(doc)
-    if args.json == "-":
+    written = []
+    if json_path == "-":
         print(json.dumps(doc, indent=2))
-    elif args.json:
-        with open(args.json, "w") as f:
+    elif json_path:
+        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+        with open(json_path, "w") as f:
             json.dump(doc, f, indent=2)
-        print(f"\nwrote {args.json}")
-    if args.plot:
-        paths = [p for s in suites for p in plot_suite(s, args.plot)]
-        print(f"wrote {len(paths)} plot(s) into {args.plot}")
+        written.append(json_path)
+    if plot_dir:
+        paths = [p for s in suites for p in plot_suite(s, plot_dir)]
+        written.append(f"{len(paths)} plot(s) in {plot_dir}/")
+    if written:
+        say(f"wrote {', '.join(written)}")
+    if args.suite == "all":
+        each = ", ".join(f"{n} {format_duration(t)}" for n, t in took.items())
+        say(f"bench all: done in {format_duration(time.perf_counter() - t0)} ({each})")
+        if not args.quick:
+            say("bench all: for a first look, 'mpiexec -n 2 python -m vtnumba bench all --quick' runs the same "
+                "suites at small sizes in seconds")
     return 0

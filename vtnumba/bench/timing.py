@@ -5,22 +5,40 @@ queue is timed with events recorded on that queue (:func:`time_on_queue`): the G
 them when it reaches them, so the figure is device time, without the host's launch and
 synchronisation overheads.  :func:`device_copy_rate` measures the ceiling that memory-bound
 kernels are compared with: a large, warmed-up device copy.
+
+Two implementations compared on a busy machine: time them in the *same rounds*
+(:func:`time_rounds_on_group`) and compare round by round (:func:`paired_differences`,
+:func:`paired_ratios`).  A neighbour that slows one round slows both calls of that round,
+and the per-round difference cancels it; the difference of two separately taken medians
+does not, and can even come out negative when the smaller part is the quieter one.
+
+Long benchmarks say what they are doing: :func:`progress_step` names the step a suite
+is in, and :class:`Progress` prints it (on rank 0 only) once the step has taken longer
+than a couple of seconds.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, TextIO
 
 import numpy as np
 
 
 @dataclass
 class Stats:
+    """The distribution of single-call times: median and 10th/90th percentiles, in seconds."""
+
+    #: The median time of one call (seconds): the figure a row reports.
     median_s: float
+    #: The 10th percentile (seconds): 10% of the calls were faster.
     p10_s: float
+    #: The 90th percentile (seconds): 10% of the calls were slower.
     p90_s: float
+    #: How many calls were timed.
     samples: int
 
     @property
@@ -28,7 +46,20 @@ class Stats:
         """Relative spread (p90 - p10) / median: how much to trust the median."""
         return (self.p90_s - self.p10_s) / self.median_s if self.median_s > 0 else 0.0
 
+    @property
+    def below(self) -> float:
+        """How far the 10th percentile lies below the median, relative to it (0.05 = 5%)."""
+        return (self.median_s - self.p10_s) / self.median_s if self.median_s > 0 else 0.0
+
+    @property
+    def above(self) -> float:
+        """How far the 90th percentile lies above the median, relative to it.  Timings have a
+        long upper tail (a preempted call takes twice as long, none takes half), so this side
+        is usually the larger one; the two are reported separately rather than summed."""
+        return (self.p90_s - self.median_s) / self.median_s if self.median_s > 0 else 0.0
+
     def as_dict(self) -> dict:
+        """The fields and the spread as a plain dict (for JSON)."""
         d = asdict(self)
         d["spread"] = self.spread
         return d
@@ -58,19 +89,33 @@ def stats_from_times(times) -> Stats:
     return Stats(float(np.median(arr)), float(np.percentile(arr, 10)), float(np.percentile(arr, 90)), len(arr))
 
 
-def time_rounds_on_group(group, impls: dict, repeat: int, warmup: int = 1) -> dict[str, list[float]]:
+def time_rounds_on_group(group, impls: dict, repeat: int, warmup: int = 1,
+                         orders: list[list[str]] | None = None) -> dict[str, list[float]]:
     """Time several implementations of one collective fairly: every round calls each impl
     once, in a rotating order (so none always runs on a warmer cache), each call starting
     at a barrier; a call's time is the *slowest rank's* (a collective is as slow as its
-    slowest member).  Returns impl name -> list of seconds, ``repeat`` per impl."""
+    slowest member).  Returns impl name -> list of seconds, ``repeat`` per impl, where
+    element ``i`` of every list comes from the same round ``i`` (what
+    :func:`paired_differences` relies on).
+
+    ``orders`` replaces the rotation: round ``r`` calls the impls in ``orders[r % len(orders)]``.
+    A benchmark that subtracts two impls passes orders that keep those two adjacent.
+    """
     from mpi4py import MPI
 
     from vtnumba.dist import barrier
 
     names = list(impls)
+    if orders is not None:
+        for order in orders:
+            if sorted(order) != sorted(names):
+                raise ValueError(f"orders: {order} must name each of {names} exactly once")
     times = {k: [] for k in names}
     for rnd in range(warmup + repeat):
-        order = names[rnd % len(names):] + names[:rnd % len(names)]
+        if orders is None:
+            order = names[rnd % len(names):] + names[:rnd % len(names)]
+        else:
+            order = orders[rnd % len(orders)]
         local = np.zeros(len(names))
         for k in order:
             barrier(group)
@@ -83,6 +128,55 @@ def time_rounds_on_group(group, impls: dict, repeat: int, warmup: int = 1) -> di
             for i, k in enumerate(names):
                 times[k].append(float(worst[i]))
     return times
+
+
+@dataclass
+class PairedStats:
+    """The distribution of a per-round comparison of two implementations (a - b, or a / b).
+
+    ``median``, ``p10`` and ``p90`` are in the comparison's own unit (seconds for a
+    difference, a plain number for a ratio); ``samples`` is the number of rounds.
+    """
+
+    #: The median over rounds of the per-round comparison.
+    median: float
+    #: Its 10th percentile.
+    p10: float
+    #: Its 90th percentile.
+    p90: float
+    #: The number of rounds compared.
+    samples: int
+
+    def contains(self, value: float) -> bool:
+        """True if ``value`` lies between p10 and p90: the rounds do not agree on which side
+        of ``value`` the comparison falls (0 for a difference, 1 for a ratio)."""
+        return self.p10 <= value <= self.p90
+
+
+def _paired(a, b, op) -> PairedStats:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+        raise ValueError(f"paired samples need two equally long, non-empty lists (got {a.shape} and {b.shape})")
+    d = op(a, b)
+    return PairedStats(float(np.median(d)), float(np.percentile(d, 10)), float(np.percentile(d, 90)), int(d.size))
+
+
+def paired_differences(a, b) -> PairedStats:
+    """Median and p10/p90 of ``a[i] - b[i]``, where ``a[i]`` and ``b[i]`` were timed in the same round.
+
+    Why not ``median(a) - median(b)``: each median has its own noise, and when ``b`` is the
+    larger and noisier part (a matmul under a small overhead), its noise can exceed the
+    overhead and the subtraction comes out negative.  Within one round both calls see the
+    same machine, so most of that noise cancels in the difference.  Nothing is clamped:
+    a negative median difference is reported as it is, and :meth:`PairedStats.contains`
+    says whether zero lies inside the p10..p90 range, i.e. whether the sign is just noise.
+    """
+    return _paired(a, b, np.subtract)
+
+
+def paired_ratios(a, b) -> PairedStats:
+    """Median and p10/p90 of ``a[i] / b[i]`` over rounds (see :func:`paired_differences`)."""
+    return _paired(a, b, np.divide)
 
 
 def memcpy_bandwidth_gbs(nbytes: int = 64 << 20, repeat: int = 10) -> float:
@@ -132,10 +226,15 @@ def time_on_queue(backend, q, fn: Callable[[], object], *, repeat: int = 10, inn
 class CopyRate:
     """How fast one device copy ran: ``nbytes`` per copy, ``stats`` the per-copy times."""
 
-    direction: str  # "d2d", "d2h" or "h2d"
+    #: ``"d2d"``, ``"d2h"`` or ``"h2d"``.
+    direction: str
+    #: Bytes moved by one copy.
     nbytes: int
+    #: The per-copy times.
     stats: Stats
-    impl: str  # what did the copy, for result rows
+    #: What did the copy (the driver call), for result rows.
+    impl: str
+    #: Anything the reader should know (a shrunk size, the simulator).
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -247,3 +346,130 @@ def device_copy_rate(backend, q=None, nbytes: int = 1 << 30, *, direction: str =
     finally:
         if own_queue:
             backend.destroy_queue(q)
+
+
+# ---------------------------------------------------------------------------- progress lines
+def progress_line(suite: str, label: str, index: int | None = None, total: int | None = None,
+                  elapsed_s: float | None = None, still: bool = False) -> str:
+    """``bench tpsp: T=4096 (3/6) ... 41 s so far``: the line a slow step prints
+    (``still=True``: ``bench tpsp: T=4096 (3/6) still running ... 71 s so far``)."""
+    count = f" ({index}/{total})" if index is not None and total is not None else ""
+    so_far = f" {elapsed_s:.0f} s so far" if elapsed_s is not None else ""
+    return f"bench {suite}: {label}{count}{' still running' if still else ''} ...{so_far}"
+
+
+class Progress:
+    """Say what a benchmark suite is doing whenever a step takes long enough to wonder.
+
+    A suite calls :func:`progress_step` at the start of each size or step.  A step that
+    finishes within ``delay_s`` prints nothing (a quick run stays quiet); a step still
+    running after ``delay_s`` prints one line, flushed, naming the step and its place in
+    the suite.  If a suite reports no steps at all, a "still running" line appears every
+    ``quiet_s`` so that no wait is silent.
+
+    Only the process with ``enabled=True`` prints (the runner enables rank 0 only: under
+    ``mpiexec`` every rank runs the same steps, and N copies of each line are noise).  The
+    lines come from a sleeping helper thread: it wakes when a step starts or a deadline
+    passes, so it takes no measurable time from the code being timed.
+    """
+
+    def __init__(self, suite: str, *, enabled: bool = True, delay_s: float = 2.0, quiet_s: float = 15.0,
+                 stream: TextIO | None = None):
+        self.suite = suite
+        self.enabled = enabled
+        self.delay_s = delay_s
+        self.quiet_s = quiet_s
+        self.stream = stream
+        #: The lines printed so far (the tests read them).
+        self.lines: list[str] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._t0 = time.monotonic()
+        self._step: tuple[str, int | None, int | None] | None = None
+        self._step_t0 = self._t0
+        self._step_printed = False
+        self._last_line_t = self._t0
+        self._thread = None
+        if enabled:
+            self._thread = threading.Thread(target=self._watch, name=f"bench-progress-{suite}", daemon=True)
+            self._thread.start()
+
+    def step(self, label: str, index: int | None = None, total: int | None = None) -> None:
+        """A new step begins; its line is printed if it is still running ``delay_s`` from now."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._step = (label, index, total)
+            self._step_t0 = time.monotonic()
+            self._step_printed = False
+        self._wake.set()
+
+    def close(self) -> None:
+        """Stop the helper thread (the runner calls this when the suite ends, however it ends)."""
+        if self._thread is None:
+            return
+        with self._lock:
+            self._closed = True
+        self._wake.set()
+        self._thread.join()
+        self._thread = None
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _print(self, line: str) -> None:
+        self.lines.append(line)
+        stream = self.stream if self.stream is not None else sys.stderr  # looked up late: tests capture it
+        print(line, file=stream, flush=True)
+        self._last_line_t = time.monotonic()
+
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                if self._step is not None and not self._step_printed:
+                    deadline = self._step_t0 + self.delay_s
+                    if now >= deadline:
+                        label, index, total = self._step
+                        self._print(progress_line(self.suite, label, index, total, now - self._t0))
+                        self._step_printed = True
+                        continue
+                else:
+                    deadline = max(self._last_line_t, self._step_t0) + self.quiet_s
+                    if now >= deadline:
+                        if self._step is None:  # a suite that reports no steps
+                            line = f"bench {self.suite}: still running ... {now - self._t0:.0f} s so far"
+                        else:
+                            label, index, total = self._step
+                            line = progress_line(self.suite, label, index, total, now - self._t0, still=True)
+                        self._print(line)
+                        continue
+            self._wake.wait(max(deadline - now, 0.01))
+            self._wake.clear()
+
+
+_current: Progress | None = None
+
+
+def set_progress(progress: Progress | None) -> Progress | None:
+    """Make ``progress`` the one :func:`progress_step` reports to; returns the previous one."""
+    global _current
+    previous, _current = _current, progress
+    return previous
+
+
+def progress_step(label: str, index: int | None = None, total: int | None = None) -> None:
+    """Tell the user which step of a benchmark suite runs now, e.g. ``progress_step("T=4096", 3, 6)``.
+
+    Suites call this at the start of every size; the runner turns it into a line on rank
+    0 when the step takes more than ~2 s.  Called outside the runner (a test calling a
+    suite's ``run`` directly) it does nothing.
+    """
+    if _current is not None:
+        _current.step(label, index, total)

@@ -1,26 +1,37 @@
-"""Benchmark: the fused TPSP op vs. the unfused mpi4py forward, on the same shapes, in one run.
+"""Benchmark: the fused TPSP op vs. the matmul alone and the unfused mpi4py forward, in one run.
 
-Run under MPI: ``mpiexec -n 2 python -m vtnumba bench tpsp [--quick] [--json out.json]``.
+Run under MPI: ``mpiexec -n 2 python -m vtnumba bench tpsp [--quick] [--json] [--plot]``.
 Per token count ``T`` (full: 64 ... 4096 tokens, ``K = 4096`` split over the ranks,
-``H = 4096``, float32; ``--quick``: ``T`` in 64, 256, 1024 with ``K = H = 1024``) three
+``H = 4096``, float32; ``--quick``: ``T`` from 64 to 1024 with ``K = H = 1024``) three
 implementations get the same inputs:
 
 * ``matmul-only``   -- the projection alone, the floor both others stand on:
   ``np.matmul(x, W.T, out=p)`` on the host; on the cuda targets the same matmul kernel the
   fused op launches (:func:`vtnumba.kernels.linear` on device arrays, synchronised);
-* ``mpi-baseline``  -- the stock unfused forward: numpy matmul, ``Reduce_scatter_block``,
-  numpy bias + residual + RMSNorm, ``Allgather`` (blocking mpi4py calls; receive buffers
-  allocated once, as a careful user would);
+* ``mpi-baseline``  -- the regular (unfused) forward written with stock parts: numpy
+  matmul, ``Reduce_scatter_block``, numpy bias + residual + RMSNorm, ``Allgather``
+  (blocking mpi4py calls; receive buffers allocated once, as a careful user would).  On
+  the cuda targets it is :func:`vtnumba.tpsp.regular_matmul_rs_norm_ag` on the same device
+  arrays (what :class:`~vtnumba.tpsp.TPSPOp` falls back to), so that both sides start
+  from device memory;
 * ``vtnumba-fused`` -- :meth:`HostTPSPBackend.tpsp_matmul_rs_norm_ag` (``CudaTPSPBackend`` on
-  the cuda targets) with preallocated outputs.
+  the cuda targets) with preallocated outputs: the call :class:`vtnumba.tpsp.TPSPOp` makes.
 
-Every time is the slowest rank's for one call (barrier first, all-reduce MAX after), the
-three measured *interleaved* round by round so a noisy neighbour slows all of them alike;
-the value is the median over rounds (p10/p90 kept).  Ratios: ``fused / baseline`` per
-``T``, and the headline -- the time each spends *above the matmul*,
-``(fused - matmul) / (baseline - matmul)``, each the median of per-round differences (a
-busy neighbour slows a whole round, and the difference cancels it) -- at every ``T``, with
-the reference shape ``T = 2048`` spelled out in the notes.
+**How it is timed.**  Every time is the slowest rank's for one call (barrier first,
+all-reduce MAX after).  The three run in *rounds*, one call of each per round, the matmul
+always in the middle (``baseline, matmul, fused`` then ``fused, matmul, baseline``): each
+of the other two runs right beside the matmul, before it in one round and after it in
+the next.  The rows report each implementation's median over rounds with p10/p90.
+
+**Time above the matmul.**  What fusing can save is what the fused op spends *beyond*
+its matmul.  It is measured per round, ``fused[i] - matmul[i]`` (and ``baseline[i] -
+matmul[i]``), then summarised as the median and p10/p90 of those differences
+(:func:`vtnumba.bench.timing.paired_differences`).  The difference of two separately
+taken medians would carry the noise of the large matmul into the small overhead, and
+came out negative on a busy machine; the paired difference cancels what slows a whole
+round.  Nothing is clamped: where the p10..p90 of the differences includes 0, a note says
+the overhead is within noise.  The ratios ``fused / matmul`` and ``fused / baseline`` are
+paired the same way (median of per-round ratios, with p10/p90 in the ``paired`` rows).
 """
 
 from __future__ import annotations
@@ -29,23 +40,76 @@ import numpy as np
 
 from vtnumba.backend.arrays import cdiv
 from vtnumba.bench import schema
-from vtnumba.bench.timing import stats_from_times, time_rounds_on_group
+from vtnumba.bench.timing import (
+    measure,
+    paired_differences,
+    paired_ratios,
+    progress_step,
+    stats_from_times,
+    time_rounds_on_group,
+)
 
 FULL_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
-QUICK_TOKENS = (64, 256, 1024)
+QUICK_TOKENS = (64, 128, 256, 512, 1024)
 REFERENCE_T = 2048
 EPS = 1e-6
 
+MATMUL, BASELINE, FUSED = "matmul-only", "mpi-baseline", "vtnumba-fused"
+#: Round orders: the matmul in the middle, so each other impl runs right beside it, on alternating sides.
+ORDERS = [[BASELINE, MATMUL, FUSED], [FUSED, MATMUL, BASELINE]]
+TIME_GROUP = "time per call"
+ABOVE_GROUP = "time above the matmul (paired in each round)"
+RATIO_GROUP = "time ratio (paired in each round)"
+
 
 def add_arguments(parser) -> None:
+    """The suite's own flags: ``--tokens``, ``--hidden``, ``--k-total``, ``--chunk``, ``--exchange``, ``--repeat``."""
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
-                        help="token counts T (default 64 128 ... 4096; --quick: 64 256 1024)")
+                        help="token counts T (default 64 128 ... 4096; --quick: 64 128 ... 1024)")
     parser.add_argument("--hidden", type=int, default=None, help="hidden size H (default 4096; quick 1024)")
     parser.add_argument("--k-total", type=int, default=None,
                         help="projection input size K over all ranks (default 4096; quick 1024)")
     parser.add_argument("--chunk", type=int, default=None, help="TPSP microchunk rows per rank (default: backend's)")
     parser.add_argument("--exchange", choices=("push", "pull"), default=None, help="TPSP exchange mode")
-    parser.add_argument("--repeat", type=int, default=None, help="timed rounds per T (default 11; quick 3)")
+    parser.add_argument("--repeat", type=int, default=None, help="timed rounds per T (default 11; quick 7)")
+
+
+def _settings(args, tp: int, target: str) -> tuple[list[int], int, int, int]:
+    """``(tokens, H, K_total, rounds)`` from the flags, the defaults and the target."""
+    quick = bool(getattr(args, "quick", False))
+    tokens = getattr(args, "tokens", None) or getattr(args, "sizes", None) or (QUICK_TOKENS if quick else FULL_TOKENS)
+    tokens = [int(t) for t in tokens]
+    H = getattr(args, "hidden", None) or (1024 if quick else 4096)
+    K_total = getattr(args, "k_total", None) or (1024 if quick else 4096)
+    # np.percentile interpolates: with n rounds the p10 lies 0.1 * (n - 1) of the way from the
+    # fastest round to the next, so --quick takes seven rounds: one odd round cannot set p10/p90 alone.
+    repeat = getattr(args, "repeat", None) or (7 if quick else 11)
+    if target == "cudasim":  # the simulator runs ~7000 threads/s: keep it tiny
+        tokens, H, K_total, repeat = [4, 8], 8 * tp, 16, 2
+    return tokens, H, K_total, repeat
+
+
+def estimate_s(args, ranks: int):
+    """A lower bound on the suite's time on the cpu target: the matmul work alone.
+
+    Each round makes three calls that each contain this rank's ``T x K/tp x H`` matmul;
+    a test matmul measured now gives the rate.  The exchange and the norm come on top, so
+    the real run takes longer.  Returns ``(seconds, how it was estimated)`` or None."""
+    from vtnumba.target import current_target
+
+    if current_target().name != "cpu":
+        return None  # device matmul rates are not what the host measures
+    tokens, H, K_total, repeat = _settings(args, ranks, "cpu")
+    K = cdiv(K_total, ranks)
+    m, k, n = 128, min(K, 2048), min(H, 2048)
+    a = np.ones((m, k), np.float32)
+    b = np.ones((n, k), np.float32)
+    out = np.empty((m, n), np.float32)
+    st = measure(lambda: np.matmul(a, b.T, out=out), repeat=3, warmup=1)
+    flops_per_s = 2.0 * m * k * n / st.median_s
+    calls = (repeat + 1) * 3 + 2  # warm-up round, timed rounds, and the parity check's two calls
+    seconds = sum(calls * 2.0 * T * K * H for T in tokens) / flops_per_s
+    return seconds, f"at least: the matmuls alone at {flops_per_s / 1e9:.0f} GFLOP/s, measured just now"
 
 
 def _baseline(group, x, w, bias, residual, norm_w, p, y_pad, y, gathered):
@@ -67,7 +131,7 @@ def _baseline(group, x, w, bias, residual, norm_w, p, y_pad, y, gathered):
 
 
 def _measure(group, backend, handle, T, K, H, w, bias, norm_w, rng, repeat, device):
-    """Times of the three implementations at ``T`` tokens, and the fused-vs-baseline difference."""
+    """Per-round times of the three implementations at ``T`` tokens, and the fused-vs-baseline difference."""
     from mpi4py import MPI
 
     tp = group.size
@@ -87,20 +151,25 @@ def _measure(group, backend, handle, T, K, H, w, bias, norm_w, rng, repeat, devi
         dout, dnew = cuda.device_array((T, H), np.float32), cuda.device_array((R, H), np.float32)
         dp = cuda.device_array((T, H), np.float32)
         matmul_only = lambda: linear(dx, dw, out=dp)  # noqa: E731  (no queue: finished on return)
+        # On a device the regular forward must start from the same device arrays: vtnumba's
+        # regular path (device matmul and norm, MPI through host memory), not a host matmul
+        # that would compare a CPU with a GPU.
+        from vtnumba.tpsp import regular_matmul_rs_norm_ag
+
+        dreg, dreg_res = cuda.device_array((T, H), np.float32), cuda.device_array((R, H), np.float32)
+        regular = lambda: regular_matmul_rs_norm_ag(group, dx, dw, db, dres, dnw, EPS, out=dreg,  # noqa: E731
+                                                    new_residual=dreg_res, timeout_s=None)
     else:
         dx, dw, db, dres, dnw = x, w, bias, residual, norm_w
         dout, dnew = np.empty((T, H), np.float32), np.empty((R, H), np.float32)
         matmul_only = lambda: np.matmul(x, w.T, out=p)  # noqa: E731
+        regular = lambda: _baseline(group, x, w, bias, residual, norm_w, p, y_pad, y, gathered)  # noqa: E731
 
     def fused():
         return backend.tpsp_matmul_rs_norm_ag(handle, dx, dw, db, dres, dnw, EPS, out=dout, new_residual=dnew)
 
-    impls = {
-        "matmul-only": matmul_only,
-        "mpi-baseline": lambda: _baseline(group, x, w, bias, residual, norm_w, p, y_pad, y, gathered),
-        "vtnumba-fused": fused,
-    }
-    times = time_rounds_on_group(group, impls, repeat)
+    impls = {MATMUL: matmul_only, BASELINE: regular, FUSED: fused}
+    times = time_rounds_on_group(group, impls, repeat, orders=ORDERS)
     # Parity while we are here: the fused result must equal the baseline's.
     ref, _ = _baseline(group, x, w, bias, residual, norm_w, p, y_pad, y, gathered)
     got, _ = fused()
@@ -109,7 +178,20 @@ def _measure(group, backend, handle, T, K, H, w, bias, norm_w, rng, repeat, devi
     return times, err
 
 
+def _ms(x: float) -> str:
+    return f"{schema.format_number(x * 1e3, 3)} ms"
+
+
+def _span(ps, fmt) -> str:
+    return f"{fmt(ps.median)} (p10 {fmt(ps.p10)}, p90 {fmt(ps.p90)})"
+
+
+def _list(ts: list[int]) -> str:
+    return ", ".join(str(t) for t in ts)
+
+
 def run(args) -> dict:
+    """Measure every ``T`` on every rank of the group; returns the suite result (see the module docstring)."""
     from vtnumba.dist import get_tp_group, init_distributed, is_initialized
     from vtnumba.target import current_target
     from vtnumba.tpsp import get_tpsp_backend
@@ -118,15 +200,8 @@ def run(args) -> dict:
     tp, rank = group.size, group.rank
     if tp < 2:
         raise RuntimeError("bench tpsp needs at least 2 ranks: run it under mpiexec -n 2")
-    quick = bool(getattr(args, "quick", False))
     target = current_target().name
-    tokens = getattr(args, "tokens", None) or getattr(args, "sizes", None) or (QUICK_TOKENS if quick else FULL_TOKENS)
-    tokens = [int(t) for t in tokens]
-    H = getattr(args, "hidden", None) or (1024 if quick else 4096)
-    K_total = getattr(args, "k_total", None) or (1024 if quick else 4096)
-    repeat = getattr(args, "repeat", None) or (3 if quick else 11)
-    if target == "cudasim":  # the simulator runs ~7000 threads/s: keep it tiny
-        tokens, H, K_total, repeat = [4, 8], 8 * tp, 16, 1
+    tokens, H, K_total, repeat = _settings(args, tp, target)
     K = K_total // tp + (1 if rank < K_total % tp else 0)
 
     kwargs = {} if getattr(args, "exchange", None) is None else {"exchange": args.exchange}
@@ -143,33 +218,64 @@ def run(args) -> dict:
     w = rng.standard_normal((H, K), dtype=np.float32) / np.float32(np.sqrt(K_total))
     bias = shared.standard_normal(H, dtype=np.float32)
     norm_w = (1 + 0.1 * shared.standard_normal(H)).astype(np.float32)
-    results, ratios, notes = [], {}, []
+    results, paired, ratios, notes = [], [], {}, []
+    noisy_above, faster, slower, even = [], [], [], []
+    summary = None
     try:
-        for T in tokens:
+        for i, T in enumerate(tokens, 1):
+            progress_step(f"T={T}", i, len(tokens))
             times, err = _measure(group, backend, handle, T, K, H, w, bias, norm_w, rng, repeat, target != "cpu")
             if err > 1e-3:
                 notes.append(f"T={T}: fused output differs from the baseline by {err:.3g}")
-            med = {k: float(np.median(v)) for k, v in times.items()}
-            for impl, ts in times.items():
-                st = stats_from_times(ts)
-                results.append(schema.row(f"tpsp T={T}", impl, T, "tokens", "ms", st.median_s * 1e3, st))
-            ratios[f"fused / baseline T={T}"] = med["vtnumba-fused"] / med["mpi-baseline"]
-            # Time above the matmul from *paired* differences (same round, adjacent in time), so
-            # a neighbour's load that slows a whole round cancels out.
-            mm = np.asarray(times["matmul-only"])
-            over_f = float(np.median(np.asarray(times["vtnumba-fused"]) - mm))
-            over_b = float(np.median(np.asarray(times["mpi-baseline"]) - mm))
-            if over_b > 0:
-                ratios[f"fused above matmul / baseline above matmul T={T}"] = over_f / over_b
-            if T == REFERENCE_T or T == tokens[-1]:
-                notes.append(f"T={T}: above the matmul the fused op spends {over_f * 1e3:.2f} ms, the baseline "
-                             f"{over_b * 1e3:.2f} ms (matmul {med['matmul-only'] * 1e3:.1f} ms)")
+            for impl in (MATMUL, FUSED, BASELINE):
+                st = stats_from_times(times[impl])
+                # The case keeps its per-T name (older readers of the JSON use it); the group
+                # puts every T on one line per implementation in the plots.
+                results.append(schema.row(f"tpsp T={T}", impl, T, "tokens", "ms", st.median_s * 1e3, st,
+                                          group=TIME_GROUP))
+            above_f = paired_differences(times[FUSED], times[MATMUL])
+            above_b = paired_differences(times[BASELINE], times[MATMUL])
+            f_over_m = paired_ratios(times[FUSED], times[MATMUL])
+            f_over_b = paired_ratios(times[FUSED], times[BASELINE])
+            for impl, ps in ((f"{FUSED} - {MATMUL}", above_f), (f"{BASELINE} - {MATMUL}", above_b)):
+                paired.append(schema.paired_row("tpsp above the matmul", impl, T, "tokens", "ms", ps, scale=1e3,
+                                                group=ABOVE_GROUP))
+            for impl, ps in ((f"{FUSED} / {MATMUL}", f_over_m), (f"{FUSED} / {BASELINE}", f_over_b)):
+                paired.append(schema.paired_row("tpsp time ratio", impl, T, "tokens", "ratio", ps, group=RATIO_GROUP))
+            ratios[f"fused / baseline T={T}"] = f_over_b.median
+            ratios[f"fused / matmul T={T}"] = f_over_m.median
+            if above_f.contains(0.0):
+                noisy_above.append(T)
+            (even if f_over_b.contains(1.0) else faster if f_over_b.median < 1 else slower).append(T)
+            if T == REFERENCE_T or summary is None or (T == tokens[-1] and REFERENCE_T not in tokens):
+                summary = (f"T={T}: above the matmul ({_ms(np.median(times[MATMUL]))}) the fused op spends "
+                           f"{_span(above_f, _ms)} per call, the regular forward {_span(above_b, _ms)}; "
+                           f"fused / regular = {_span(f_over_b, lambda v: schema.format_number(v, 3))}")
     finally:
         backend.close(handle)
         backend.close()
+    notes.append(summary)
+    verdict = []
+    if faster:
+        verdict.append(f"faster than the regular forward at T = {_list(faster)}")
+    if slower:
+        verdict.append(f"slower than the regular forward at T = {_list(slower)}")
+    if even:
+        verdict.append(f"within noise of the regular forward at T = {_list(even)} (the p10..p90 of the per-round "
+                       "fused / regular includes 1)")
+    notes.append("the fused op is " + "; ".join(verdict))
+    if noisy_above:
+        notes.append(f"T = {_list(noisy_above)}: the fused op's time above the matmul is within noise (the p10..p90 "
+                     "of the per-round differences includes 0): the rounds disagree on its sign, so its median is "
+                     "neither an overhead nor a saving; more --repeat or a quieter machine can settle it")
+    notes.append("above the matmul = fused - matmul (and baseline - matmul) in the same round, median and p10/p90 "
+                 "over rounds; never the difference of two separately noisy medians")
+    if target == "cudasim":
+        notes.append("cudasim: these times measure numba's simulator (a Python loop per GPU thread), not a GPU; "
+                     "they show that the code path runs, and compare nothing")
     notes.append(f"shapes: K={K_total} over {tp} ranks, H={H}, float32, RMSNorm; TPSP chunk {chunk} rows/rank, "
-                 f"exchange={backend.exchange}; times are the slowest rank's, interleaved rounds")
-    return schema.suite("tpsp", target, tp, results, ratios, {}, notes)
+                 f"exchange={backend.exchange}; times are the slowest rank's, {repeat} interleaved rounds per T")
+    return schema.suite("tpsp", target, tp, results, ratios, {}, notes, paired=paired)
 
 
-__all__ = ["run", "add_arguments"]
+__all__ = ["run", "add_arguments", "estimate_s"]

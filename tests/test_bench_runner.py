@@ -1,0 +1,255 @@
+"""The benchmark runner's output: readable sizes, paired comparisons, plots across sizes, progress, out/.
+
+Everything here runs on synthetic results in a fraction of a second, except the last test,
+which runs ``bench tpsp`` for real at tiny sizes under ``mpiexec -n 2``.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+
+from vtnumba.bench import runner, schema, timing
+from vtnumba.bench.schema import format_bytes, format_count, format_size
+from vtnumba.bench.timing import Progress, Stats, paired_differences, paired_ratios
+
+
+# ---------------------------------------------------------------------------- sizes people can read
+@pytest.mark.parametrize("n, text", [(64, "64"), (1000, "1000"), (1787, "1787"), (4096, "4 Ki"),
+                                     (8192 * 4096, "32 Mi"), (3 << 30, "3 Gi"), (1_500_000, "1.43 Mi")])
+def test_counts_read_like_people_write_them(n, text):
+    assert format_count(n) == text
+
+
+@pytest.mark.parametrize("n, text", [(512, "512 B"), (4096, "4 KiB"), (64 << 20, "64 MiB"), (1536 << 20, "1.5 GiB")])
+def test_bytes_use_binary_prefixes(n, text):
+    assert format_bytes(n) == text
+
+
+def test_sizes_by_unit_never_in_scientific_notation():
+    assert format_size(1 << 20, "bytes") == "1 MiB"
+    assert format_size(16.0, "MiB") == "16 MiB"
+    assert format_size(2048, "M=N=K") == "2048³"
+    assert format_size(4096, "tokens") == "4 Ki tokens"
+    assert format_size(4096, "tokens", with_unit=False) == "4 Ki"
+    assert format_size(64, "batch") == "batch 64"
+    assert format_size(8192 * 4096, "elements") == "32 Mi elements"
+    assert format_size(4096 * 1024, "elements", [4096, 1024]) == "4 Ki × 1 Ki"
+    for n in (3.35544e7, 1.04858e6, 1.67772e7):  # the sizes a user saw printed as "3.35544e+07 elements"
+        assert "e+" not in format_size(int(n), "elements")
+
+
+# ---------------------------------------------------------------------------- paired comparisons
+def test_paired_overhead_is_positive_where_the_difference_of_medians_is_negative():
+    # A noisy matmul with a small overhead on top.  In three rounds of five the fused call
+    # costs 0.5 ms more than the matmul beside it; in two a hiccup hit the matmul instead,
+    # and there the fused call was 3 ms *cheaper*.  The medians of the two lists then come
+    # from different rounds, and their difference says the fused op is 1 ms cheaper than
+    # its own matmul, which is impossible.  The per-round differences have a median of +0.5 ms.
+    matmul = np.array([10.0, 11.0, 12.0, 13.0, 14.0]) * 1e-3
+    fused = matmul + np.array([0.5, 0.5, -3.0, 0.5, -3.0]) * 1e-3
+    naive = np.median(fused) - np.median(matmul)
+    paired = paired_differences(fused, matmul)
+    assert naive == pytest.approx(-1e-3)
+    assert paired.median == pytest.approx(0.5e-3) and paired.samples == 5
+    # ... and the rounds disagree on the sign, which the report must say rather than hide.
+    assert paired.p10 < 0 < paired.p90 and paired.contains(0.0)
+
+
+def test_a_real_overhead_survives_heavy_round_noise():
+    # The machine's load changes from round to round (x1 .. x3), slowing both calls of a round
+    # alike; the fused call always costs 2 ms more than its matmul.  Paired, the overhead is
+    # exactly 2 ms, with no spread and clearly above zero.
+    load = np.array([1.0, 3.0, 1.5, 2.5, 1.0, 2.0, 3.0])
+    matmul = 10e-3 * load
+    fused = matmul + 2e-3
+    paired = paired_differences(fused, matmul)
+    assert paired.median == pytest.approx(2e-3) and paired.p10 == pytest.approx(2e-3)
+    assert not paired.contains(0.0)
+    # While the matmul's own p10..p90 spans 20 ms: ten times the overhead.
+    assert np.percentile(matmul, 90) - np.percentile(matmul, 10) == pytest.approx(10 * 2e-3)
+
+
+def test_nothing_is_clamped_and_ratios_pair_the_same_way():
+    matmul = np.array([10.0, 20.0, 30.0])
+    fused = matmul - 1.0  # faster than the matmul alone: reported as it is, negative
+    assert paired_differences(fused, matmul).median == pytest.approx(-1.0)
+    r = paired_ratios(fused, matmul)
+    assert r.median == pytest.approx(19 / 20) and r.p10 < r.median < r.p90
+    with pytest.raises(ValueError, match="equally long"):
+        paired_differences([1.0, 2.0], [1.0])
+
+
+def test_value_bounds_follow_the_metric():
+    st = Stats(median_s=0.010, p10_s=0.008, p90_s=0.020, samples=9)
+    rate = schema.row("c", "i", 1024, "bytes", "GB/s", 100.0, st)
+    assert rate["value_p10"] == pytest.approx(50.0) and rate["value_p90"] == pytest.approx(125.0)  # slow call, low rate
+    t = schema.row("c", "i", 1024, "bytes", "us/op", 10.0, st)
+    assert (t["value_p10"], t["value_p90"]) == pytest.approx((8.0, 20.0))
+    old = {k: v for k, v in rate.items() if not k.startswith("value_p")}  # a document written before them
+    assert schema.value_bounds(old) == pytest.approx((50.0, 125.0))
+    count = schema.row("c", "i", 1024, "bytes", "descriptors", 3, Stats(0.0, 0.0, 0.0, 1))
+    assert schema.value_bounds(count) == (3.0, 3.0)
+
+
+def test_schema_checks_the_optional_fields():
+    res = _suite()
+    schema.validate_suite(res)
+    bad = dict(res, paired=[dict(res["paired"][0], value_p90="high")])
+    with pytest.raises(ValueError, match=r"paired\[0\] field 'value_p90'"):
+        schema.validate_suite(bad)
+    bad = dict(res, results=[dict(res["results"][0], shape="4x4")])
+    with pytest.raises(ValueError, match="field 'shape' should be"):
+        schema.validate_suite(bad)
+
+
+# ---------------------------------------------------------------------------- tables and plots
+def _suite():
+    """A synthetic suite in the shapes the real ones use: several sizes, one single-size case, paired rows."""
+    results, paired = [], []
+    for n in (4096, 1 << 20, 16 << 20):
+        for impl, t in (("vtnumba", 1e-3), ("numpy", 2e-3)):
+            st = Stats(t * n / 4096, 0.9 * t * n / 4096, 1.3 * t * n / 4096, 7)
+            results.append(schema.row("copy", impl, n, "bytes", "GB/s", n / st.median_s / 1e9, st))
+        paired.append(schema.paired_row("copy diff", "vtnumba - numpy", n, "bytes", "ms",
+                                        timing.PairedStats(-0.5, -1.0, 0.2, 7), group="difference"))
+    st = Stats(1e-3, 0.9e-3, 1.2e-3, 7)
+    results.append(schema.row("fragmented", "vtnumba", 1 << 20, "bytes", "GB/s", 1.0, st))
+    return schema.suite("synthetic", "cpu", 1, results, {"vtnumba / numpy": 2.0}, {}, ["a note"], paired=paired)
+
+
+def test_table_prints_readable_sizes_and_two_sided_spreads(capsys):
+    res = _suite()
+    schema.validate_suite(res)
+    runner.print_suite(res)
+    out = capsys.readouterr().out
+    assert "16 MiB" in out and "e+" not in out
+    # p10/p90 of a rate relative to its median: the slow calls (+30% time) give the low value.
+    assert "-23%" in out and "+11%" in out
+    assert "compared round by round" in out and "within noise" in out  # the paired row spans 0
+
+
+def test_plots_have_one_line_per_implementation_across_sizes(tmp_path):
+    import matplotlib.image
+
+    res = _suite()
+    families = runner.plot_families(res)
+    assert set(families) == {("GB/s", "bytes"), ("ms", "bytes")}
+    assert {float(r["size"]) for r in families[("GB/s", "bytes")]["copy"]} == {4096.0, 1 << 20, 16 << 20}
+    paths = runner.plot_suite(res, str(tmp_path / "plots"))
+    assert sorted(os.path.basename(p) for p in paths) == ["bench_synthetic_gb_per_s_vs_bytes.png",
+                                                          "bench_synthetic_ms_vs_bytes.png"]
+    for p in paths:
+        h, w, _ = matplotlib.image.imread(p).shape
+        assert h > 200 and w > 300
+
+
+# ---------------------------------------------------------------------------- progress lines
+def test_a_slow_step_prints_one_line_a_quick_one_none(capsys):
+    with Progress("demo", enabled=True, delay_s=0.05, quiet_s=60) as p:
+        p.step("quick step", 1, 2)
+        p.step("T=4096", 2, 2)  # replaces the quick one before its delay is up
+        time.sleep(0.3)
+    assert len(p.lines) == 1 and p.lines[0].startswith("bench demo: T=4096 (2/2) ...")
+    assert capsys.readouterr().err.strip() == p.lines[0]
+
+
+def test_progress_lines_only_on_rank_0(monkeypatch, tmp_path, capsys):
+    # The runner gives every rank the same suite and steps; only rank 0's Progress prints.
+    from mpi4py import MPI
+
+    monkeypatch.setattr(runner, "OUT_DIR", str(tmp_path))  # the remembered durations go here
+    monkeypatch.setattr(runner, "PROGRESS_DELAY_S", 0.05)
+    monkeypatch.setattr(runner, "MULTI_RANK", runner.MULTI_RANK | {"fake"})
+
+    def run(args):
+        timing.progress_step("slow step", 1, 1)
+        time.sleep(0.3)
+        return _suite()
+
+    monkeypatch.setitem(sys.modules, "vtnumba.bench.fake", types.SimpleNamespace(run=run))
+
+    class Comm:  # rank `rank` of 2, with COMM_SELF's barrier
+        def __init__(self, rank):
+            self.rank = rank
+
+        def Get_rank(self):
+            return self.rank
+
+        def Get_size(self):
+            return 2
+
+        def Ibarrier(self):
+            return MPI.COMM_SELF.Ibarrier()
+
+    args = argparse.Namespace(suite="fake", quick=True)
+    assert runner.run_suite("fake", args, Comm(1), target="cpu") is None
+    quiet = capsys.readouterr()
+    assert "bench fake" not in quiet.out + quiet.err
+    assert runner.run_suite("fake", args, Comm(0), target="cpu")["suite"] == "synthetic"
+    out = capsys.readouterr().out
+    assert "bench fake: running (quick" in out and "bench fake: slow step (1/1) ..." in out
+    assert "bench fake: done in" in out
+
+
+# ---------------------------------------------------------------------------- where files go
+def test_outputs_default_under_out():
+    ns = argparse.Namespace
+    assert runner.resolve_outputs(ns(suite="tpsp", json=runner.AUTO, plot=runner.AUTO)) == \
+        (os.path.join("out", "bench-tpsp.json"), os.path.join("out", "plots"))
+    assert runner.resolve_outputs(ns(suite="memory", json=None, plot=None)) == (None, None)
+    assert runner.resolve_outputs(ns(suite="all", json=None, plot=None)) == \
+        (os.path.join("out", "bench-all.json"), os.path.join("out", "plots"))
+    assert runner.resolve_outputs(ns(suite="all", json="-", plot="figs")) == ("-", "figs")
+
+
+def test_the_command_line_flags_accept_no_path():
+    from vtnumba.apps.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "tpsp", "--json", "--plot", "--quick"])
+    assert (args.json, args.plot, args.quick) == (runner.AUTO, runner.AUTO, True)
+    args = parser.parse_args(["bench", "memory", "--json", "-", "--plot", "plots/"])
+    assert (args.json, args.plot) == ("-", "plots/")
+
+
+def test_run_bench_writes_only_under_out(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runner, "OUT_DIR", "out")  # relative: under the working directory
+    monkeypatch.setitem(sys.modules, "vtnumba.bench.fake", types.SimpleNamespace(run=lambda args: _suite()))
+    args = argparse.Namespace(suite="fake", quick=True, json=runner.AUTO, plot=runner.AUTO)
+    assert runner.run_bench(args, {"target": "cpu"}) == 0
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # nothing anywhere else (durations included)
+    assert (tmp_path / "out" / "bench-durations.json").exists()
+    doc = json.loads((tmp_path / "out" / "bench-fake.json").read_text())
+    schema.validate_all(doc)
+    assert len(os.listdir(tmp_path / "out" / "plots")) == 2
+
+
+# ---------------------------------------------------------------------------- the real TPSP suite
+def test_bench_tpsp_reports_paired_overheads_under_mpiexec(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
+    env.update(VTNUMBA_TARGET="cpu")
+    env.pop("VTNUMBA_OUT_DIR", None)
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "vtnumba", "bench", "tpsp", "--quick", "--tokens", "16", "48",
+           "--hidden", "64", "--k-total", "32", "--repeat", "3", "--json"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("bench tpsp: running") == 1  # rank 0 only
+    (res,) = json.loads((tmp_path / "out" / "bench-tpsp.json").read_text())["suites"]
+    schema.validate_suite(res)
+    impls = {(r["group"], r["impl"]) for r in res["paired"]}
+    assert impls == {("time above the matmul (paired in each round)", "vtnumba-fused - matmul-only"),
+                     ("time above the matmul (paired in each round)", "mpi-baseline - matmul-only"),
+                     ("time ratio (paired in each round)", "vtnumba-fused / matmul-only"),
+                     ("time ratio (paired in each round)", "vtnumba-fused / mpi-baseline")}
+    assert all(r["samples"] == 3 and r["value_p10"] <= r["value"] <= r["value_p90"] for r in res["paired"])
+    assert {"fused / baseline T=48", "fused / matmul T=48"} <= set(res["ratios"])
+    assert any("same round" in n for n in res["notes"]) and not any("differs" in n for n in res["notes"])
