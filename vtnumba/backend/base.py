@@ -437,6 +437,16 @@ class Backend(abc.ABC):
         self._check_queue(q)
         self._synchronize(q)
 
+    def order_after_default_stream(self, q: Queue) -> None:
+        """Make later work on ``q`` wait for work already queued outside vtnumba's queues.
+
+        A no-op here: cpu work that arrives outside a queue has finished when its call
+        returns.  The CUDA backend overrides it, because its queues are non-blocking streams
+        that the legacy default stream (where numba's own copies and launches go) does not
+        order.
+        """
+        self._check_queue(q)
+
     def queue_error(self, q: Queue) -> BaseException | None:
         """The sticky error of ``q`` if queued work on it has failed, else None.  Never blocks
         and does not clear the error (``synchronize`` raises and clears it)."""

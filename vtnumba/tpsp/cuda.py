@@ -53,9 +53,7 @@ class DeviceChunkStrategy(ChunkStrategy):
     def begin(self, pipe) -> None:
         # The queues are non-blocking streams: order the compute queue after work the caller
         # queued on the default stream (which produced x, say) before reading any input.
-        order = getattr(pipe.backend, "order_after_default_stream", None)
-        if order is not None:
-            order(pipe.compute_q)
+        pipe.backend.order_after_default_stream(pipe.compute_q)
 
     def compute(self, pipe, i: int, s: int) -> None:
         call, tp, me, R, H, q = pipe.call, pipe.tp, pipe.me, pipe.R, pipe.H, pipe.compute_q
