@@ -1,25 +1,30 @@
 #!/usr/bin/env python
-"""Run every tutorial the way the docs tell a reader to, and keep its real output.
+"""Run every tutorial the way the docs tell a reader to, and keep its real output and figures.
 
 Each ``tutorials/NN_name.py`` runs under ``mpiexec -n 2 python tutorials/NN_name.py
---target cpu`` (and the small ones, listed in ``SIMULATOR_TOO``, also with
-``--target cudasim``); a tutorial passes when it exits 0 within its time limit (its own
-asserts are the self-checks).  The cpu output is saved to
-``docs/_build/tutorial-output/NN_name.txt`` together with a hash of the script, so the
-docs build renders the output of this very run instead of text typed by hand.
+--target cpu`` (and the ones listed in ``SIMULATOR_TOO`` also with ``--target cudasim``); a
+tutorial passes when it exits 0 within its time limit (its own checks are the
+self-checks).  The cpu run is made the way the docs build makes it
+(:func:`vtnumba.apps.tutorial.run_recorded`): output marked by section, figures and output
+saved under ``docs/_build/tutorials/NN_name/`` with a key made of the script's and the
+vtnumba sources' hashes, so the docs build renders this very run instead of running the
+tutorial again.  The simulator runs draw their figures into a temporary folder.
+
+Usage: ``python scripts/run_tutorials.py [NN_name ...]`` (default: all).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT_DIR = ROOT / "docs" / "_build" / "tutorial-output"
+sys.path.insert(0, str(ROOT))
+
+from vtnumba.apps.tutorial import run_recorded  # noqa: E402
+
+OUT_ROOT = ROOT / "docs" / "_build" / "tutorials"
 TIME_LIMIT_S = 120
 # Tutorials whose whole lesson is small enough for numba's simulator (~7,000 threads/s).
 SIMULATOR_TOO = {"01_devices_queues_events", "02_async_copies_pinned", "04_matmul_ladder", "05_fused_add_rmsnorm",
@@ -27,44 +32,28 @@ SIMULATOR_TOO = {"01_devices_queues_events", "02_async_copies_pinned", "04_matmu
                  "08_tpsp", "09_encoder_cache"}
 
 
-def script_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-
-
-def run_tutorial(path: Path, target: str, ranks: int = 2) -> tuple[int, str, float]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", VTNUMBA_TARGET=target)
-    env.pop("NUMBA_ENABLE_CUDASIM", None)  # the tutorial's --target decides
-    cmd = ["mpiexec", "-n", str(ranks), sys.executable, str(path), "--target", target]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIME_LIMIT_S,
-                              stdin=subprocess.DEVNULL)
-        return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - t0
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return 124, out + f"\n[timed out after {TIME_LIMIT_S} s]", time.perf_counter() - t0
-
-
 def main(argv: list[str]) -> int:
-    only = set(argv[1:])
+    only = {a[:-3] if a.endswith(".py") else a for a in argv[1:]}
     tutorials = sorted(p for p in (ROOT / "tutorials").glob("[0-9][0-9]_*.py") if not only or p.stem in only)
     if not tutorials:
         print("no tutorials found")
         return 5
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
     failures = []
-    for path in tutorials:
-        targets = ["cpu"] + (["cudasim"] if path.stem in SIMULATOR_TOO else [])
-        for target in targets:
-            rc, out, secs = run_tutorial(path, target)
-            status = "ok" if rc == 0 else f"FAILED (exit {rc})"
-            print(f"{path.name:<40} {target:<8} {secs:6.1f} s  {status}", flush=True)
-            if rc != 0:
-                failures.append(f"{path.name} [{target}]")
-                print("    " + "\n    ".join(out.strip().splitlines()[-30:]))
-            elif target == "cpu":
-                (OUT_DIR / f"{path.stem}.txt").write_text(f"# hash {script_hash(path)}\n{out}")
-    print(f"{len(failures)} failed, {sum(1 for _ in tutorials)} tutorials")
+    with tempfile.TemporaryDirectory(prefix="vtnumba-tutorials-") as sim_out:
+        for path in tutorials:
+            targets = ["cpu"] + (["cudasim"] if path.stem in SIMULATOR_TOO else [])
+            for target in targets:
+                out_root = OUT_ROOT if target == "cpu" else Path(sim_out)
+                run = run_recorded(path, out_root, target=target, timeout_s=TIME_LIMIT_S, save=target == "cpu")
+                status = "ok" if run.returncode == 0 else f"FAILED (exit {run.returncode})"
+                figures = f", {len(run.figures)} figure(s)" if run.returncode == 0 else ""
+                print(f"{path.name:<40} {target:<8} {run.seconds:6.1f} s  {status}{figures}", flush=True)
+                if run.returncode != 0:
+                    failures.append(f"{path.name} [{target}]")
+                    tail = (run.stdout + run.stderr).strip().splitlines()[-30:]
+                    print("    " + "\n    ".join(tail))
+    print(f"{len(failures)} failed, {len(tutorials)} tutorials; cpu output and figures in "
+          f"{OUT_ROOT.relative_to(ROOT)}/")
     return 1 if failures else 0
 
 

@@ -7,12 +7,20 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ON_GPU
+
 from vtnumba import trace
+from vtnumba.apps.trace_tools import (
+    draw_timeline,
+    find_arrows,
+    first_call_outliers,
+    kind_of,
+    merge_trace_data,
+    rank_files,
+    validate_trace,
+)
 from vtnumba.bench.schema import row, suite, validate_all, validate_suite
 from vtnumba.bench.timing import Stats
-from vtnumba.apps.trace_tools import draw_timeline, merge_traces, rank_files, validate_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 # The mpiexec that belongs to this interpreter's MPI (the mpich wheel puts it beside python),
@@ -36,7 +44,7 @@ def test_recorder_spans_and_queue_ops(tmp_path):
         q = b.create_queue("work")
         buf = b.alloc(1 << 16)
         b.memset(q, buf, 1)
-        b.copy(q, buf, bytes_array := __import__("numpy").ones(1 << 16, "uint8"), 1 << 16)
+        b.copy(q, buf, __import__("numpy").ones(1 << 16, "uint8"), 1 << 16)
         with trace.span("exchange", "mpi", "mpi:test", bytes=3):
             pass
         b.synchronize(q)
@@ -49,6 +57,69 @@ def test_recorder_spans_and_queue_ops(tmp_path):
     assert queue_ops == ["memset", "copy"] and "exchange" in names and "synchronize" in names
     validate_trace(data)
     assert rec.rank == 0 and path.endswith(".rank0.json")
+
+
+def _x(name, pid, tid, ts, dur, cat="queue", **args):
+    ev = {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": float(ts), "dur": float(dur), "cat": cat}
+    if args:
+        ev["args"] = args
+    return ev
+
+
+def test_timeline_kinds_arrows_and_first_calls(tmp_path):
+    """Copies, kernels and waits are told apart; record -> wait and flow arrows; a compiling first call."""
+    assert [kind_of(_x(n, 0, 1, 0, 1)) for n in ("copy", "memset", "fused_add_rms_norm", "wait_event",
+                                                 "wait_value32", "record_event", "write_value32")] == \
+        ["copy", "copy", "kernel", "wait", "wait", "record", "signal"]
+    assert kind_of(_x("synchronize", 0, 9, 0, 1, cat="host")) == "wait"
+    assert kind_of(_x("allgather", 0, 9, 0, 1, cat="mpi")) == "mpi"
+    assert kind_of(_x("tpsp pipeline", 0, 9, 0, 1, cat="tpsp")) == "call"
+    spans = [
+        _x("record_event", 0, 1, 10, 1, event=7),     # an earlier recording of event 7
+        _x("record_event", 0, 1, 50, 1, event=7),     # the one that released the wait below
+        _x("wait_event", 0, 2, 5, 46.5, event=7),     # queued early, released at 51.5
+        _x("wait_event", 1, 2, 5, 46.5, event=7),     # another rank: event ids are per process
+        _x("set flag", 0, 3, 60, 1, cat="peer", flow_out="mail:1:2"),
+        _x("wait for flag", 1, 3, 0, 61.5, cat="peer", flow_in="mail:1:2"),
+    ]
+    arrows = [(a["name"], a["ts"], b["name"], b["pid"]) for a, b in find_arrows(spans)]
+    assert arrows == [("record_event", 50.0, "wait_event", 0), ("set flag", 60.0, "wait for flag", 1)]
+    calls = [_x("matmul", 0, 4, 0, 900_000), _x("matmul", 0, 4, 1e6, 1000), _x("matmul", 0, 4, 2e6, 1100)]
+    assert first_call_outliers(calls) == {0}
+    assert first_call_outliers(calls[1:]) == set(), "two calls are too few to call one an outlier"
+    merged = merge_trace_data([{"traceEvents": spans + calls, "otherData": {"rank": 0}}])
+    flows = [e for e in merged["traceEvents"] if e["ph"] in ("s", "f")]
+    assert len(flows) == 4 and {e["id"] for e in flows} == {0, 1}, "each arrow is a Chrome flow for Perfetto"
+    validate_trace(merged)
+    for mode in ("label", "drop", "keep"):
+        png = draw_timeline(merged, str(tmp_path / f"t-{mode}.png"), first_calls=mode, labels=True)
+        assert Path(png).read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="first_calls="):
+        draw_timeline(merged, str(tmp_path / "bad.png"), first_calls="hide")
+
+
+def test_recording_block_restores_the_previous_recorder(tmp_path):
+    from vtnumba import CPUBackend
+
+    outer = trace.enable(str(tmp_path / "outer"), rank=0)
+    try:
+        b = CPUBackend(threaded=True)
+        q = b.create_queue("work")
+        e = b.create_event()
+        with trace.recording(rank=3) as rec:
+            b.record_event(e, q)
+            b.queue_wait_event(q, e)
+            b.synchronize(q)
+        assert trace.RECORDER is outer
+        data = rec.to_json()
+        names = [ev["name"] for ev in data["traceEvents"] if ev["ph"] == "X"]
+        assert {"record_event", "wait_event", "synchronize"} <= set(names)
+        assert all(ev["pid"] == 3 for ev in data["traceEvents"] if ev["ph"] == "X")
+        assert not outer.events, "the block's operations went to the block's recorder only"
+        assert find_arrows([ev for ev in data["traceEvents"] if ev["ph"] == "X"])
+        b.close()
+    finally:
+        trace.disable()
 
 
 def test_tracing_off_records_nothing():

@@ -7,7 +7,13 @@ pattern into its own buffer and reads every peer's straight out of memory; then 
 writes into its neighbour's buffer and raises a flag there to say so.  On the way: how a
 shared-memory segment is made without ever having a name in ``/dev/shm`` (so a crash cannot
 leave one behind), how a peer opens it anyway, how the ranks *agree* before any of them
-moves on, what a flag's epoch is, and what a wait that times out looks like.
+moves on, what a flag's epoch is, and what a wait that times out looks like.  The
+timeline shows a message going around the ring: a write into a peer's memory, a flag, and
+the peer's wait that the flag releases.
+
+**Builds on:** :doc:`05_fused_add_rmsnorm` and :doc:`01_devices_queues_events` (events
+order queues within a process; here flags order ranks).  Next:
+:doc:`07_reduce_scatter_all_gather`.
 
 Run it::
 
@@ -22,10 +28,14 @@ tells the reader when to look.
 """
 
 # %%
-# Setup.  ``init_distributed`` splits the world into tensor-parallel groups (here one
+# Setup
+# -----
+#
+# ``init_distributed`` splits the world into tensor-parallel groups (here one
 # group of all ranks, named ``"tp"``) and tells each group whether its ranks share a node
 # (``peer_access``: only then can they map each other's memory).
 import os
+import time
 
 from vtnumba.apps.tutorial import start
 
@@ -33,6 +43,7 @@ lesson = start("06 peer buffers")
 
 import numpy as np  # noqa: E402
 
+from vtnumba import trace  # noqa: E402
 from vtnumba.dist import (  # noqa: E402
     PeerBuffers,
     PeerSignals,
@@ -71,13 +82,21 @@ def write(arr, values: np.ndarray) -> None:
 
 
 # %%
-# 1. A shared-memory segment, by hand.  Rank 0 *creates* it with ``memfd_create``: an
+# A shared-memory segment, by hand
+# --------------------------------
+#
+# Rank 0 *creates* it with ``memfd_create``: an
 # anonymous file in RAM that has no name in any directory -- it exists only while a process
 # holds a descriptor or a mapping of it.  Rank 0 maps it and writes into it.  The handle it
 # broadcasts is ``fd:<pid>:<fd>:<name>``: the others *attach* by opening
 # ``/proc/<pid>/fd/<fd>``, rank 0's own descriptor (the kernel lets only the same user do
 # that).  Once everyone has mapped it, rank 0 closes its descriptor -- the memory lives on as
 # long as a process maps it.  At no moment was there a file a crash could leave behind.
+# Attaching is a few lines -- note the check that the descriptor really is our segment:
+#
+# .. vt-source:: vtnumba.dist.shm.ShmSegment.attach
+#
+# .. vt-source:: vtnumba.dist.shm.ShmSegment._open_descriptor
 seg = ShmSegment.create(4096, tag="demo") if rank == 0 else None
 handle = lesson.comm.bcast(seg.handle if seg else None, root=0)
 if rank == 0:
@@ -99,7 +118,10 @@ seg.close()
 # opened; only a kill inside those few milliseconds could leave that file behind.)
 
 # %%
-# 2. ``PeerBuffers`` does all of that for every rank, collectively: each rank creates its
+# Peer buffers for every rank
+# ---------------------------
+#
+# ``PeerBuffers`` does all of that for every rank, collectively: each rank creates its
 # segment (or, on a GPU, allocates device memory and exports a CUDA IPC handle), the
 # handles are allgathered as raw bytes, every rank opens every peer's, and the ranks
 # *agree* after each step -- if any rank fails, every rank raises the same error instead
@@ -122,27 +144,59 @@ lesson.check(pb.peer(rank) is pb.local, "peer(my rank) is my local buffer")
 barrier(group)  # nobody may overwrite a buffer another rank is still reading
 
 # %%
-# 3. Writing into a *peer's* buffer, ordered by a flag.  A barrier orders everyone with
-# everyone; a flag orders one writer with one reader.  ``PeerSignals`` keeps small flag
-# areas in shared host memory; ``set(name, target, value)`` is a *release* store (the
-# data written before it is visible first), ``wait`` polls with *acquire* loads.  Flags
-# are epoch counters (1, 2, 3 ...) that only grow: step e waits for ``>= e``, so nothing
-# is ever reset and a late waiter still sees it.  Each rank sends a message to the next
-# rank around a ring, straight into that rank's mailbox.
+# Writing into a peer's buffer, ordered by a flag
+# -----------------------------------------------
+#
+# A barrier orders everyone with everyone; a flag orders one writer with one reader.
+# ``PeerSignals`` keeps small flag areas in shared host memory; ``set(name, target,
+# value)`` is a *release* store (the data written before it is visible first), ``wait``
+# polls with *acquire* loads:
+#
+# .. vt-source:: vtnumba.dist.signals.PeerSignals.set
+#
+# .. vt-source:: vtnumba.dist.signals.PeerSignals.wait
+#
+# Flags are epoch counters (1, 2, 3 ...) that only grow: step e waits for ``>= e``, so
+# nothing is ever reset and a late waiter still sees it.  Each rank sends a message to the
+# next rank around a ring, straight into that rank's mailbox.  Each step is wrapped in a
+# ``trace.span`` (see :doc:`../tracing`); ``flow_out`` / ``flow_in`` name the flag, so the
+# timeline draws an arrow from the flag's store to the wait it released -- across ranks.
+# The first round (epoch 1) also compiles the flags' load and store functions (numba);
+# the second is the one we draw, with rank 0 starting 20 ms late on purpose.
 sig = PeerSignals(group, names=("mail",), timeout_s=30)
 nxt, prv = (rank + 1) % tp, (rank - 1) % tp
 mailbox = pb.views(np.int32, (N,), offset=N * 4)   # mailbox[j] is rank j's mailbox
+
+
+def send_around_ring(e: int, late_s: float = 0.0) -> np.ndarray:
+    if rank == 0:
+        time.sleep(late_s)
+    with trace.span(f"write rank {nxt}'s mailbox", "peer", "ring"):
+        write(mailbox[nxt], np.full(N, 100 * e + rank, np.int32))  # 1. the data, into the peer's memory
+    with trace.span(f"set flag on rank {nxt}", "peer", "ring", flow_out=f"mail:{nxt}:{e}"):
+        sig.set("mail", nxt, e)                                      # 2. then the flag, in the peer's flag area
+    with trace.span(f"wait for rank {prv}'s flag", "peer", "ring", flow_in=f"mail:{rank}:{e}"):
+        sig.wait("mail", e, source=prv)                              # 3. wait for my neighbour's flag ...
+    with trace.span("read my mailbox", "peer", "ring"):
+        return to_host(mailbox[rank])                                # 4. ... then read my own mailbox
+
+
+send_around_ring(sig.next_epoch())  # epoch 1: the warm-up round
 e = sig.next_epoch()
-write(mailbox[nxt], np.full(N, 100 + rank, np.int32))   # 1. the data, into the peer's memory
-sig.set("mail", nxt, e)                                 # 2. then the flag, in the peer's flag area
-sig.wait("mail", e, source=prv)                         # 3. wait for my neighbour's flag ...
-got = to_host(mailbox[rank])                            # 4. ... then read my own mailbox
+with lesson.timeline("ring.png", "One message around the ring (epoch 2).  Each rank writes into the next rank's "
+                     "mailbox, then raises the flag there; an arrow goes from that flag store to the wait it "
+                     "released on the receiving rank.  Rank 0 started 20 ms late, so rank 1 waited for it.",
+                     title="06: a write into a peer's memory, ordered by a flag"):
+    got = send_around_ring(e, late_s=0.02)
 lesson.say(f"epoch {e}: rank {rank} found {got[0]} x {N} from rank {prv} in its mailbox")
-lesson.check(np.all(got == 100 + prv), "each rank got its neighbour's message, ordered by the flag alone")
+lesson.check(np.all(got == 100 * e + prv), "each rank got its neighbour's message, ordered by the flag alone")
 
 # %%
-# 4. Agreement.  Before a fast path, every rank asks "can you?"; ``all_ranks_ready`` is the
-# seed's all-reduce MIN: True on every rank only if it was True on every rank.  (One rank
+# Agreement
+# ---------
+#
+# Before a fast path, every rank asks "can you?"; ``all_ranks_ready`` is the all-reduce
+# MIN that vLLM's ``TPSPBackend`` uses: True on every rank only if it was True on every rank.  (One rank
 # going ahead while another falls back would leave both waiting in different collectives.)
 everyone = all_ranks_ready(True, group)
 one_says_no = all_ranks_ready(rank != tp - 1, group)  # the last rank cannot
@@ -150,7 +204,10 @@ lesson.say(f"all_ranks_ready: all say yes -> {everyone}; rank {tp - 1} says no -
 lesson.check(everyone and not one_says_no, "the ranks agree")
 
 # %%
-# 5. A wait that cannot succeed.  Nobody will ever raise ``mail`` to 99, so the wait
+# A wait that cannot succeed
+# --------------------------
+#
+# Nobody will ever raise ``mail`` to 99, so the wait
 # gives up after its timeout with an error naming the rank, the flag, the value it wanted
 # and the value it saw -- every wait in vtnumba has one, so a lost peer is an error, not
 # a hang.  (A rank that fails inside a protocol can also ``abort()``, which makes its
@@ -164,7 +221,10 @@ lesson.say(f"wait(mail >= 99, timeout 0.2 s) -> RuntimeError: {timeout_msg}")
 lesson.check("timed out after 0.2 s" in timeout_msg, "a wait with a timeout raises instead of hanging")
 
 # %%
-# 6. What changes on a GPU.  On ``cuda`` the buffer is device memory from ``cuMemAlloc``;
+# What changes on a GPU
+# ---------------------
+#
+# On ``cuda`` the buffer is device memory from ``cuMemAlloc``;
 # the handle that travels is a 64-byte ``cudaIpcMemHandle_t``, copied out as raw bytes
 # (plus the offset and size inside the allocation), and each peer opens it with
 # ``cuIpcOpenMemHandle`` -- a kernel on rank 0 then loads and stores rank 1's memory over
@@ -187,6 +247,9 @@ else:
     lesson.say(f"here the handle is the segment's name, {len(name)} bytes like {name[:30]!r}...")
 
 # %%
+# Teardown
+# --------
+#
 # Teardown is collective too: ``close()`` synchronizes, waits until nobody uses any
 # buffer, unmaps the peers', waits until nobody maps its own, then frees it -- the last
 # unmap returns the pages to the kernel.
@@ -197,7 +260,20 @@ lesson.check(not [n for n in list_segments() if f"-{os.getpid()}-" in n], "no /d
 lesson.say("done")
 
 # %%
-# Common issues:
+# Expected output
+# ---------------
+#
+# * ``in /dev/shm: False`` and ``'hello'`` read through the mapping: shared memory with no
+#   name to leak.
+# * Each rank reads every peer's pattern, ``rank * 1000000 + 0, 1, 2``.
+# * The ring timeline: rank 1 writes rank 0's mailbox and sets the flag first, then waits
+#   (red) until rank 0, 20 ms late, has written and raised rank 1's flag -- the arrow from
+#   rank 0's "set flag" to the end of rank 1's wait.  Rank 0 finds its flag already raised
+#   and hardly waits.
+# * A wait with a 0.2 s timeout that says who waited for what, and what it saw.
+#
+# Common issues
+# -------------
 #
 # * ``PeerAccessError: group ... spans more than one node`` -- ranks on different
 #   machines cannot map each other's memory; use the MPI collectives
@@ -210,3 +286,12 @@ lesson.say("done")
 # * In the simulator, numpy arguments to a kernel are copied in and back, which hides a
 #   peer's writes and clobbers them afterwards; PeerBuffers hands out zero-copy simulator
 #   arrays instead -- pass those, not ``np.asarray`` of them.
+#
+# Try next
+# --------
+#
+# 1. Swap steps 1 and 2 (raise the flag, then write the data) and make the writer sleep
+#    5 ms between them: the reader now finds stale bytes in its mailbox, although every
+#    flag arrived.
+# 2. Run with ``mpiexec -n 3``: every rank still hears from its left neighbour only; add a
+#    second flag name and send each message around the ring twice.

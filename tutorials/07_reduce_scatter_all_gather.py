@@ -6,7 +6,10 @@ and checks them against numpy and against MPI.  *Reduce-scatter* sums every rank
 ``[T, H]`` partial result and leaves each rank only its own block of ``R = ceil(T / tp)``
 token rows; *all-gather* puts every rank's ``[R, H]`` block back together into ``[T, H]``
 on every rank.  ``T`` need not be a multiple of ``tp``: the last block is zero-padded.
-Last, both are timed at 16 MiB against ``MPI_Reduce_scatter_block`` / ``MPI_Allgather``.
+Last, both are timed from 256 KiB to 16 MiB against ``MPI_Reduce_scatter_block`` /
+``MPI_Allgather``, and plotted.
+
+**Builds on:** :doc:`06_peer_buffers` (peer memory and flags).  Next: :doc:`08_tpsp`.
 
 Run it::
 
@@ -20,11 +23,15 @@ and no byte passes through a message queue.
 """
 
 # %%
-# Setup.  One tensor-parallel group of all ranks; peer buffers large enough for the
+# Setup
+# -----
+#
+# One tensor-parallel group of all ranks; peer buffers large enough for the
 # 16 MiB case at the end; and the three flags the protocol uses (``inbox_ready``,
 # ``gather_ready``, ``consumed``), each an epoch counter.
-from vtnumba.apps.tutorial import start
+from vtnumba.apps.tutorial import as_rate, human_bytes, start
 
+# isort: split
 lesson = start("07 reduce-scatter and all-gather over peer buffers")
 
 import time  # noqa: E402
@@ -32,6 +39,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+from vtnumba.bench.timing import stats_from_times  # noqa: E402
 from vtnumba.dist import (  # noqa: E402
     PeerBuffers,
     PeerSignals,
@@ -54,19 +62,31 @@ if lesson.target in ("cudasim", "cuda"):
 else:
     to_target, to_host, empty = np.ascontiguousarray, np.asarray, np.empty
 
-BIG_T, BIG_H = 4096 // tp * tp, 1024      # 16 MiB of float32 (T a multiple of tp: see section 5)
+BIG_T, BIG_H = 4096 // tp * tp, 1024      # 16 MiB of float32 (T a multiple of tp: see below)
 pb = PeerBuffers(BIG_T * BIG_H * 4 if lesson.target == "cuda" else 4096, group)
 signals = PeerSignals(group, backend=pb.backend)
 lesson.say(f"{pb}, flags {list(signals.names)}")
 
 # %%
-# 1. Reduce-scatter, small enough to read.  ``T = 7`` tokens, ``H = 4``; rank r's partial
-# is ``(t + 1) * 10**r`` in every column of row t, so in the sum each decimal digit tells
-# which rank contributed.  With ``tp = 2``: ``R = 4``, rank 0 owns tokens 0..3 and rank 1
+# Reduce-scatter, small enough to read
+# ------------------------------------
+#
+# ``T = 7`` tokens, ``H = 4``; rank r's partial is ``(t + 1) * 10**r`` in every column of
+# row t, so in the sum each decimal digit tells which rank contributed.  With ``tp = 2``: ``R = 4``, rank 0 owns tokens 0..3 and rank 1
 # owns tokens 4..6 plus one zero row of padding.  Protocol of one step: wait until peers
 # are done with my buffer (``consumed``), write my partial into my peer buffer, raise
 # ``inbox_ready`` on everyone, wait for everyone's, sum *my* row block straight out of
-# every peer's buffer, raise ``consumed``.
+# every peer's buffer, raise ``consumed``.  Both collectives share that protocol:
+#
+# .. vt-source:: vtnumba.dist.collectives._exchange
+#
+# The sum itself is two small kernels over row blocks -- the first two sources added in one
+# pass, each further one accumulated -- one CUDA thread per output element; on a GPU the
+# loads of ``a``, ``b`` and ``src`` go to the *peers'* memory, over NVLink or PCIe:
+#
+# .. vt-source:: vtnumba.kernels.reduce.add_rows
+#
+# .. vt-source:: vtnumba.kernels.reduce.accumulate_rows
 T, H = 7, 4
 R = -(-T // tp)
 x = np.repeat(((np.arange(T) + 1) * 10.0 ** rank)[:, None], H, axis=1).astype(np.float32)
@@ -83,7 +103,10 @@ expect[:rows] = (np.arange(rank * R, rank * R + rows)[:, None] + 1) * sum(10.0 *
 lesson.check(np.array_equal(mine, expect), "each rank holds the sum of its token rows; the padding is zero")
 
 # %%
-# 2. The same with random partials, against numpy and MPI.  Every rank can rebuild every
+# Against numpy and MPI
+# ---------------------
+#
+# The same with random partials.  Every rank can rebuild every
 # rank's partial from its seed, so every rank computes the numpy reference itself.  Two
 # MPI baselines: vtnumba's ``mpi_reduce_scatter`` (same contract), and mpi4py's
 # ``Reduce_scatter_block`` called by hand -- it needs equal blocks, so ``T`` is padded to
@@ -110,7 +133,10 @@ lesson.check(err < 1e-5 and np.allclose(peer_out, mpi_out, atol=1e-5) and np.all
              "peer reduce-scatter == numpy == MPI_Reduce_scatter_block")
 
 # %%
-# 3. All-gather.  Each rank contributes its ``[R, H]`` block; every rank ends with the
+# All-gather
+# ----------
+#
+# Each rank contributes its ``[R, H]`` block; every rank ends with the
 # ``[T, H]`` result -- rank j's rows at ``j * R``, the padding rows dropped.  Gathering the
 # reduce-scatter's output gives back the whole sum on every rank: reduce-scatter followed
 # by all-gather *is* an all-reduce, which is exactly how TPSP splits one.  mpi4py's
@@ -126,7 +152,10 @@ lesson.check(err < 1e-5 and np.array_equal(gathered, mpi_gathered) and np.array_
              "peer all-gather == MPI_Allgather, and RS + AG == all-reduce")
 
 # %%
-# 4. Awkward sizes.  ``T < tp`` leaves some ranks only padding; any ``T`` must work.
+# Awkward sizes
+# -------------
+#
+# ``T < tp`` leaves some ranks only padding; any ``T`` must work.
 for T_small in (1, tp + 1, 3 * tp + 1):
     R_small = -(-T_small // tp)
     part = partials[rank][:T_small, :3].copy()
@@ -136,13 +165,17 @@ for T_small in (1, tp + 1, 3 * tp + 1):
     lesson.check(np.allclose(back, want, atol=1e-5), f"T={T_small} on {tp} ranks: RS + AG == all-reduce")
 
 # %%
-# 5. Time at 16 MiB (``[4096, 1024]`` float32 per rank, T rounded down to a multiple of
-# tp).  A collective is as slow as its slowest rank, so every round starts with a barrier
-# and the slowest rank's median is reported.  MPI is called the plain blocking way
-# (``timeout_s=None``), the stock baseline.  In the simulator, device memory is host
-# memory but every kernel is Python threads, so this part uses peer buffers in host
-# memory there (a ``CPUBackend``); on a GPU it times device memory, and MPI (not
-# CUDA-aware here) has to stage through the host.
+# Time across sizes
+# -----------------
+#
+# From 256 KiB to 16 MiB per rank (``[T, 1024]`` float32, T a multiple of tp).  A
+# collective is as slow as its slowest rank, so every round starts with a barrier and
+# counts the slowest rank's time; the figure shows the median round and the p10-p90
+# spread, as bandwidth: the bytes of one rank's ``[T, H]`` array over the time.  MPI is
+# called the plain blocking way (``timeout_s=None``), the stock baseline.  In the
+# simulator, device memory is host memory but every kernel is Python threads, so this
+# part uses peer buffers in host memory there (a ``CPUBackend``); on a GPU it times device
+# memory, and MPI (not CUDA-aware here) has to stage through the host.
 if lesson.target == "cuda":
     big_pb, big_sig = pb, signals
 else:
@@ -152,12 +185,10 @@ else:
     big_pb = PeerBuffers(BIG_T * BIG_H * 4, group, host)
     big_sig = PeerSignals(group, backend=host)
     to_target, to_host, empty = np.ascontiguousarray, np.asarray, np.empty
-BIG_R = -(-BIG_T // tp)
-bx = to_target(np.random.default_rng(rank).standard_normal((BIG_T, BIG_H), dtype=np.float32))
-bshard, bfull = empty((BIG_R, BIG_H), np.float32), empty((BIG_T, BIG_H), np.float32)
 
 
-def slowest_median_ms(fn, rounds=11) -> float:
+def slowest_rounds(fn, rounds=11):
+    """Per round: barrier, time ``fn()``; the slowest rank's time of each round (seconds)."""
     fn()  # warm-up
     times = []
     for _ in range(rounds):
@@ -165,17 +196,43 @@ def slowest_median_ms(fn, rounds=11) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return lesson.comm.allreduce(float(np.median(times)), op=MPI.MAX) * 1e3
+    slowest = np.empty(rounds)
+    lesson.comm.Allreduce(np.array(times), slowest, op=MPI.MAX)  # element-wise: the slowest rank per round
+    return stats_from_times(slowest)
 
 
-ms = {
-    "reduce_scatter peer": slowest_median_ms(lambda: reduce_scatter(big_pb, bx, bshard, big_sig)),
-    "reduce_scatter MPI": slowest_median_ms(lambda: mpi_reduce_scatter(bx, bshard, group, timeout_s=None)),
-    "all_gather peer": slowest_median_ms(lambda: all_gather(big_pb, bshard, bfull, big_sig)),
-    "all_gather MPI": slowest_median_ms(lambda: mpi_all_gather(bshard, bfull, group, timeout_s=None)),
-}
+series = {"reduce_scatter, peer buffers": [], "reduce_scatter, MPI": [], "all_gather, peer buffers": [],
+          "all_gather, MPI": []}
+for rows in (64, 256, 1024, BIG_T):
+    T_t = rows // tp * tp
+    R_t = T_t // tp
+    bx = to_target(np.random.default_rng(rank).standard_normal((T_t, BIG_H), dtype=np.float32))
+    bshard, bfull = empty((R_t, BIG_H), np.float32), empty((T_t, BIG_H), np.float32)
+    st = {
+        "reduce_scatter, peer buffers": slowest_rounds(lambda: reduce_scatter(big_pb, bx, bshard, big_sig)),
+        "reduce_scatter, MPI": slowest_rounds(lambda: mpi_reduce_scatter(bx, bshard, group, timeout_s=None)),
+        "all_gather, peer buffers": slowest_rounds(lambda: all_gather(big_pb, bshard, bfull, big_sig)),
+        "all_gather, MPI": slowest_rounds(lambda: mpi_all_gather(bshard, bfull, group, timeout_s=None)),
+    }
+    nbytes = T_t * BIG_H * 4
+    for name in series:
+        series[name].append((nbytes, as_rate(st[name], nbytes)))
+    ms = {name: v.median_s * 1e3 for name, v in st.items()}
+    lesson.say(f"{human_bytes(nbytes):>7}: reduce_scatter peer {ms['reduce_scatter, peer buffers']:6.2f} ms, MPI "
+               f"{ms['reduce_scatter, MPI']:6.2f} ms; all_gather peer {ms['all_gather, peer buffers']:6.2f} ms, MPI "
+               f"{ms['all_gather, MPI']:6.2f} ms (slowest rank, median of 11)")
+lesson.perf_plot("collectives.png", "Reduce-scatter and all-gather over peer buffers against MPI, from 256 KiB to "
+                 "16 MiB per rank (slowest rank per round).  Both sides move the same bytes through the same memory "
+                 "on this machine; which is faster depends on copies and synchronisation, and the ratio is what "
+                 "carries over to other machines, not the absolute numbers.", series,
+                 xlabel="bytes of one rank's [T, 1024] float32 array", ylabel="GB/s (array bytes / time)",
+                 title=f"07: collectives over peer buffers vs MPI, {tp} ranks", logy=True)
+big_ms = {name: points[-1][1][0] for name, points in series.items()}
 
 # %%
+# All-gather in place
+# -------------------
+#
 # The out-of-place all-gather copies twice: my block into my peer buffer, then every block
 # into ``out``.  In place (NCCL's convention) ``out`` *is* my peer buffer, my block already
 # sits in my rows of it, and each rank copies only its peers' rows.  Putting the block
@@ -184,24 +241,26 @@ ms = {
 # (Zero-copy needs my whole block inside ``out``, hence ``T`` a multiple of ``tp`` here; a
 # last rank whose block runs past ``T`` would have its rows staged instead.)
 in_place_out = big_pb.views(np.float32, (BIG_T, BIG_H), 0)[rank]
-my_rows = in_place_out[rank * BIG_R:(rank + 1) * BIG_R]
+my_rows = in_place_out[rank * R_t:(rank + 1) * R_t]
 big_sig.wait_consumed()
 if isinstance(my_rows, np.ndarray):
     np.copyto(my_rows, bshard)
 else:
     my_rows.copy_to_device(bshard)  # device to device (bshard lives on the GPU too) ...
     cuda.synchronize()              # ... finished before the collective raises its flag
-ms["all_gather peer, in place"] = slowest_median_ms(lambda: all_gather(big_pb, my_rows, in_place_out, big_sig))
+in_place = slowest_rounds(lambda: all_gather(big_pb, my_rows, in_place_out, big_sig))
 same = np.array_equal(to_host(in_place_out), to_host(bfull))
-for op in ("reduce_scatter", "all_gather"):
-    lesson.say(f"16 MiB {op:<15}: peer buffers {ms[op + ' peer']:7.2f} ms, MPI {ms[op + ' MPI']:7.2f} ms "
-               f"-> MPI time / peer time = {ms[op + ' MPI'] / ms[op + ' peer']:.2f}")
-lesson.say(f"16 MiB all_gather in place: {ms['all_gather peer, in place']:7.2f} ms -> MPI time / peer time = "
-           f"{ms['all_gather MPI'] / ms['all_gather peer, in place']:.2f}; same result as out of place: {same}")
-lesson.check(same and all(v > 0 for v in ms.values()), "the timed collectives ran; in place == out of place")
+gbs_in_place = BIG_T * BIG_H * 4 / in_place.median_s / 1e9
+lesson.say(f"16 MiB all_gather in place: {in_place.median_s * 1e3:6.2f} ms ({gbs_in_place:.1f} GB/s) against "
+           f"{big_ms['all_gather, peer buffers']:.1f} GB/s out of place and {big_ms['all_gather, MPI']:.1f} GB/s "
+           f"for MPI; same result as out of place: {same}")
+lesson.check(same and in_place.median_s > 0, "the timed collectives ran; in place == out of place")
 
 # %%
-# Teardown: flags and buffers are collective to close (synchronize, barrier, unmap,
+# Teardown
+# --------
+#
+# Flags and buffers are collective to close (synchronize, barrier, unmap,
 # barrier, free).
 if big_pb is not pb:
     big_sig.close()
@@ -212,7 +271,19 @@ destroy_distributed()
 lesson.say("done")
 
 # %%
-# Common issues:
+# Expected output
+# ---------------
+#
+# * Rank 0 holds ``[11, 22, 33, 44]``, rank 1 ``[55, 66, 77, 0]``: each rank's rows of the
+#   sum, the last block padded with zero.
+# * Peer results identical to MPI's (``0.0e+00``) for two ranks, within ``1e-5`` of float64.
+# * The figure: four lines from 256 KiB to 16 MiB.  On one machine both sides copy through
+#   the same memory, so they are within a small factor of each other; small sizes are
+#   dominated by the per-call cost (flags, barriers, Python), large ones by bandwidth.
+#   The in-place all-gather skips a copy and is faster than the out-of-place one.
+#
+# Common issues
+# -------------
 #
 # * Every rank must call each collective with the same shapes.  A mismatch is detected
 #   after the flags (each rank publishes its shapes) and raises the same ``ValueError`` on
@@ -224,3 +295,11 @@ lesson.say("done")
 #   zeros (``mpi_reduce_scatter`` / ``mpi_all_gather`` do it for you).
 # * On a laptop both ranks share the cores and the memory bus, so ratios, not absolute
 #   times, are what carries over to other machines.
+#
+# Try next
+# --------
+#
+# 1. Run with ``mpiexec -n 3`` and ``-n 4``: the reduce-scatter's bytes read per rank grow
+#    as ``(tp - 1) / tp`` of the array; does the peer line follow?
+# 2. Build an all-reduce as ``reduce_scatter`` followed by ``all_gather`` and time it
+#    against ``group.comm.Allreduce`` across the same sizes.

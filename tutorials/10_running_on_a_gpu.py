@@ -6,7 +6,13 @@ vtnumba code meets a real GPU: which backend serves the process and what it can 
 kind of array a buffer hands to a kernel, how peer memory travels, and the one feature only
 a GPU has -- graph capture, which records a sequence of launches once and replays it with
 one call.  On ``cpu`` and ``cudasim`` it runs and checks everything that exists there, and
-says what a GPU would do instead.  Last: how to run the whole GPU check in one command.
+says what a GPU would do instead.  A timeline shows what the lesson's queue ran on this
+target -- copies, kernels, the first calls that compile.  Last: how to run the whole GPU
+check in one command.
+
+**Builds on:** every lesson before it, above all :doc:`01_devices_queues_events` (the
+backend seam) and :doc:`08_tpsp`.  It is the last lesson; the :doc:`../benchmarks` page
+measures what the lessons taught.
 
 Run it::
 
@@ -21,7 +27,10 @@ peer's memory is mapped -- and what a launch costs, which is what graphs are for
 """
 
 # %%
-# 1. What this process runs on.  ``--target`` (or ``VTNUMBA_TARGET``) chooses once per
+# What this process runs on
+# -------------------------
+#
+# ``--target`` (or ``VTNUMBA_TARGET``) chooses once per
 # process, before ``numba.cuda`` is imported; ``auto`` picks ``cuda`` when a GPU is usable
 # and ``cpu`` otherwise -- never the simulator, which is only ever asked for.  ``vtnumba
 # info`` prints the same facts as ``collect_info()`` here.
@@ -48,7 +57,10 @@ for key in ("target", "target_reason", "simulator", "gpu", "compute_capability",
 lesson.check(info["target"] == target and info["simulator"] == (target == "cudasim"), "vtnumba info agrees")
 
 # %%
-# 2. The backend.  The same seam, three implementations:
+# The backend
+# -----------
+#
+# The same seam, three implementations:
 #
 # ======== ==================== ================ ============ =============
 # target   backend              memory           queues       graph capture
@@ -65,7 +77,10 @@ lesson.say(f"backend {backend.name} on {backend.device}: " + ", ".join(f"{k}={v}
 lesson.check(caps["supports_graph_capture"] == (target == "cuda"), "graph capture exactly on a real GPU")
 
 # %%
-# 3. Arrays.  ``backend.alloc`` returns a Buffer; ``buffer.view(dtype, shape)`` is the
+# Arrays
+# ------
+#
+# ``backend.alloc`` returns a Buffer; ``buffer.view(dtype, shape)`` is the
 # array a kernel takes: a numpy array on ``cpu`` (the host reference runs on it), the
 # simulator's ``FakeCUDAArray`` on ``cudasim`` (host memory the simulated kernels use
 # without copying), a numba ``DeviceNDArray`` on ``cuda``.  Host data gets there with
@@ -89,23 +104,37 @@ lesson.say(f"buffer.view(...) on {target}: {type(dy).__module__}.{type(dy).__nam
 lesson.check(np.array_equal(back, y), "host -> buffer -> host round trip is exact")
 
 # %%
-# 4. One call, two places.  ``fused_add_rms_norm`` on numpy arrays runs the host reference;
-# on the buffer views it runs wherever they live -- the CUDA kernel on ``cudasim`` and
-# ``cuda``, the host reference again on ``cpu``.  Both must give the float64 answer.
+# One call, two places
+# --------------------
+#
+# ``fused_add_rms_norm`` on numpy arrays runs the host reference; on the buffer views it
+# runs wherever they live -- the CUDA kernel on ``cudasim`` and ``cuda``, the host reference
+# again on ``cpu``.  Both must give the float64 answer.  A small projection too:
+# ``linear(x [6, 96], w [8, 96])`` -- BLAS on the host, the default ladder rung on a
+# device.  Each queued call is made three times and traced.  A first call may load the
+# kernel from numba's cache or compile it (on a GPU: hundreds of milliseconds); when a
+# first call takes far longer than the later ones, the timeline hatches it and labels it
+# "1st call" -- a one-time cost, not the kernel's.  (Here the host calls just above have
+# already loaded the cpu kernels.)  On a GPU the traced span of a kernel is its device
+# time, measured with events around the launch:
+#
+# .. vt-source:: vtnumba.backend.cuda.CUDABackend._submit
 z64 = y.astype(np.float64) + res
 truth = z64 / np.sqrt((z64 ** 2).mean(-1, keepdims=True) + EPS) * w
 host_out, _ = fused_add_rms_norm(y, res, w, EPS)
-dev_out, _ = fused_add_rms_norm(dy, dres, dw, EPS, queue=q)
-dev_host = np.empty_like(y)
-backend.copy(q, dev_host, dev_out, dev_host.nbytes)
-backend.synchronize(q)
-# A small projection too: ``linear(x [6, 96], w [8, 96])`` -- BLAS on the host, the
-# default ladder step (``regtile``) on a device.
 lin_host = linear(y, wm)
-lin_dev = linear(dy, dwm, queue=q)
+dev_host = np.empty_like(y)
 lin_back = np.empty_like(lin_host)
-backend.copy(q, lin_back, lin_dev, lin_back.nbytes)
-backend.synchronize(q)
+with lesson.timeline("queue.png", f"What the lesson's queue ran on the {target} target (both ranks): the copies in, "
+                     "three calls each of fused_add_rms_norm and linear, the copies out.  A hatched bar is a first "
+                     "call that took far longer than the later ones: loading or compiling the kernel.",
+                     title=f"10: one queue on the {target} target", labels=True):
+    for _ in range(3):
+        dev_out, _ = fused_add_rms_norm(dy, dres, dw, EPS, queue=q)
+        lin_dev = linear(dy, dwm, queue=q)
+    backend.copy(q, dev_host, dev_out, dev_host.nbytes)
+    backend.copy(q, lin_back, lin_dev, lin_back.nbytes)
+    backend.synchronize(q)
 lin_truth = y.astype(np.float64) @ wm.T.astype(np.float64)
 where = "host reference (both)" if target == "cpu" else "host reference vs CUDA kernel"
 lesson.say(f"fused add + RMSNorm, {where}: max |host - float64| {np.max(np.abs(host_out - truth)):.1e}, "
@@ -118,7 +147,10 @@ lesson.check(np.max(np.abs(lin_back - lin_truth)) < 1e-4 and np.max(np.abs(lin_h
              "linear: the same answer on the host and on the target")
 
 # %%
-# 5. Peer memory.  The same ``PeerBuffers`` call maps every rank's buffer into every
+# Peer memory
+# -----------
+#
+# The same ``PeerBuffers`` call maps every rank's buffer into every
 # rank; underneath it is POSIX shared memory on ``cpu`` and ``cudasim`` and CUDA IPC
 # (``cuIpcGetMemHandle`` / ``cuIpcOpenMemHandle``) on ``cuda``.  ``try_create`` returns
 # None on *every* rank when peer memory is impossible (ranks on different nodes), so all
@@ -136,7 +168,10 @@ if pb is not None:
 destroy_distributed()
 
 # %%
-# 6. Graph capture (``cuda`` only).  Each kernel launch from Python costs microseconds of
+# Graph capture (cuda only)
+# -------------------------
+#
+# Each kernel launch from Python costs microseconds of
 # host time; a decoder step is hundreds of small launches.  A CUDA graph records the
 # launches made on a queue between ``begin_capture`` and ``end_capture_graph`` -- nothing
 # runs while capturing -- and ``replay_graph`` submits them all with one call, reading and
@@ -145,6 +180,13 @@ destroy_distributed()
 # arrays inside the captured region.  Here: a residual stream updated in place by LAYERS
 # fused add + RMSNorm launches, captured once and replayed twice, checked against the
 # same 2 x LAYERS calls on the host.  Elsewhere ``begin_capture`` refuses with a clear error.
+# The backend's part is three driver calls:
+#
+# .. vt-source:: vtnumba.backend.cuda.CUDABackend._begin_capture
+#
+# .. vt-source:: vtnumba.backend.cuda.CUDABackend._end_capture
+#
+# .. vt-source:: vtnumba.backend.cuda.CUDABackend._replay
 LAYERS = 20
 if backend.supports_graph_capture():
     stream_dev = bufs["res"].view(np.float32, res.shape)          # the residual stream, in place
@@ -201,7 +243,10 @@ for buf in bufs.values():
 backend.destroy_queue(q)
 
 # %%
-# 7. What to expect, and the GPU check.  On a GPU the same tutorials print different
+# What to expect, and the GPU check
+# ---------------------------------
+#
+# On a GPU the same tutorials print different
 # numbers: the matmul ladder (tutorial 04) climbs from the naive kernel to the register
 # tiles by several times, the fused norm (tutorial 05) runs near the device-copy
 # bandwidth, and peer-buffer collectives (tutorial 07) move data over NVLink or PCIe.
@@ -241,7 +286,21 @@ lesson.check(dry_ok, "the GPU check knows whether it has a GPU (a dry run exits 
 lesson.say("done")
 
 # %%
-# Common issues:
+# Expected output
+# ---------------
+#
+# * On ``cpu``: ``CPUBackend``, ``supports_graph_capture=False``, ``buffer.view`` gives a
+#   ``numpy.ndarray``, transport ``'shm'``, ``begin_capture`` refused with a clear error, and
+#   ``bash scripts/gpu_check.sh -> exit 0: no GPU ...`` (a dry run).
+# * The timeline: one row per rank for the queue ``lesson10``: four copies in, then three
+#   ``fused_add_rms_norm`` and three ``linear`` calls, the copies out; a first call that
+#   took far longer than the other two is hatched ("1st call").
+# * On ``cudasim``: a ``FakeCUDAArray``, transport ``'shm-sim'``, the same answers.  On
+#   ``cuda``: a ``DeviceNDArray``, ``'cuda_ipc'``, and a graph replay much cheaper per
+#   launch than eager launches.
+#
+# Common issues
+# -------------
 #
 # * ``--target cuda`` on a machine without a driver fails when the first kernel launches;
 #   ``vtnumba info`` (or ``--target auto``) tells you what the process can see.
@@ -252,3 +311,12 @@ lesson.say("done")
 # * Inside a graph capture: no first-call compilation, no host arrays, no synchronize --
 #   each makes ``cuStreamEndCapture`` fail.  Warm up, use device buffers, capture again.
 # * Several ranks on one GPU share it: per-rank timings are lower than one process's.
+#
+# Try next
+# --------
+#
+# 1. Run this lesson with ``--target cudasim`` and compare the timeline with the cpu one:
+#    the same calls, now simulated kernels -- slow, because every CUDA thread is a Python
+#    thread, and meaningless as GPU times.
+# 2. On a GPU, raise ``LAYERS`` to 200 and watch the eager and graph times per launch: at
+#    which launch count does the graph's one-time capture pay for itself?

@@ -9,11 +9,25 @@ ranks and draws a PNG.
 
 When tracing is off, :data:`RECORDER` is ``None`` and the hot paths pay one global lookup
 and one ``is None`` test -- nothing measurable.
+
+Two conventions in an event's ``args`` let the timeline draw arrows between operations:
+
+* ``event``: the backend's event id on ``record_event`` and ``wait_event`` queue operations
+  (the cpu backend records them); the timeline draws an arrow from each recording to the
+  wait that it released.
+* ``flow_out`` / ``flow_in``: any span may name a flow key, e.g. ``span("set flag", "peer",
+  "flags", flow_out="mail:1:3")`` on the writer and ``flow_in="mail:1:3"`` on the reader's
+  wait; the timeline draws an arrow from the end of the first to the end of the second,
+  across ranks too.
+
+:func:`recording` records one block of a program into memory (tutorials draw their
+timelines from it) without touching a ``VTNUMBA_TRACE`` recording that may be running.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import threading
@@ -32,12 +46,14 @@ class Recorder:
         self.pid = os.getpid()
 
     def track_id(self, track: str) -> int:
+        """The thread id (``tid``) of a track name: 1, 2, ... in the order tracks first finish an operation."""
         with self._lock:
             if track not in self._tracks:
                 self._tracks[track] = len(self._tracks) + 1
             return self._tracks[track]
 
     def add(self, name: str, cat: str, track: str, start_ns: int, end_ns: int, args: dict | None = None) -> None:
+        """Record one complete event (``perf_counter_ns`` timestamps); ``args`` are kept as JSON scalars."""
         ev = {"name": name, "cat": cat, "ph": "X", "ts": start_ns / 1000.0,
               "dur": max(end_ns - start_ns, 0) / 1000.0, "tid": self.track_id(track), "track": track}
         if args:
@@ -47,6 +63,7 @@ class Recorder:
             self.events.append(ev)
 
     def to_json(self) -> dict:
+        """This process's trace as a Chrome trace-event document (the rank as ``pid``)."""
         rank = self.rank if self.rank is not None else _mpi_rank()
         pid = rank if rank is not None else self.pid
         with self._lock:
@@ -60,11 +77,13 @@ class Recorder:
                 "otherData": {"rank": rank, "clock": "time.perf_counter_ns (CLOCK_MONOTONIC)"}}
 
     def rank_path(self) -> str:
+        """``<path>.rank<R>.json``: where :meth:`flush` writes."""
         rank = self.rank if self.rank is not None else _mpi_rank()
         base = self.path[:-5] if self.path.endswith(".json") else self.path
         return f"{base}.rank{rank if rank is not None else 0}.json"
 
     def flush(self) -> str:
+        """Write :meth:`to_json` to :meth:`rank_path`; returns the path."""
         out = self.rank_path()
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
@@ -98,15 +117,37 @@ def enable(path: str, rank: int | None = None) -> Recorder:
 
 
 def disable() -> None:
+    """Stop recording (what was recorded is dropped unless flushed first)."""
     global RECORDER
     RECORDER = None
 
 
 def enabled() -> bool:
+    """Whether a recorder is active."""
     return RECORDER is not None
 
 
+@contextlib.contextmanager
+def recording(rank: int | None = None, path: str = "vtnumba-trace"):
+    """Record the operations of a ``with`` block into a fresh :class:`Recorder` (yielded).
+
+    Whatever recorder was active before (e.g. one started by ``VTNUMBA_TRACE``) is put back
+    afterwards and receives nothing from the block; ``recorder.to_json()`` gives the block's
+    trace.  Queue operations still running on worker threads when the block ends are
+    recorded only if they finish before the recorder is read, so synchronize first.
+    """
+    global RECORDER
+    previous = RECORDER
+    rec = Recorder(path, rank)
+    RECORDER = rec
+    try:
+        yield rec
+    finally:
+        RECORDER = previous
+
+
 def record(name: str, cat: str, track: str, start_ns: int, end_ns: int, **args) -> None:
+    """Record one complete event if tracing is on (a no-op otherwise)."""
     rec = RECORDER
     if rec is not None:
         rec.add(name, cat, track, start_ns, end_ns, args)
@@ -116,6 +157,16 @@ class span:
     """``with span("allgather", "mpi", "mpi:tp"):`` records the block's duration when tracing."""
 
     __slots__ = ("name", "cat", "track", "args", "t0")
+    #: The event's name, category (``queue``, ``host``, ``peer``, ``mpi``, ...) and track (its row).
+    name: str
+    #: The category (see ``name``).
+    cat: str
+    #: The track (row) the span is drawn on.
+    track: str
+    #: Extra event arguments (``flow_out`` / ``flow_in`` draw arrows, see the module docstring).
+    args: dict
+    #: The start time (``perf_counter_ns``), set on entry.
+    t0: int
 
     def __init__(self, name: str, cat: str, track: str, **args):
         self.name, self.cat, self.track, self.args = name, cat, track, args

@@ -1,22 +1,41 @@
-"""Sphinx extension: draw the docs' figures at build time with matplotlib.
+"""Sphinx extension: draw the docs' figures at build time, into ``docs/_build/figures/``.
 
-* ``_generated/architecture.png`` -- the layers of vtnumba (imports point downward);
-* ``_generated/timeline.png`` -- a real 2-rank traced run (``vtnumba trace``), merged;
-* ``_generated/bench_*.png`` -- quick benchmark runs, perf_report style.
+* ``architecture`` -- the layers of vtnumba (imports point downward);
+* ``timeline`` -- a real 2-rank traced TPSP run (``vtnumba trace``), merged;
+* ``bench_*`` -- quick benchmark runs (``vtnumba bench kernels --quick --plot``).
 
-Nothing is a stock picture: the timeline and the plots come from runs made during this build.
+Nothing is a stock picture: the timeline and the plots come from runs made for this build
+(reused while ``mpi/tpsp_model.py`` and the vtnumba sources hash the same; set
+``VTNUMBA_DOCS_FAST=1`` to skip both runs).  Pages show a figure with::
+
+    .. vt-figure:: timeline
+       :alt: a merged two-rank timeline
+
+       Optional caption.
+
+which refers to ``/_build/figures/timeline.png``.  Nothing is written into ``docs/`` itself:
+an image path of the older form ``_generated/NAME`` is read from ``docs/_build/figures/NAME``
+(so pages written before this directive keep building; prefer ``vt-figure``).  Every run
+prints a progress line on stderr, even under ``sphinx -q``.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from docutils import nodes
+from docutils.parsers.rst import directives
+from docutils.statemachine import StringList
+from sphinx.util.docutils import SphinxDirective
+
 ROOT = Path(__file__).resolve().parents[2]
-OUT = ROOT / "docs" / "_generated"
+OUT = ROOT / "docs" / "_build" / "figures"
+LEGACY_PREFIX = "_generated/"
 
 LAYERS = [
     ("cli / mpi scripts / tutorials / benchmarks", "use everything, define nothing"),
@@ -26,6 +45,11 @@ LAYERS = [
     ("memory/", "caching allocator + record_stream, step arena, hazard checker"),
     ("backend/", "Device, DType, Backend seam, CPU and CUDA backends, registry"),
 ]
+
+
+def progress(message: str) -> None:
+    """A progress line on stderr: shown even under ``sphinx -q``."""
+    print(f"vt-figures: {message}", file=sys.stderr, flush=True)
 
 
 def draw_architecture(path: Path) -> None:
@@ -60,32 +84,105 @@ def _run(cmd, timeout=300):
                           stdin=subprocess.DEVNULL)
 
 
+def _key(*extra: Path) -> str:
+    """A hash of the vtnumba sources (and ``extra`` files): a figure's run is reused while it matches."""
+    h = hashlib.sha256()
+    for path in sorted((ROOT / "vtnumba").rglob("*.py")) + [p for p in extra if p.exists()]:
+        h.update(str(path.relative_to(ROOT)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _cached(name: str, key: str, outputs: list[Path]) -> bool:
+    stamp = OUT / f"{name}.key"
+    return stamp.exists() and stamp.read_text() == key and all(p.exists() for p in outputs)
+
+
 def draw_timeline(prefix: Path) -> None:
-    """Trace a short 2-rank TPSP run and draw its merged timeline."""
+    """Trace a short 2-rank TPSP run and draw its merged timeline (``<prefix>.png``)."""
     script = ROOT / "mpi" / "tpsp_model.py"
+    key = _key(script)
+    if _cached("timeline", key, [prefix.with_suffix(".png")]):
+        progress("timeline: reusing the traced TPSP run made with these sources")
+        return
     args = ["--tokens", "256", "--hidden", "256", "--ffn", "512", "--layers", "2"] if script.exists() else []
     inner = ["mpiexec", "-n", "2", sys.executable, str(script), *args] if script.exists() else \
         ["mpiexec", "-n", "2", sys.executable, "-m", "vtnumba", "demo", "runtime"]
+    progress(f"timeline: tracing `{' '.join(['mpiexec', '-n', '2', 'python', *inner[4:]])}` -> "
+             f"{os.path.relpath(prefix, ROOT)}.png ...")
+    t0 = time.perf_counter()
     proc = _run([sys.executable, "-m", "vtnumba", "trace", "--out", str(prefix), "--", *inner])
     if proc.returncode != 0:
         raise RuntimeError(f"traced run for the docs failed:\n{proc.stdout}\n{proc.stderr}")
+    (OUT / "timeline.key").write_text(key)
+    progress(f"timeline: done in {time.perf_counter() - t0:.1f} s")
 
 
 def draw_bench_plots() -> None:
+    """``vtnumba bench kernels --quick`` with its plots and JSON into :data:`OUT`."""
+    key = _key()
+    json_path = OUT / "bench_kernels.json"
+    if _cached("bench_kernels", key, [json_path]):
+        progress("bench plots: reusing the quick benchmark run made with these sources")
+        return
+    progress(f"bench plots: running `vtnumba bench kernels --quick` -> {os.path.relpath(OUT, ROOT)}/bench_*.png ...")
+    t0 = time.perf_counter()
+    for old in OUT.glob("bench_*.png"):
+        old.unlink()
     proc = _run([sys.executable, "-m", "vtnumba", "bench", "kernels", "--quick", "--plot", str(OUT),
-                 "--json", str(OUT / "bench_kernels.json")])
+                 "--json", str(json_path)])
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark run for the docs failed:\n{proc.stdout}\n{proc.stderr}")
+    (OUT / "bench_kernels.key").write_text(key)
+    progress(f"bench plots: done in {time.perf_counter() - t0:.1f} s")
 
 
 def generate(app=None) -> None:
-    OUT.mkdir(exist_ok=True)
+    """Draw every figure into :data:`OUT` (the runs only when their sources changed)."""
+    OUT.mkdir(parents=True, exist_ok=True)
     draw_architecture(OUT / "architecture.png")
     if os.environ.get("VTNUMBA_DOCS_FAST") != "1":
         draw_timeline(OUT / "timeline")
         draw_bench_plots()
+    else:
+        progress("VTNUMBA_DOCS_FAST=1: no traced run and no benchmark run")
+
+
+def figure_uri(name: str, srcdir) -> str:
+    """How a page refers to ``docs/_build/figures/<name>`` (a path from the source folder)."""
+    name = name if "." in Path(name).name else f"{name}.png"
+    return "/" + Path(os.path.relpath(OUT / name, srcdir)).as_posix()
+
+
+class VtFigure(SphinxDirective):
+    """``.. vt-figure:: NAME`` -- a figure drawn by this extension (see the module docstring)."""
+
+    required_arguments = 1
+    has_content = True
+    option_spec = {"alt": directives.unchanged, "width": directives.unchanged}
+
+    def run(self):
+        name = self.arguments[0]
+        lines = [f".. figure:: {figure_uri(name, self.env.srcdir)}",
+                 f"   :alt: {self.options.get('alt', name)}",
+                 f"   :width: {self.options.get('width', '100%')}", ""]
+        lines += ["   " + line for line in self.content] + [""]
+        node = nodes.container()
+        self.state.nested_parse(StringList(lines, source=f"<vt-figure {name}>"), self.content_offset, node)
+        return node.children
+
+
+def resolve_legacy_images(app, doctree) -> None:
+    """``.. image:: _generated/NAME`` reads ``docs/_build/figures/NAME`` (nothing is generated into docs/)."""
+    for node in doctree.findall(nodes.image):
+        uri = node.get("uri", "")
+        if uri.startswith(LEGACY_PREFIX):
+            node["uri"] = figure_uri(uri[len(LEGACY_PREFIX):], app.srcdir)
 
 
 def setup(app):
     app.connect("builder-inited", generate)
-    return {"version": "1.0", "parallel_read_safe": True}
+    app.connect("doctree-read", resolve_legacy_images, priority=100)  # before Sphinx collects the images
+    app.add_directive("vt-figure", VtFigure)
+    return {"version": "2.0", "parallel_read_safe": True, "parallel_write_safe": True}
+
