@@ -52,19 +52,26 @@ def test_info_cudasim_and_auto_reason():
     assert data["target"] in ("cpu", "cuda") and data["target_reason"].startswith("auto:")
 
 
-def test_info_under_mpiexec_reports_rank_and_size():
+def test_info_under_mpiexec_is_printed_once_by_rank_0():
     proc = run_cli("info", "--json", "--target", "cpu", mpiexec=2)
     assert proc.returncode == 0, proc.stderr
-    dec = json.JSONDecoder()
-    text, seen, pos = proc.stdout, set(), 0
-    while pos < len(text):
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
-        if pos >= len(text):
-            break
-        obj, pos = dec.raw_decode(text, pos)
-        seen.add((obj["mpi_rank"], obj["mpi_size"]))
-    assert seen == {(0, 2), (1, 2)}
+    data = json.loads(proc.stdout)  # exactly one JSON document: rank 0 speaks for the job
+    assert data["mpi_size"] == 2 and data["per_rank"]["mpi_rank"] == [0, 1]
+    assert data["python"] and "python" not in data["per_rank"]  # shared values appear once
+    text = run_cli("info", "--target", "cpu", mpiexec=2)
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert sum(line.startswith("python ") for line in lines) == 1  # no interleaved duplicates
+    assert any(line.startswith("mpi_size") and line.split()[-1] == "2" for line in lines)
+
+
+def test_merge_rank_infos_lists_only_what_differs():
+    from vtnumba.apps.info import merge_rank_infos
+
+    merged = merge_rank_infos([{"python": "3.11", "gpu": "A", "mpi_rank": 0},
+                               {"python": "3.11", "gpu": "B", "mpi_rank": 1}])
+    assert merged == {"python": "3.11", "per_rank": {"gpu": ["A", "B"], "mpi_rank": [0, 1]}}
+    assert merge_rank_infos([{"python": "3.11"}]) == {"python": "3.11"}
 
 
 def test_bad_target_is_refused_clearly():
@@ -113,3 +120,21 @@ def test_dtypes():
         DType.BFLOAT16.to_numpy()
     with pytest.raises(TypeError, match="dtype=.*int8.* is not supported"):
         as_dtype(np.int8)
+
+
+def test_target_before_or_after_the_command():
+    before = json.loads(run_cli("--target", "cudasim", "info", "--json").stdout)
+    after = json.loads(run_cli("info", "--json", "--target", "cudasim").stdout)
+    assert before["target"] == after["target"] == "cudasim"
+    both = run_cli("--target", "cpu", "info", "--target", "cudasim")
+    assert both.returncode == 2 and "--target is given twice with different values" in both.stderr
+
+
+def test_closed_pipe_is_not_a_traceback():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(f"{sys.executable} -m vtnumba info --target cpu | head -1", shell=True,
+                          capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr
+    assert proc.stdout.startswith("python")

@@ -2,6 +2,6 @@
 
 import sys
 
-from vtnumba.apps.cli import main
+from vtnumba.apps.cli import run
 
-sys.exit(main())
+sys.exit(run())

@@ -37,13 +37,16 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "docs" / "_build" / "figures"
 LEGACY_PREFIX = "_generated/"
 
+# The floor plan of docs/architecture.rst (checked by tests/test_import_rules.py), top first.
 LAYERS = [
-    ("cli / mpi scripts / tutorials / benchmarks", "use everything, define nothing"),
-    ("tpsp/        ec/        models/", "the seed features and the real-model pipeline"),
-    ("dist/", "process groups on mpi4py, peer buffers, signals, agreement"),
-    ("kernels/", "matmul ladder, fused add+norm, peer reduce/gather, batched copy"),
-    ("memory/", "caching allocator + record_stream, step arena, hazard checker"),
-    ("backend/", "Device, DType, Backend seam, CPU and CUDA backends, registry"),
+    ("apps/   bench/   mpi/   tutorials/", "programs: use everything, define nothing"),
+    ("models/", "all-MiniLM-L6-v2 built from nn layers"),
+    ("nn/", "tensor-parallel layers: column/row-parallel linear, norms, activations"),
+    ("tpsp/          ec/", "the fused tensor-parallel op; the encoder-cache connector"),
+    ("dist/", "process groups, agreement, failure board, peer buffers, signals, queue flags"),
+    ("kernels/", "matmul ladder, norms, peer reduce/gather, activations, attention"),
+    ("memory/", "caching allocator + record_stream, step arena, hazards, copy engine"),
+    ("backend/", "devices, arrays, the Backend seam, CPU and CUDA backends, registry"),
 ]
 
 
@@ -78,7 +81,8 @@ def draw_architecture(path: Path) -> None:
 
 
 def _run(cmd, timeout=300):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", VTNUMBA_TARGET="cpu")
+    # Whatever the programs write by default (bench durations, say) stays in the build folder.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", VTNUMBA_TARGET="cpu", VTNUMBA_OUT_DIR=str(OUT / "out"))
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)

@@ -1,27 +1,41 @@
 """The ``vtnumba`` command line (also ``python -m vtnumba``).
 
 Every command takes ``--target auto|cuda|cudasim|cpu`` (default: ``$VTNUMBA_TARGET`` or
-``auto``).  The target is chosen *before* any command module is imported, because the
-simulator must be switched on before ``numba.cuda`` is imported (see
-:mod:`vtnumba.target`).  This module only parses and dispatches: each command lives in a
-module of its own in :mod:`vtnumba.apps`, the benchmarks in :mod:`vtnumba.bench`.
+``auto``), before or after the command name (``vtnumba --target cpu info`` and
+``vtnumba info --target cpu`` are the same).  The target is chosen *before* any command
+module is imported, because the simulator must be switched on before ``numba.cuda`` is
+imported (see :mod:`vtnumba.target`).  This module only parses and dispatches: each command
+lives in a module of its own in :mod:`vtnumba.apps`, the benchmarks in :mod:`vtnumba.bench`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from vtnumba.apps.processes import share_cores_between_local_ranks
 from vtnumba.target import TARGETS, TargetError, select_target
 
 
+_TARGET_HELP = "execution target (default: $VTNUMBA_TARGET or 'auto' = cuda if a GPU is usable, else cpu)"
+
+
 def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", choices=TARGETS, default=None,
-                   help="execution target (default: $VTNUMBA_TARGET or 'auto' = cuda if a GPU is usable, else cpu)")
+    p.add_argument("--target", choices=TARGETS, default=None, help=_TARGET_HELP)
+
+
+def _chosen_target(parser: argparse.ArgumentParser, args) -> str | None:
+    """``--target`` given before the command or after it (two names: a subcommand's default would hide the other)."""
+    before, after = getattr(args, "target_before_command", None), getattr(args, "target", None)
+    if before is not None and after is not None and before != after:
+        parser.error(f"--target is given twice with different values ({before!r} before the command, {after!r} "
+                     "after it); give it once")
+    return after if after is not None else before
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``vtnumba`` argument parser: one subcommand per program, each with ``--target``."""
     # The benchmark suites add their own flags; their modules load numpy, so main() has
     # shared the cores between ranks before this runs.
     from vtnumba.bench.runner import BENCH_HELP, BENCH_SUITES, add_common_arguments, add_suite_arguments
@@ -30,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vtnumba",
         description="vtnumba: a readable inference-engine runtime (device runtime, TPSP, encoder cache). "
                     "Run multi-rank commands under 'mpiexec -n N python -m vtnumba ...'.")
+    parser.add_argument("--target", dest="target_before_command", choices=TARGETS, default=None, help=_TARGET_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("info", help="versions, the chosen target and why, GPU, MPI rank/size")
@@ -47,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline: encoder-cache region size in MiB (default: small enough to force evictions)")
     p.add_argument("--queries", nargs="*", default=None, help="pipeline: search queries (default: built-in ones)")
     p.add_argument("--no-tpsp", action="store_true", help="pipeline: encode with the regular forward only")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="pipeline: seconds any wait for another rank may take before the demo gives up "
+                        "(default: vtnumba.dist.DEFAULT_TIMEOUT_S = 60)")
     p.add_argument("--fail-at", type=int, default=None, help=argparse.SUPPRESS)  # test hook: consumer raises
+    # Test hook (vtnumba.ec.endpoints.FaultInjection): how:rank:point[@n], e.g. stop:2:loading.
+    p.add_argument("--inject", default=None, help=argparse.SUPPRESS)
 
     p = sub.add_parser("embed", help="sentence embeddings with all-MiniLM-L6-v2, tensor-parallel over the ranks")
     _add_target(p)
@@ -75,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, choose the target, run the command; returns its exit code (2 for usage errors)."""
     share_cores_between_local_ranks()  # before anything loads numpy's BLAS
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -83,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Choose the target first: nothing below may import numba.cuda before this line.
     try:
-        select_target(args.target)
+        select_target(_chosen_target(parser, args))
     except TargetError as exc:
         parser.error(str(exc))
 
@@ -119,5 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def run() -> int:
+    """The console entry point: :func:`main`, quiet when the reader closes the pipe (``vtnumba info | head``)."""
+    try:
+        return main()
+    except BrokenPipeError:
+        # The reader is gone; point stdout at /dev/null so Python's exit flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(run())

@@ -6,6 +6,9 @@ library), which ``numba.cuda`` is active and on which driver binding (numba-cuda
 target and the reason for the choice, the GPU (name and compute capability) or "none",
 whether kernels run in numba's simulator, and the MPI rank and size when started under
 ``mpiexec``.  On the ``cuda`` target without a usable GPU it says why, and exits 1.
+
+Under ``mpiexec`` only rank 0 prints: the values every rank shares once, and one line per
+rank for a value that differs (a rank's GPU, say), so the ranks' lines never interleave.
 """
 
 from __future__ import annotations
@@ -87,17 +90,79 @@ def collect_info() -> dict:
     return info
 
 
-def print_info(as_json: bool = False) -> int:
-    """Print :func:`collect_info` as aligned ``key  value`` lines, or as JSON; returns the exit status (1 on error)."""
+def gather_info(info: dict, timeout_s: float | None = None) -> list[dict] | None:
+    """Every rank's :func:`collect_info` on rank 0 (``None`` on the others); ``[info]`` without MPI.
+
+    Collective under ``mpiexec``: every rank calls it.  The exchange has a deadline and
+    watches the failure board, so a rank that fails ends the others' wait at once.
+    """
+    if "mpi_size" not in info or info["mpi_size"] < 2:
+        return [info]
+    from vtnumba.dist import allgather_bytes, destroy_distributed, get_world_group, init_distributed
+    from vtnumba.dist.comm import DEFAULT
+
+    init_distributed()
+    try:
+        blobs = allgather_bytes(json.dumps(info).encode(), get_world_group(),
+                                DEFAULT if timeout_s is None else timeout_s)
+    finally:
+        destroy_distributed()
+    return [json.loads(b) for b in blobs] if info["mpi_rank"] == 0 else None
+
+
+def merge_rank_infos(infos: list[dict]) -> dict:
+    """One description of the job: values all ranks share once, and ``per_rank`` lists for the others.
+
+    ``{"python": "3.11.7", ..., "per_rank": {"mpi_rank": [0, 1], "gpu": ["H200", "H200 (MIG)"]}}``
+    -- ``per_rank`` holds only the keys whose values differ (the rank itself always does).
+    """
+    merged: dict = {}
+    per_rank: dict = {}
+    keys = list(dict.fromkeys(k for info in infos for k in info))
+    for key in keys:
+        values = [info.get(key) for info in infos]
+        if all(v == values[0] for v in values):
+            merged[key] = values[0]
+        else:
+            per_rank[key] = values
+    if len(infos) > 1:
+        merged["per_rank"] = per_rank
+    return merged
+
+
+def _print_lines(merged: dict) -> None:
+    per_rank = merged.get("per_rank", {})
+    keys = [k for k in merged if k != "per_rank"] + [k for k in per_rank if k != "mpi_rank"]
+    width = max(len(k) for k in keys)
+    for key in keys:
+        if key in merged:
+            value = "n/a" if key == "compute_capability" and merged[key] is None else merged[key]
+            print(f"{key:<{width}}  {value}")
+            continue
+        # Differs between ranks: one line per rank, so nothing interleaves or hides.
+        for rank, value in enumerate(per_rank[key]):
+            label = key if rank == 0 else ""
+            print(f"{label:<{width}}  [rank {rank}] {value}")
+
+
+def print_info(as_json: bool = False, timeout_s: float | None = None) -> int:
+    """Print what this job runs on, from rank 0 only; returns the exit status (1 on error, on every rank).
+
+    Under ``mpiexec`` the ranks send their :func:`collect_info` to rank 0, which prints the
+    values they share once and, for a value that differs, one line per rank (aligned
+    ``key  value`` lines, or one JSON object with a ``per_rank`` entry).
+    """
     info = collect_info()
+    infos = gather_info(info, timeout_s)
     status = 1 if "error" in info else 0
-    if as_json:
-        print(json.dumps(info, indent=2))
+    if infos is None:  # not rank 0: rank 0 speaks for the job
         return status
-    width = max(len(k) for k in info)
-    for key, value in info.items():
-        if key == "compute_capability" and value is None:
-            value = "n/a"
-        print(f"{key:<{width}}  {value}")
+    merged = merge_rank_infos(infos)
+    if any("error" in i for i in infos):
+        status = 1
+    if as_json:
+        print(json.dumps(merged, indent=2))
+    else:
+        _print_lines(merged)
     sys.stdout.flush()
     return status

@@ -39,6 +39,10 @@ def _run_scale(backend, q, arr, factor: float) -> None:
 
 
 def run_runtime_demo(n: int | None = None) -> int:
+    """``vtnumba demo runtime`` on every rank: queues, events, pinned copies, a kernel; returns the exit code.
+
+    ``n`` is the element count of the arrays (default: small on the simulator, larger elsewhere).
+    """
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD

@@ -10,6 +10,7 @@ from numba import cuda
 
 @cuda.jit
 def scale_kernel(a, factor):
+    """``a[i] *= factor`` for every element: one thread per element, the tour's whole kernel."""
     i = cuda.grid(1)
     if i < a.size:
         a[i] *= factor

@@ -255,9 +255,12 @@ def as_ms(stats) -> tuple[float, float, float]:
 
 # ---------------------------------------------------------------------------- the lesson
 def default_out_root(script: str | None = None) -> Path:
-    """``$VTNUMBA_TUTORIAL_OUT``, else ``out/tutorials`` at the repository root (or the working directory)."""
+    """``$VTNUMBA_TUTORIAL_OUT``, else ``$VTNUMBA_OUT_DIR/tutorials``, else ``out/tutorials`` at the
+    repository root (or the working directory)."""
     if os.environ.get(OUT_ENV):
         return Path(os.environ[OUT_ENV])
+    if os.environ.get("VTNUMBA_OUT_DIR"):
+        return Path(os.environ["VTNUMBA_OUT_DIR"]) / "tutorials"
     here = Path(script or sys.argv[0]).resolve().parent
     root = here.parent if here.name == "tutorials" else Path.cwd()
     return root / "out" / "tutorials"
