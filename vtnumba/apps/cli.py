@@ -89,7 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trace", help="run a command with VTNUMBA_TRACE set, then merge and draw the timeline",
                        usage="vtnumba trace [--out PREFIX] -- COMMAND ...")
     _add_target(p)
-    p.add_argument("--out", default="vtnumba-trace", help="output prefix (default: vtnumba-trace)")
+    default_prefix = os.path.join(os.environ.get("VTNUMBA_OUT_DIR") or "out", "vtnumba-trace")
+    p.add_argument("--out", default=default_prefix,
+                   help=f"output prefix: PREFIX.json (merged trace), PREFIX.png, PREFIX.rankN.json "
+                        f"(default: {default_prefix}, in the ignored out/ folder)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command to trace, after --")
     return parser
 

@@ -344,6 +344,7 @@ def finish(prefix: str) -> tuple[str, str]:
 def run_traced(cmd: list[str], prefix: str) -> int:
     """Run ``cmd`` with ``VTNUMBA_TRACE=<prefix>`` and merge what its ranks recorded."""
     prefix = os.path.abspath(prefix)
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)  # the default prefix lives under out/
     for old in rank_files(prefix):
         os.remove(old)  # never merge a previous run's ranks into this one
     env = dict(os.environ, VTNUMBA_TRACE=prefix)
