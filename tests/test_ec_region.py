@@ -2,13 +2,22 @@
 
 import os
 import stat
+import subprocess
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from vtnumba.ec import ECRegionConfig, ECRegionError, create_ec_shared_region, region_path
+from vtnumba.ec import (
+    ECRegionConfig,
+    ECRegionError,
+    ECRegionHandle,
+    create_ec_shared_region,
+    open_ec_shared_region,
+    region_path,
+)
 from vtnumba.ec.region import HEADER_BYTES
 
 
@@ -171,3 +180,115 @@ def test_cleanup_with_a_live_view_does_not_crash(engine):
         r.cleanup()
     assert not os.path.exists(r.path)
     assert (view == 5).all()  # the mapping lives on with the view, nothing dangles
+
+
+# ------------------------------------------------------------------------------ input the region refuses
+@pytest.mark.parametrize("bad", ["abc\n", "a\nb", "", "x" * 129, "a b", "../x"])
+def test_engine_id_must_match_entirely(bad):
+    # "$" in re.match also matches before a trailing newline: fullmatch does not.
+    with pytest.raises(ValueError, match="engine_id="):
+        region_path(bad)
+
+
+def test_block_ids_must_be_whole_numbers(engine):
+    with create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=16 * 10, create=True) as r:
+        for bad in ([1.7], [1.0], np.array([2.5]), [True]):
+            with pytest.raises(TypeError, match="whole-number int block ids"):
+                r.check_block_ids(bad)
+        assert r.check_block_ids([]).dtype == np.int64  # an empty list is fine
+        np.testing.assert_array_equal(r.check_block_ids(np.array([3, 4], np.uint32)), [3, 4])
+
+
+# ------------------------------------------------------------------------------ what an opener refuses
+def test_opener_refuses_a_symlink(engine, tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"\0" * 8192)
+    os.chmod(target, 0o600)
+    os.symlink(target, region_path(engine))
+    try:
+        with pytest.raises(ECRegionError, match="symlink is refused"):
+            create_ec_shared_region(engine_id=engine, hidden_size=4)
+        # A creator does not follow it either: the name is taken.
+        with pytest.raises(ECRegionError, match="already exists"):
+            create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=1024, create=True)
+    finally:
+        os.unlink(region_path(engine))
+
+
+def test_opener_refuses_a_file_with_another_mode(engine):
+    with create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=1024, create=True) as r:
+        os.chmod(r.path, 0o644)
+        with pytest.raises(ECRegionError, match="mode 0o644, expected 0o600"):
+            create_ec_shared_region(engine_id=engine, hidden_size=4)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_opener_refuses_another_users_file(engine):
+    with create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=1024, create=True) as r:
+        os.chown(r.path, 12345, -1)
+        with pytest.raises(ECRegionError, match="belongs to uid 12345, not to this user"):
+            create_ec_shared_region(engine_id=engine, hidden_size=4)
+
+
+# ------------------------------------------------------------------------------ anonymous regions
+def test_anonymous_region_has_no_name_and_opens_through_its_handle(engine):
+    with create_ec_shared_region(engine_id=engine, hidden_size=8, dtype="float16", region_bytes=4096, create=True,
+                                 anonymous=True) as creator:
+        assert creator.path is None and not [f for f in os.listdir("/dev/shm") if engine in f]
+        h = creator.handle
+        assert (h.pid, h.engine_id) == (os.getpid(), engine) and h.proc_path == f"/proc/{os.getpid()}/fd/{h.fd}"
+        opener = open_ec_shared_region(h, hidden_size=8, dtype="float16")
+        assert opener.num_blocks == creator.num_blocks and not opener.is_creator
+        creator.blocks[3] = 9
+        assert (opener.blocks[3] == 9).all()  # same pages
+        assert creator.unlink()  # the descriptor is closed: nobody else can open it ...
+        with pytest.raises(RuntimeError, match="no longer shared"):
+            _ = creator.handle
+        with pytest.raises(ECRegionError, match="does not exist: the creator"):
+            open_ec_shared_region(h, hidden_size=8, dtype="float16")
+        opener.blocks[4] = 7
+        assert (creator.blocks[4] == 7).all()  # ... and the mappings live on
+        opener.cleanup()
+
+
+def test_handle_to_another_inode_is_refused(engine):
+    with create_ec_shared_region(engine_id=engine, hidden_size=8, region_bytes=4096, create=True,
+                                 anonymous=True) as creator:
+        h = creator.handle
+        forged = ECRegionHandle(h.engine_id, h.pid, h.fd, h.dev, h.ino + 1)  # a reused pid/fd number
+        with pytest.raises(ECRegionError, match="is not the region the creator announced"):
+            open_ec_shared_region(forged, hidden_size=8)
+        with pytest.raises(ValueError, match="hidden_size=16 but the producer"):
+            open_ec_shared_region(h, hidden_size=16)
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_named_creator_dying_from_an_exception_leaves_no_file(engine):
+    proc = _run_python(f"from vtnumba.ec import create_ec_shared_region\n"
+                       f"r = create_ec_shared_region(engine_id={engine!r}, hidden_size=4, region_bytes=1024, "
+                       f"create=True)\n"
+                       f"1 / 0  # an uncaught exception, before any cleanup\n")
+    assert "ZeroDivisionError" in proc.stderr
+    assert not os.path.exists(region_path(engine))  # the atexit hook unlinked it
+
+
+@pytest.mark.parametrize("anonymous", [False, True])
+def test_sigkill_before_unlink_named_leaks_anonymous_cannot(engine, anonymous):
+    """The documented trade-off: a *named* region killed inside its window (created, not yet
+    unlinked) leaves its file -- nothing runs in a killed process; an anonymous one has no file."""
+    proc = _run_python(f"import os, signal\n"
+                       f"from vtnumba.ec import create_ec_shared_region\n"
+                       f"r = create_ec_shared_region(engine_id={engine!r}, hidden_size=4, region_bytes=1024, "
+                       f"create=True, anonymous={anonymous})\n"
+                       f"os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert proc.returncode == -9
+    left = {f for f in os.listdir("/dev/shm") if engine in f}  # this test's engine id only
+    try:
+        assert left == (set() if anonymous else {os.path.basename(region_path(engine))})
+    finally:
+        for f in left:
+            os.unlink(os.path.join("/dev/shm", f))

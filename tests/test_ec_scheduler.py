@@ -103,6 +103,12 @@ def test_bad_input():
         c.request_load("h", [2, 4])
     with pytest.raises(ValueError, match="needs the block_ids"):
         c.request_load("h")
+    with pytest.raises(TypeError, match="must be int block ids, got dtype float64"):
+        c.request_load("h", [1.7])  # not silently block 1
+    assert c.request_load("h", np.array([1, 2], np.int32)) == 0
+    with pytest.raises(ValueError, match="num_blocks=-1"):
+        ECScheduler("producer", -1)
+    assert ECScheduler("producer", np.int64(4)).num_blocks == 4
     with pytest.raises(RuntimeError, match="request_save needs a producer.*role='consumer'"):
         c.request_save("h", 1)
     p = ECScheduler("producer", 4)

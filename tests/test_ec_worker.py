@@ -1,7 +1,9 @@
-"""ECWorker: the seed's save/load cases, completion ordering, pools, and load-buffer lifetime."""
+"""ECWorker: vLLM's save/load cases, completion ordering, pools, and load-buffer lifetime."""
 
 import gc
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -58,7 +60,8 @@ class Env:
     def __init__(self, backend, name, hidden=8, dtype=np.float32, blocks=32, **worker_kw):
         self.backend, self.hidden, self.dtype = backend, hidden, np.dtype(dtype)
         self.region = create_ec_shared_region(engine_id=name, hidden_size=hidden, dtype=dtype,
-                                              region_bytes=blocks * hidden * self.dtype.itemsize, create=True)
+                                              region_bytes=blocks * hidden * self.dtype.itemsize, create=True,
+                                              anonymous=True)  # no name: a killed test leaves no file
         self.region.blocks[:] = SENTINEL
         self.worker = ECWorker(self.region, backend=backend, **worker_kw)
         self._keep = []
@@ -125,7 +128,7 @@ def as_bytes(a):
     return np.ascontiguousarray(a).reshape(-1).view(np.int8)
 
 
-# ------------------------------------------------------------------------------ the seed's cases
+# ------------------------------------------------------------------------------ vLLM's cases
 def test_exact_fit_save_leaves_everything_else_untouched(backend, env_factory, rng):
     env = env_factory(backend)
     out = rng.standard_normal((3, env.hidden)).astype(np.float32)
@@ -133,18 +136,6 @@ def test_exact_fit_save_leaves_everything_else_untouched(backend, env_factory, r
     assert complete(env.worker).completed_saves == ["h"]
     np.testing.assert_array_equal(env.region.blocks[5:8].reshape(-1), as_bytes(out))
     assert (env.region.blocks[:5] == SENTINEL).all() and (env.region.blocks[8:] == SENTINEL).all()
-
-
-def test_partial_last_block_is_trimmed(backend, env_factory, rng):
-    env = env_factory(backend)
-    out = rng.standard_normal((5, env.hidden // 2)).astype(np.float32)  # 2.5 blocks of bytes
-    save(env, {"h": out}, {"h": [10, 11, 12]})
-    complete(env.worker)
-    flat = env.region.blocks[10:13].reshape(-1)
-    n = out.nbytes
-    np.testing.assert_array_equal(flat[:n], as_bytes(out))
-    assert (flat[n:] == SENTINEL).all(), "bytes after the output's end were written"
-    assert (env.region.blocks[13] == SENTINEL).all()
 
 
 def test_blocks_the_output_never_reaches_get_no_descriptor(backend, env_factory, rng):
@@ -165,13 +156,60 @@ def test_only_tp_rank_zero_saves(backend, env_factory, rng):
     assert (env.region.blocks == SENTINEL).all()
 
 
-def test_oversize_output_raises_the_seeds_assertion(backend, env_factory, rng):
+def test_oversize_output_is_a_value_error(backend, env_factory, rng):
+    # vLLM's worker asserts; an assert vanishes under python -O and row 3 would land in block 2,
+    # which belongs to another entry.
     env = env_factory(backend)
     out = rng.standard_normal((3, env.hidden)).astype(np.float32)
-    with pytest.raises(AssertionError, match=r"EC: encoder output exceeds allocated blocks for mm_hash=h: "
-                                             r"96 bytes but only 64 allocated \(2 blocks × 32\)\. shape=\[3, 8\]"):
+    with pytest.raises(ValueError, match=r"encoder_cache\['h'\] has 3 rows \(96 bytes\) but mm_hash='h' was "
+                                         r"allocated 2 blocks \(64 bytes\)"):
         save(env, {"h": out}, {"h": [0, 1]})
-    assert (env.region.blocks == SENTINEL).all()
+    assert (env.region.blocks == SENTINEL).all() and env.worker.inflight() == (0, 0)
+
+
+@pytest.mark.parametrize("dtype, shape, words", [
+    (np.float16, (2, 8), ["has dtype float16", "the region holds float32 rows"]),   # the bytes would be misread
+    (np.float32, (2, 4), ["has shape (2, 4)", "expected [rows, 8]"]),               # rows of another width
+    (np.float32, (16,), ["has shape (16,)", "expected [rows, 8]"]),                 # not rows at all
+])
+def test_output_of_another_dtype_or_width_is_refused(backend, env_factory, rng, dtype, shape, words):
+    env = env_factory(backend)
+    out = rng.standard_normal(shape).astype(dtype)
+    with pytest.raises(ValueError) as ei:
+        save(env, {"h": out}, {"h": [0, 1]})
+    for w in words:
+        assert w in str(ei.value)
+    assert (env.region.blocks == SENTINEL).all() and env.worker.inflight() == (0, 0)
+
+
+def test_raw_buffer_must_be_whole_rows(env_factory):
+    be = CPUBackend()
+    env = env_factory(be)
+    buf = be.alloc(40)  # 1.25 rows of 32 bytes
+    with pytest.raises(ValueError, match=r"a Buffer of 40 bytes, not a whole number of rows of 32 bytes"):
+        env.worker.save_caches({"h": buf}, "h", ECConnectorMetadata(saves={"h": [0, 1]}))
+    ok = be.alloc(64)
+    env.worker.save_caches({"h": ok}, "h", ECConnectorMetadata(saves={"h": [0, 1]}))
+    env.worker.flush_saves()
+    assert complete(env.worker).completed_saves == ["h"]
+
+
+def test_oversize_check_survives_python_O():
+    code = ("import os, numpy as np\n"
+            "from vtnumba.backend.cpu import CPUBackend\n"
+            "from vtnumba.ec import ECConnectorMetadata, ECWorker, create_ec_shared_region\n"
+            "r = create_ec_shared_region(engine_id=f'opt{os.getpid()}', hidden_size=8, region_bytes=32 * 4,\n"
+            "                            create=True, anonymous=True)\n"
+            "w = ECWorker(r, backend=CPUBackend())\n"
+            "try:\n"
+            "    w.save_caches({'h': np.zeros((3, 8), np.float32)}, 'h', ECConnectorMetadata(saves={'h': [0, 1]}))\n"
+            "except ValueError as e:\n"
+            "    print('refused:', e)\n"
+            "w.shutdown(); r.cleanup()\n")
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"})
+    assert out.returncode == 0, out.stderr
+    assert "refused: encoder_cache['h'] has 3 rows" in out.stdout
 
 
 def test_several_hashes_one_batched_copy(backend, env_factory, rng):

@@ -6,8 +6,10 @@ which fails without it -- or skips, on a GPU run (see tests/minilm_weights.py).
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -31,7 +33,13 @@ def weights():
 
 
 def vtnumba_shm():
-    return {f for f in os.listdir("/dev/shm") if f.startswith("vtnumba")}
+    return {f for f in os.listdir("/dev/shm") if "vtnumba" in f.lower()}
+
+
+def said(proc, rank: int, pattern: str) -> bool:
+    """Did ``rank`` print a message matching ``pattern``?  (mpiexec may run two ranks' lines
+    together, so a message is taken to end where the next ``[rank`` begins.)"""
+    return any(re.search(pattern, m) for m in re.findall(rf"\[rank {rank}\]([^\[]*)", proc.stderr))
 
 
 def test_pipeline_demo_three_ranks_hits_evictions_and_verification(weights):
@@ -59,9 +67,47 @@ def test_pipeline_demo_consumer_failure_ends_every_rank_cleanly(weights):
     before = vtnumba_shm()
     proc = vt("demo", "--target", "cpu", "--fail-at", "2", timeout=120)
     assert proc.returncode != 0
-    assert "injected consumer failure" in proc.stderr
-    assert "stopped the pipeline" in proc.stderr  # the other encoder rank was released, not left waiting
+    assert said(proc, 2, "failed while running: RuntimeError: injected consumer failure at step 2"), proc.stderr
+    assert said(proc, 0, "rank 2 failed"), proc.stderr
+    # The other encoder rank, waiting for its next batch, is told at once -- not left waiting.
+    assert said(proc, 1, "because rank [02] failed"), proc.stderr
+    assert "gave up" not in proc.stderr and "timed out" not in proc.stderr
     assert vtnumba_shm() == before
+
+
+def test_pipeline_demo_stopped_consumer_ends_within_the_timeout(weights):
+    # Before --timeout existed the encoder waited 300 s for a stopped consumer.
+    before = vtnumba_shm()
+    t0 = time.monotonic()
+    proc = vt("demo", "--target", "cpu", "--timeout", "3", "--inject", "stop:2:loading@2", timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert said(proc, 0, r"rank 0 gave up waiting for rank 2 after 3 s \(the consumer's next requests"), proc.stderr
+    assert said(proc, 1, "because rank 0 failed"), proc.stderr  # told, not blaming rank 0 itself
+    assert said(proc, 0, "ending the job without MPI_Finalize"), proc.stderr
+    assert elapsed < 2 * 3 + 30, f"took {elapsed:.0f} s"
+    assert vtnumba_shm() == before
+
+
+def test_pipeline_demo_killed_producer_leaves_nothing(weights):
+    before = vtnumba_shm()
+    proc = vt("demo", "--target", "cpu", "--timeout", "3", "--inject", "kill:0:shared", timeout=120)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "KILLED BY SIGNAL: 9" in out or "Killed (signal 9)" in out, out  # MPICH ends the others at once
+    assert vtnumba_shm() == before
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--timeout", "0"], "--timeout=0.0: expected a positive, finite number of seconds"),
+    (["--timeout", "inf"], "--timeout=inf: expected a positive, finite number of seconds"),
+    (["--region-mib", "nan"], "--region-mib=nan: expected a positive, finite number of MiB"),
+    (["--inject", "bogus"], "--inject='bogus' must look like"),
+])
+def test_pipeline_demo_bad_flags_are_clear_errors(flags, words):
+    proc = vt("demo", "--target", "cpu", *flags, ranks=2, timeout=60)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_pipeline_demo_refuses_layouts_it_cannot_run():

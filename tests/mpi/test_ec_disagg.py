@@ -1,6 +1,11 @@
-"""Under ``mpiexec -n 2``: the encoder -> prefill demo in-process, with eviction pressure and failures.
+"""Under ``mpiexec -n 2`` or ``-n 3``: the encoder -> prefill demo in-process, with eviction pressure and failures.
 
     mpiexec -n 2 python -m mpi4py -m pytest -p no:cacheprovider --with-mpi tests/mpi/test_ec_disagg.py -q
+
+Every failure case checks both sides: the rank that failed raises its own error, every
+other rank a :class:`~vtnumba.ec.PeerFailure` naming it -- nobody waits for a timeout --
+and nothing of vtnumba's is left in ``/dev/shm``.  (Kills and stops need whole processes:
+``tests/test_ec_faults.py`` launches them.)
 """
 
 import importlib.util
@@ -8,6 +13,8 @@ import os
 
 import pytest
 from mpi4py import MPI
+
+from vtnumba.ec import PeerFailure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("ec_disagg_demo", os.path.join(ROOT, "mpi", "ec_disagg.py"))
@@ -17,8 +24,8 @@ _spec.loader.exec_module(demo)
 SMALL = ["--entries", "14", "--max-rows", "300", "--hidden", "32", "--timeout", "20", "--quiet"]
 
 
-def _ec_files():
-    return {f for f in os.listdir("/dev/shm") if f.startswith("vtnumba_ec_")}
+def _our_files():
+    return {f for f in os.listdir("/dev/shm") if "vtnumba" in f.lower()}
 
 
 def _all(comm, ok: bool) -> bool:
@@ -39,48 +46,73 @@ def comm():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("queues", ["sync", "threaded"])
 def test_round_trip_byte_exact_with_eviction(comm, queues):
-    before = _ec_files()
+    before = _our_files()
     args = demo.build_parser().parse_args(SMALL + ["--queues", queues])
     res = demo.run(args, comm)
     comm.Barrier()
-    ok = not os.path.exists(res["region_path"]) and _ec_files() == before
-    if comm.Get_rank() == 0:
+    ok = _our_files() == before
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank == 0:
         c = res["consumer"]
         ok &= c["verified"] + c["evicted_before_load"] == 14 and c["verified"] > 0
         ok &= res["evictions"] > 0 and res["bytes_saved"] > 0
         ok &= c["stale_reports"] == 0
-    elif comm.Get_rank() == 1:
+        ok &= [t["verified"] for t in c["tp_ranks"]] == [c["verified"]] * (size - 2)  # every TP rank, every entry
+    elif rank == 1:
+        ok &= res["verified"] > 0 and res["bytes_loaded"] > 0
+    else:
         ok &= res["verified"] > 0 and res["bytes_loaded"] > 0
     assert _all(comm, ok), res
+
+
+def _expect_failure(comm, argv, failing_rank, own_error, words):
+    """Run with ``argv``; ``failing_rank`` raises ``own_error``, every other rank PeerFailure."""
+    before = _our_files()
+    args = demo.build_parser().parse_args(SMALL + argv)
+    rank = comm.Get_rank()
+    with pytest.raises(Exception) as ei:
+        demo.run(args, comm)
+    comm.Barrier()
+    err = ei.value
+    if rank == failing_rank:
+        ok = isinstance(err, own_error)
+    else:
+        ok = isinstance(err, PeerFailure) and err.rank == failing_rank
+    ok = ok and all(w in str(err) for w in words) and _our_files() == before
+    assert _all(comm, ok), f"rank {rank}: {type(err).__name__}: {err}"
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_consumer_raising_mid_run_leaves_nothing_behind(comm):
-    before = _ec_files()
-    args = demo.build_parser().parse_args(SMALL + ["--fail-at", "3"])
-    rank = comm.Get_rank()
-    from vtnumba.ec.channel import PeerFailure
+    _expect_failure(comm, ["--fail-at", "3"], 1, RuntimeError, ["injected failure at consumer step 3"])
 
-    expected = RuntimeError if rank == 1 else PeerFailure
-    with pytest.raises(expected) as ei:
-        demo.run(args, comm)
-    comm.Barrier()
-    ok = _ec_files() == before and "injected failure at consumer step 3" in str(ei.value)
-    assert _all(comm, ok), str(ei.value)
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rank_point", ["0:created", "1:opened", "0:shared", "0:saving@2", "1:loading@2",
+                                        "last:loading@2", "1:loaded"])
+def test_a_rank_raising_at_any_point_of_setup_or_transfer(comm, rank_point):
+    rank, point = rank_point.split(":", 1)
+    failing = comm.Get_size() - 1 if rank == "last" else int(rank)
+    name = point.partition("@")[0]
+    _expect_failure(comm, ["--inject", f"raise:{failing}:{point}"], failing, RuntimeError,
+                    [f"injected failure at '{name}'"])
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_producer_consumer_config_mismatch(comm):
-    before = _ec_files()
+    before = _our_files()
     args = demo.build_parser().parse_args(SMALL + ["--consumer-hidden", "16"])
     rank = comm.Get_rank()
-    from vtnumba.ec.channel import PeerFailure
-
-    expected = PeerFailure if rank == 0 else ValueError
-    with pytest.raises(expected) as ei:
+    with pytest.raises(Exception) as ei:
         demo.run(args, comm)
     comm.Barrier()
-    ok = _ec_files() == before and "hidden_size=16" in str(ei.value) and "hidden_size=32" in str(ei.value)
-    assert _all(comm, ok), str(ei.value)
+    err = ei.value
+    # Every consumer opens with the wrong config: each raises its ValueError -- unless the first
+    # one's failure report reached it before the producer's handle did.
+    expected = (PeerFailure,) if rank == 0 else (ValueError,) if rank == 1 else (ValueError, PeerFailure)
+    ok = isinstance(err, expected) and _our_files() == before
+    ok &= "hidden_size=16" in str(err) and "hidden_size=32" in str(err)
+    assert _all(comm, ok), str(err)

@@ -5,13 +5,14 @@
 * **encoder ranks** (world ranks ``0 .. E-1``, default ``E = N - 1``) run all-MiniLM-L6-v2
   tensor-parallel with tensor-parallel size E, every row-parallel projection finished by the
   fused TPSP op (LayerNorm + bias, post-norm).  Encoder rank 0 is also the encoder cache's
-  *producer*: it owns the scheduler-side :class:`~vtnumba.ec.EmbeddingCache` and saves each
+  *producer* (an :class:`~vtnumba.ec.ECProducer`): it owns the block cache and saves each
   input's token-level outputs (``[tokens, 384]`` float32, one block per token) into the
-  shared region ``/dev/shm/vtnumba_ec_<engine_id>.mmap`` with batched copies;
-* **consumer ranks** (the rest) load those outputs back through the encoder cache, pool
-  them (mean over tokens, then L2 normalisation) and answer semantic-search queries over a
-  small corpus shipped with vtnumba.  Extra consumer ranks act as more tensor-parallel ranks
-  of the consumer: each loads every entry, and a pin is released once all have.
+  shared region with batched copies;
+* **consumer ranks** (the rest, each an :class:`~vtnumba.ec.ECConsumer`) load those outputs
+  back through the encoder cache, pool them (mean over tokens, then L2 normalisation) and
+  answer semantic-search queries over a small corpus shipped with vtnumba.  Extra consumer
+  ranks act as more tensor-parallel ranks of the consumer: each loads every entry, and a pin
+  is released once all have.
 
 An input is keyed by an ``mm_hash`` of its token ids.  The consumer asks for inputs by
 hash; if the entry is ready in the cache it is served without re-encoding (a *hit*),
@@ -23,26 +24,27 @@ Correctness is checked as it goes: the producer sends, with every grant, a CRC o
 token-level bytes it saved and the sentence embedding it pooled itself; the consumer's
 loaded bytes and its own pooling must match both *byte for byte*, or the run fails.
 
-Failure handling: a rank that raises tells every other rank (an error message on the
-control channel, which every wait polls), releases what it owns and exits with code 1;
-encoder rank 0 also releases the encoder ranks waiting for work.  Nobody is left waiting
-and nothing calls ``MPI_Abort`` (which would leave MPICH's own segments in ``/dev/shm``).
-vtnumba's shared-memory files are unlinked as soon as every rank has mapped them, so even
-a killed run leaves none of them behind.
+Failures end the job (``docs/failure_model``): a rank that raises tells every other rank
+(the endpoints' channel, and :mod:`vtnumba.dist.failures` for the encoder ranks waiting for
+their next batch), and each prints which rank failed and what it was doing; a killed rank
+takes the job down with it (mpiexec); a stopped one makes the others give up after
+``--timeout`` seconds (default :data:`vtnumba.dist.DEFAULT_TIMEOUT_S`).  The region never
+has a name in ``/dev/shm``, so no fault leaves a file behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import os
+import math
+import pickle
 import sys
 import time
 import zlib
 
 import numpy as np
 
-TAG_SETUP, TAG_STEP, TAG_TP = 21, 22, 23
-_FAILED = "failed"  # broadcast to encoder followers when encoder rank 0 gives up
+TAG_TP = 23  # nothing but the endpoints' own messages otherwise
 DEFAULT_QUERIES = [
     "Which animals live in the ocean?",
     "How do I cook pasta?",
@@ -50,6 +52,8 @@ DEFAULT_QUERIES = [
     "What helps you stay healthy?",
 ]
 REQUESTS_PER_STEP = 12
+HIDDEN = 384        # all-MiniLM-L6-v2's hidden size: one block = one token row of float32
+MAX_TOKENS = 256    # its longest input: the region must hold at least one
 
 
 def mm_hash_of(token_ids: np.ndarray) -> str:
@@ -59,12 +63,6 @@ def mm_hash_of(token_ids: np.ndarray) -> str:
 
 def _crc(arr: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(arr).view(np.uint8))
-
-
-def _to_host(arr) -> np.ndarray:
-    from vtnumba.backend.cuda import to_host_array  # numba.cuda only when a device array shows up
-
-    return to_host_array(arr)
 
 
 def plan_ranks(world_size: int, encoder_ranks: int | None) -> tuple[int, int]:
@@ -84,20 +82,49 @@ def plan_ranks(world_size: int, encoder_ranks: int | None) -> tuple[int, int]:
     return e, world_size - e
 
 
-class _Pipeline:
-    def __init__(self, args, comm):
-        from vtnumba.ec.channel import ECChannel
+def check_options(args) -> tuple[float, object]:
+    """(timeout in seconds, fault injection or None); ValueError naming the flag for bad values.
 
+    Every rank checks the same command line, so every rank refuses it alike -- before any
+    rank waits for another.
+    """
+    from vtnumba.dist.comm import DEFAULT_TIMEOUT_S
+    from vtnumba.ec.endpoints import FaultInjection
+
+    timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"--timeout={args.timeout}: expected a positive, finite number of seconds")
+    if args.region_mib is not None:
+        if not (args.region_mib > 0 and math.isfinite(args.region_mib)):
+            raise ValueError(f"--region-mib={args.region_mib}: expected a positive, finite number of MiB")
+        need = MAX_TOKENS * HIDDEN * 4
+        if args.region_mib * (1 << 20) < need:
+            raise ValueError(f"--region-mib={args.region_mib}: the region must hold at least one input of "
+                             f"{MAX_TOKENS} tokens ({need / 2**20:.2f} MiB)")
+    inject = FaultInjection.parse(args.inject) if args.inject else None
+    return timeout, inject
+
+
+class _Pipeline:
+    def __init__(self, args, comm, timeout: float, inject):
         self.args = args
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.num_encoders, self.num_consumers = plan_ranks(self.size, args.encoder_ranks)
         self.is_encoder = self.rank < self.num_encoders
         self.producer, self.consumer = 0, self.num_encoders  # world ranks of the two leaders
-        self.ch = ECChannel(comm, timeout_s=float(getattr(args, "timeout", 300.0)))
-        self.region = self.worker = self.tpe = None
-        self.hidden = 384
-        self._in_loop = False  # encoder rank 0: followers are waiting in the work broadcast
+        self.consumers = list(range(self.num_encoders, self.size))
+        self.timeout = timeout
+        self.on_point = inject.on_point(self.rank) if inject else None
+        # A wait's deadline covers the waits the awaited rank may itself be in, so that the rank
+        # that times out first is the one waiting *directly* for a stopped rank, and names it
+        # (vtnumba.ec.endpoints explains the rule).  Encoder rank 0 answers the consumer after
+        # a forward with the other encoder ranks; the consumer leader answers encoder rank 0
+        # after waiting for its other consumer ranks.
+        self.wait_for_encoder = timeout * (2 if self.num_encoders > 1 else 1)
+        self.wait_for_consumer = timeout * (2 if self.num_consumers > 1 else 1)
+        self.tpe = None
+        self.hidden = HIDDEN
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -106,7 +133,7 @@ class _Pipeline:
 
         init_distributed(tp_size=self.size)
         enc_group = new_group("encoder", list(range(self.num_encoders)))
-        new_group("consumer", list(range(self.num_encoders, self.size)))
+        new_group("consumer", self.consumers)
         self.corpus = load_corpus()
         if self.is_encoder:
             from vtnumba.models.tp_runtime import TensorParallelEncoder
@@ -117,53 +144,33 @@ class _Pipeline:
             from vtnumba.models.minilm_tokenizer import MiniLMTokenizer
 
             self.tokenizer = MiniLMTokenizer()
-        self._setup_region()
 
-    def _setup_region(self) -> None:
-        from vtnumba.ec import ECRegionConfig, create_ec_shared_region
-        from vtnumba.ec.channel import PeerFailure
+    def endpoint(self):
+        """This rank's side of the encoder cache (the other encoder ranks have none)."""
+        from vtnumba.ec import ECConsumer, ECProducer
 
-        block = self.hidden * 4
-        consumers = range(self.num_encoders, self.size)
+        common = dict(hidden_size=self.hidden, dtype=np.float32, consumers=self.consumers, timeout_s=self.timeout,
+                      on_point=self.on_point)
         if self.rank == self.producer:
-            ids = self.tpe.encoder.tokenize(self.corpus) if self.num_encoders == 1 else None
+            block = self.hidden * 4
             if self.args.region_mib is not None:
                 region_bytes = int(self.args.region_mib * (1 << 20))
             else:
                 # ~40% of the corpus's token rows (at least one longest input): evictions happen.
+                ids = self.tpe.encoder.tokenize(self.corpus) if self.num_encoders == 1 else None
                 corpus_rows = sum(len(t) for t in ids) if ids is not None else 16 * len(self.corpus)
-                region_bytes = max(int(0.4 * corpus_rows), 256) * block
-            if region_bytes < 256 * block:
-                raise ValueError(f"--region-mib={self.args.region_mib}: the region must hold at least one input of "
-                                 f"256 tokens ({256 * block / 2**20:.2f} MiB)")
-            engine = f"demo{os.getpid()}_{np.random.default_rng().integers(1 << 30):x}"
-            self.region = create_ec_shared_region(ECRegionConfig(engine_id=engine, hidden_size=self.hidden,
-                                                                 dtype=np.float32, region_bytes=region_bytes,
-                                                                 create=True))
-            for r in consumers:
-                self.ch.send(engine, r, TAG_SETUP)
-            # Hear every consumer out (opened, or failed) before going on or giving up:
-            # cleaning up while one is still opening would pull the file from under it.
-            failures = []
-            for r in consumers:
-                try:
-                    self.ch.recv(r, TAG_SETUP)
-                except PeerFailure as exc:
-                    failures.append(exc)
-            if failures:
-                raise failures[0]
-            self.region.unlink()  # every user has mapped it: from now on nothing can leak
-        elif not self.is_encoder:
-            engine = self.ch.recv(self.producer, TAG_SETUP)
-            self.region = create_ec_shared_region(ECRegionConfig(engine_id=engine, hidden_size=self.hidden,
-                                                                 dtype=np.float32, create=False,
-                                                                 open_timeout_s=60.0))
-            self.ch.send("opened", self.producer, TAG_SETUP)
+                region_bytes = max(int(0.4 * corpus_rows), MAX_TOKENS) * block
+            return ECProducer(self.comm, region_bytes=region_bytes, name="demo", **common)
+        if not self.is_encoder:
+            return ECConsumer(self.comm, producer=self.producer, **common)
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ encoder side
     def measure_encoder(self) -> dict:
         """Encoder tokens/s over the corpus, with TPSP and with the regular forward (same run)."""
         from mpi4py import MPI
+
+        from vtnumba.dist.comm import barrier, wait_request
 
         enc, group = self.tpe.encoder, self.tpe.group
         ids = enc.tokenize(self.corpus)
@@ -175,47 +182,59 @@ class _Pipeline:
             enc.encode_ids(ids[:8])  # warm up
             best = float("inf")
             for _ in range(2):
-                group.cpu_comm.Barrier()
+                barrier(group)  # non-blocking underneath, with the process's timeout
                 t0 = time.perf_counter()
                 enc.encode_ids(ids)
-                best = min(best, group.cpu_comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+                mine, slowest = np.array([time.perf_counter() - t0]), np.zeros(1)
+                wait_request(group.cpu_comm.Iallreduce(mine, slowest, op=MPI.MAX), group, "encoder timing")
+                best = min(best, float(slowest[0]))
             rates[mode] = tokens / best
         if self.tpe.tpsp_enabled:
             self.tpe.use_tpsp()  # the pipeline itself runs with TPSP
         return {"tokens": tokens, "rates": rates}
 
+    def _bcast_work(self, batch=None):
+        """Encoder rank 0 -> the other encoder ranks: the next batch of token ids (None: no more).
+
+        A non-blocking broadcast waited for with the process's timeout: an encoder rank whose
+        rank 0 stopped answering gives up instead of waiting inside MPI forever, and a
+        failure any rank reports ends the wait at once (:mod:`vtnumba.dist.failures`).
+        """
+        from vtnumba.dist.comm import wait_request
+
+        group = self.tpe.group
+        comm = group.cpu_comm
+        payload = np.frombuffer(pickle.dumps(batch), np.uint8) if comm.Get_rank() == 0 else None
+        size = np.array([0 if payload is None else payload.size], np.int64)
+        # Waiting for the next batch spans encoder rank 0's own wait for the consumer leader
+        # (see wait_for_consumer): allow one timeout more, so that a stopped *consumer* is
+        # named by rank 0, which times out first, instead of this rank blaming rank 0.
+        wait_request(comm.Ibcast(size, root=0), group, "waiting for encoder rank 0's next batch",
+                     self.wait_for_consumer + self.timeout)
+        buf = payload.copy() if payload is not None else np.empty(int(size[0]), np.uint8)
+        wait_request(comm.Ibcast(buf, root=0), group, "receiving encoder rank 0's next batch")
+        return pickle.loads(buf.tobytes())
+
     def encoder_follower(self) -> None:
         """Encoder ranks 1..E-1: encode whatever encoder rank 0 broadcasts, until told to stop."""
-        group_comm = self.tpe.group.comm
-        while True:
-            msg = group_comm.bcast(None, root=0)
-            if msg is None:
-                return
-            if isinstance(msg, str) and msg == _FAILED:
-                raise RuntimeError("encoder rank 0 stopped the pipeline after a failure (see its message)")
-            self.tpe.encoder.encode_ids(msg)
+        while (batch := self._bcast_work()) is not None:
+            self.tpe.encoder.encode_ids(batch)
 
-    def producer_loop(self) -> dict:
-        from vtnumba.backend import default_backend
-        from vtnumba.ec import ECScheduler, ECWorker
+    def producer_loop(self, ep) -> dict:
         from vtnumba.models.minilm import pool_embedding
 
-        backend = default_backend()
-        sched = ECScheduler("producer", self.region.num_blocks)
-        self.worker = worker = ECWorker(self.region, backend=backend, tp_rank=0)
-        group_comm = self.tpe.group.comm
-        self._in_loop = True
+        backend = ep.worker.backend
         waiting: dict[str, np.ndarray] = {}  # requested, not yet granted: mm_hash -> token ids
         checks: dict[str, tuple[int, bytes, int]] = {}  # mm_hash -> (crc, pooled bytes, tokens)
         hits = misses = encoded_tokens = steps = 0
         while True:
-            msg = self.ch.recv(self.consumer, TAG_STEP)
+            msg = ep.recv(what="the consumer's next requests and releases", timeout_s=self.wait_for_consumer)
             for h in msg["releases"]:
-                sched.release_read(h)
+                ep.release(h)
             if msg["done"]:
                 break
             for h, ids in msg["requests"]:
-                if sched.has_cache_item(h):
+                if ep.is_ready(h):
                     hits += 1
                 else:
                     misses += 1
@@ -224,65 +243,54 @@ class _Pipeline:
             # far as the region has room; the rest waits for the consumer's releases.
             todo = []
             for h, ids in waiting.items():
-                if sched.has_cache_item(h):
+                if ep.is_ready(h):
                     continue
-                if sched.request_save(h, len(ids)) is None:
-                    if sched.cache.lookup(h) is None:
+                if ep.request_save(h, len(ids)) is None:
+                    if ep.cache.lookup(h) is None:
                         break  # no room even after evicting: wait for releases
                     continue
                 todo.append(h)
             if todo:
                 id_list = [waiting[h] for h in todo]
                 if self.num_encoders > 1:
-                    group_comm.bcast(id_list, root=0)
-                self._in_loop = False  # inside a collective encode: followers are not in bcast
+                    self._bcast_work(id_list)
                 hidden = self.tpe.encoder.encode_ids(id_list)
-                self._in_loop = True
                 encoded_tokens += sum(len(i) for i in id_list)
                 outputs, bufs = {}, []
                 for h, hs in zip(todo, hidden):
                     # The encoder's output lives in device memory, as in an engine.
                     buf = backend.alloc(hs.nbytes)
-                    backend.copy(worker.compute_queue, buf, hs, hs.nbytes)
+                    backend.copy(ep.compute_queue, buf, hs, hs.nbytes)
                     outputs[h] = buf.view(np.float32, hs.shape)
                     bufs.append(buf)
                     checks[h] = (_crc(hs), pool_embedding(hs).tobytes(), len(hs))
-                meta = sched.build_connector_meta()
-                for h in meta.saves:
-                    worker.save_caches(outputs, h, meta)
-                worker.flush_saves()
-                worker.wait()
-                sched.update_connector_output(worker.build_connector_worker_meta())
+                ep.save(outputs)
+                ep.wait_saves()
                 outputs.clear()
                 for buf in bufs:
                     backend.free(buf)
             grants = {}
             for h in list(waiting):
-                ids = sched.grant_read(h) if sched.has_cache_item(h) else None
+                ids = ep.grant(h) if ep.is_ready(h) else None
                 if ids is not None:
                     crc, pooled, ntok = checks[h]
                     grants[h] = (ids, crc, pooled, ntok)
                     del waiting[h]
             steps += 1
-            self.ch.send({"grants": grants}, self.consumer, TAG_STEP)
+            ep.send({"grants": grants}, what="this step's grants")
         if self.num_encoders > 1:
-            group_comm.bcast(None, root=0)
-        self._in_loop = False
-        st = sched.cache.stats
+            self._bcast_work(None)
+        st, w = ep.cache.stats, ep.worker.stats["save"]
         return {"hits": hits, "misses": misses, "evictions": st.evictions, "encoded_tokens": encoded_tokens,
-                "bytes_saved": worker.stats["save"]["bytes"], "save_copy_ms": worker.stats["save"]["copy_ms"],
-                "save_descriptors": worker.stats["save"]["descriptors"], "steps": steps,
-                "region_blocks": self.region.num_blocks, "region_mib": self.region.num_blocks * self.hidden * 4 / 2**20}
+                "bytes_saved": w["bytes"], "save_copy_ms": w["copy_ms"], "save_descriptors": w["descriptors"],
+                "steps": steps, "region_blocks": ep.region.num_blocks,
+                "region_mib": ep.region.num_blocks * self.hidden * 4 / 2**20}
 
     # ------------------------------------------------------------------ consumer side
-    def consumer_loop(self) -> dict:
-        from vtnumba.backend import default_backend
-        from vtnumba.ec import ECScheduler, ECWorker, ECWorkerMetadata
+    def consumer_loop(self, ep) -> dict:
+        from vtnumba.backend.arrays import to_host
         from vtnumba.models.minilm import pool_embedding
 
-        extra = list(range(self.consumer + 1, self.size))
-        sched = ECScheduler("consumer", self.region.num_blocks, expected_load_reports=1 + len(extra))
-        self.worker = worker = ECWorker(self.region, backend=default_backend(), tp_rank=0)
         queries = list(self.args.queries or DEFAULT_QUERIES)
         # Rounds of requests: the corpus, the queries, then repeats (cache hits, or misses
         # for entries evicted meanwhile) -- every round's answers are checked the same way.
@@ -290,11 +298,9 @@ class _Pipeline:
         ids = self.tokenizer.encode(texts)
         hashes = [mm_hash_of(t) for t in ids]
         embeddings: dict[str, np.ndarray] = {}
-        pending = list(dict.fromkeys(range(len(texts)), None))  # indices still to request
+        pending = list(range(len(texts)))  # indices still to request
         outstanding: set[str] = set()
         releases: list[str] = []
-        encoder_cache: dict = {}
-        expected: dict[str, tuple] = {}
         step = 0
         while True:
             if self.args.fail_at is not None and step == self.args.fail_at:
@@ -308,24 +314,16 @@ class _Pipeline:
                 requests.append((hashes[i], ids[i].tolist()))
                 outstanding.add(hashes[i])
             done = not pending and not outstanding
-            self.ch.send({"requests": requests, "releases": releases, "done": done}, self.producer, TAG_STEP)
+            ep.send({"requests": requests, "releases": releases, "done": done}, what="this step's requests")
             releases = []
             if done:
                 break
-            reply = self.ch.recv(self.producer, TAG_STEP)
-            for h, (block_ids, crc, pooled, ntok) in reply["grants"].items():
-                sched.request_load(h, block_ids)
-                expected[h] = (crc, pooled, ntok)
-            meta = sched.build_connector_meta()
-            for r in extra:
-                self.ch.send(meta, r, TAG_TP)
-            worker.start_load_caches(encoder_cache, meta)
-            worker.wait()
-            reports = [worker.build_connector_worker_meta()] + [self.ch.recv(r, TAG_TP) for r in extra]
-            update = sched.update_connector_output(ECWorkerMetadata.aggregate_all(reports))
-            for h in update.released:
-                crc, pooled, ntok = expected.pop(h)
-                got = _to_host(encoder_cache.pop(h))
+            grants = ep.recv(what="the encoder's grants", timeout_s=self.wait_for_encoder)["grants"]
+            # Every consumer rank loads the granted entries; when load() returns, all have them.
+            loaded = ep.load({h: g[0] for h, g in grants.items()})
+            for h, arr in loaded.items():
+                _, crc, pooled, ntok = grants[h]
+                got = to_host(arr)
                 if got.shape != (ntok, self.hidden) or _crc(got) != crc:
                     raise RuntimeError(f"consumer: the token-level outputs of {h} differ from what the encoder saved")
                 emb = pool_embedding(np.array(got))
@@ -335,8 +333,6 @@ class _Pipeline:
                 outstanding.discard(h)
                 releases.append(h)
             step += 1
-        for r in extra:
-            self.ch.send(None, r, TAG_TP)
         corpus_emb = np.stack([embeddings[h] for h in hashes[:len(self.corpus)]])
         answers = []
         for q in queries:
@@ -344,48 +340,9 @@ class _Pipeline:
             scores = corpus_emb @ qe
             top = np.argsort(-scores)[:3]
             answers.append((q, [(self.corpus[i], float(scores[i])) for i in top]))
-        return {"answers": answers, "verified": len(texts), "bytes_loaded": worker.stats["load"]["bytes"],
-                "load_copy_ms": worker.stats["load"]["copy_ms"], "load_descriptors": worker.stats["load"]["descriptors"],
-                "steps": step, "extra_ranks": len(extra)}
-
-    def consumer_follower(self) -> None:
-        """Consumer ranks after the first: load every entry too, report each transfer."""
-        from vtnumba.backend import default_backend
-        from vtnumba.ec import ECWorker
-
-        self.worker = worker = ECWorker(self.region, backend=default_backend(), tp_rank=self.rank - self.consumer)
-        encoder_cache: dict = {}
-        while True:
-            meta = self.ch.recv(self.consumer, TAG_TP)
-            if meta is None:
-                return
-            worker.start_load_caches(encoder_cache, meta)
-            worker.wait()
-            encoder_cache.clear()
-            self.ch.send(worker.build_connector_worker_meta(), self.consumer, TAG_TP)
-
-    # ------------------------------------------------------------------ teardown
-    def fail(self, exc: BaseException) -> None:
-        """After an error here: tell every other rank, release encoder followers, clean up."""
-        from vtnumba.ec.channel import PeerFailure
-
-        try:
-            if not isinstance(exc, PeerFailure):  # a peer's own failure needs no echo
-                for r in range(self.size):
-                    if r != self.rank:
-                        self.ch.send_error(r, f"{type(exc).__name__}: {exc}", timeout_s=1.0)
-            if self.rank == self.producer and self.tpe is not None and self.num_encoders > 1 and self._in_loop:
-                self.tpe.group.comm.bcast(_FAILED, root=0)  # followers wait in bcast between batches
-        finally:
-            self.cleanup()
-
-    def cleanup(self) -> None:
-        try:
-            if self.worker is not None:
-                self.worker.shutdown()
-        finally:
-            if self.region is not None:
-                self.region.cleanup()
+        w = ep.worker.stats["load"]
+        return {"answers": answers, "verified": len(texts), "bytes_loaded": w["bytes"], "load_copy_ms": w["copy_ms"],
+                "load_descriptors": w["descriptors"], "steps": step, "extra_ranks": len(ep.followers)}
 
 
 def _print_report(measure: dict, prod: dict, cons: dict, args, sizes, memcpy_gbs: float, target) -> None:
@@ -423,47 +380,55 @@ def _print_report(measure: dict, prod: dict, cons: dict, args, sizes, memcpy_gbs
 
 
 def run_pipeline_demo(args) -> int:
+    """``vtnumba demo``: run the pipeline on every rank of the world; returns the exit status."""
     from mpi4py import MPI
 
-    from vtnumba.target import current_target
+    from vtnumba.dist import run_collectively
+    from vtnumba.dist.comm import set_default_timeout
 
     comm = MPI.COMM_WORLD
     try:
         sizes = plan_ranks(comm.Get_size(), args.encoder_ranks)
+        timeout, inject = check_options(args)
     except ValueError as exc:
         if comm.Get_rank() == 0:
             print(f"vtnumba demo: {exc}", file=sys.stderr)
         return 2
-    p = _Pipeline(args, comm.Dup())
-    try:
-        p.setup()
-        measure = prod = cons = None
+    set_default_timeout(timeout)  # every wait for another rank, in vtnumba too (TPSP, groups, ...)
+    # A rank that fails tells the others and says what it was doing; a rank that stops
+    # answering makes the others give up after --timeout; either way the job ends.
+    return run_collectively(lambda: _run(args, comm, sizes, timeout, inject), timeout_s=timeout)
+
+
+def _run(args, world, sizes, timeout: float, inject) -> int:
+    from vtnumba.dist import destroy_distributed
+    from vtnumba.target import current_target
+
+    p = _Pipeline(args, world.Dup(), timeout, inject)
+    p.setup()
+    measure = prod = cons = None
+    with p.endpoint() as ep:
         if p.is_encoder:
             measure = p.measure_encoder()
             if p.rank == p.producer:
-                prod = p.producer_loop()
+                prod = p.producer_loop(ep)
             else:
                 p.encoder_follower()
         elif p.rank == p.consumer:
-            cons = p.consumer_loop()
+            cons = p.consumer_loop(ep)
         else:
-            p.consumer_follower()
+            # Waiting for the leader's next loads spans the leader's wait for encoder rank 0.
+            ep.serve(timeout_s=p.wait_for_encoder + timeout)
         # The leaders' reports meet at world rank 0, which prints them.
         if p.rank == p.consumer:
-            p.ch.send(cons, p.producer, TAG_STEP)
+            ep.send(cons, what="the consumer's report")
         if p.rank == p.producer:
-            cons = p.ch.recv(p.consumer, TAG_STEP)
-            from vtnumba.bench.timing import memcpy_bandwidth_gbs
+            cons = ep.recv(what="the consumer's report")
+    if p.rank == p.producer:
+        from vtnumba.bench.timing import memcpy_bandwidth_gbs
 
-            _print_report(measure, prod, cons, args, sizes, memcpy_bandwidth_gbs(16 << 20), current_target())
-    except BaseException as exc:  # noqa: BLE001 - one rank's failure must end every rank
-        print(f"[rank {comm.Get_rank()}] vtnumba demo failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        p.fail(exc)
-        return 1
-    p.cleanup()
+        _print_report(measure, prod, cons, args, sizes, memcpy_bandwidth_gbs(16 << 20), current_target())
     if p.tpe is not None:
         p.tpe.close()
-    from vtnumba.dist import destroy_distributed
-
     destroy_distributed()
     return 0

@@ -10,6 +10,12 @@ What is measured, per entry size (4 KiB .. 64 MiB by default):
 * **memcpy** -- ``np.copyto`` of the same number of bytes (the stock baseline), and the
   machine's large-copy memcpy bandwidth (:func:`vtnumba.bench.timing.memcpy_bandwidth_gbs`).
 
+The parts are set up as a program sets them up: an :class:`~vtnumba.ec.ECProducer` owns the
+region and the saving worker, an :class:`~vtnumba.ec.ECConsumer` opens the same region through
+the producer's handle -- a mapping of its own, as in a prefill process -- and owns the
+loading worker (both in this process: ``comm=None``).  What is timed is the workers'
+copies, fed one entry at a time.
+
 Entries rotate through four slots of a region sized for them, so every save writes blocks
 another entry just left (as under eviction).  The ``fragmented`` case lays an entry out in
 runs of 8 blocks with gaps between, to show what the descriptor count costs.  The
@@ -19,7 +25,6 @@ checks that this equals the number of block runs (:func:`vtnumba.ec.coalesce_run
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -35,10 +40,9 @@ SLOTS = 4
 
 
 def add_arguments(parser) -> None:
+    """``--sizes``: the entry sizes to measure."""
     parser.add_argument("--sizes", nargs="*", type=int, default=None,
                         help="entry sizes in bytes (multiples of 2048; default 4 KiB .. 64 MiB)")
-
-
 
 
 def _label(n: int) -> str:
@@ -46,10 +50,11 @@ def _label(n: int) -> str:
 
 
 class _Case:
-    """One entry size: a region with rotating slots, a worker, a source entry on the device."""
+    """One entry size: a producer and a consumer on one region with rotating slots, a source
+    entry on the device."""
 
     def __init__(self, backend, nbytes: int, fragmented: bool, tag: str):
-        from vtnumba.ec import ECConnectorMetadata, ECRegionConfig, ECWorker, create_ec_shared_region
+        from vtnumba.ec import ECConnectorMetadata, ECConsumer, ECProducer
 
         self.backend = backend
         block = HIDDEN * np.dtype(DTYPE).itemsize
@@ -64,18 +69,22 @@ class _Case:
         else:
             self.slot_ids = [np.arange(s * rows, (s + 1) * rows, dtype=np.int64) for s in range(SLOTS)]
             num_blocks = SLOTS * rows
-        cfg = ECRegionConfig(engine_id=f"bench{os.getpid()}_{tag}", hidden_size=HIDDEN, dtype=DTYPE,
-                             region_bytes=num_blocks * block, create=True)
-        self.region = create_ec_shared_region(cfg)
+        self.producer = ECProducer(hidden_size=HIDDEN, dtype=DTYPE, region_bytes=num_blocks * block,
+                                   name=f"bench_{tag}_", backend=backend)
         try:
-            self.worker = ECWorker(self.region, backend=backend)
+            self.consumer = ECConsumer(hidden_size=HIDDEN, dtype=DTYPE, handle=self.producer.handle, backend=backend)
+            self.producer.stop_sharing()  # the one consumer has mapped it
+        except BaseException:
+            self.producer.close()
+            raise
+        try:
             self.src_buf = backend.alloc(self.nbytes)
             self.src = self.src_buf.view(DTYPE, (rows, HIDDEN))
             self.host = np.random.default_rng(nbytes).standard_normal((rows, HIDDEN)).astype(DTYPE)
-            backend.copy(self.worker.compute_queue, self.src_buf, self.host, self.host.nbytes)
-            backend.synchronize(self.worker.compute_queue)
+            backend.copy(self.producer.compute_queue, self.src_buf, self.host, self.host.nbytes)
+            backend.synchronize(self.producer.compute_queue)
         except BaseException:
-            self.region.cleanup()
+            self.close()
             raise
         self.enc = {"e": self.src}
         # Block ids as int64 arrays, as ECScheduler sends them.
@@ -91,36 +100,38 @@ class _Case:
         return items[k % len(items)]
 
     # -- one step, waited for: latency
-    def _complete(self) -> None:
-        w = self.worker
+    @staticmethod
+    def _complete(w) -> None:
         while w.build_connector_worker_meta() is None:  # poll like an engine loop
             w.wait()
 
     def save(self) -> None:
+        w = self.producer.worker
         meta = self._next("save", self.save_metas)
-        self.worker.save_caches(self.enc, "e", meta)
-        self.worker.flush_saves()
-        self._complete()
+        w.save_caches(self.enc, "e", meta)
+        w.flush_saves()
+        self._complete(w)
 
     def load(self) -> None:
         self.loaded.clear()  # drop the previous views: their buffer goes back to the allocator
+        w = self.consumer.worker
         meta = self._next("load", self.load_metas)
-        self.worker.start_load_caches(self.loaded, meta)
-        self._complete()
+        w.start_load_caches(self.loaded, meta)
+        self._complete(w)
 
     # -- the same bytes moved by np.copyto between the same buffers: the fair baseline
     def memcpy_save(self) -> None:
         ids = self._next("memcpy_save", self.slot_ids)
-        blocks = self.region.blocks
+        blocks = self.producer.region.blocks
         np.copyto(blocks[ids[0]:ids[0] + self.rows].reshape(-1), _host_bytes(self.src).view(np.int8).reshape(-1))
 
     def memcpy_load(self, out) -> None:
         ids = self._next("memcpy_load", self.slot_ids)
-        np.copyto(out, self.region.blocks[ids[0]:ids[0] + self.rows].reshape(-1))
+        np.copyto(out, self.consumer.region.blocks[ids[0]:ids[0] + self.rows].reshape(-1))
 
     # -- many steps back to back, at most SLOTS-1 copies in flight: throughput
     def pipelined(self, direction: str, steps: int) -> float:
-        w = self.worker
+        w = self.producer.worker if direction == "save" else self.consumer.worker
         live: list = []
         t0 = time.perf_counter()
         for k in range(steps):
@@ -144,15 +155,15 @@ class _Case:
             raise RuntimeError(f"bench ec: loaded bytes differ from the saved entry ({_label(self.nbytes)})")
 
     def descriptors_per_save(self) -> float:
-        st = self.worker.stats["save"]
+        st = self.producer.worker.stats["save"]
         return st["descriptors"] / max(st["transfers"], 1)
 
     def close(self) -> None:
         self.loaded.clear()
         try:
-            self.worker.shutdown()
+            self.consumer.close()
         finally:
-            self.region.cleanup()
+            self.producer.close()
 
 
 def _bench_size(backend, nbytes: int, repeat: int, fragmented: bool, tag: str, pipelined_backend=None) -> dict:
@@ -209,27 +220,19 @@ def _bench_size(backend, nbytes: int, repeat: int, fragmented: bool, tag: str, p
 
 
 def _host_bytes(arr) -> np.ndarray:
-    if isinstance(arr, np.ndarray):
-        return arr
-    return _host(arr)
+    from vtnumba.backend.arrays import to_host
 
-
-def _host(arr):
-    from vtnumba.backend.cuda import sim_host_view
-
-    try:
-        return sim_host_view(arr)
-    except TypeError:
-        return arr.copy_to_host()
+    return to_host(arr)
 
 
 def run(args) -> dict:
+    """Measure every size (``args.quick``: fewer, shorter) and return the suite's results."""
     from vtnumba.backend.cpu import CPUBackend
     from vtnumba.backend.default import default_backend
     from vtnumba.target import current_target
 
-    quick = bool(getattr(args, "quick", False))
-    sizes = getattr(args, "sizes", None) or (QUICK_SIZES if quick else DEFAULT_SIZES)
+    quick = bool(args.quick)
+    sizes = args.sizes or (QUICK_SIZES if quick else DEFAULT_SIZES)
     block = HIDDEN * np.dtype(DTYPE).itemsize
     for s in sizes:
         if s <= 0 or s % block:

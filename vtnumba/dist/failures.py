@@ -37,13 +37,16 @@ from contextlib import contextmanager
 from mpi4py import MPI
 
 from vtnumba.backend import polling
-from vtnumba.dist.comm import DEFAULT
+from vtnumba.dist.comm import DEFAULT, resolve_timeout
 
 _TAG = 31990  # below MPI_TAG_UB's guaranteed minimum (32767)
 
 
 class PeerFailed(RuntimeError):
     """Another rank reported a failure (its text names the rank and what it was doing)."""
+
+    #: This rank stopped because of a peer (see :func:`report`).
+    caused_by_peer = True
 
     def __init__(self, rank: int, text: str):
         super().__init__(text)
@@ -142,8 +145,13 @@ def report(exc: BaseException) -> str:
     board = _board
     rank = board.rank if board is not None else MPI.COMM_WORLD.Get_rank()
     where = getattr(exc, "vtnumba_phase", None) or current_phase()
+    # A rank that failed *because* a peer did says so and posts nothing: the peer already has.
+    # Other layers' "a peer failed" errors (the encoder cache's PeerFailure, which must not
+    # import MPI) mark themselves with ``caused_by_peer = True``.
     if isinstance(exc, PeerFailed):
         return f"[rank {rank}] stopped while {where}, because {exc.text}"
+    if getattr(exc, "caused_by_peer", False):
+        return f"[rank {rank}] stopped while {where}, because {exc}"
     what = f"failed while {where}: {type(exc).__name__}: {exc}"
     if board is not None:
         try:
@@ -160,6 +168,7 @@ def exit_after_failure(timeout_s: float = DEFAULT, code: int = 1) -> int:
     comm = board.comm if board is not None else MPI.COMM_WORLD
     if board is not None:
         polling.remove_watch(board.check)  # we are leaving anyway: peers' notes change nothing
+    timeout_s = resolve_timeout(timeout_s)
     req = comm.Ibarrier()
     try:
         polling.poll_until(req.Test, timeout_s, lambda waited: "exit barrier")

@@ -1,6 +1,6 @@
 """Copy descriptors for the encoder-cache worker: block runs and reusable descriptor buffers.
 
-Seed: ``_coalesce_runs`` and ``descriptor_buffers.py`` next to vLLM's ``ECCPUWorker``.
+Upstream: ``_coalesce_runs`` and ``descriptor_buffers.py`` next to vLLM's ``ECCPUWorker``.
 
 A transfer between the shared region and the device moves whole *blocks* (one block = one
 token's embedding row).  Copying block by block costs one descriptor per block, and the
@@ -16,7 +16,7 @@ advances in lockstep with the region; only the region side ever has to be split.
 :class:`DescriptorBuffers` are the three ``uint64`` arrays (source addresses, destination
 addresses, byte counts) a batched copy reads; :class:`DescriptorBufferPool` recycles them
 across steps, because a batched copy may read them after the call returned (see
-:mod:`vtnumba.kernels.batched_copy`) and they may only be reused once its end event fired.
+:mod:`vtnumba.memory.copy_engine`) and they may only be reused once its end event fired.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+
+from vtnumba.backend.arrays import is_int
 
 __all__ = ["coalesce_runs", "DescriptorBuffers", "DescriptorBufferPool"]
 
@@ -66,6 +68,7 @@ class DescriptorBuffers(NamedTuple):
 
     @property
     def capacity(self) -> int:
+        """How many descriptors fit."""
         return int(self.src_ptrs.size)
 
     def add_copies(self, start: int, src_ptrs, dst_ptrs, sizes) -> int:
@@ -100,7 +103,8 @@ class DescriptorBufferPool:
         self.reuses = 0
 
     def acquire(self, n: int) -> DescriptorBuffers:
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        """Buffers with room for at least ``n`` descriptors (recycled when possible)."""
+        if not is_int(n) or n < 0:
             raise ValueError(f"n={n!r} must be a non-negative int number of descriptors")
         with self._lock:
             if self._pool:
@@ -113,6 +117,7 @@ class DescriptorBufferPool:
         return DescriptorBuffers(np.zeros(cap, np.uint64), np.zeros(cap, np.uint64), np.zeros(cap, np.uint64))
 
     def release(self, bufs: DescriptorBuffers) -> None:
+        """Return buffers whose copy has finished, for reuse."""
         if not isinstance(bufs, DescriptorBuffers):
             raise TypeError(f"bufs must be DescriptorBuffers, got {type(bufs).__name__}")
         with self._lock:

@@ -1,6 +1,6 @@
 """Load destinations: the device buffers loads copy into, and when they may be freed.
 
-Seed: the ``dst_buf.record_stream(compute_stream)`` line in ``ECCPUWorker.start_load_caches``.
+Upstream: the ``dst_buf.record_stream(compute_stream)`` line in ``ECCPUWorker.start_load_caches``.
 
 A load copies every entry of the step into *one* contiguous device buffer (on a copy
 queue) and hands out per-``mm_hash`` views of it; the model then reads those views on the
@@ -31,7 +31,9 @@ import weakref
 
 import numpy as np
 
+from vtnumba.backend.arrays import host_view, wrap_host_memory
 from vtnumba.backend.base import Backend, Event, Queue
+from vtnumba.memory.copy_engine import address_of
 
 __all__ = ["LoadDestination", "LoadDestinations"]
 
@@ -71,21 +73,23 @@ class LoadDestinations:
         self.backend = backend
         self.compute_queue = compute_queue
         self.allocator = allocator
-        self._host = backend.device_type.value == "cpu" or bool(getattr(backend, "simulator", False))
-        self._simulator = bool(getattr(backend, "simulator", False))
+        # The backend declares what its memory is: host-addressable memory (cpu, simulator)
+        # gets exact view tracking through numpy; a real GPU's gets a finalizer per view.
+        caps = backend.capabilities
+        self._host = caps.host_addressable
+        self._simulator = caps.simulator
         self._lock = threading.Lock()
         self._live: list[LoadDestination] = []
         self.freed_count = 0
 
     # ------------------------------------------------------------------ allocation and views
     def allocate(self, nbytes: int, copy_queue: Queue) -> LoadDestination:
-        from vtnumba.memory.copy_engine import address_of
-
+        """A load buffer of ``nbytes``, written by ``copy_queue`` and read on the compute queue."""
         from_allocator = self.allocator is not None and nbytes > 0
         if from_allocator:
             # Allocated for the copy queue, which writes it first...
             memory = self.allocator.allocate(nbytes, copy_queue)
-            # ...and, seed: dst_buf.record_stream(compute_stream) -- the allocator waits for
+            # ...and, as upstream: dst_buf.record_stream(compute_stream) -- the allocator waits for
             # the compute queue's reads before it reissues this memory.
             self.allocator.record_stream(memory, self.compute_queue)
         else:
@@ -103,11 +107,10 @@ class LoadDestinations:
 
     def _host_array(self, memory) -> np.ndarray:
         arr = memory.array if hasattr(memory, "array") else memory
-        if self._simulator:
-            from vtnumba.backend.cuda import sim_host_view
-
-            arr = sim_host_view(arr)
-        return arr
+        view = host_view(arr)  # numpy itself, or the numpy memory behind a simulated array
+        if view is None:
+            raise TypeError(f"load buffer {type(arr).__name__} is not host-addressable")
+        return view
 
     def view(self, dest: LoadDestination, dtype, shape, offset: int):
         """A typed array on the target aliasing ``dest``'s bytes ``offset .. offset+size``."""
@@ -118,9 +121,7 @@ class LoadDestinations:
             raw = dest._owner_array[offset:offset + nbytes]
             arr = raw.view(dtype).reshape(shape)
             if self._simulator:
-                from vtnumba.backend.cuda import fake_device_array
-
-                arr = fake_device_array(arr)
+                arr = wrap_host_memory(arr)  # kernels in the simulator take it in place
             return arr
         arr = dest.memory.view(dtype, shape, offset)  # a numba device array on a real GPU
         with self._lock:
@@ -136,6 +137,7 @@ class LoadDestinations:
             dest.views_dead = True
 
     def copy_finished(self, dest: LoadDestination) -> None:
+        """The load copy into ``dest`` has finished (its end event fired)."""
         dest.copy_done = True
 
     # ------------------------------------------------------------------ freeing
@@ -180,6 +182,7 @@ class LoadDestinations:
         self.freed_count += 1
 
     def pending(self) -> list[LoadDestination]:
+        """The buffers not freed yet."""
         with self._lock:
             return list(self._live)
 

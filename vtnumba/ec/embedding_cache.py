@@ -1,6 +1,6 @@
 """EmbeddingCache: which blocks of the shared region hold which encoder output (scheduler side).
 
-Seed: ``EmbeddingCache`` in vLLM's CPU encoder-cache connector -- a named-entry block cache
+Upstream: ``EmbeddingCache`` in vLLM's CPU encoder-cache connector -- a named-entry block cache
 with FIFO eviction.  It never touches the region's bytes; it only decides *where* they go.
 
 An entry (keyed by ``mm_hash``) owns a tuple of block ids and is in one of three states::
@@ -22,7 +22,7 @@ Free blocks are kept as sorted runs ``[start, end)`` and an allocation takes the
 free ids, in ascending order.  That keeps an entry's blocks in few runs of consecutive
 ids, which the worker coalesces into a handful of copy descriptors (see
 :func:`~vtnumba.ec.coalesce_runs`), and it costs per run, not per block (an entry can be
-thousands of rows).  The seed pops a LIFO stack, which gives descending ids -- one
+thousands of rows).  vLLM's pops a LIFO stack, which gives descending ids -- one
 descriptor per block.
 
 Every public method takes one lock, so scheduler threads and a read-serving thread can
@@ -40,6 +40,8 @@ from itertools import chain
 
 import numpy as np
 
+from vtnumba.backend.arrays import is_int
+
 __all__ = ["CacheEntry", "CacheStats", "EmbeddingCache"]
 
 _NOT_READY = -1
@@ -48,12 +50,14 @@ _NOT_READY = -1
 class CacheEntry:
     """One entry.  Read ``block_ids``, ``ready``, ``pinned``, ``pin_count``; mutate only via the cache.
 
-    The blocks are stored as runs ``(start, end)``; ``block_ids`` (a tuple, as in the seed)
+    The blocks are stored as runs ``(start, end)``; ``block_ids`` (a tuple, as in vLLM's)
     and ``block_array`` (an int64 array, what the per-step metadata carries) are built from
     them on first use -- an entry can span thousands of blocks.
     """
 
-    __slots__ = ("key", "_runs", "_pin_count", "_ids", "_array", "num_blocks")
+    # A dict: the values document the public slots (autodoc and help() show them).
+    __slots__ = {"key": "The entry's mm_hash.", "num_blocks": "How many blocks it holds.", "_runs": None,
+                 "_pin_count": None, "_ids": None, "_array": None}
 
     def __init__(self, key: str, runs: list[tuple[int, int]]):
         self.key = key
@@ -65,12 +69,14 @@ class CacheEntry:
 
     @property
     def block_ids(self) -> tuple[int, ...]:
+        """The block ids, ascending, as a tuple."""
         if self._ids is None:
             self._ids = tuple(chain.from_iterable(range(a, b) for a, b in self._runs))
         return self._ids
 
     @property
     def block_array(self) -> np.ndarray:
+        """The block ids as a read-only int64 array (what the per-step metadata carries)."""
         if self._array is None:
             arr = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in self._runs]) if self._runs \
                 else np.zeros(0, np.int64)
@@ -80,26 +86,32 @@ class CacheEntry:
 
     @property
     def runs(self) -> list[tuple[int, int]]:
+        """The blocks as runs ``(start, end)`` of consecutive ids."""
         return list(self._runs)
 
     @property
     def ready(self) -> bool:
+        """Its save has completed: it can be read."""
         return self._pin_count >= 0
 
     @property
     def pinned(self) -> bool:
+        """Someone is reading it: it cannot be evicted."""
         return self._pin_count > 0
 
     @property
     def evictable(self) -> bool:
+        """Ready and not pinned."""
         return self._pin_count == 0
 
     @property
     def pin_count(self) -> int:
+        """Readers holding it (pins nest)."""
         return max(self._pin_count, 0)
 
     @property
     def state(self) -> str:
+        """``"not-ready"``, ``"ready"`` or ``"pinned"``."""
         return "not-ready" if not self.ready else ("pinned" if self.pinned else "ready")
 
     def __repr__(self) -> str:
@@ -110,21 +122,21 @@ class CacheEntry:
 class CacheStats:
     """Counters since construction.  A hit/miss is a read request (``pin_if_ready``)."""
 
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    evicted_blocks: int = 0
-    allocs: int = 0
-    failed_allocs: int = 0
+    hits: int = 0            #: read requests that found the entry ready
+    misses: int = 0          #: read requests that did not
+    evictions: int = 0       #: entries evicted to make room
+    evicted_blocks: int = 0  #: their blocks
+    allocs: int = 0          #: entries allocated
+    failed_allocs: int = 0   #: allocations refused for lack of room (nothing evicted)
 
 
 class EmbeddingCache:
     """A fixed pool of ``num_blocks`` block ids shared by named entries (see module docstring)."""
 
     def __init__(self, num_blocks: int):
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+        if not is_int(num_blocks) or num_blocks < 0:
             raise ValueError(f"num_blocks={num_blocks!r} must be a non-negative int")
-        self.num_blocks = num_blocks
+        self.num_blocks = int(num_blocks)
         self._lock = threading.Lock()
         self._free = _FreeRuns(num_blocks)
         self._entries: dict[str, CacheEntry] = {}
@@ -151,11 +163,13 @@ class EmbeddingCache:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no entry holds."""
         with self._lock:
             return self._free.count
 
     @property
     def num_evictable_blocks(self) -> int:
+        """Blocks held by ready, unpinned entries (what eviction could free)."""
         with self._lock:
             return self._evictable_blocks
 
@@ -178,8 +192,9 @@ class EmbeddingCache:
         """
         if not isinstance(key, str):
             raise TypeError(f"key={key!r} must be a str (an mm_hash)")
-        if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
+        if not is_int(n_blocks) or n_blocks < 0:
             raise ValueError(f"n_blocks={n_blocks!r} must be a non-negative int")
+        n_blocks = int(n_blocks)
         if n_blocks > self.num_blocks:
             raise ValueError(f"alloc({key!r}, n_blocks={n_blocks}) can never fit: the region has only "
                              f"{self.num_blocks} blocks")
@@ -229,6 +244,7 @@ class EmbeddingCache:
             return entry.block_array
 
     def unpin(self, key: str) -> None:
+        """Drop one pin; the last one makes the entry evictable again (youngest in the eviction order)."""
         with self._lock:
             entry = self._get(key, "unpin")
             if not entry.pinned:

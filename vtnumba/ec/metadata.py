@@ -1,6 +1,6 @@
 """The two messages between the encoder-cache scheduler and its workers, once per step.
 
-Seed: ``ECCPUConnectorMetadata`` and ``ECCPUWorkerMetadata`` in vLLM's CPU connector.
+Upstream: ``ECCPUConnectorMetadata`` and ``ECCPUWorkerMetadata`` in vLLM's CPU connector.
 
 * :class:`ECConnectorMetadata` -- scheduler -> workers: what to copy this step.
   ``saves``: ``mm_hash -> block_ids`` the producer just allocated (copy the encoder output
@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vtnumba.backend.arrays import is_int
+
 __all__ = ["ECConnectorMetadata", "ECWorkerMetadata"]
 
 
@@ -39,7 +41,8 @@ def _check_ids(ids, what: str) -> None:
 class ECConnectorMetadata:
     """Block ids may be lists or int arrays; the scheduler sends int64 arrays (compact to pickle)."""
 
-    saves: dict[str, "list[int] | np.ndarray"] = field(default_factory=dict)
+    saves: dict[str, "list[int] | np.ndarray"] = field(default_factory=dict)  #: mm_hash -> block ids to fill
+    #: mm_hash -> (transfer id, block ids to read)
     loads: dict[str, "tuple[int, list[int] | np.ndarray]"] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -55,7 +58,7 @@ class ECConnectorMetadata:
             if not (isinstance(value, (tuple, list)) and len(value) == 2):
                 raise TypeError(f"loads[{h!r}]={value!r} must be a (transfer_id, block_ids) pair")
             tid, ids = value
-            if isinstance(tid, bool) or not isinstance(tid, (int, np.integer)):
+            if not is_int(tid):
                 raise TypeError(f"loads[{h!r}] transfer_id={tid!r} must be an int")
             _check_ids(ids, f"loads[{h!r}] block_ids")
             self.loads[h] = (int(tid), ids)
@@ -66,8 +69,10 @@ class ECConnectorMetadata:
 
 @dataclass
 class ECWorkerMetadata:
-    completed_saves: list[str] = field(default_factory=list)
-    completed_loads: list[int] = field(default_factory=list)
+    """Workers -> scheduler: the copies that have finished (see the module docstring)."""
+
+    completed_saves: list[str] = field(default_factory=list)  #: mm_hashes whose save finished
+    completed_loads: list[int] = field(default_factory=list)  #: transfer ids whose load finished (once per rank)
 
     def aggregate(self, other: "ECWorkerMetadata | None") -> "ECWorkerMetadata":
         """Append ``other``'s reports to this one (in place) and return self."""

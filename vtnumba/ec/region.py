@@ -1,43 +1,68 @@
-"""The shared region: a block-structured file in ``/dev/shm`` that producer and consumer both map.
+"""The shared region: a block-structured piece of shared memory that producer and consumer both map.
 
-Seed: ``ECSharedRegion`` and ``create_ec_shared_region`` in vLLM's CPU encoder-cache
+Upstream: ``ECSharedRegion`` and ``create_ec_shared_region`` in vLLM's CPU encoder-cache
 connector.  An encoder process (producer) writes encoder outputs into the region; a
 prefill process (consumer) on the same machine reads them back.  Both map the *same*
-file, so a write by one is a read by the other with no copy in between.
+memory, so a write by one is a read by the other with no copy in between.
 
-Layout: ``/dev/shm/vtnumba_ec_<engine_id>.mmap``, mode 0600, mapped ``MAP_SHARED``::
+Layout, mapped ``MAP_SHARED``::
 
     [ header: 4096 bytes ][ block 0 ][ block 1 ] ... [ block num_blocks-1 ]
 
 One block holds one token's embedding row: ``block_size_bytes = hidden_size * itemsize``,
 ``num_blocks = region_bytes // block_size_bytes``.  :attr:`ECSharedRegion.blocks` is the
-``int8`` view ``[num_blocks, block_size_bytes]``.  The header (the seed has none; this is
+``int8`` view ``[num_blocks, block_size_bytes]``.  The header (vLLM's has none; this is
 our addition) records dtype, hidden size and block count, so a consumer configured
 differently from its producer fails at open time with a clear message instead of
 reinterpreting the wrong bytes.  The blocks start one page in, so they stay page-aligned.
 
+Two ways to share the memory
+----------------------------
+
+* **named** (vLLM's): a file ``/dev/shm/vtnumba_ec_<engine_id>.mmap`` that any process
+  of the same user can open by engine id -- the way to go when producer and consumer are
+  not MPI peers and only agree on a name.  The price: between the creator's ``open`` and
+  its :meth:`~ECSharedRegion.unlink` a name exists, and a process killed by ``SIGKILL`` in
+  that window leaves the file behind (nothing runs in a killed process).  A creator that
+  dies from an *exception* does not: an ``atexit`` hook unlinks every name this process
+  created and has not unlinked yet.
+* **anonymous** (``anonymous=True``, what the endpoints use): the creator makes the memory
+  with ``memfd_create`` -- shared memory that never has a name in ``/dev/shm`` at all, so
+  no crash at any moment can leave a file behind.  Openers reach it through the creator's
+  descriptor, ``/proc/<creator pid>/fd/<fd>``, described by an :class:`ECRegionHandle` the
+  creator sends them (over MPI in the demos).  The kernel lets only processes of the same
+  user open another process's descriptors, and the handle carries the file's inode, which
+  the opener checks, so a recycled pid or descriptor number cannot hand it someone
+  else's memory.  The memory lives as long as any process maps it or holds the descriptor.
+
 Lifecycle:
 
-* the *creator* opens with ``O_CREAT | O_EXCL`` (a second creator for the same engine id
-  is refused), sizes the file, pre-faults every page (``MADV_POPULATE_WRITE``, so the
-  first real copy does not pay for page faults), and writes the header's magic *last*:
-  an opener that sees the magic sees a complete header;
-* others open the existing file, wait (up to ``open_timeout_s``) for the magic, validate,
-  and pre-fault their own mapping too (page tables are per process; the seed does not);
+* the *creator* makes the memory (named: ``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600, so a
+  second creator -- or a symlink planted under the name -- is refused), sizes it,
+  pre-faults every page (``MADV_POPULATE_WRITE``, so the first real copy does not pay for
+  page faults), and writes the header's magic *last*: an opener that sees the magic sees a
+  complete header;
+* others open it (named: ``O_NOFOLLOW`` and, up to ``open_timeout_s``, waiting for the file
+  and its magic; anonymous: through the handle), check that it is a regular file owned by
+  this user with mode 0600, validate the header, and pre-fault their own mapping too (page
+  tables are per process; vLLM's openers do not);
 * :meth:`~ECSharedRegion.pin_memory` page-locks the mapping for the GPU (``cuMemHostRegister``)
   where there is one -- each process registers its own mapping; elsewhere it says why not;
-* :meth:`~ECSharedRegion.cleanup`: the creator unlinks the name, everyone unmaps.  Because
-  a mapping outlives its name, the creator may also :meth:`~ECSharedRegion.unlink` early,
-  once every process has mapped the region -- then even a killed process leaves nothing
-  behind in ``/dev/shm``.
+* :meth:`~ECSharedRegion.unlink` (creator, once every process has mapped the region): from
+  then on nobody else can open it -- a named region loses its name, an anonymous one its
+  creator's descriptor.  The mappings stay valid;
+* :meth:`~ECSharedRegion.cleanup`: the creator unlinks, everyone unmaps.
 """
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import re
+import stat
 import struct
+import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -47,33 +72,55 @@ from typing import Any
 import numpy as np
 
 from vtnumba.backend.address_ranges import register, unregister
+from vtnumba.backend.arrays import check_int, is_int
 
-__all__ = ["ECRegionConfig", "ECSharedRegion", "ECRegionError", "create_ec_shared_region", "region_path",
-           "HEADER_BYTES"]
+__all__ = ["ECRegionConfig", "ECRegionHandle", "ECSharedRegion", "ECRegionError", "create_ec_shared_region",
+           "open_ec_shared_region", "region_path", "HEADER_BYTES"]
 
 HEADER_BYTES = 4096
 _MAGIC = b"VTNUMBA-EC-v1\x00\x00\x00"  # 16 bytes, written last
 # magic(16s) version(I) itemsize(I) hidden_size(Q) num_blocks(Q) block_size_bytes(Q) creator_pid(Q) dtype(32s)
 _HEADER = struct.Struct("<16sIIQQQQ32s")
 _VERSION = 1
-_ENGINE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+# fullmatch, not match with "$": "$" also matches before a trailing newline, and a newline
+# must never reach a file name.
+_ENGINE_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+
+# Named regions this process created and has not unlinked yet: an uncaught exception (or a
+# plain exit) must not leave their files in /dev/shm.
+_linked: set[str] = set()
+_linked_lock = threading.Lock()
+
+
+def _unlink_leftovers() -> None:
+    with _linked_lock:
+        paths = list(_linked)
+        _linked.clear()
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+atexit.register(_unlink_leftovers)
 
 
 class ECRegionError(RuntimeError):
-    """The region cannot be created or opened (already exists, missing, incomplete)."""
+    """The region cannot be created or opened (already exists, missing, incomplete, not ours)."""
 
 
 def region_path(engine_id: str) -> str:
-    """The ``/dev/shm`` path of an engine's region."""
+    """The ``/dev/shm`` path of an engine's *named* region."""
     _check_engine_id(engine_id)
     return f"/dev/shm/vtnumba_ec_{engine_id}.mmap"
 
 
 def _check_engine_id(engine_id) -> str:
-    if not isinstance(engine_id, str) or not _ENGINE_ID.match(engine_id):
+    if not isinstance(engine_id, str) or not _ENGINE_ID.fullmatch(engine_id):
         raise ValueError(f"engine_id={engine_id!r} must be 1-128 characters of [A-Za-z0-9_.-] "
-                         "(it becomes part of a file name in /dev/shm)")
+                         "(it becomes part of a file name)")
     return engine_id
 
 
@@ -95,47 +142,104 @@ def _numpy_dtype(dtype) -> np.dtype:
 
 
 @dataclass(frozen=True)
-class ECRegionConfig:
-    """What both sides must agree on.  ``region_bytes=None`` on an opener adopts the creator's."""
+class ECRegionHandle:
+    """What another process needs to open an anonymous region: small, picklable, sent over MPI.
 
-    engine_id: str
-    hidden_size: int
-    dtype: Any = "float32"
-    region_bytes: int | None = None
-    create: bool = False
-    open_timeout_s: float = 0.0  # openers: how long to wait for the creator's file and header
+    ``pid``/``fd`` name the creator's descriptor (``/proc/<pid>/fd/<fd>``); ``dev``/``ino``
+    identify the memory itself, so an opener can tell that the descriptor it reached is
+    the one the creator meant (pids and descriptor numbers are reused).
+    """
+
+    engine_id: str  #: the region's engine id (its memfd is labelled ``vtnumba_ec_<engine_id>``)
+    pid: int        #: the creator's process id
+    fd: int         #: the creator's descriptor of the region
+    dev: int        #: device number of the region's inode
+    ino: int        #: inode number of the region
+
+    @property
+    def proc_path(self) -> str:
+        """``/proc/<pid>/fd/<fd>``: the path an opener opens."""
+        return f"/proc/{self.pid}/fd/{self.fd}"
+
+
+@dataclass(frozen=True)
+class ECRegionConfig:
+    """What both sides must agree on.
+
+    ``create=True`` makes the region (named by default, ``anonymous=True`` for one that never
+    has a name); an opener either names the engine (a named region) or passes the
+    creator's ``handle``.  ``region_bytes=None`` on an opener adopts the creator's size.
+    """
+
+    engine_id: str               #: names the region (its file, or its memfd's label)
+    hidden_size: int             #: elements per row; one block holds one row
+    dtype: Any = "float32"       #: the rows' dtype
+    region_bytes: int | None = None  #: the creator's size; None on an opener adopts it
+    create: bool = False         #: make the region (True) or open it (False)
+    open_timeout_s: float = 0.0  #: named openers: how long to wait for the creator's file and header
+    anonymous: bool = False      #: creators: memfd_create instead of a file in /dev/shm
+    handle: ECRegionHandle | None = None  #: openers of an anonymous (or any) region: the creator's descriptor
 
     def __post_init__(self) -> None:
         _check_engine_id(self.engine_id)
-        if isinstance(self.hidden_size, bool) or not isinstance(self.hidden_size, (int, np.integer)) \
-                or self.hidden_size <= 0:
-            raise ValueError(f"hidden_size={self.hidden_size!r} must be a positive int")
+        check_int("hidden_size", self.hidden_size, min_value=1)
         object.__setattr__(self, "dtype", _numpy_dtype(self.dtype))
         if self.region_bytes is None:
             if self.create:
                 raise ValueError("region_bytes=None: the creator must say how large the region is")
-        elif isinstance(self.region_bytes, bool) or not isinstance(self.region_bytes, (int, np.integer)) \
-                or self.region_bytes < 0:
-            raise ValueError(f"region_bytes={self.region_bytes!r} must be a non-negative int")
-        if self.open_timeout_s < 0:
-            raise ValueError(f"open_timeout_s={self.open_timeout_s} must be >= 0")
+        else:
+            check_int("region_bytes", self.region_bytes, min_value=0)
+        if isinstance(self.open_timeout_s, bool) or not isinstance(self.open_timeout_s, (int, float)) \
+                or not 0 <= self.open_timeout_s < float("inf"):
+            raise ValueError(f"open_timeout_s={self.open_timeout_s!r} must be a finite number of seconds >= 0")
+        if self.handle is not None:
+            if self.create:
+                raise ValueError("handle= is for openers; a creator (create=True) makes its own region")
+            if not isinstance(self.handle, ECRegionHandle):
+                raise TypeError(f"handle must be an ECRegionHandle, got {type(self.handle).__name__}")
+            if self.handle.engine_id != self.engine_id:
+                raise ValueError(f"handle is for engine_id={self.handle.engine_id!r}, not {self.engine_id!r}")
+        if self.anonymous and not self.create:
+            raise ValueError("anonymous=True is for the creator; an opener of an anonymous region passes handle=")
 
     @property
     def block_size_bytes(self) -> int:
+        """Bytes per block: one row of ``hidden_size`` x ``dtype``."""
         return int(self.hidden_size) * self.dtype.itemsize
 
     @property
     def num_blocks(self) -> int | None:
+        """Blocks that fit in ``region_bytes`` (None when an opener adopts the creator's size)."""
         return None if self.region_bytes is None else int(self.region_bytes) // self.block_size_bytes
 
 
+def _check_ownership(fd: int, what: str) -> os.stat_result:
+    """Refuse memory that is not a regular file of this user with mode 0600.
+
+    Anything else was not made by a vtnumba creator of this user: mapping it would let
+    another user's process read (or write) our embeddings, or hand us theirs.
+    """
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ECRegionError(f"{what} is not a regular file (mode {stat.filemode(st.st_mode)}); refusing to map it")
+    if st.st_uid != os.geteuid():
+        raise ECRegionError(f"{what} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}); "
+                            "refusing to map another user's memory")
+    if stat.S_IMODE(st.st_mode) != 0o600:
+        raise ECRegionError(f"{what} has mode {oct(stat.S_IMODE(st.st_mode))}, expected 0o600 (only this user may "
+                            "read or write it); refusing to map it")
+    return st
+
+
 class ECSharedRegion:
-    """A mapped region; use :func:`create_ec_shared_region` to make one (see module docstring)."""
+    """A mapped region; use :func:`create_ec_shared_region` to make or open one (see module docstring)."""
 
     def __init__(self, config: ECRegionConfig):
         self.config = config
         self.engine_id = config.engine_id
-        self.path = region_path(config.engine_id)
+        self.anonymous = bool(config.anonymous or config.handle is not None)
+        # Named regions have a path in /dev/shm; anonymous ones have none (that is the point).
+        self.path: str | None = None if self.anonymous else region_path(config.engine_id)  #: None if anonymous
         self.dtype = config.dtype
         self.hidden_size = int(config.hidden_size)
         self.block_size_bytes = config.block_size_bytes
@@ -146,13 +250,16 @@ class ECSharedRegion:
         self._fd: int | None = None
         self._mmap: mmap.mmap | None = None
         self._base: np.ndarray | None = None
-        self.blocks: np.ndarray | None = None
+        self.blocks: np.ndarray | None = None  #: the ``int8`` view ``[num_blocks, block_size_bytes]``
         self._range: int | None = None
+        self.label = self.path or f"anonymous region vtnumba_ec_{config.engine_id}"
         try:
             if config.create:
                 self._create(config)
+            elif config.handle is not None:
+                self._open_handle(config)
             else:
-                self._open(config)
+                self._open_named(config)
         except BaseException:
             # A half-made region must not leave its name behind.
             if self.is_creator:
@@ -168,32 +275,43 @@ class ECSharedRegion:
                 f"region_bytes={config.region_bytes} is smaller than one block: a block holds one row of "
                 f"hidden_size={config.hidden_size} x {config.dtype.name} = {config.block_size_bytes} bytes; "
                 f"expected region_bytes >= {config.block_size_bytes}")
-        try:
-            self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except FileExistsError:
-            raise ECRegionError(
-                f"engine_id={config.engine_id!r}: {self.path} already exists -- another creator owns this "
-                "region (open it with create=False), or a crashed run left it behind (remove the file)") from None
-        self.is_creator = True
-        os.fchmod(self._fd, 0o600)  # exact mode, whatever the umask
+        if self.anonymous:
+            # No name anywhere: the memory is reachable only through this descriptor (and
+            # the mappings made from it).  CLOEXEC: a child we exec must not inherit it.
+            self._fd = os.memfd_create(f"vtnumba_ec_{config.engine_id}", os.MFD_CLOEXEC)
+            self.is_creator = True
+        else:
+            try:
+                # O_NOFOLLOW: a symlink planted under our name must not redirect the create.
+                self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                   0o600)
+            except FileExistsError:
+                raise ECRegionError(
+                    f"engine_id={config.engine_id!r}: {self.path} already exists -- another creator owns this "
+                    "region (open it with create=False), or a killed run left it behind (remove the file)") from None
+            self.is_creator = True
+            with _linked_lock:
+                _linked.add(self.path)
+        os.fchmod(self._fd, 0o600)  # exact mode, whatever the umask (memfd starts at 0777)
         self.num_blocks = num_blocks
         total = HEADER_BYTES + num_blocks * self.block_size_bytes
         os.ftruncate(self._fd, total)
         self._map(total)
         # Pre-fault every page now, so the first save does not pay a page fault per 4 KiB.
         if not self._prefault():
-            self._base[:] = 0  # older kernels: touch the pages ourselves (the file is new: zeros)
+            self._base[:] = 0  # older kernels: touch the pages ourselves (the memory is new: zeros)
         # Header fields first, magic last: an opener that sees the magic sees all of it.
         self._mmap[:_HEADER.size] = _HEADER.pack(b"\x00" * 16, _VERSION, self.dtype.itemsize, self.hidden_size,
                                                  num_blocks, self.block_size_bytes, os.getpid(),
                                                  self.dtype.str.encode())
         self._mmap[:16] = _MAGIC
 
-    def _open(self, config: ECRegionConfig) -> None:
+    def _open_named(self, config: ECRegionConfig) -> None:
         deadline = time.monotonic() + config.open_timeout_s
         while True:
             try:
-                self._fd = os.open(self.path, os.O_RDWR)
+                # O_NOFOLLOW: refuse a symlink under the region's name (it could point anywhere).
+                self._fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
                 break
             except FileNotFoundError:
                 if time.monotonic() >= deadline:
@@ -201,22 +319,57 @@ class ECSharedRegion:
                         f"engine_id={config.engine_id!r}: {self.path} does not exist (waited "
                         f"{config.open_timeout_s:g} s); the creator (create=True) must create it first") from None
                 time.sleep(0.005)
+            except OSError as exc:
+                raise ECRegionError(f"cannot open {self.path}: {exc.strerror} (a symlink is refused)") from None
+        _check_ownership(self._fd, self.path)
+        header = self._wait_for_header(deadline, config.open_timeout_s)
+        self._adopt(config, header)
+
+    def _open_handle(self, config: ECRegionConfig) -> None:
+        h = config.handle
+        what = f"{h.proc_path} (the creator's descriptor of region {config.engine_id!r})"
+        try:
+            # /proc/<pid>/fd/<n> is a "magic link" to the creator's open file, so O_NOFOLLOW
+            # cannot apply here; the fstat checks below (same inode as announced, our user,
+            # mode 0600) take its place.  The kernel allows it only within the same user.
+            self._fd = os.open(h.proc_path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ECRegionError(f"{what} does not exist: the creator (pid {h.pid}) exited or already stopped "
+                                "sharing the region (it does once every consumer has mapped it)") from None
+        except PermissionError:
+            raise ECRegionError(f"{what}: permission denied -- only processes of the creator's user may open "
+                                "its descriptors") from None
+        st = _check_ownership(self._fd, what)
+        if (st.st_dev, st.st_ino) != (h.dev, h.ino):
+            raise ECRegionError(f"{what} is not the region the creator announced (inode {st.st_dev}:{st.st_ino}, "
+                                f"expected {h.dev}:{h.ino}); the creator's pid or descriptor was reused")
+        self.label = f"anonymous region vtnumba_ec_{config.engine_id} (creator pid {h.pid})"
+        self._adopt(config, self._wait_for_header(time.monotonic(), 0.0))
+
+    def _wait_for_header(self, deadline: float, waited_s: float) -> bytes:
         while True:
             size = os.fstat(self._fd).st_size
             if size >= HEADER_BYTES:
                 header = os.pread(self._fd, _HEADER.size, 0)
                 if header[:16] == _MAGIC:
-                    break
+                    return header
             if time.monotonic() >= deadline:
-                raise ECRegionError(f"{self.path} has no complete header (size {size} bytes, waited "
-                                    f"{config.open_timeout_s:g} s); its creator has not finished creating it")
+                raise ECRegionError(f"{self.label} has no complete header (size {size} bytes, waited "
+                                    f"{waited_s:g} s); its creator has not finished creating it")
             time.sleep(0.005)
+
+    def _adopt(self, config: ECRegionConfig, header: bytes) -> None:
+        """Validate the creator's header against this side's config, then map."""
         _, version, itemsize, hidden, num_blocks, block_size, pid, dtype_str = _HEADER.unpack(header)
-        their_dtype = np.dtype(dtype_str.rstrip(b"\x00").decode())
         if version != _VERSION:
-            raise ECRegionError(f"{self.path} has header version {version}; this vtnumba reads version {_VERSION}")
+            raise ECRegionError(f"{self.label} has header version {version}; this vtnumba reads version {_VERSION}")
+        try:
+            their_dtype = np.dtype(dtype_str.rstrip(b"\x00").decode())
+        except (TypeError, UnicodeDecodeError):
+            raise ECRegionError(f"{self.label} has an unreadable dtype in its header; it was not written by "
+                                "vtnumba's ECSharedRegion") from None
         if itemsize != their_dtype.itemsize or block_size != hidden * itemsize:
-            raise ECRegionError(f"{self.path} has an inconsistent header (itemsize {itemsize}, block {block_size} B "
+            raise ECRegionError(f"{self.label} has an inconsistent header (itemsize {itemsize}, block {block_size} B "
                                 f"for hidden_size {hidden}); it was not written by vtnumba's ECSharedRegion")
         if their_dtype != self.dtype or hidden != self.hidden_size:
             raise ValueError(
@@ -230,7 +383,7 @@ class ECSharedRegion:
         self.num_blocks = int(num_blocks)
         total = HEADER_BYTES + self.num_blocks * self.block_size_bytes
         if os.fstat(self._fd).st_size < total:
-            raise ECRegionError(f"{self.path} is {os.fstat(self._fd).st_size} bytes; its header promises {total}")
+            raise ECRegionError(f"{self.label} is {os.fstat(self._fd).st_size} bytes; its header promises {total}")
         self._map(total)
         # Our page tables are our own: map the (already allocated) pages in now too, so the
         # first load is not slowed by a minor fault per page.  Populating does not change data.
@@ -248,33 +401,52 @@ class ECSharedRegion:
         self._base = np.frombuffer(self._mmap, dtype=np.int8)
         self.blocks = self._base[HEADER_BYTES:].reshape(self.num_blocks, self.block_size_bytes)
         # The blocks are live memory for batched copies (which check every address they touch).
-        self._range = register(self.blocks.ctypes.data, self.blocks.nbytes, f"encoder-cache region {self.path}")
+        self._range = register(self.blocks.ctypes.data, self.blocks.nbytes, f"encoder-cache {self.label}")
 
     # ------------------------------------------------------------------ properties
     @property
     def total_bytes(self) -> int:
+        """Bytes in all blocks (the header not counted)."""
         return self.num_blocks * self.block_size_bytes
 
     @property
     def base_ptr(self) -> int:
-        """Address of block 0 in *this* process (each process maps the file elsewhere)."""
+        """Address of block 0 in *this* process (each process maps the memory elsewhere)."""
         if self.blocks is None:
-            raise RuntimeError(f"region {self.path} was cleaned up")
+            raise RuntimeError(f"{self.label} was cleaned up")
         return int(self.blocks.ctypes.data)
 
     @property
     def closed(self) -> bool:
+        """Has this process unmapped the region (:meth:`cleanup`)?"""
         return self.blocks is None
 
+    @property
+    def handle(self) -> ECRegionHandle:
+        """Creator only, until :meth:`unlink`: what another process of this user needs to open the region."""
+        if not self.is_creator:
+            raise RuntimeError(f"{self.label}: only the creator can hand out the region's handle")
+        if self._unlinked or self._fd is None:
+            raise RuntimeError(f"{self.label} is no longer shared (unlink() was called); nobody else can open it")
+        st = os.fstat(self._fd)
+        return ECRegionHandle(self.engine_id, os.getpid(), self._fd, st.st_dev, st.st_ino)
+
     def check_block_ids(self, block_ids, what: str = "block_ids") -> np.ndarray:
-        """Return ``block_ids`` as an int64 array; ValueError if any lies outside ``0 .. num_blocks-1``."""
+        """Return ``block_ids`` as an int64 array; refuse ids that are not whole numbers (TypeError)
+        or lie outside ``0 .. num_blocks-1`` (ValueError)."""
         try:
-            ids = np.asarray(block_ids, dtype=np.int64)
+            raw = np.asarray(block_ids)
         except (TypeError, ValueError):
             raise TypeError(f"{what}={block_ids!r} must be a sequence of int block ids") from None
-        if ids.ndim != 1:
-            raise ValueError(f"{what} must be a flat sequence of block ids, got shape={ids.shape}")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+        if raw.ndim != 1:
+            raise ValueError(f"{what} must be a flat sequence of block ids, got shape={raw.shape}")
+        if raw.size == 0:
+            return np.zeros(0, dtype=np.int64)  # np.asarray([]) is float64: an empty list is fine
+        # Integer dtypes only: converting 1.7 to int64 would silently copy block 1.
+        if raw.dtype.kind not in "iu" and not (raw.dtype == object and all(is_int(v) for v in raw)):
+            raise TypeError(f"{what}={block_ids!r} must be whole-number int block ids, got dtype {raw.dtype}")
+        ids = raw.astype(np.int64)
+        if ids.min() < 0 or ids.max() >= self.num_blocks:
             bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
             raise ValueError(f"{what} contains block id {bad}, outside the region's 0..{self.num_blocks - 1}")
         return ids
@@ -284,22 +456,19 @@ class ECSharedRegion:
         """Page-lock the mapping for fast DMA where a real GPU is in use; return whether it is.
 
         Each process registers its own mapping (same physical pages, different virtual
-        addresses), once.  On the cpu target and in the simulator there is nothing to
-        register: returns False and :attr:`pin_status` says so.
+        addresses), once.  Where the backend's memory is host memory already (the cpu
+        target, the simulator) there is nothing to register: returns False and
+        :attr:`pin_status` says so.
         """
         if self.closed:
-            raise RuntimeError(f"pin_memory on region {self.path} after cleanup")
+            raise RuntimeError(f"pin_memory on {self.label} after cleanup")
         if self.is_pinned:
             return True
-        from vtnumba.backend.device import DeviceType
-
         if backend is None:
-            from vtnumba.target import current_target
+            from vtnumba.backend.default import default_backend
 
-            on_gpu = current_target().name == "cuda"
-        else:
-            on_gpu = backend.device_type is DeviceType.CUDA and not getattr(backend, "simulator", False)
-        if not on_gpu:
+            backend = default_backend()
+        if backend.capabilities.host_addressable:
             self.pin_status = "no-op: no real GPU in use (cpu target or simulator), host memory needs no registration"
             return False
         from cuda.bindings import driver as cu
@@ -318,14 +487,26 @@ class ECSharedRegion:
 
     # ------------------------------------------------------------------ teardown
     def unlink(self) -> bool:
-        """Creator only: remove the name from /dev/shm now (mappings stay valid).  Idempotent."""
+        """Creator only: from now on no other process can open the region (mappings stay valid).
+
+        Named: the file's name is removed from /dev/shm.  Anonymous: the creator closes its
+        descriptor, the only way in (``/proc/<pid>/fd/<fd>`` stops existing).  Idempotent;
+        returns whether this call did it.
+        """
         if not self.is_creator or self._unlinked:
             return False
+        self._unlinked = True
+        if self.anonymous:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            return True
+        with _linked_lock:
+            _linked.discard(self.path)
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-        self._unlinked = True
         return True
 
     def _close_mapping(self) -> None:
@@ -346,7 +527,7 @@ class ECSharedRegion:
                 # Someone still holds a numpy view of the blocks.  Unmapping now would leave
                 # it pointing at nothing; instead the mapping is released when the last view
                 # is garbage-collected (the mmap object is its base).
-                warnings.warn(f"ECSharedRegion.cleanup: views of {self.path} are still alive; the mapping is "
+                warnings.warn(f"ECSharedRegion.cleanup: views of {self.label} are still alive; the mapping is "
                               "released when they are garbage-collected", ResourceWarning, stacklevel=3)
             self._mmap = None
         if self._fd is not None:
@@ -354,7 +535,7 @@ class ECSharedRegion:
             self._fd = None
 
     def cleanup(self) -> None:
-        """The creator unlinks the file; every process unmaps.  Safe to call twice."""
+        """The creator unlinks; every process unmaps.  Safe to call twice."""
         # Unlink first: the name is what leaks, the mapping dies with the process anyway.
         if self.is_creator:
             self.unlink()
@@ -371,7 +552,7 @@ class ECSharedRegion:
     def __repr__(self) -> str:
         role = "creator" if self.is_creator else "opener"
         state = "closed" if self.closed else f"{self.num_blocks} x {self.block_size_bytes} B"
-        return f"<ECSharedRegion {self.path} ({role}, {state}, {self.dtype.name} x {self.hidden_size})>"
+        return f"<ECSharedRegion {self.label} ({role}, {state}, {self.dtype.name} x {self.hidden_size})>"
 
 
 def create_ec_shared_region(config: ECRegionConfig | Mapping[str, Any] | None = None, **kwargs) -> ECSharedRegion:
@@ -390,3 +571,13 @@ def create_ec_shared_region(config: ECRegionConfig | Mapping[str, Any] | None = 
     elif kwargs:
         raise TypeError("pass either config or keyword arguments, not both")
     return ECSharedRegion(config)
+
+
+def open_ec_shared_region(handle: ECRegionHandle, *, hidden_size: int, dtype="float32",
+                          region_bytes: int | None = None) -> ECSharedRegion:
+    """Open the region behind a creator's :attr:`~ECSharedRegion.handle` (this side's model config
+    is checked against the creator's header)."""
+    if not isinstance(handle, ECRegionHandle):
+        raise TypeError(f"handle must be an ECRegionHandle, got {type(handle).__name__}")
+    return ECSharedRegion(ECRegionConfig(engine_id=handle.engine_id, hidden_size=hidden_size, dtype=dtype,
+                                         region_bytes=region_bytes, handle=handle))

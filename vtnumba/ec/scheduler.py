@@ -1,6 +1,6 @@
 """ECScheduler: the scheduler side of the encoder-cache connector, for producer, consumer or both.
 
-Seed: ``ECCPUScheduler`` in vLLM's CPU connector.  It turns "this request needs the
+Upstream: ``ECCPUScheduler`` in vLLM's CPU connector.  It turns "this request needs the
 encoder output of ``mm_hash``" into per-step :class:`~vtnumba.ec.ECConnectorMetadata` for
 the workers, and the workers' :class:`~vtnumba.ec.ECWorkerMetadata` back into cache state.
 
@@ -16,7 +16,7 @@ Roles:
   and schedules a load under a fresh transfer id.  When every tensor-parallel rank has
   reported that transfer, :meth:`~ECScheduler.update_connector_output` lists the entry as
   *released*, and the caller tells the producer to unpin it.
-* ``both`` (one process does both, the seed's ``ec_both``): the same, with the pin taken and
+* ``both`` (one process does both, vLLM's ``ec_both``): the same, with the pin taken and
   released in the local cache.
 
 Exactly-once release: a load's expected report count is set at dispatch; each report
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vtnumba.backend.arrays import check_int, is_int
 from vtnumba.ec.embedding_cache import EmbeddingCache
 from vtnumba.ec.metadata import ECConnectorMetadata, ECWorkerMetadata
 
@@ -44,8 +45,8 @@ ROLES = ("producer", "consumer", "both")
 class ECUpdate:
     """What one :meth:`ECScheduler.update_connector_output` changed."""
 
-    ready: list[str] = field(default_factory=list)     # saves that completed: now readable
-    released: list[str] = field(default_factory=list)  # loads every rank finished: pin released / to release
+    ready: list[str] = field(default_factory=list)     #: saves that completed: now readable
+    released: list[str] = field(default_factory=list)  #: loads every rank finished: pin released / to release
 
 
 class ECScheduler:
@@ -56,10 +57,8 @@ class ECScheduler:
                  cache: EmbeddingCache | None = None):
         if role not in ROLES:
             raise ValueError(f"role={role!r}; expected one of {', '.join(ROLES)}")
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 0:
-            raise ValueError(f"num_blocks={num_blocks!r} must be a non-negative int")
-        if isinstance(expected_load_reports, bool) or not isinstance(expected_load_reports, int) \
-                or expected_load_reports < 1:
+        num_blocks = check_int("num_blocks", num_blocks, min_value=0)
+        if not is_int(expected_load_reports) or expected_load_reports < 1:
             raise ValueError(f"expected_load_reports={expected_load_reports!r} must be an int >= 1 "
                              "(the number of tensor-parallel ranks that load each entry)")
         self.role = role
@@ -70,7 +69,7 @@ class ECScheduler:
             raise ValueError(f"cache has {cache.num_blocks} blocks but num_blocks={num_blocks}")
         # A consumer-only scheduler has no cache: the producer owns the blocks and the pins.
         self.cache = (cache or EmbeddingCache(self.num_blocks)) if self.is_producer else None
-        self.expected_load_reports = expected_load_reports
+        self.expected_load_reports = int(expected_load_reports)
         self._lock = threading.Lock()
         self._pending_saves: dict[str, np.ndarray] = {}
         self._pending_loads: dict[str, tuple[int, np.ndarray]] = {}
@@ -150,11 +149,12 @@ class ECScheduler:
                 if block_ids is None:
                     raise ValueError(f"request_load({mm_hash!r}): a consumer needs the block_ids the producer "
                                      "granted for it")
-                try:
-                    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-                except (TypeError, ValueError):
-                    raise TypeError(f"request_load({mm_hash!r}): block_ids={block_ids!r} must be int block ids") \
-                        from None
+                raw = np.asarray(block_ids).reshape(-1)
+                # Whole numbers only: np.asarray(..., dtype=int64) would turn 1.7 into block 1.
+                if raw.size and raw.dtype.kind not in "iu":
+                    raise TypeError(f"request_load({mm_hash!r}): block_ids={block_ids!r} must be int block ids, "
+                                    f"got dtype {raw.dtype}")
+                ids = raw.astype(np.int64)
                 if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
                     bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
                     raise ValueError(f"request_load({mm_hash!r}): block id {bad} is outside the region's "
@@ -220,6 +220,7 @@ class ECScheduler:
         return self.cache is not None and self.cache.has_held_entries()
 
     def shutdown(self) -> None:
+        """Forget everything scheduled and not yet confirmed (the workers have stopped)."""
         with self._lock:
             self._pending_saves.clear()
             self._pending_loads.clear()

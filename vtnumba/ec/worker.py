@@ -1,14 +1,15 @@
 """ECWorker: moves encoder outputs between the device and the shared region, in batches.
 
-Seed: vLLM's ``ECCPUWorker`` (``ec_connector/cpu/worker``), behaviour kept line by line:
+Upstream: vLLM's ``ECCPUWorker`` (``ec_connector/cpu/worker``), behaviour kept line by line:
 
 * **Producer** (``save_caches`` + ``flush_saves``): only tensor-parallel rank 0 saves (every
   rank holds the same encoder output; one writer saves host memory bandwidth).
-  ``save_caches`` checks the output fits its blocks, then writes copy descriptors in bulk:
-  consecutive blocks coalesce into one run, the last run is trimmed to the real byte count,
-  and blocks the output never reaches get no descriptor.  ``flush_saves`` issues the
-  step's saves as ONE batched copy on a pooled queue that first waits for the compute
-  queue (which produced the outputs), bracketed by start/end events.
+  ``save_caches`` checks the output is what the region holds (its dtype, ``[rows, hidden]``
+  rows) and fits its blocks, then writes copy descriptors in bulk: consecutive blocks
+  coalesce into one run, and blocks the output never reaches (an entry sized by placeholder
+  count, larger than the output) get no descriptor.  ``flush_saves`` issues the step's saves
+  as ONE batched copy on a pooled queue that first waits for the compute queue (which
+  produced the outputs), bracketed by start/end events.
 * **Consumer** (``start_load_caches``): ONE batched copy for all of the step's loads into
   one contiguous destination buffer -- loads sorted by first block so neighbours in the
   region coalesce -- then per-``mm_hash`` views reinterpreted as the model dtype
@@ -20,12 +21,16 @@ Seed: vLLM's ``ECCPUWorker`` (``ec_connector/cpu/worker``), behaviour kept line 
   descriptors (read when the copy runs) and the saved outputs stay referenced.
 * ``shutdown`` waits for every in-flight transfer and releases the pools.
 
-Differences from the seed, each for a reason: the worker is given its region (so tests and
+Differences from vLLM's, each for a reason: the worker is given its region (so tests and
 demos can share one mapping) and does not clean it up -- its creator does; it runs on any
 vtnumba backend (cpu sync or threaded queues, the simulator, a real GPU); it keeps each
 saved output referenced until its copy finished (the no-allocator equivalent of the
-seed's ``src.record_stream(save_stream)``); and a step whose saves are all empty (zero
-bytes) still reports them, where the seed would never report them.
+upstream ``src.record_stream(save_stream)``); a step whose saves are all empty (zero
+bytes) still reports them, where vLLM's worker would never report them; and an output that does
+not fit its blocks, or whose dtype or row width differs from the region's, is a
+``ValueError`` -- vLLM's ``assert`` vanishes under ``python -O``, and then the copy
+would write into another entry's blocks (or the consumer would read the bytes as the wrong
+dtype).
 """
 
 from __future__ import annotations
@@ -39,11 +44,13 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.address_ranges import register, unregister
+from vtnumba.backend.arrays import array_kind, cdiv, check_int
 from vtnumba.backend.base import Backend, Buffer, Event, Queue
 from vtnumba.ec.descriptors import DescriptorBufferPool, DescriptorBuffers, coalesce_runs
 from vtnumba.ec.destination import LoadDestination, LoadDestinations
 from vtnumba.ec.metadata import ECConnectorMetadata, ECWorkerMetadata
 from vtnumba.ec.region import ECSharedRegion
+from vtnumba.memory import CachingAllocator
 from vtnumba.memory.copy_engine import address_of, batched_copy, prepare
 
 __all__ = ["ECWorker", "Transfer"]
@@ -58,27 +65,55 @@ class Transfer:
     reported.  ``start_event``/``end_event`` bracket the copy, so its duration is known.
     """
 
-    direction: str
-    start_event: Event
-    end_event: Event
-    completions: list
-    bufs: DescriptorBuffers
-    queue: Queue
-    num_bytes: int
-    num_descriptors: int
-    gate_event: Event | None = None
-    keepalive: list = field(default_factory=list)      # saved outputs read by the copy
-    ranges: list = field(default_factory=list)         # their address-range registrations
-    destination: LoadDestination | None = None         # loads: the buffer written by the copy
+    direction: str                 #: "save" or "load"
+    start_event: Event             #: recorded just before the batched copy
+    end_event: Event               #: recorded just after it: the transfer is done when it fires
+    completions: list              #: what to report then: mm_hashes (saves) or transfer ids (loads)
+    bufs: DescriptorBuffers        #: the descriptors the copy reads
+    queue: Queue                   #: the pooled copy queue it runs on
+    num_bytes: int                 #: bytes moved
+    num_descriptors: int           #: copy descriptors (block runs)
+    gate_event: Event | None = None  #: saves: the compute queue's event the copy waits for
+    keepalive: list = field(default_factory=list)      #: saved outputs read by the copy
+    ranges: list = field(default_factory=list)         #: their address-range registrations
+    destination: LoadDestination | None = None         #: loads: the buffer written by the copy
 
 
-def _nbytes(arr) -> int:
-    if isinstance(arr, Buffer):
-        return arr.nbytes
-    n = getattr(arr, "nbytes", None)
-    if n is None:
-        raise TypeError(f"encoder output must be an array or Buffer, got {type(arr).__name__}")
-    return int(n)
+def _check_output(src, mm_hash: str, region: ECSharedRegion, num_blocks: int) -> int:
+    """The byte count of the encoder output ``src`` saved into ``num_blocks`` blocks; ValueError
+    unless it is what the region holds and fits.
+
+    The region stores raw bytes, and the consumer reinterprets them as the region's dtype
+    and ``hidden_size``: an output of another dtype or row width would be *accepted* by a
+    byte copy and read back as garbage, and an output larger than its blocks would spill
+    into the blocks of whichever entry follows.  A raw :class:`Buffer` (no dtype) must be a
+    whole number of rows.
+    """
+    name = f"encoder_cache[{mm_hash!r}]"
+    allocated = num_blocks * region.block_size_bytes
+    if isinstance(src, Buffer):
+        total = int(src.nbytes)
+        if total % region.block_size_bytes:
+            raise ValueError(f"{name} is a Buffer of {total} bytes, not a whole number of rows of "
+                             f"{region.block_size_bytes} bytes (hidden_size={region.hidden_size} x "
+                             f"{region.dtype.name})")
+    else:
+        array_kind(name, src)  # a numpy or numba device array (TypeError otherwise)
+        dtype, shape = src.dtype, src.shape
+        if np.dtype(dtype) != region.dtype:
+            raise ValueError(f"{name} has dtype {np.dtype(dtype).name}; the region holds "
+                             f"{region.dtype.name} rows (the consumer would read the bytes as "
+                             f"{region.dtype.name}): convert the output first")
+        if len(shape) != 2 or shape[1] != region.hidden_size:
+            raise ValueError(f"{name} has shape {tuple(shape)}; expected [rows, {region.hidden_size}] "
+                             f"(one row of hidden_size={region.hidden_size} per block)")
+        total = int(shape[0]) * region.block_size_bytes
+    if total > allocated:
+        rows = total // region.block_size_bytes
+        raise ValueError(f"{name} has {rows} rows ({total} bytes) but mm_hash={mm_hash!r} was allocated "
+                         f"{num_blocks} blocks ({allocated} bytes); the scheduler sizes an entry by its row "
+                         "count -- request_save(mm_hash, rows) with the output's rows")
+    return total
 
 
 class ECWorker:
@@ -89,9 +124,8 @@ class ECWorker:
         if not isinstance(region, ECSharedRegion):
             raise TypeError(f"region must be an ECSharedRegion, got {type(region).__name__}")
         if region.closed:
-            raise RuntimeError(f"region {region.path} was already cleaned up")
-        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or tp_rank < 0:
-            raise ValueError(f"tp_rank={tp_rank!r} must be a non-negative int")
+            raise RuntimeError(f"{region.label} was already cleaned up")
+        tp_rank = check_int("tp_rank", tp_rank, min_value=0)
         if backend is None:
             from vtnumba.backend.default import default_backend
 
@@ -116,17 +150,12 @@ class ECWorker:
         self._buf_pool = DescriptorBufferPool()
         prepare(backend)  # compile the host copy loop now, not inside the first timed copy
         # Load buffers come from a caching allocator with record_stream (vtnumba.memory), as
-        # the seed's come from torch's; allocator=None uses backend.alloc per load instead.
+        # vLLM's come from torch's; allocator=None uses backend.alloc per load instead.
         self._own_allocator = isinstance(allocator, str)
         if self._own_allocator:
             if allocator != "auto":
                 raise ValueError(f"allocator={allocator!r}; expected 'auto', None or a CachingAllocator")
-            try:
-                from vtnumba.memory import CachingAllocator
-            except ImportError:  # a build without vtnumba.memory: plain allocations
-                allocator, self._own_allocator = None, False
-            else:
-                allocator = CachingAllocator(backend)
+            allocator = CachingAllocator(backend)
         self.allocator = allocator
         self._destinations = LoadDestinations(backend, self.compute_queue, allocator)
         # The save batch being filled this step.
@@ -183,15 +212,8 @@ class ECWorker:
                            "output for it")
         ids = self._region.check_block_ids(block_ids, f"saves[{mm_hash!r}]")
         src = encoder_cache[mm_hash]
-        total_bytes = _nbytes(src)
+        total_bytes = _check_output(src, mm_hash, self._region, int(ids.size))
         block_size = self.block_size
-        allocated_bytes = len(block_ids) * block_size
-        assert total_bytes <= allocated_bytes, (
-            f"EC: encoder output exceeds allocated blocks for mm_hash={mm_hash}: "
-            f"{total_bytes} bytes but only {allocated_bytes} allocated "
-            f"({len(block_ids)} blocks × {block_size}). "
-            f"shape={list(getattr(src, 'shape', (total_bytes,)))}"
-        )
 
         if self._save_bufs is None:
             total = sum(len(v) for v in connector_metadata.saves.values())
@@ -207,7 +229,7 @@ class ECWorker:
 
         # Entries may be sized by placeholder count, larger than the output: blocks the
         # output never reaches get no descriptor.
-        n_used = -(-total_bytes // block_size)
+        n_used = cdiv(total_bytes, block_size)
         if n_used:
             src_addr = address_of(src)
             # The copy runs later, by address: declare the output live until it has (see the
@@ -217,7 +239,9 @@ class ECWorker:
             dst_base = np.uint64(self._region.base_ptr)
             slots, first_blocks, num_blocks = coalesce_runs(ids[:n_used])
             run_bytes = num_blocks * block_size
-            run_bytes[-1] = total_bytes - slots[-1] * block_size  # the output can stop inside the last run
+            # vLLM's worker trims the last run to the output's end; _check_output lets only whole rows
+            # through, so here this only restates that the copy ends with the output.
+            run_bytes[-1] = total_bytes - slots[-1] * block_size
             self._save_count = bufs.add_copies(
                 self._save_count,
                 src_base + slots.astype(np.uint64) * np.uint64(block_size),
@@ -360,8 +384,7 @@ class ECWorker:
         keeps two copies in flight.  Finished transfers are still reported normally by
         :meth:`build_connector_worker_meta`.
         """
-        if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 0:
-            raise ValueError(f"max_inflight={max_inflight!r} must be a non-negative int")
+        check_int("max_inflight", max_inflight, min_value=0)
         for inflight in (self._inflight_saves, self._inflight_loads):
             pending = list(inflight)
             # Transfers on one direction finish in any order (separate pooled queues), so

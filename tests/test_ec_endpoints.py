@@ -1,0 +1,151 @@
+"""ECProducer / ECConsumer in one process (``comm=None``): ownership, saves, loads, refusals, hooks.
+
+The multi-rank setup and failure paths run under mpiexec: ``tests/mpi/test_ec_disagg.py``
+(raises, in-process) and ``tests/test_ec_faults.py`` (kills and stops, whole processes).
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from vtnumba.backend.cpu import CPUBackend
+from vtnumba.ec import ECConsumer, ECProducer
+from vtnumba.ec.endpoints import POINTS, FaultInjection
+
+HIDDEN = 8
+
+
+@pytest.fixture
+def be():
+    b = CPUBackend()
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def pair(be):
+    """A producer and a consumer on one anonymous region, recording the points they pass."""
+    points = []
+    prod = ECProducer(hidden_size=HIDDEN, dtype="float32", region_bytes=16 * HIDDEN * 4, name="ept", backend=be,
+                      on_point=points.append)
+    cons = ECConsumer(hidden_size=HIDDEN, dtype="float32", handle=prod.handle, backend=be, on_point=points.append)
+    prod.stop_sharing()
+    yield prod, cons, points
+    cons.close()
+    prod.close()
+
+
+def _device(be, queue, host):
+    buf = be.alloc(host.nbytes)
+    be.copy(queue, buf, host, host.nbytes)
+    return buf.view(host.dtype, host.shape)
+
+
+def test_round_trip_through_both_endpoints(be, pair, rng):
+    prod, cons, points = pair
+    assert prod.region.path is None and not [f for f in os.listdir("/dev/shm") if prod.region.engine_id in f]
+    out = rng.standard_normal((3, HIDDEN)).astype(np.float32)
+    ids = prod.request_save("h", 3)
+    np.testing.assert_array_equal(ids, [0, 1, 2])
+    assert prod.save({"h": _device(be, prod.compute_queue, out)}) == ["h"]
+    assert prod.wait_saves() == ["h"] and prod.is_ready("h")
+    loaded = cons.load({"h": prod.grant("h")})
+    np.testing.assert_array_equal(loaded["h"], out)
+    assert prod.cache.lookup("h").pinned
+    prod.release("h")
+    assert not prod.cache.lookup("h").pinned
+    assert points == ["created", "opened", "saving", "loading", "loaded"]
+    assert set(points) <= set(POINTS)
+
+
+def test_a_refused_save_gives_its_blocks_back_and_the_others_go_out(be, pair, rng):
+    prod, _, _ = pair
+    prod.request_save("good", 2)
+    prod.request_save("bad", 2)
+    outputs = {"good": _device(be, prod.compute_queue, rng.standard_normal((2, HIDDEN)).astype(np.float32)),
+               "bad": _device(be, prod.compute_queue, rng.standard_normal((2, HIDDEN)).astype(np.float16))}
+    with pytest.raises(ValueError, match=r"encoder_cache\['bad'\] has dtype float16; the region holds float32"):
+        prod.save(outputs)
+    assert "bad" not in prod.cache and prod.cache.num_free_blocks == 14
+    assert prod.wait_saves() == ["good"]
+
+
+def test_oversize_and_missing_outputs_are_refused_too(be, pair, rng):
+    prod, _, _ = pair
+    prod.request_save("big", 2)
+    with pytest.raises(ValueError, match=r"has 3 rows \(96 bytes\) but mm_hash='big' was allocated 2 blocks"):
+        prod.save({"big": _device(be, prod.compute_queue, np.zeros((3, HIDDEN), np.float32))})
+    prod.request_save("ghost", 1)
+    with pytest.raises(KeyError, match="ghost"):
+        prod.save({})
+    assert len(prod.cache) == 0 and prod.cache.num_free_blocks == 16
+
+
+def test_roles_and_misuse(be, pair):
+    prod, cons, _ = pair
+    assert cons.is_leader and cons.followers == [] and cons.role_name == "consumer"
+    with pytest.raises(RuntimeError, match="serve\\(\\) is for the consumer ranks other than the leader"):
+        cons.serve()
+    with pytest.raises(RuntimeError, match="no communicator"):
+        prod.send("x")
+    with pytest.raises(ValueError, match="needs the producer's handle"):
+        ECConsumer(hidden_size=HIDDEN, backend=be)
+    with pytest.raises(TypeError, match="on_point must be callable"):
+        ECProducer(hidden_size=HIDDEN, region_bytes=1024, on_point="nope")
+
+
+def test_consumer_with_another_model_config_is_refused(be):
+    with ECProducer(hidden_size=HIDDEN, dtype="float32", region_bytes=1024, backend=be) as prod:
+        with pytest.raises(ValueError, match="hidden_size=16 but the producer"):
+            ECConsumer(hidden_size=16, dtype="float32", handle=prod.handle, backend=be)
+
+
+def test_context_manager_releases_on_error(be):
+    with pytest.raises(ZeroDivisionError):
+        with ECProducer(hidden_size=HIDDEN, region_bytes=1024, backend=be) as prod:
+            1 / 0
+    assert prod.region.closed
+    prod.close()  # twice is harmless
+
+
+def test_a_failing_setup_releases_what_it_made(be):
+    def boom(point):
+        raise RuntimeError(f"at {point}")
+
+    with pytest.raises(RuntimeError, match="at created"):
+        ECProducer(hidden_size=HIDDEN, region_bytes=1024, backend=be, on_point=boom)
+
+
+def test_fault_injection_parsing():
+    f = FaultInjection.parse("stop:2:loading@3")
+    assert (f.how, f.rank, f.point, f.nth) == ("stop", 2, "loading", 3)
+    assert FaultInjection.parse("kill:0:created").nth == 1
+    assert f.on_point(1) is None  # another rank: no hook
+    hook = FaultInjection.parse("raise:0:saving@2").on_point(0)
+    hook("saving")
+    hook("loading")
+    with pytest.raises(RuntimeError, match="injected failure at 'saving'"):
+        hook("saving")
+    for bad in ("kill", "kill:x:created", "explode:0:created", "kill:0:nowhere", "kill:0:created@0"):
+        with pytest.raises(ValueError, match="--inject"):
+            FaultInjection.parse(bad)
+
+
+def test_a_communicator_without_consumers_is_refused():
+    from mpi4py import MPI
+
+    with pytest.raises(ValueError, match="consumers=\\[\\] must be distinct ranks"):
+        ECProducer(MPI.COMM_SELF, hidden_size=HIDDEN, region_bytes=1024)
+
+
+def test_star_import_does_not_start_mpi():
+    code = ("import sys\n"
+            "from vtnumba.ec import *\n"
+            "assert 'mpi4py.MPI' not in sys.modules, 'importing vtnumba.ec started MPI'\n"
+            "print(ECProducer.__name__, ECConsumer.__name__, ECChannel.__name__, PeerFailure.__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ECProducer", "ECConsumer", "ECChannel", "PeerFailure"]
