@@ -84,3 +84,73 @@ def test_ranks_started_with_different_arguments_say_so_instead_of_blaming_tpsp()
     proc, elapsed, out = _run(2, mpmd=[["--seed", "0"], ["--seed", "1"]])
     assert proc.returncode != 0 and "MISMATCH" not in out
     assert "the ranks were started with different arguments (--seed: rank 0: seed=0; rank 1: seed=1)" in out, out
+
+
+# ---------------------------------------------------------------------------- the other programs
+def _run_cmd(cmd, *, timeout=120):
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM",)}
+    env.update(VTNUMBA_TARGET="cpu", VTNUMBA_OUT_DIR=str(Path(os.environ.get("TMPDIR", "/tmp")) / "vtnumba-fm-out"))
+    before = _vtnumba_files()
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+                          stdin=subprocess.DEVNULL)
+    elapsed = time.monotonic() - t0
+    assert _vtnumba_files() <= before, f"left in /dev/shm: {_vtnumba_files() - before}"
+    return proc, elapsed, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("ranks, inject", [(2, "raise:0:memory"), (3, "raise:1:memory")])
+def test_bench_a_rank_that_raises_ends_every_rank_at_once(ranks, inject):
+    bad = int(inject.split(":")[1])
+    proc, elapsed, out = _run_cmd([MPIEXEC, "-n", str(ranks), sys.executable, "-m", "vtnumba", "bench", "memory",
+                                   "--quick", "--timeout", "60", "--inject", inject])
+    assert proc.returncode != 0 and elapsed < 40, (elapsed, out)
+    assert f"[rank {bad}] failed while running: RuntimeError: injected failure at 'memory'" in out, out
+    for r in set(range(ranks)) - {bad}:
+        assert f"[rank {r}] stopped while running, because rank {bad} failed" in out, out
+
+
+def test_bench_a_stopped_rank_ends_the_job_after_the_timeout():
+    proc, elapsed, out = _run_cmd([MPIEXEC, "-n", "2", sys.executable, "-m", "vtnumba", "bench", "memory", "--quick",
+                                   "--timeout", "3", "--inject", "stop:0:memory"])
+    assert proc.returncode != 0 and elapsed < 2 * 3 + 20, (elapsed, out)
+    assert "the barrier after bench memory" in out and "timed out after 3 s" in out, out
+
+
+def test_bench_refuses_a_bad_inject_spec_and_timeout():
+    proc, _, out = _run_cmd([sys.executable, "-m", "vtnumba", "bench", "memory", "--timeout", "nan"])
+    assert proc.returncode == 2 and "'nan' is not a positive, finite number of seconds" in out, out
+
+
+_LESSON = '''"""A lesson whose rank 1 fails ({how}) while rank 0 waits for it."""
+import os
+import signal
+
+from vtnumba.apps.tutorial import start
+
+lesson = start("failing lesson")
+if lesson.rank == 1:
+    if "{how}" == "raise":
+        raise ValueError("boom on rank 1")
+    os.kill(os.getpid(), signal.SIGSTOP)
+lesson.{wait}
+lesson.say("not reached")
+'''
+
+
+@pytest.mark.parametrize("how, wait, limit", [
+    ("raise", 'check(True, "everyone is here")', 25),   # waits in a self-check: told at once
+    ("raise", "comm.bcast(None, root=1)", 25),          # blocked in a plain MPI call: the exit protocol
+    ("stop", 'check(True, "everyone is here")', 30),    # a stopped peer: the check's deadline
+])
+def test_a_tutorial_ends_when_one_rank_fails(tmp_path, how, wait, limit):
+    script = tmp_path / "lesson.py"
+    script.write_text(_LESSON.format(how=how, wait=wait))
+    proc, elapsed, out = _run_cmd([MPIEXEC, "-n", "2", sys.executable, str(script), "--target", "cpu",
+                                   "--timeout", "3"])
+    assert proc.returncode != 0 and elapsed < limit, (elapsed, out)
+    assert "not reached" not in out
+    if how == "raise":
+        assert "[rank 1] failed while running: ValueError: boom on rank 1" in out, out
+    else:
+        assert "timed out after 3 s" in out, out

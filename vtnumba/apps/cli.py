@@ -17,7 +17,6 @@ import sys
 from vtnumba.apps.processes import share_cores_between_local_ranks
 from vtnumba.target import TARGETS, TargetError, select_target
 
-
 _TARGET_HELP = "execution target (default: $VTNUMBA_TARGET or 'auto' = cuda if a GPU is usable, else cpu)"
 
 
@@ -118,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         if args.which == "runtime":
             from vtnumba.apps.runtime_tour import run_runtime_demo
+            from vtnumba.dist import run_collectively
 
-            return run_runtime_demo()
+            return run_collectively(run_runtime_demo)
         from vtnumba.apps.pipeline_demo import run_pipeline_demo
 
         return run_pipeline_demo(args)
@@ -130,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from vtnumba.apps.info import collect_info
         from vtnumba.bench.runner import run_bench
+        from vtnumba.dist import run_collectively, set_default_timeout
 
-        return run_bench(args, collect_info())
+        # Every wait of the suites uses the flag; a failing rank reaches the others at once.
+        set_default_timeout(args.timeout)
+        return run_collectively(lambda: run_bench(args, collect_info()), timeout_s=args.timeout)
     if args.command == "trace":
         from vtnumba.apps.trace_tools import run_traced
 

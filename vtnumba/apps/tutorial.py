@@ -295,10 +295,20 @@ class Lesson:
             sys.stdout.flush()
 
     def check(self, ok: bool, what: str) -> None:
-        """A self-check every rank agrees on: all ranks pass, or the lesson fails on all."""
+        """A self-check every rank agrees on: all ranks pass, or the lesson fails on all.
+
+        The agreement is a non-blocking all-reduce with the lesson's deadline (``--timeout``),
+        which also watches the failure board: a rank that failed ends the others' wait here.
+        """
+        import numpy as np
         from mpi4py import MPI
 
-        all_ok = self.comm.allreduce(bool(ok), op=MPI.LAND)
+        from vtnumba.dist.comm import wait_request
+
+        mine, everyone = np.array([1 if ok else 0], dtype=np.int32), np.zeros(1, dtype=np.int32)
+        wait_request(self.comm.Iallreduce(mine, everyone, op=MPI.MIN), None, f"the self-check {what!r}",
+                     self.args.timeout)
+        all_ok = bool(everyone[0])
         self.say(f"  check: {what}: {'ok' if all_ok else 'FAILED'}")
         if not all_ok:
             raise SystemExit(f"self-check failed: {what}")
@@ -412,8 +422,9 @@ class Lesson:
         the picture.  See :func:`vtnumba.apps.trace_tools.timeline_figure`.
         """
         from vtnumba import trace
+        from vtnumba.dist.comm import wait_request
 
-        self.comm.Barrier()
+        wait_request(self.comm.Ibarrier(), None, f"the barrier before timeline {name!r}", self.args.timeout)
         with trace.recording(rank=self.rank) as rec:
             yield rec
         gathered = self.comm.gather(rec.to_json(), root=0)
@@ -426,6 +437,41 @@ class Lesson:
                                                                        row_order=row_order, labels=labels))
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of seconds")
+    return value
+
+
+def _end_together_on_failure(timeout_s: float) -> None:
+    """A lesson's uncaught exception ends every rank, as :func:`vtnumba.dist.run_collectively` does.
+
+    A tutorial is a script, not a ``main()``, so the hook is the interpreter's: the failing
+    rank tells the others through the failure board (a peer waiting in a self-check stops at
+    once, naming it), then leaves by the exit protocol -- together with them when they
+    arrive, else without ``MPI_Finalize`` after ``timeout_s``, which makes ``mpiexec`` end a
+    peer still blocked in one of the lesson's plain MPI calls.
+    """
+    from vtnumba.dist import failures
+    from vtnumba.dist.comm import set_default_timeout
+
+    set_default_timeout(timeout_s)
+    failures.install()
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if not getattr(exc, "caused_by_peer", False):
+            previous(exc_type, exc, tb)  # the traceback first: it is what the reader needs
+        if isinstance(exc, Exception):
+            print(failures.report(exc), file=sys.stderr, flush=True)
+            # Returns once every rank has arrived (Python then exits 1 and finalizes MPI);
+            # does not return if one never does.
+            failures.exit_after_failure(timeout_s)
+
+    sys.excepthook = hook
+
+
 def start(description: str, extra_args=None) -> Lesson:
     """Parse ``--target`` / ``--out`` (plus ``extra_args(parser)``), choose the target, join MPI."""
     parser = argparse.ArgumentParser(description=description)
@@ -433,6 +479,9 @@ def start(description: str, extra_args=None) -> Lesson:
     parser.add_argument("--out", default=None,
                         help=f"folder for the figures (default: ${OUT_ENV}, else out/tutorials at the repository "
                              "root); they go into a subfolder named after the tutorial")
+    parser.add_argument("--timeout", type=_positive_seconds, default=60.0,
+                        help="seconds a rank waits for the others (self-checks, and the exit after a failure) "
+                             "before the lesson gives up (default: 60)")
     if extra_args:
         extra_args(parser)
     args = parser.parse_args()
@@ -440,6 +489,7 @@ def start(description: str, extra_args=None) -> Lesson:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    _end_together_on_failure(args.timeout)
     script = sys.argv[0]
     lesson = Lesson(comm, comm.Get_rank(), comm.Get_size(), choice.name, args, name=Path(script).stem,
                     out_root=Path(args.out) if args.out else default_out_root(script))

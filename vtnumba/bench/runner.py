@@ -22,6 +22,7 @@ Output that explains itself:
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -59,6 +60,9 @@ BENCH_HELP = {
 OUT_DIR = os.environ.get("VTNUMBA_OUT_DIR") or "out"
 #: What ``--json`` / ``--plot`` hold when given without a path: "use the default under out/".
 AUTO = "<out>"
+#: How long a rank waits for the others by default (``--timeout``): long, because the idle
+#: ranks wait in a barrier while rank 0 alone runs a single-process suite.
+BARRIER_TIMEOUT_S = 3600.0
 #: A step running longer than this prints its progress line ("~2 s": long enough to wonder).
 PROGRESS_DELAY_S = 2.0
 #: A row whose p10 and p90 lie further apart than this fraction of its median is marked noisy.
@@ -82,6 +86,26 @@ def add_common_arguments(p) -> None:
     p.add_argument("--plot", metavar="DIR", nargs="?", const=AUTO, default=None,
                    help=f"write perf_report-style PNG plots into DIR (no DIR: {default_plot_dir()}/)")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds, not minutes)")
+    p.add_argument("--timeout", type=_positive_seconds, default=BARRIER_TIMEOUT_S,
+                   help="seconds a rank waits for the others -- also while rank 0 alone runs a single-process "
+                        f"suite, so it bounds a suite's run time (default: {BARRIER_TIMEOUT_S:g}); a rank that "
+                        "fails ends the others' waits at once")
+    # Test hook (vtnumba.faults): how:rank:SUITE, e.g. stop:0:memory -- rank 0 stops as the suite starts.
+    p.add_argument("--inject", default=None, help=argparse.SUPPRESS)
+
+
+def _inject_hook(args, name: str, rank: int):
+    """The hidden ``--inject how:rank:SUITE`` test flag: this rank fails as the suite starts."""
+    from vtnumba.faults import parse_inject
+
+    return parse_inject(getattr(args, "inject", None), BENCH_SUITES, rank)
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of seconds")
+    return value
 
 
 def add_suite_arguments(name: str, p) -> None:
@@ -252,7 +276,10 @@ def run_suite(name: str, args, comm, *, target: str | None = None) -> dict | Non
     previous = set_progress(progress)
     t0 = time.perf_counter()
     result = None
+    hook = _inject_hook(args, name, rank)
     try:
+        if hook is not None:
+            hook(name)
         if name in MULTI_RANK or rank == 0:
             result = module.run(sargs)
     finally:
@@ -262,7 +289,8 @@ def run_suite(name: str, args, comm, *, target: str | None = None) -> dict | Non
     # the measured code needs (a plain MPI Barrier busy-polls).
     from vtnumba.dist.comm import wait_request
 
-    wait_request(comm.Ibarrier(), None, f"the barrier after bench {name}", 3600.0)
+    wait_request(comm.Ibarrier(), None, f"the barrier after bench {name}",
+                 getattr(args, "timeout", None) or BARRIER_TIMEOUT_S)
     if rank == 0 and result is not None:
         validate_suite(result)
         took = time.perf_counter() - t0

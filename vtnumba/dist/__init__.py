@@ -18,7 +18,14 @@ Reading order (each module is one concept):
 """
 
 from vtnumba.dist.collectives import all_gather, mpi_all_gather, mpi_reduce_scatter, reduce_scatter
-from vtnumba.dist.comm import DEFAULT_TIMEOUT_S, agree_errors, all_ranks_ready, allgather_bytes, barrier
+from vtnumba.dist.comm import (
+    DEFAULT_TIMEOUT_S,
+    agree_errors,
+    all_ranks_ready,
+    allgather_bytes,
+    barrier,
+    set_default_timeout,
+)
 from vtnumba.dist.failures import PeerFailed, phase, run_collectively
 from vtnumba.dist.groups import (
     GroupNotFoundError,
@@ -39,7 +46,7 @@ from vtnumba.dist.signals import DEFAULT_NAMES, PeerSignals
 __all__ = [
     "ProcessGroup", "GroupNotFoundError", "init_distributed", "destroy_distributed", "is_initialized",
     "new_group", "get_group", "get_tp_group", "get_world_group",
-    "DEFAULT_TIMEOUT_S", "all_ranks_ready", "barrier", "allgather_bytes", "agree_errors",
+    "DEFAULT_TIMEOUT_S", "set_default_timeout", "all_ranks_ready", "barrier", "allgather_bytes", "agree_errors",
     "PeerBuffers", "PeerAccessError", "ShmSegment", "list_segments",
     "PeerFailed", "phase", "run_collectively", "PeerSignals", "DEFAULT_NAMES", "QueueFlags", "QueueFlagsError", "RELEASED",
     "reduce_scatter", "all_gather", "mpi_reduce_scatter", "mpi_all_gather",

@@ -68,20 +68,23 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
-import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
 from vtnumba.backend.arrays import check_int, check_seconds, is_int
 from vtnumba.ec.errors import PeerFailure
 from vtnumba.ec.metadata import ECWorkerMetadata
-from vtnumba.ec.region import ECRegionConfig, ECRegionHandle, ECSharedRegion, create_ec_shared_region, \
-    open_ec_shared_region
+from vtnumba.ec.region import (
+    ECRegionConfig,
+    ECRegionHandle,
+    ECSharedRegion,
+    create_ec_shared_region,
+    open_ec_shared_region,
+)
 from vtnumba.ec.scheduler import ECScheduler
 from vtnumba.ec.worker import ECWorker
+from vtnumba.faults import FaultInjection as _FaultInjection
 
 __all__ = ["ECProducer", "ECConsumer", "POINTS", "FaultInjection"]
 
@@ -91,49 +94,15 @@ POINTS = ("created", "opened", "shared", "saving", "loading", "loaded")
 _BETWEEN = "the program's own work, between encoder-cache calls"  # what a failure report says then
 
 
-@dataclass(frozen=True)
-class FaultInjection:
-    """The fault tests' hook: ``how:rank:point[@n]`` -- world rank ``rank`` raises, is killed
-    (``SIGKILL``) or stops (``SIGSTOP``) the ``n``-th time (default: first) it passes
-    ``point`` (one of :data:`POINTS`).  The demos take it as a hidden ``--inject`` flag."""
-
-    how: str       #: "raise", "kill" (SIGKILL) or "stop" (SIGSTOP)
-    rank: int      #: the world rank that fails
-    point: str     #: one of :data:`POINTS`
-    nth: int = 1   #: at its n-th pass of ``point``
+class FaultInjection(_FaultInjection):
+    """The fault tests' hook for the endpoints: ``how:rank:point[@n]`` with ``point`` one of
+    :data:`POINTS` (see :class:`vtnumba.faults.FaultInjection`).  The demos take it as a hidden
+    ``--inject`` flag."""
 
     @classmethod
-    def parse(cls, text: str) -> "FaultInjection":
-        """Read ``how:rank:point[@n]``; ValueError naming ``--inject`` otherwise."""
-        try:
-            how, rank, where = text.split(":")
-            point, _, nth = where.partition("@")
-            spec = cls(how, int(rank), point, int(nth or 1))
-        except ValueError:
-            raise ValueError(f"--inject={text!r} must look like kill:1:loading@2") from None
-        if how not in ("raise", "kill", "stop") or point not in POINTS or spec.nth < 1 or spec.rank < 0:
-            raise ValueError(f"--inject={text!r}: expected (raise|kill|stop):RANK:({'|'.join(POINTS)})[@N]")
-        return spec
-
-    def on_point(self, rank: int):
-        """The ``on_point`` callback for world rank ``rank`` (None unless it is the one to fail)."""
-        if rank != self.rank:
-            return None
-        passes = [0]
-
-        def hook(point: str) -> None:
-            if point != self.point:
-                return
-            passes[0] += 1
-            if passes[0] != self.nth:
-                return
-            if self.how == "raise":
-                raise RuntimeError(f"injected failure at {point!r} (--inject)")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGSTOP)
-
-        return hook
+    def parse(cls, text: str, points=POINTS) -> "FaultInjection":
+        """Read ``how:rank:point[@n]`` against the endpoints' :data:`POINTS`."""
+        return super().parse(text, points)
 
 
 # ----------------------------------------------------------------------------- the common part

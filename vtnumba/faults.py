@@ -1,0 +1,85 @@
+"""Fault injection: make one rank raise, die or stop at a named point, to test that the job still ends.
+
+The fault tests of every multi-rank program (``mpi/*.py``, ``vtnumba demo``, ``bench``) need
+the same thing: *world rank r fails at point p* -- by raising an exception, by ``SIGKILL``
+(none of its code runs again) or by ``SIGSTOP`` (alive, never answering) -- and then check
+that every rank ends within the program's timeout, with a message that names the rank, and
+that nothing is left in ``/dev/shm``.  The programs take the spec as a hidden ``--inject``
+flag, ``how:rank:point[@n]`` (the ``n``-th pass of the point; default the first)::
+
+    mpiexec -n 3 python mpi/ec_disagg.py --inject stop:1:loading@2
+    mpiexec -n 2 python mpi/tpsp_model.py --inject kill:0:tpsp
+
+Each program names its own points (the encoder-cache endpoints' ``created``, ``saving``
+...; a benchmark suite's name), and checks the spec against them when it parses it.  This
+module sits beside :mod:`vtnumba.target` in the core layer and imports nothing, so code
+that must not start MPI (``from vtnumba.ec import *``) can use it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+#: How a rank can fail: raise an exception, be killed (SIGKILL), stop (SIGSTOP).
+HOWS = ("raise", "kill", "stop")
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """``how:rank:point[@n]``: world rank ``rank`` fails the ``n``-th time it passes ``point``."""
+
+    how: str       #: "raise", "kill" (SIGKILL) or "stop" (SIGSTOP)
+    rank: int      #: the world rank that fails
+    point: str     #: where: one of the program's points
+    nth: int = 1   #: at its n-th pass of ``point``
+
+    @classmethod
+    def parse(cls, text: str, points: Iterable[str]) -> "FaultInjection":
+        """Read ``how:rank:point[@n]`` against the program's ``points``; ValueError naming ``--inject`` otherwise."""
+        points = tuple(points)
+        example = f"kill:1:{points[0] if points else 'point'}@2"
+        try:
+            how, rank, where = text.split(":")
+            point, _, nth = where.partition("@")
+            spec = cls(how, int(rank), point, int(nth or 1))
+        except ValueError:
+            raise ValueError(f"--inject={text!r} must look like {example}") from None
+        if how not in HOWS or point not in points or spec.nth < 1 or spec.rank < 0:
+            raise ValueError(f"--inject={text!r}: expected ({'|'.join(HOWS)}):RANK:({'|'.join(points)})[@N] "
+                             "with RANK >= 0 and N >= 1")
+        return spec
+
+    def on_point(self, rank: int) -> Callable[[str], None] | None:
+        """The hook world rank ``rank`` calls at each point it passes (None unless it is the one to fail)."""
+        if rank != self.rank:
+            return None
+        passes = [0]
+
+        def hook(point: str) -> None:
+            if point != self.point:
+                return
+            passes[0] += 1
+            if passes[0] != self.nth:
+                return
+            if self.how == "raise":
+                raise RuntimeError(f"injected failure at {point!r} (--inject)")
+            # What this rank printed must reach the terminal before the signal lands.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGSTOP)
+
+        return hook
+
+
+def parse_inject(text: str | None, points: Iterable[str], rank: int) -> Callable[[str], None] | None:
+    """A program's ``--inject`` flag to the hook this rank calls at each point (None: no fault here)."""
+    if text is None:
+        return None
+    return FaultInjection.parse(text, points).on_point(rank)
+
+
+__all__ = ["HOWS", "FaultInjection", "parse_inject"]
