@@ -60,7 +60,27 @@ def test_pipeline_demo_three_ranks_hits_evictions_and_verification(weights):
     assert evictions >= 1, stats  # the default region is smaller than the corpus
     assert "verified byte for byte" in out
     assert "tpsp" in out and "regular" in out
+    # Output that explains itself: progress from the start, the ratio with its spread and why,
+    # and why the cache misses so often.
+    assert lines[1].startswith("[  0.0 s] loading the model"), lines[:3]
+    assert any(l.strip().startswith("TPSP / regular:") and "interleaved rounds" in l for l in lines), out
+    assert any(l.strip().startswith("why: on the cpu target") for l in lines), out
+    assert "the region is small on purpose" in out
     assert vtnumba_shm() == before
+
+
+@pytest.mark.parametrize("speedups, verdict", [
+    ([1.1, 1.2, 1.3], "faster in every round"),
+    ([0.7, 0.8, 0.9], "slower in every round"),
+    ([0.8, 1.0, 1.4], "within this machine's noise"),
+])
+def test_the_speedup_comes_with_its_spread_and_a_reason(speedups, verdict):
+    from vtnumba.apps.pipeline_demo import explain_speedup
+
+    first, why = explain_speedup(1.05, speedups, "cpu")
+    assert first.startswith("TPSP / regular: 1.05 (per round") and verdict in first
+    assert why.startswith("why: on the cpu target")
+    assert "say nothing about a GPU" in explain_speedup(1.0, speedups, "cudasim")[1]
 
 
 def test_pipeline_demo_consumer_failure_ends_every_rank_cleanly(weights):
