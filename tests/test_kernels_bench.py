@@ -4,8 +4,8 @@ import argparse
 import sys
 
 import pytest
-
 from conftest import DEVICE_TARGET
+
 from vtnumba.bench import kernels as bench
 from vtnumba.bench import timing
 from vtnumba.bench.schema import suite, validate_suite
@@ -41,12 +41,35 @@ def test_device_part_runs_end_to_end_on_the_device(device_backend):
         sys.setswitchinterval(old)
     validate_suite(suite("kernels", DEVICE_TARGET, 1, results, ratios, baselines, notes))
     impls = {(r["case"], r["impl"]) for r in results}
-    assert {("matmul_fp32", f"vtnumba-{v}") for v in ("naive", "smem", "regtile")} <= impls
-    assert {("rmsnorm", "vtnumba-fused-cuda"), ("layernorm", "vtnumba-fused-cuda")} <= impls
+    # Every rung of the ladder has its row, in ladder order.
+    from vtnumba.kernels import VARIANTS
+
+    rungs = [r["impl"] for r in results if r["case"] == "matmul_fp32"]
+    assert rungs == [f"vtnumba-{v}" for v in VARIANTS]
+    assert {("rmsnorm", "vtnumba-fused-cuda"), ("layernorm", "vtnumba-fused-cuda"),
+            ("peer_reduce_rmsnorm_tp2", "vtnumba-fused-cuda"), ("gather_rows", "vtnumba-cuda")} <= impls
     assert "device_copy" in {case for case, _ in impls}
-    for case in ("rmsnorm", "layernorm"):
+    # Each memory-bound row reports its fraction of the copy ceiling.
+    for case in ("rmsnorm", "layernorm", "peer_reduce_rmsnorm_tp2"):
         assert ratios[f"{case} fused cuda GB/s / device copy traffic GB/s"] > 0
+    assert ratios["gather_rows cuda GB/s / device copy traffic GB/s"] > 0
     assert baselines["device copy traffic GB/s"] > 0
+
+
+def test_resource_notes_print_one_line_per_kernel():
+    # What --ptxas prints (the runner prints notes): one line per kernel at sm_90, float32 first.
+    resources = [
+        {"kernel": "wide", "sig": "f32", "cc": "9.0", "registers": 126, "smem_bytes": 8448,
+         "spill_store_bytes": 0, "spill_load_bytes": 0},
+        {"kernel": "wide", "sig": "f16", "cc": "9.0", "registers": 120, "smem_bytes": 8448,
+         "spill_store_bytes": 0, "spill_load_bytes": 0},
+        {"kernel": "wide", "sig": "f32", "cc": "8.0", "registers": 128, "smem_bytes": 8448,
+         "spill_store_bytes": 4, "spill_load_bytes": 4},
+        {"kernel": "naive", "sig": "f32", "cc": "9.0", "error": "ptxas fatal"},
+    ]
+    assert bench._resource_notes(resources) == [
+        "ptxas sm_90 wide: 126 registers, 8448 B shared memory, spills 0 B stored / 0 B loaded",
+        "ptxas sm_90 naive: ptxas fatal"]
 
 
 def test_device_copy_rate_on_the_device(device_backend):

@@ -14,6 +14,7 @@ import pytest
 
 from vtnumba.backend.cpu import CPUBackend
 from vtnumba.kernels import VARIANTS, linear, linear_rows_to, matmul, matmul_rows_host
+from vtnumba.kernels.matmul import LADDER
 
 TOL = {np.float32: 1e-5, np.float16: 1e-2}
 
@@ -63,8 +64,19 @@ DEVICE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("M,K,N,trans,dtype,with_bias", DEVICE_CASES)
+WIDE_RUNGS = ("wide", "warptile", "dbuf")  # rungs 4-6: 128-bit accesses where the arrays allow
+
+
+def _ladder_cases():
+    # Rungs 4-6 have their own float32 tests below (both access paths, several k-steps); here
+    # they take the float16 cases (scalar path; test_wide_rungs_row_range_and_padding runs
+    # their 64-bit float16 loads).
+    return [pytest.param(variant, *case, id=f"{variant}-{case[0]}x{case[1]}x{case[2]}-{case[4].__name__}")
+            for variant in VARIANTS for case in DEVICE_CASES
+            if not (variant in WIDE_RUNGS and case[4] is np.float32)]
+
+
+@pytest.mark.parametrize("variant,M,K,N,trans,dtype,with_bias", _ladder_cases())
 def test_ladder_matches_float64_on_the_device(dev, host, rng, variant, M, K, N, trans, dtype, with_bias):
     a = make(rng, (M, K), dtype)
     b = make(rng, (N, K) if trans else (K, N), dtype)
@@ -93,6 +105,97 @@ def test_regtile_with_several_blocks(dev, host, rng, M, K, N, trans):
     assert np.isfinite(out).all() and rel_err(out, ref) <= 1e-5
 
 
+# ---------------------------------------------------------------------------- rungs 4-6 (wide accesses)
+
+def test_ladder_order_and_descriptions():
+    # Tutorial 04 and the benchmark list the rungs from LADDER; every rung has a kernel.
+    from vtnumba.kernels.matmul_cuda import KERNELS, WIDE_VARIANTS
+
+    assert VARIANTS == ("naive", "smem", "regtile", "wide", "warptile", "dbuf")
+    assert set(KERNELS) == set(VARIANTS) and set(WIDE_VARIANTS) == set(WIDE_RUNGS)
+    assert all(isinstance(LADDER[v], str) and LADDER[v] for v in VARIANTS)
+
+
+def launch_rows(variant, a, b, bias, c, m0, m_valid, trans):
+    """One raw ladder launch (the contract TPSP's epilogue uses), serialised as the simulator needs."""
+    from vtnumba.backend.cuda import SIM_LAUNCH_LOCK
+    from vtnumba.kernels.matmul_cuda import launch_matmul_rows
+
+    with SIM_LAUNCH_LOCK:
+        launch_matmul_rows(variant, a, b, bias, c, m0, m_valid, trans, 0)
+
+
+# (M, K, N, trans, bias, wide): 37 x 29 x 53 has no dimension divisible by 4 (the scalar path);
+# the others have all of them (the 128-bit path), both B layouts, and N = 132 two block
+# columns; K = 29 and 32 are several k-steps, so the double buffer swaps more than once.
+WIDE_CASES = [(37, 29, 53, False, True, False), (36, 32, 52, True, True, True), (36, 32, 132, False, False, True)]
+
+
+@pytest.mark.parametrize("variant", WIDE_RUNGS)
+@pytest.mark.parametrize("M,K,N,trans,with_bias,wide", WIDE_CASES)
+def test_wide_rungs_match_the_host_reference(dev, host, rng, variant, M, K, N, trans, with_bias, wide):
+    from vtnumba.kernels.matmul_cuda import wide_flags
+
+    a, b = make(rng, (M, K)), make(rng, (N, K) if trans else (K, N))
+    bias = make(rng, N) if with_bias else None
+    d_a, d_b, d_c = dev(a), dev(b), dev(nan_out((M, N)))
+    # The case really takes the path it is meant to test.
+    assert wide_flags(d_a, d_b, d_c) == ((1, 1, 1) if wide else (0, 0, 0))
+    (linear if trans else matmul)(d_a, d_b, dev(bias), d_c, variant=variant)
+    ref = nan_out((M, N))
+    matmul_rows_host(a, b, bias, ref, 0, M, trans)
+    out = host(d_c)
+    assert np.isfinite(out).all(), "some output element was never written"
+    assert rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("variant", WIDE_RUNGS)
+def test_wide_rungs_row_range_and_padding(dev, host, rng, variant):
+    # The TPSP contract: c[i] = a[m0 + i] @ B + bias for i < m_valid, zeros after -- on the
+    # 128-bit path (K, N multiples of 4), float16 inputs (64-bit loads), and a 2-block-row c.
+    M, K, N, m0, m_valid, rows = 150, 12, 20, 9, 131, 140
+    a, w, bias = make(rng, (M, K), np.float16), make(rng, (N, K), np.float16), make(rng, N)
+    d_c = dev(nan_out((rows, N)))
+    launch_rows(variant, dev(a), dev(w), dev(bias), d_c, m0, m_valid, True)
+    ref = nan_out((rows, N))
+    matmul_rows_host(a, w, bias, ref, m0, m_valid, True)
+    out = host(d_c)
+    assert (out[m_valid:] == 0).all() and np.isfinite(out).all()
+    assert rel_err(out[:m_valid], ref[:m_valid]) <= 1e-5
+
+
+def test_wide_rungs_fall_back_on_misaligned_views(dev, host, rng):
+    # Views that start one float past an aligned address: the launcher must see it and take
+    # the scalar path (a 128-bit access there would stop a GPU with "misaligned address").
+    from vtnumba.kernels.matmul_cuda import wide_flags
+
+    M, K, N = 8, 16, 12
+    a, b = make(rng, (M, K)), make(rng, (K, N))
+    flat_a = dev(np.concatenate([[0.0], a.ravel()]).astype(np.float32))
+    flat_c = dev(nan_out(1 + M * N))
+    d_a, d_c = flat_a[1:].reshape(M, K), flat_c[1:].reshape(M, N)
+    d_b = dev(b)
+    assert wide_flags(d_a, d_b, d_c) == (0, 1, 0)
+    matmul(d_a, d_b, out=d_c, variant="dbuf")  # the flags are computed once for all three rungs
+    out = host(flat_c)[1:].reshape(M, N)
+    assert rel_err(out, a.astype(np.float64) @ b) <= 1e-5
+
+
+@pytest.mark.simulator_only
+def test_simulated_wide_access_checks_alignment(device_backend, dev, rng):
+    # The simulator's load4 checks what the hardware would: forcing the wide path on a
+    # misaligned view fails loudly (on a GPU this launch would kill the CUDA context).
+    from numba import cuda
+
+    from vtnumba.backend.cuda import SIM_LAUNCH_LOCK
+    from vtnumba.kernels.matmul_cuda import matmul_wide_kernel
+
+    flat = dev(np.zeros(1 + 4 * 8, np.float32))
+    a, b, c = flat[1:].reshape(4, 8), dev(make(rng, (8, 4))), dev(nan_out((4, 4)))
+    with SIM_LAUNCH_LOCK, pytest.raises(ValueError, match="not 16-byte aligned"):
+        matmul_wide_kernel[(1, 1), (16, 16), cuda.default_stream()](a, b, c[0], c, 0, 4, 0, 0, 1, 1, 1)
+
+
 def test_float16_against_unrounded_data(dev, host, rng):
     # The float16 error budget (1e-2) holds against the float32 data before rounding.
     a32, b32 = make(rng, (33, 65)), make(rng, (65, 7))
@@ -101,7 +204,9 @@ def test_float16_against_unrounded_data(dev, host, rng):
     assert rel_err(host(d_out), a32.astype(np.float64) @ b32) <= 1e-2
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+# Rungs 4-6 share their epilogue code; "dbuf" stands for them here (the raw row-range contract
+# of all three is tested in test_wide_rungs_row_range_and_padding).
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("wide", "warptile")])
 def test_rows_to_destinations_on_the_device(dev, host, rng, variant):
     # M=7 rows over 4 destinations of R=3: dest 2 gets one real row + 2 zero rows, dest 3 only zeros.
     M, K, N, R = 7, 5, 9, 3

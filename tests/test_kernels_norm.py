@@ -98,6 +98,52 @@ def test_kernel_matches_float64_on_the_device(dev, host, rng, R, H, layer):
     assert rel_err(new_res, z) <= 1e-6
 
 
+# (R, H, wide, layer): H = 31, 129, 8195 are not multiples of 4 (quads element by element, a
+# partial last quad); 64, 1000 and 8200 take the 128-bit path; 8195 and 8200 are longer than a
+# block caches in registers (256 threads x CACHE_QUADS x 4 = 8192), so their ends stream
+# through memory.
+ROW_CASES = [(3, 31, False, True), (2, 129, False, False), (2, 1000, True, True), (3, 64, True, False),
+             (1, 8195, False, False), (2, 8200, True, True)]
+
+
+@pytest.mark.parametrize("R,H,wide,layer", ROW_CASES)
+def test_kernel_odd_wide_and_long_rows(dev, host, rng, R, H, wide, layer):
+    from vtnumba.kernels._wide_cuda import wide_ok
+
+    arrs = inputs(rng, R, H, norm_bias=layer)
+    d = {k: dev(v) for k, v in arrs.items()}
+    d_out, d_new_res = dev(nans((R, H))), dev(nans((R, H)))
+    assert wide_ok(*d.values(), d_out, d_new_res) == wide  # the case takes the path it is meant to
+    call(layer, d, d_out, d_new_res)
+    h_out, h_new_res = call(layer, arrs, nans((R, H)), nans((R, H)))  # the host reference, the spec
+    out, new_res = host(d_out), host(d_new_res)
+    assert np.isfinite(out).all() and np.isfinite(new_res).all()
+    assert rel_err(out, h_out) <= 1e-5 and rel_err(new_res, h_new_res) <= 1e-6
+    ref, _ = reference(arrs["y"], arrs["residual"], arrs["weight"], EPS, arrs["bias"], arrs["norm_bias"], layer)
+    assert rel_err(out, ref) <= 1e-5
+
+
+def test_kernel_misaligned_views_and_in_place_on_the_wide_path(dev, host, rng):
+    # y starting one float past an aligned address: the launcher must fall back to scalar
+    # accesses; and the residual updated in place while every array allows 128-bit accesses.
+    from vtnumba.kernels._wide_cuda import wide_ok
+
+    R, H = 3, 64
+    arrs = inputs(rng, R, H, norm_bias=False)
+    ref, z = reference(arrs["y"], arrs["residual"], arrs["weight"], EPS, arrs["bias"])
+    flat = dev(np.concatenate([[0.0], arrs["y"].ravel()]).astype(np.float32))
+    y_view = flat[1:].reshape(R, H)
+    d_res, d_out = dev(arrs["residual"]), dev(nans((R, H)))
+    assert not wide_ok(y_view) and wide_ok(d_res, d_out)
+    fused_add_rms_norm(y_view, d_res, dev(arrs["weight"]), EPS, bias=dev(arrs["bias"]), out=d_out,
+                       new_residual=dev(nans((R, H))))
+    assert rel_err(host(d_out), ref) <= 1e-5
+    d_out = dev(nans((R, H)))
+    fused_add_rms_norm(dev(arrs["y"]), d_res, dev(arrs["weight"]), EPS, bias=dev(arrs["bias"]), out=d_out,
+                       new_residual=d_res)
+    assert rel_err(host(d_out), ref) <= 1e-5 and rel_err(host(d_res), z) <= 1e-6
+
+
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
 def test_kernel_optional_arguments_and_in_place(dev, host, rng, layer):
     # No bias, no norm_bias, no residual ...
@@ -202,6 +248,39 @@ def test_host_fully_in_place(rng, R, H):
     y, res = arrs["y"], arrs["residual"]
     fused_add_layer_norm(y, res, arrs["weight"], arrs["norm_bias"], EPS, bias=arrs["bias"], out=y, new_residual=res)
     assert rel_err(y, ref) <= 1e-5 and rel_err(res, z) <= 1e-6
+
+
+def test_split_rows_covers_the_range_once_and_raises_errors(monkeypatch):
+    from vtnumba.kernels import _common
+
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
+    assert _common.host_threads() == 3
+    seen = []
+    _common.split_rows(lambda a, b: seen.append((a, b)), 5, 12, nbytes=_common.PARALLEL_MIN_BYTES)
+    assert sorted(seen) == [(5, 7), (7, 9), (9, 12)]  # contiguous, disjoint, all of [5, 12)
+    seen.clear()
+    _common.split_rows(lambda a, b: seen.append((a, b)), 5, 12, nbytes=_common.PARALLEL_MIN_BYTES - 1)
+    assert seen == [(5, 12)]  # small calls stay on the calling thread
+
+    def fail_late(a, b):
+        if a > 5:
+            raise RuntimeError(f"rows {a}..{b}")
+
+    with pytest.raises(RuntimeError, match="rows"):
+        _common.split_rows(fail_late, 5, 12, nbytes=_common.PARALLEL_MIN_BYTES)
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
+def test_host_rows_split_over_threads_match_one_thread(rng, monkeypatch, layer):
+    # Rows are independent: two threads give the one-thread result bit for bit.
+    R, H = 512, 2048  # 8 MiB written: large enough to be split, and streamed
+    arrs = inputs(rng, R, H, norm_bias=layer)
+    results = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("OPENBLAS_NUM_THREADS", threads)
+        results.append(call(layer, arrs, nans((R, H)), nans((R, H))))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
 def test_host_layer_norm_with_large_mean(rng):

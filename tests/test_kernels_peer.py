@@ -85,8 +85,10 @@ def run(p, layer, out, new_res, wrap=lambda a: a, rows=None, **kw):
                             rows=rows, **kw)
 
 
-# (tp, R, H): one, two and three sources; odd shapes 1, 7, 33, 65.
-DEVICE_CASES = [(1, 7, 33), (2, 33, 7), (3, 1, 65), (2, 65, 1)]
+# (tp, R, H): one, two and three sources; odd shapes 1, 7, 33, 65, 129 (element-by-element
+# quads); H = 64 and 8200 take the 128-bit path, and 8200 is longer than a block keeps in
+# registers (the end of the row streams through memory).
+DEVICE_CASES = [(1, 7, 33), (2, 33, 7), (3, 1, 65), (2, 65, 1), (3, 2, 129), (2, 3, 64), (2, 1, 8200)]
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])
@@ -117,10 +119,11 @@ def test_row_range_leaves_other_rows_untouched(rng, where):
     assert (unwrap(d_out)[:2] == SENTINEL).all()
 
 
-def test_more_sources_than_one_launch_takes(rng, where):
+@pytest.mark.parametrize("H", [5, 8])  # the fold's copy kernel element by element, and 128 bits wide
+def test_more_sources_than_one_launch_takes(rng, where, H):
     # tp > MAX_SOURCES: the surplus is folded into new_residual first, which may be residual itself.
     wrap, unwrap = where
-    tp, R, H = MAX_SOURCES + 3, 3, 5
+    tp, R = MAX_SOURCES + 3, 3
     p = problem(rng, tp, R, H, False)
     ref, z = reference(p["sources"], p["bias"], p["residual"], p["weight"], None, EPS, False)
     d_out, d_res = wrap(full((R, H))), wrap(p["residual"])
@@ -162,6 +165,26 @@ def test_gather_on_host_and_device(rng, where, ndest):
     dests = [wrap(full((T, H), SENTINEL)) for _ in range(ndest)]
     gather_rows(wrap(src), dests, off)
     for d in map(unwrap, dests):
+        assert (d[off:off + n] == src).all()
+        assert (d[:off] == SENTINEL).all() and (d[off + n:] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("H,misaligned", [(64, False), (64, True), (30, False)])
+def test_gather_wide_rows_and_views(dev, host, rng, H, misaligned):
+    # 128-bit copies where source and destinations allow it (H % 4 == 0, aligned starts); a
+    # destination view one float past an aligned address, or H = 30, copies element by element.
+    from vtnumba.kernels._wide_cuda import wide_ok
+
+    n, T, off = 5, 12, 3
+    src = make(rng, (n, H))
+    flat = dev(full(1 + T * H, SENTINEL))
+    view = flat[1:].reshape(T, H) if misaligned else flat[:T * H].reshape(T, H)
+    other = dev(full((T, H), SENTINEL))
+    d_src = dev(src)
+    assert wide_ok(d_src, view, other) == (H % 4 == 0 and not misaligned)
+    gather_rows(d_src, [view, other], off)
+    got = host(flat)[1:] if misaligned else host(flat)[:T * H]
+    for d in (got.reshape(T, H), host(other)):
         assert (d[off:off + n] == src).all()
         assert (d[:off] == SENTINEL).all() and (d[off + n:] == SENTINEL).all()
 

@@ -3,23 +3,29 @@
 On every target (the host references are what the ``cpu`` target runs):
 
 * **fused add + norm** (RMSNorm and LayerNorm) vs. the same math in plain numpy: the
-  speed-up, and the fused kernel's bandwidth as a fraction of measured memcpy bandwidth;
+  speed-up, and the fused kernel's bandwidth as a fraction of measured memcpy bandwidth
+  (the fused loop splits large calls over this process's cores, numpy and ``np.copyto`` run
+  on one, so that fraction may exceed 1);
 * **peer reduce + norm** (tp = 2) vs. numpy summing the sources and then normalising;
 * **host matmul** GFLOP/s (``linear``, float32 and float16 inputs) vs. numpy's BLAS ``x @ w.T``.
 
-On a real GPU (``cuda`` target) additionally, all timed with CUDA events on one queue:
+On a real GPU (``cuda`` target) additionally, all timed with CUDA events on one queue, every
+row with the fraction of its ceiling measured in the same run:
 
-* each step of the matmul ladder (naive, smem, regtile) in GFLOP/s and as a fraction of
-  cuBLAS (through CuPy, or torch if CuPy is absent) run on the same queue;
-* the fused RMSNorm and LayerNorm as a fraction of the device's copy bandwidth: a warmed-up
+* each step of the matmul ladder (:data:`vtnumba.kernels.matmul.LADDER`: naive, smem,
+  regtile, wide, warptile, dbuf) in GFLOP/s and as a fraction of cuBLAS SGEMM (through
+  CuPy, or torch if CuPy is absent) run on the same queue;
+* the memory-bound kernels -- fused RMSNorm and LayerNorm, the peer reduce + RMSNorm of two
+  sources, the gather copy -- as a fraction of the device's copy bandwidth: a warmed-up
   1 GiB device-to-device ``cuMemcpyDtoDAsync``
   (:func:`vtnumba.bench.timing.device_copy_rate`).  A small or cold copy, timed from the
   host, understates that ceiling several times over and flatters every kernel measured
   against it; a norm shape that fits in L2 would flatter the kernel too, so the GPU norms
   use 8192 x 4096 unless ``--norm-shape`` says otherwise.
 
-With ``--ptxas`` and ``ptxas`` on PATH the suite also lists registers / shared memory /
-spills per kernel (``kernel_resources``).
+With ``--ptxas`` and ``ptxas`` on PATH (no GPU needed) the suite also lists registers /
+shared memory / spills per kernel and compute capability (``kernel_resources``), and
+prints one note per kernel for sm_90.
 
 **How bandwidth is counted.**  ``timing.memcpy_bandwidth_gbs`` reports bytes *copied* per
 second; a copy of n bytes reads n and writes n.  To compare like with like this suite
@@ -229,7 +235,14 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
     """
     from numba import cuda
 
-    from vtnumba.kernels import VARIANTS, fused_add_layer_norm, fused_add_rms_norm, matmul
+    from vtnumba.kernels import (
+        VARIANTS,
+        fused_add_layer_norm,
+        fused_add_rms_norm,
+        gather_rows,
+        matmul,
+        peer_reduce_norm,
+    )
 
     q = backend.create_queue("bench")
     rng = np.random.default_rng(2)
@@ -250,20 +263,27 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
                      "warmed up, timed with events; traffic = 2 x bytes copied")
 
         rows, h = (4, 64) if simulator else _device_norm_shape(cfg)
-        y, res = (cuda.to_device(rng.standard_normal((rows, h), dtype=np.float32)) for _ in range(2))
+        y, res, peer = (cuda.to_device(rng.standard_normal((rows, h), dtype=np.float32)) for _ in range(3))
         w, bias, nb = (cuda.to_device(rng.standard_normal(h, dtype=np.float32)) for _ in range(3))
         out, new_res = cuda.device_array((rows, h), np.float32), cuda.device_array((rows, h), np.float32)
-        traffic = 4 * rows * h * 4  # read y and residual, write new_residual and out (float32)
-        norms = {
-            "rmsnorm": lambda: fused_add_rms_norm(y, res, w, EPS, bias=bias, out=out, new_residual=new_res, queue=q),
-            "layernorm": lambda: fused_add_layer_norm(y, res, w, nb, EPS, bias=bias, out=out, new_residual=new_res,
-                                                      queue=q),
-        }
-        for case, fn in norms.items():
+        elem = rows * h * 4  # bytes of one [rows, h] float32 array
+        # (case, impl, call, traffic): traffic = bytes read + bytes written, as for the copy.
+        memory_bound = [
+            ("rmsnorm", "vtnumba-fused-cuda", 4 * elem,  # read y, residual; write new_residual, out
+             lambda: fused_add_rms_norm(y, res, w, EPS, bias=bias, out=out, new_residual=new_res, queue=q)),
+            ("layernorm", "vtnumba-fused-cuda", 4 * elem,
+             lambda: fused_add_layer_norm(y, res, w, nb, EPS, bias=bias, out=out, new_residual=new_res, queue=q)),
+            ("peer_reduce_rmsnorm_tp2", "vtnumba-fused-cuda", 5 * elem,  # + the second source
+             lambda: peer_reduce_norm([y, peer], bias, res, w, None, EPS, out, new_res, queue=q)),
+            ("gather_rows", "vtnumba-cuda", 2 * elem,  # read src, write one destination
+             lambda: gather_rows(y, [out], 0, queue=q)),
+        ]
+        for case, impl, traffic, fn in memory_bound:
             st = timed(fn)
             gbs = traffic / st.median_s / 1e9
-            results.append(schema.row(case, "vtnumba-fused-cuda", rows * h, "elements", "GB/s", gbs, st))
-            ratios[f"{case} fused cuda GB/s / device copy traffic GB/s"] = gbs / copy_gbs
+            results.append(schema.row(case, impl, rows * h, "elements", "GB/s", gbs, st))
+            kind = "fused cuda" if case != "gather_rows" else "cuda"
+            ratios[f"{case} {kind} GB/s / device copy traffic GB/s"] = gbs / copy_gbs
 
         mm_sizes = [16] if simulator else ([1024] if cfg["quick"] else [2048, 4096])
         handle = None if simulator else stream_handle(q)
@@ -279,14 +299,19 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
                 st = timed(call)
                 base_gflops = flops / st.median_s / 1e9
                 results.append(schema.row("matmul_fp32", name, n, "M=N=K", "GFLOP/s", base_gflops, st))
-            for variant in VARIANTS:
+            best = None
+            for variant in VARIANTS:  # ladder order: one row per rung
                 if variant == "naive" and n > 2048 and not cfg["quick"]:
                     continue  # minutes of naive matmul add nothing to the ladder's story
                 st = timed(lambda: matmul(a, b, out=c, queue=q, variant=variant))
                 gflops = flops / st.median_s / 1e9
                 results.append(schema.row("matmul_fp32", f"vtnumba-{variant}", n, "M=N=K", "GFLOP/s", gflops, st))
+                if best is None or gflops > best[1]:
+                    best = (variant, gflops)
                 if base_gflops is not None:
                     ratios[f"matmul_fp32 n={n} {variant} / cuBLAS"] = gflops / base_gflops
+            if base_gflops is not None:
+                ratios[f"matmul_fp32 n={n} best rung ({best[0]}) / cuBLAS"] = best[1] / base_gflops
         if not simulator and base is None:
             notes.append("no CuPy or torch: ladder not compared with cuBLAS")
     finally:
@@ -316,7 +341,25 @@ def _ptxas_resources(notes) -> list[dict]:
             note = f"ptxas: PTX .version lowered to {usage['version_lowered']} for the resource report only"
             if note not in notes:
                 notes.append(note)
+    notes.extend(_resource_notes(out))
     return out
+
+
+def _resource_notes(resources: list[dict], cc: str = "9.0") -> list[str]:
+    """One printable line per kernel (its first signature, i.e. float32, at ``cc``): what the
+    table printer shows of ``kernel_resources``."""
+    lines, seen = [], set()
+    for e in resources:
+        if e["cc"] != cc or e["kernel"] in seen:
+            continue
+        seen.add(e["kernel"])
+        if e.get("registers") is None:
+            lines.append(f"ptxas sm_{cc.replace('.', '')} {e['kernel']}: {e.get('error', 'no report')[:120]}")
+            continue
+        lines.append(f"ptxas sm_{cc.replace('.', '')} {e['kernel']}: {e['registers']} registers, "
+                     f"{e['smem_bytes']} B shared memory, spills {e['spill_store_bytes']} B stored / "
+                     f"{e['spill_load_bytes']} B loaded")
+    return lines
 
 
 # ---------------------------------------------------------------------------- entry point
@@ -331,6 +374,11 @@ def run(args) -> dict:
     notes.append("GB/s counts traffic (bytes read + bytes written); see vtnumba.bench.kernels docstring")
 
     _bench_host_norms(cfg, results, ratios, baselines)
+    from vtnumba.kernels._common import PARALLEL_MIN_BYTES, host_threads
+
+    notes.append(f"host fused norms: calls moving >= {PARALLEL_MIN_BYTES >> 20} MiB split their rows over "
+                 f"{host_threads()} thread(s) (this process's share of the cores, as BLAS); numpy's elementwise "
+                 "ops and the memcpy baseline use one")
     _bench_host_matmul(cfg, results, ratios)
 
     if target == "cuda":

@@ -24,6 +24,13 @@ Metric: bus bandwidth as nccl-tests defines it -- ``algbw = S / t``, ``busbw = a
 implementations are measured *interleaved* (one call of each per round, rounds repeated)
 so a noisy neighbour on the machine slows all of them alike, and every round starts with
 a barrier (not timed).  Ratios are peer / mpi4py busbw per size, plus their geometric mean.
+
+**How far from the limit.**  Every peer implementation's busbw is also reported as a
+fraction of the copy ceiling measured in the same run (``... busbw / copy traffic``), the
+aim of issue 17 being >= 0.6 at 64 MiB: on a GPU a warmed 1 GiB device-to-device copy
+(:func:`vtnumba.bench.timing.device_copy_rate`), on the cpu target a 64 MiB memcpy;
+both counted as traffic (bytes read + bytes written), measured by rank 0 alone while the
+other ranks wait (ranks that share a GPU or a memory bus would otherwise halve it).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from vtnumba.bench import schema
-from vtnumba.bench.timing import memcpy_bandwidth_gbs, stats_from_times, time_rounds_on_group
+from vtnumba.bench.timing import device_copy_rate, memcpy_bandwidth_gbs, stats_from_times, time_rounds_on_group
 
 MIB = 1 << 20
 FULL_SIZES_MIB = (1, 2, 4, 8, 16, 32, 64)
@@ -51,6 +58,22 @@ def _busbw_gbs(nbytes: int, seconds: float, n: int) -> float:
     return nbytes / seconds / 1e9 * (n - 1) / n if n > 1 else nbytes / seconds / 1e9
 
 
+
+
+def _copy_ceiling(group, backend, on_device: bool) -> tuple[float, str]:
+    """(copy traffic GB/s, what was copied), measured on rank 0 while the others wait; same on every rank."""
+    from vtnumba.dist import barrier
+
+    value = None
+    if group.rank == 0:
+        if on_device:
+            rate = device_copy_rate(backend, nbytes=1 << 30, repeat=5)
+            value = (rate.traffic_gbs, f"device copy traffic GB/s ({rate.nbytes / MIB:.0f} MiB, {rate.impl})")
+        else:
+            value = (2 * memcpy_bandwidth_gbs(64 * MIB, repeat=5), "memcpy traffic GB/s (64 MiB, rank 0 alone)")
+    value = group.cpu_comm.bcast(value, root=0)
+    barrier(group)
+    return value
 
 
 def _measure_size(group, backend, size_mib: float, repeat: int, to_target, on_device: bool):
@@ -133,6 +156,7 @@ def run(args) -> dict:
 
     per_pair: dict[str, list[float]] = {}
     try:
+        ceiling_gbs, ceiling_name = _copy_ceiling(group, backend, on_device)
         for size_mib in sizes:
             S, times = _measure_size(group, backend, size_mib, repeat, to_target, on_device)
             bw = {}
@@ -148,12 +172,15 @@ def run(args) -> dict:
                     r = bw[(case, impl)] / bw[(case, base)]
                     ratios[f"{case} {impl}/{base} @{size_mib:g}MiB"] = r
                     per_pair.setdefault(f"{case} {impl}/{base} geomean", []).append(r)
+            for (case, impl), value in bw.items():
+                if impl.startswith("peer"):
+                    ratios[f"{case} {impl} busbw / copy traffic @{size_mib:g}MiB"] = value / ceiling_gbs
         for key, values in per_pair.items():
             ratios[key] = float(np.exp(np.mean(np.log(values))))
     finally:
         if owns_dist:
             dist.destroy_distributed()
-    baselines = {"memcpy GB/s (1 rank)": memcpy_bandwidth_gbs(64 * MIB, repeat=5)}
+    baselines = {"memcpy GB/s (1 rank)": memcpy_bandwidth_gbs(64 * MIB, repeat=5), ceiling_name: ceiling_gbs}
     notes.append(f"float32 rows of H={H}; S = total bytes of the reduce-scatter input / all-gather output "
                  "per rank; busbw = S/t*(n-1)/n (nccl-tests); t = slowest rank per call, median over rounds")
     notes.append(f"MPI library: {MPI.Get_library_version().splitlines()[0].strip()}")

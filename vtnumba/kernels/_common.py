@@ -25,7 +25,10 @@ target never pays for (or is locked out of the simulator by) that import.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vtnumba.backend.arrays import (  # noqa: F401  (re-exported: the kernels' shared vocabulary)
@@ -47,7 +50,110 @@ from vtnumba.backend.arrays import (  # noqa: F401  (re-exported: the kernels' s
 #: out as NaN, as on a GPU, not be optimised into anything else.  ``error_model="numpy"`` makes
 #: a division by zero an IEEE infinity or NaN instead of a Python ZeroDivisionError raised
 #: from inside a queued kernel.
+#: ``cache=True`` keeps the compiled machine code on disk (``__pycache__`` beside the source),
+#: so the second run of a program skips the compilation that makes the first one wait.
 HOST_JIT = dict(nogil=True, fastmath={"reassoc", "contract", "arcp", "nsz"}, error_model="numpy", cache=True)
+
+
+def drop_stale_numba_cache(module_file: str, *dependencies: str) -> None:
+    """Delete ``module_file``'s numba cache entries if a file its cached functions call into changed.
+
+    numba checks a cached function against its *own* source file only: a kernel that calls a
+    jitted helper from another file (``_streaming.store_norm_row``, say) would keep running
+    the old helper's machine code after that file is edited -- a wrong result with no error,
+    the worst thing for someone learning by changing the code.  So each such module calls
+    this before defining its kernels: a hash of ``dependencies`` (paths, or module file names
+    beside ``module_file``) is kept in ``__pycache__/<module>.deps``, and when it differs the
+    module's ``.nbi``/``.nbc`` entries are removed, which makes numba compile afresh.
+    """
+    import hashlib
+    from pathlib import Path
+
+    here = Path(module_file).resolve()
+    cache = here.parent / "__pycache__"
+    digest = hashlib.sha256()
+    for dep in dependencies:
+        path = Path(dep) if Path(dep).is_absolute() else here.parent / dep
+        digest.update(path.read_bytes())
+    stamp = cache / f"{here.stem}.deps"
+    try:
+        if stamp.exists() and stamp.read_text() == digest.hexdigest():
+            return
+        for entry in list(cache.glob(f"{here.stem}.*.nbi")) + list(cache.glob(f"{here.stem}.*.nbc")):
+            entry.unlink(missing_ok=True)
+        cache.mkdir(exist_ok=True)
+        stamp.write_text(digest.hexdigest())
+    except OSError:
+        pass  # a read-only install: numba then caches elsewhere (or not at all); nothing to clean here
+
+
+# ---------------------------------------------------------------------------- host threads
+#: A host kernel splits its rows over several threads only when the call moves at least this
+#: many bytes (reads + writes): handing work to a thread costs tens of microseconds, a call of
+#: this size takes a few hundred.
+PARALLEL_MIN_BYTES = 4 << 20
+
+
+def host_threads() -> int:
+    """Threads a host kernel may use: this process's share of the cores, as BLAS gets it.
+
+    Under ``mpiexec`` the ranks of a machine share its cores
+    (:func:`vtnumba.apps.processes.share_cores_between_local_ranks` sets
+    ``OPENBLAS_NUM_THREADS``), and a host kernel takes the same share; otherwise every core
+    this process may run on.
+    """
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0  # a forked child has the pool object but none of its threads
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def split_rows(fn: Callable[[int, int], None], r0: int, r1: int, nbytes: int) -> None:
+    """Run ``fn(a, b)`` over the rows ``[r0, r1)``, split into :func:`host_threads` contiguous
+    ranges run at once when the call moves at least :data:`PARALLEL_MIN_BYTES`; else ``fn(r0, r1)``.
+
+    Why: one core streaming a fused norm is limited by how many cache misses *it* can have in
+    flight, not by the memory bus; a second core roughly doubles that.  ``fn`` must release
+    the GIL (the ``nogil`` host references do) and each range must be independent (rows
+    are).  The caller's thread runs the first range itself, so nothing waits on a busy pool.
+    Errors from any range are raised here, after every range has finished.
+    """
+    global _pool, _pool_size
+    n = int(r1) - int(r0)
+    k = min(host_threads(), n)
+    if k <= 1 or nbytes < PARALLEL_MIN_BYTES:
+        fn(int(r0), int(r1))
+        return
+    with _pool_lock:
+        if _pool is None or _pool_size < k - 1:
+            # (an outgrown pool is not shut down: a concurrent call may still be using it)
+            _pool, _pool_size = ThreadPoolExecutor(max_workers=k - 1, thread_name_prefix="vtnumba-host-rows"), k - 1
+        pool = _pool
+    bounds = [int(r0) + n * i // k for i in range(k + 1)]
+    futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, k)]
+    try:
+        fn(bounds[0], bounds[1])
+    finally:
+        for f in futures:
+            f.result()
 
 
 def _resolve_backend(kind: str, queue, backend):

@@ -17,8 +17,10 @@ Inputs are float32, or float16 with float32 accumulation; the output is always f
 **Where it runs** (see :mod:`vtnumba.kernels._common`): numpy arrays run the host
 reference :func:`matmul_rows_host` -- numpy's BLAS, as the design asks ("do not hand-write
 what numpy does"); device arrays run one step of the CUDA ladder in
-:mod:`vtnumba.kernels.matmul_cuda`, chosen by ``variant`` = ``"naive"`` | ``"smem"`` |
-``"regtile"`` (the default, fastest).  The ladder's docstring explains each step.
+:mod:`vtnumba.kernels.matmul_cuda`, chosen by ``variant`` -- one of :data:`VARIANTS`, in
+ladder order ``"naive"`` | ``"smem"`` | ``"regtile"`` | ``"wide"`` | ``"warptile"`` | ``"dbuf"``,
+each described in one line by :data:`LADDER`; :data:`DEFAULT_VARIANT` when not given.  The
+ladder's docstring explains each step.
 
 **One launch per destination** in :func:`linear_rows_to`: a CUDA launch takes a fixed list
 of array arguments, and TPSP's destinations are separate allocations (a peer's inbox is
@@ -35,7 +37,20 @@ import numpy as np
 from vtnumba.backend.arrays import is_int
 from vtnumba.kernels._common import HOST, check_array, common_kind, empty, run
 
-VARIANTS = ("naive", "smem", "regtile")
+#: The CUDA ladder in order, each step with the one idea it adds to the step before (tutorial
+#: 04 and ``vtnumba bench kernels`` list and plot the rungs in this order).
+LADDER = {
+    "naive": "one thread per output element, operands read straight from global memory",
+    "smem": "16 x 16 tiles of A and B staged in shared memory, reused by the whole block",
+    "regtile": "128 x 128 block tile, 8 x 8 outputs per thread in registers (outer products)",
+    "wide": "128-bit loads and stores (4 floats per instruction) from global and shared memory",
+    "warptile": "each warp owns a 64 x 32 sub-tile: a third less shared-memory traffic per FMA",
+    "dbuf": "two shared buffers: the next tile's global loads overlap this tile's math",
+}
+VARIANTS = tuple(LADDER)
+#: The variant used when none is named, on a GPU.  ``regtile`` is the fastest rung *measured* on a
+#: GPU so far (the H200 run of issue 17); the rungs above it are verified in the simulator and
+#: compile without spills, but have not been timed yet -- the default moves once they have.
 DEFAULT_VARIANT = "regtile"
 _IN_DTYPES = (np.float32, np.float16)
 _OUT_DTYPES = (np.float32,)
@@ -182,4 +197,4 @@ def linear_rows_to(x, w, bias, dests, rows_per_dest: int, queue=None, backend=No
     return dests
 
 
-__all__ = ["VARIANTS", "DEFAULT_VARIANT", "matmul", "linear", "linear_rows_to", "matmul_rows_host"]
+__all__ = ["LADDER", "VARIANTS", "DEFAULT_VARIANT", "matmul", "linear", "linear_rows_to", "matmul_rows_host"]

@@ -1,8 +1,9 @@
-"""The CUDA matmul ladder: naive -> shared-memory tiles -> register tiling (``@cuda.jit``).
+"""The CUDA matmul ladder: naive -> shared tiles -> register tiles -> wide loads -> warp tiles -> double buffering.
 
 This module imports ``numba.cuda``, so :mod:`vtnumba.kernels.matmul` loads it only when a
-device array is seen.  Read the three kernels in order; each fixes the main cost of the
-one before (the same ladder as llm.c's ``dev/cuda`` and Simon Boehm's SGEMM walk-through):
+device array is seen.  Read the kernels in order; each fixes the main cost of the one
+before (the ladder of llm.c's ``dev/cuda`` and of Simon Boehm's SGEMM walk-through, whose
+kernels 1, 3, 5, 6, 10 and 11 these follow), and each docstring states its one idea:
 
 1. :func:`matmul_naive_kernel` -- one thread per output element, every operand read
    straight from global memory: ``2*K`` loads per ``K`` multiply-adds, so it is bound by
@@ -15,14 +16,25 @@ one before (the same ladder as llm.c's ``dev/cuda`` and Simon Boehm's SGEMM walk
    tile and each thread a ``TM x TN`` = 8 x 8 block of outputs held in registers.  Per
    ``k`` a thread loads 8 values of A and 8 of B from shared memory and does 64
    multiply-adds (an outer product): 4 multiply-adds per shared load instead of 0.5, which
-   is what moves a kernel from the shared-memory roof toward the FMA roof.  The shape is
-   the classic one (Boehm's "2D blocktiling"); ptxas gives it about 154 registers and no
-   spills on sm_80/sm_90 (one 256-thread block per SM; asking for two with
-   ``launch_bounds`` forces 128 registers and spills).  ``vtnumba bench kernels --ptxas``
-   prints these numbers.
+   is what moves a kernel from the shared-memory roof toward the FMA roof (Boehm's "2D
+   blocktiling").
+4. :func:`matmul_wide_kernel` -- the same tiles, every access 128 bits wide: one
+   instruction moves 4 floats from global memory, from shared memory and into c.  numba-cuda
+   has no ``float4``; :mod:`vtnumba.kernels._wide_cuda` builds the access from LLVM IR and
+   the launcher checks the alignment it needs.
+5. :func:`matmul_warptile_kernel` -- each warp owns a 64 x 32 sub-tile instead of a 16 x 128
+   strip, so a warp's shared-memory loads fetch a third fewer bytes per multiply-add.
+6. :func:`matmul_dbuf_kernel` -- two shared buffers: tile ``t + 1``'s global loads are issued
+   before tile ``t``'s math, so their latency is hidden, with one barrier per k-step.
+   (Asynchronous ``cp.async``/TMA copies would go further; numba-cuda does not expose them.)
 
-**One contract for all three**, so TPSP's epilogue (rows to different destinations) needs
-no fourth kernel.  With ``B`` either ``b`` ([K, N], ``trans_b=0``) or ``b.T`` (``b`` is
+``vtnumba bench kernels --ptxas`` prints each kernel's registers, shared memory and spills
+(no GPU needed): rungs 3-6 use 124-153 registers, no spills; 4-6 fit two 256-thread blocks
+per SM (<= 128 registers), regtile one.  :data:`vtnumba.kernels.matmul.LADDER` lists the
+rungs in order with a one-line description each.
+
+**One contract for all six**, so TPSP's epilogue (rows to different destinations) needs
+no extra kernel.  With ``B`` either ``b`` ([K, N], ``trans_b=0``) or ``b.T`` (``b`` is
 ``[N, K]``, the nn.Linear weight layout, ``trans_b=1``)::
 
     c[i, :] = a[m0 + i, :] @ B (+ bias)   for 0 <= i < m_valid
@@ -31,7 +43,9 @@ no fourth kernel.  With ``B`` either ``b`` ([K, N], ``trans_b=0``) or ``b.T`` (`
 A plain matmul is ``m0 = 0, m_valid = M``.  Inputs may be float32 or float16; every load
 is converted to float32 and all accumulation is float32; ``c`` is float32.  ``bias``
 must always be an array (numba kernels take no None): when ``has_bias == 0`` the caller
-passes any float32 vector and the kernel never reads it.
+passes any float32 vector and the kernel never reads it.  Rungs 4-6 take three more
+flags, computed by :func:`launch_matmul_rows` (:func:`wide_flags`): whether ``a``, ``b``
+and ``c`` may be accessed 4 elements at a time.
 
 Every bound is checked, so any M, N, K works (not only tile multiples): out-of-range tile
 elements load as 0, which adds nothing, and out-of-range outputs are not stored.
@@ -42,6 +56,7 @@ from __future__ import annotations
 from numba import cuda, float32
 
 from vtnumba.backend.arrays import cdiv
+from vtnumba.kernels._wide_cuda import SMEM_ALIGN, VEC, load4, quad, store4, store_quad, wide_ok
 
 # ---------------------------------------------------------------------------- tile sizes
 # smem kernel: one TILE x TILE thread block per TILE x TILE output tile.
@@ -224,19 +239,325 @@ def matmul_regtile_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias):
                         c[i, j] = acc[u, v]
 
 
+# ---------------------------------------------------------------------------- 4. wide (128-bit) accesses
+# Rungs 4-6 share regtile's block tile (BM x BN x BK = 128 x 128 x 8, 256 threads, 8 x 8 outputs
+# per thread) so that each changes one thing.  Their shared tiles are k-major with rows of
+# _SPAD = 132 floats: 528 bytes, a multiple of 16, so every quad of 4 floats is 16-byte aligned
+# for load4/store4; and 132 = 4 (mod 32), which spreads the transposed stores over the banks
+# (see matmul_wide_kernel).
+_SPAD = BM + 4
+_HALF = BM // 2  # 64: a thread's two 4-wide row (and column) groups are 64 apart
+# The tile loaders below give each of the 256 threads exactly one quad of the A tile and one of
+# the B tile; the compute loops give it two quads of rows and two of columns.  Check the sizes.
+assert BM * BK == BN * BK == VEC * _NTHREADS and BK == 2 * VEC and BN == 32 * VEC
+assert TM == TN == 2 * VEC and BM == BN == 2 * VEC * THREADS_X
+
+
+@cuda.jit(device=True)
+def _stage_tiles(a, b, m0, m_valid, trans_b, row0, col0, k0, tid, wide_a, wide_b):
+    """Load this k-step's A and B tiles (one quad of 4 elements each per thread) into registers.
+
+    Returns the two quads; :func:`_store_tiles` writes them to shared memory.  Split in two
+    so that the double-buffered rung can issue the loads, compute, and store afterwards.
+    """
+    K = a.shape[1]
+    n = b.shape[0] if trans_b else b.shape[1]
+    # A tile, 128 rows x 8 k = 256 quads: thread tid loads row tid // 2, k (tid % 2) * 4 .. +3.
+    # A warp reads 16 rows x 32 contiguous bytes: whole 32-byte sectors.
+    m = tid // 2
+    kq = (tid % 2) * 4
+    zero = float32(0.0)
+    a0, a1, a2, a3 = zero, zero, zero, zero
+    if row0 + m < m_valid:
+        a0, a1, a2, a3 = quad(a, m0 + row0 + m, k0 + kq, K, wide_a)
+    b0, b1, b2, b3 = zero, zero, zero, zero
+    if trans_b:  # b is [N, K]: k is contiguous, the same pattern as A
+        if col0 + m < n:
+            b0, b1, b2, b3 = quad(b, col0 + m, k0 + kq, K, wide_b)
+    else:  # b is [K, N]: a warp reads one 512-byte run of a row of b
+        kk = tid // 32
+        if k0 + kk < K:
+            b0, b1, b2, b3 = quad(b, k0 + kk, col0 + (tid % 32) * 4, n, wide_b)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@cuda.jit(device=True)
+def _store_tiles(As, Bs, trans_b, tid, a0, a1, a2, a3, b0, b1, b2, b3):
+    """Write the quads of :func:`_stage_tiles` into the k-major shared tiles ``As[kk, m]``, ``Bs[kk, n]``."""
+    m = tid // 2
+    kq = (tid % 2) * 4
+    # A quad runs along k, the tile is k-major: 4 scalar stores down a column.  Bank of
+    # As[kq + q, m] = (4 * (kq + q) + m) mod 32 (rows are 132 = 4 mod 32 words): the 16 m's of
+    # kq = 0 and the 16 of kq = 4 land 16 banks apart, so a warp's 32 stores never collide.
+    As[kq, m] = a0
+    As[kq + 1, m] = a1
+    As[kq + 2, m] = a2
+    As[kq + 3, m] = a3
+    if trans_b:
+        Bs[kq, m] = b0
+        Bs[kq + 1, m] = b1
+        Bs[kq + 2, m] = b2
+        Bs[kq + 3, m] = b3
+    else:
+        store4(Bs, tid // 32, (tid % 32) * 4, b0, b1, b2, b3)  # already along n: one 128-bit store
+
+
+@cuda.jit(device=True)
+def _store_c(c, bias, acc, m_valid, has_bias, i, u, j, v0, wide_c):
+    """Write ``acc[u, v0:v0+4]`` (+ bias) to ``c[i, j:j+4]``, or zeros for padding rows ``i >= m_valid``."""
+    n = c.shape[1]
+    zero = float32(0.0)
+    if i >= m_valid:
+        store_quad(c, i, j, n, wide_c, zero, zero, zero, zero)
+        return
+    x0, x1, x2, x3 = acc[u, v0], acc[u, v0 + 1], acc[u, v0 + 2], acc[u, v0 + 3]
+    if has_bias:
+        if j < n:
+            x0 += float32(bias[j])
+        if j + 1 < n:
+            x1 += float32(bias[j + 1])
+        if j + 2 < n:
+            x2 += float32(bias[j + 2])
+        if j + 3 < n:
+            x3 += float32(bias[j + 3])
+    store_quad(c, i, j, n, wide_c, x0, x1, x2, x3)
+
+
+@cuda.jit
+def matmul_wide_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wide_b, wide_c):
+    """regtile with 128-bit accesses: 4 floats per load/store instruction, from global and shared memory.
+
+    **The one idea.**  regtile spends its issue slots on loads: per k a thread issues 16
+    scalar shared loads for 64 multiply-adds, and 8 scalar global loads per tile.  Here every
+    access moves a quad of 4 consecutive floats with one instruction (``ld.global.v4.f32``,
+    ``ld.shared.v4.f32``, ``st.global.v4.f32``): 4 shared loads per k, 2 global loads per
+    tile, and 16-byte stores of c.  numba-cuda has no float4 view of an array, so the quads
+    come from :mod:`vtnumba.kernels._wide_cuda` (an LLVM-level ``<4 x float>`` access).
+
+    **What that changes in the layout.**  A thread's 8 x 8 outputs are no longer strided by
+    16 but two 4 x 4 blocks per direction: rows ``4*ty + {0..3}`` and ``64 + 4*ty + {0..3}``,
+    columns ``4*tx + {0..3}`` and ``64 + 4*tx + {0..3}``, so its operands are contiguous quads
+    in the k-major tiles.  8 threads with consecutive ``tx`` read 128 contiguous bytes of
+    ``Bs`` -- a 128-bit access is served a quarter-warp at a time, so that is conflict-free --
+    and the two ``ty`` of a warp read the same ``As`` quads (a broadcast).  A is still stored
+    transposed (k-major), now from a quad that runs along k: four scalar stores, arranged to
+    be bank-conflict-free (see ``_store_tiles``).
+
+    **Hazard: alignment.**  A misaligned 128-bit access kills the kernel, so the launcher
+    passes ``wide_a``/``wide_b``/``wide_c`` (:func:`~vtnumba.kernels._wide_cuda.wide_ok`:
+    aligned start, rows a multiple of 4).  Where a flag is 0 the same quads are fetched
+    element by element with bounds checks -- any shape and any view still works, just slower.
+    """
+    As = cuda.shared.array((BK, _SPAD), float32, alignment=SMEM_ALIGN)  # As[kk, m] = A[row0 + m, k0 + kk]
+    Bs = cuda.shared.array((BK, _SPAD), float32, alignment=SMEM_ALIGN)  # Bs[kk, n] = B[k0 + kk, col0 + n]
+    acc = cuda.local.array((TM, TN), float32)  # constant-indexed after unrolling -> registers
+    af = cuda.local.array(TM, float32)
+    bf = cuda.local.array(TN, float32)
+
+    tx = cuda.threadIdx.x
+    ty = cuda.threadIdx.y
+    tid = ty * THREADS_X + tx
+    row0 = cuda.blockIdx.y * BM
+    col0 = cuda.blockIdx.x * BN
+    K = a.shape[1]
+
+    for u in range(TM):
+        for v in range(TN):
+            acc[u, v] = float32(0.0)
+
+    for k0 in range(0, K, BK):
+        a0, a1, a2, a3, b0, b1, b2, b3 = _stage_tiles(a, b, m0, m_valid, trans_b, row0, col0, k0, tid, wide_a, wide_b)
+        _store_tiles(As, Bs, trans_b, tid, a0, a1, a2, a3, b0, b1, b2, b3)
+        cuda.syncthreads()  # tiles complete before anyone computes from them
+
+        for kk in range(BK):
+            af[0], af[1], af[2], af[3] = load4(As, kk, 4 * ty)
+            af[4], af[5], af[6], af[7] = load4(As, kk, _HALF + 4 * ty)
+            bf[0], bf[1], bf[2], bf[3] = load4(Bs, kk, 4 * tx)
+            bf[4], bf[5], bf[6], bf[7] = load4(Bs, kk, _HALF + 4 * tx)
+            # The same outer product as regtile: 4 shared loads now feed 64 multiply-adds.
+            for u in range(TM):
+                for v in range(TN):
+                    acc[u, v] += af[u] * bf[v]
+        cuda.syncthreads()  # everyone done reading before the next k-step overwrites
+
+    for u in range(TM):
+        i = row0 + (u // 4) * _HALF + 4 * ty + u % 4
+        if i < c.shape[0]:
+            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + 4 * tx, 0, wide_c)
+            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + _HALF + 4 * tx, 4, wide_c)
+
+
+# ---------------------------------------------------------------------------- 5. warp tiling
+# The 8 warps of a block as a 2 x 4 grid of warp tiles, each WM x WN = 64 x 32; inside a warp,
+# the 32 lanes as 8 x 4, each lane two 4-row groups (32 apart) and two 4-column groups (16 apart).
+WARPS_N = 4
+WM = BM // 2  # 64
+WN = BN // WARPS_N  # 32
+assert (BM // WM) * WARPS_N * 32 == _NTHREADS and 8 * VEC * 2 == WM and 4 * VEC * 2 == WN
+
+
+@cuda.jit
+def matmul_warptile_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wide_b, wide_c):
+    """wide, with each warp owning a square-ish 64 x 32 sub-tile of the block's 128 x 128 tile.
+
+    **The one idea.**  Shared-memory bandwidth is spent per *warp*: a warp's load of
+    ``As``/``Bs`` fetches whatever its 32 lanes ask for.  In ``wide`` the lanes of one warp
+    cover 16 rows x 128 columns of c, so per k the warp fetches 16 + 128 = 144 floats from
+    shared memory for its 2048 multiply-adds.  Here the lanes of a warp cover a 64 x 32
+    block (warp ``w`` at rows ``64 * (w // 4)``, columns ``32 * (w % 4)``; lane ``l`` at rows
+    ``4 * (l // 4) + {0..3}`` and ``+32``, columns ``4 * (l % 4) + {0..3}`` and ``+16``):
+    64 + 32 = 96 floats for the same 2048 -- a third less shared traffic, because a squarer
+    footprint reuses each fetched word more often.  This is the block -> warp -> thread
+    hierarchy of CUTLASS and of Boehm's warptiling kernel, in its simplest form.
+
+    Bank conflicts stay away: a 128-bit shared load is served 8 lanes at a time; those 8
+    lanes (two values of ``l // 4``, four of ``l % 4``) read 2 distinct ``As`` quads (a
+    broadcast) and 4 contiguous ``Bs`` quads (64 bytes).  Global loads and the alignment
+    rule are ``wide``'s (same tile loaders, same flags).
+    """
+    As = cuda.shared.array((BK, _SPAD), float32, alignment=SMEM_ALIGN)
+    Bs = cuda.shared.array((BK, _SPAD), float32, alignment=SMEM_ALIGN)
+    acc = cuda.local.array((TM, TN), float32)
+    af = cuda.local.array(TM, float32)
+    bf = cuda.local.array(TN, float32)
+
+    tid = cuda.threadIdx.x  # a 1-D block of 256: the warp is tid // 32
+    warp = tid // 32
+    lane = tid % 32
+    wrow = (warp // WARPS_N) * WM + 4 * (lane // 4)  # first of the thread's rows in the tile
+    wcol = (warp % WARPS_N) * WN + 4 * (lane % 4)  # first of its columns
+    row0 = cuda.blockIdx.y * BM
+    col0 = cuda.blockIdx.x * BN
+    K = a.shape[1]
+
+    for u in range(TM):
+        for v in range(TN):
+            acc[u, v] = float32(0.0)
+
+    for k0 in range(0, K, BK):
+        a0, a1, a2, a3, b0, b1, b2, b3 = _stage_tiles(a, b, m0, m_valid, trans_b, row0, col0, k0, tid, wide_a, wide_b)
+        _store_tiles(As, Bs, trans_b, tid, a0, a1, a2, a3, b0, b1, b2, b3)
+        cuda.syncthreads()
+
+        for kk in range(BK):
+            af[0], af[1], af[2], af[3] = load4(As, kk, wrow)
+            af[4], af[5], af[6], af[7] = load4(As, kk, wrow + WM // 2)
+            bf[0], bf[1], bf[2], bf[3] = load4(Bs, kk, wcol)
+            bf[4], bf[5], bf[6], bf[7] = load4(Bs, kk, wcol + WN // 2)
+            for u in range(TM):
+                for v in range(TN):
+                    acc[u, v] += af[u] * bf[v]
+        cuda.syncthreads()
+
+    for u in range(TM):
+        i = row0 + wrow + (u // 4) * (WM // 2) + u % 4
+        if i < c.shape[0]:
+            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + wcol, 0, wide_c)
+            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + wcol + WN // 2, 4, wide_c)
+
+
+# ---------------------------------------------------------------------------- 6. double buffering
+@cuda.jit
+def matmul_dbuf_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wide_b, wide_c):
+    """warptile with two shared buffers: the next tile's global loads are in flight during this tile's math.
+
+    **The one idea.**  In every rung so far a k-step is "load tile -> barrier -> compute ->
+    barrier", and the global loads are needed right away, so every warp of the block waits
+    out the full memory latency (hundreds of cycles) once per k-step -- and with ~128
+    registers per thread an SM holds at most two 256-thread blocks, too few to fill that gap
+    with other work.  Here each thread *issues* the loads for tile ``t + 1`` into registers, then
+    computes tile ``t`` from shared buffer ``t % 2`` while those loads travel, then writes
+    them into the other buffer.  One barrier per k-step is enough: the buffer being written
+    was last read in step ``t - 1``, and every thread passed the barrier at its end.
+
+    **What numba-cuda does not offer.**  Ampere and Hopper can copy global -> shared without
+    registers and asynchronously (``cp.async``, TMA); numba-cuda exposes neither (no
+    ``memcpy_async``/pipeline API), and emitting ``cp.async`` through an inline-PTX
+    intrinsic could not be verified on this project's GPU-less test machine, so the staging
+    goes through registers (8 extra per thread), as in pre-Ampere CUTLASS.
+
+    Hazard: the loads for ``t + 1`` and the stores into the other buffer sit in ``if`` on a
+    value every thread shares (``k0 + BK < K``), and the barrier is outside them: a
+    ``syncthreads`` that some threads skip hangs the block on a GPU.
+    """
+    As = cuda.shared.array((2, BK, _SPAD), float32, alignment=SMEM_ALIGN)  # As[buf, kk, m]
+    Bs = cuda.shared.array((2, BK, _SPAD), float32, alignment=SMEM_ALIGN)
+    acc = cuda.local.array((TM, TN), float32)
+    af = cuda.local.array(TM, float32)
+    bf = cuda.local.array(TN, float32)
+
+    tid = cuda.threadIdx.x
+    warp = tid // 32
+    lane = tid % 32
+    wrow = (warp // WARPS_N) * WM + 4 * (lane // 4)
+    wcol = (warp % WARPS_N) * WN + 4 * (lane % 4)
+    row0 = cuda.blockIdx.y * BM
+    col0 = cuda.blockIdx.x * BN
+    K = a.shape[1]
+
+    for u in range(TM):
+        for v in range(TN):
+            acc[u, v] = float32(0.0)
+
+    # Prologue: tile 0 into buffer 0.
+    a0, a1, a2, a3, b0, b1, b2, b3 = _stage_tiles(a, b, m0, m_valid, trans_b, row0, col0, 0, tid, wide_a, wide_b)
+    _store_tiles(As[0], Bs[0], trans_b, tid, a0, a1, a2, a3, b0, b1, b2, b3)
+    cuda.syncthreads()
+
+    buf = 0
+    for k0 in range(0, K, BK):
+        more = k0 + BK < K  # the same for every thread: no divergence around the barrier below
+        if more:
+            # Issue tile t+1's global loads now; nothing reads these registers before the
+            # stores after the math, so the warp does not wait for them here.
+            a0, a1, a2, a3, b0, b1, b2, b3 = _stage_tiles(a, b, m0, m_valid, trans_b, row0, col0, k0 + BK, tid,
+                                                          wide_a, wide_b)
+        for kk in range(BK):
+            af[0], af[1], af[2], af[3] = load4(As, buf, kk, wrow)
+            af[4], af[5], af[6], af[7] = load4(As, buf, kk, wrow + WM // 2)
+            bf[0], bf[1], bf[2], bf[3] = load4(Bs, buf, kk, wcol)
+            bf[4], bf[5], bf[6], bf[7] = load4(Bs, buf, kk, wcol + WN // 2)
+            for u in range(TM):
+                for v in range(TN):
+                    acc[u, v] += af[u] * bf[v]
+        if more:
+            _store_tiles(As[1 - buf], Bs[1 - buf], trans_b, tid, a0, a1, a2, a3, b0, b1, b2, b3)
+        # One barrier: tile t+1 complete before step t+1 reads it, and buffer `buf` free to be
+        # overwritten in step t+1 (everyone has finished reading it above).
+        cuda.syncthreads()
+        buf = 1 - buf
+
+    for u in range(TM):
+        i = row0 + wrow + (u // 4) * (WM // 2) + u % 4
+        if i < c.shape[0]:
+            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + wcol, 0, wide_c)
+            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + wcol + WN // 2, 4, wide_c)
+
+
 # ---------------------------------------------------------------------------- launching
-KERNELS = {"naive": matmul_naive_kernel, "smem": matmul_smem_kernel, "regtile": matmul_regtile_kernel}
+KERNELS = {"naive": matmul_naive_kernel, "smem": matmul_smem_kernel, "regtile": matmul_regtile_kernel,
+           "wide": matmul_wide_kernel, "warptile": matmul_warptile_kernel, "dbuf": matmul_dbuf_kernel}
+# The rungs that take the wide-access flags (wide_a, wide_b, wide_c) after the common arguments.
+WIDE_VARIANTS = ("wide", "warptile", "dbuf")
 
 
-def launch_config(variant: str, rows: int, n: int) -> tuple[tuple[int, int], tuple[int, int]]:
+def launch_config(variant: str, rows: int, n: int) -> tuple[tuple[int, int], tuple[int, ...]]:
     """(grid, block) covering a ``rows x n`` output for the given ladder step."""
     if variant == "naive":
         return (cdiv(n, 16), cdiv(rows, 16)), (16, 16)
     if variant == "smem":
         return (cdiv(n, TILE), cdiv(rows, TILE)), (TILE, TILE)
-    if variant == "regtile":
+    if variant in ("regtile", "wide"):
         return (cdiv(n, BN), cdiv(rows, BM)), (THREADS_X, THREADS_Y)
+    if variant in ("warptile", "dbuf"):
+        return (cdiv(n, BN), cdiv(rows, BM)), (_NTHREADS,)  # 1-D: warps are tid // 32
     raise ValueError(f"variant={variant!r} is not a matmul variant; expected one of {', '.join(KERNELS)}")
+
+
+def wide_flags(a, b, c) -> tuple[int, int, int]:
+    """Which operands the wide rungs may access 4 elements at a time (see :mod:`vtnumba.kernels._wide_cuda`)."""
+    return int(wide_ok(a)), int(wide_ok(b)), int(wide_ok(c))
 
 
 def launch_matmul_rows(variant: str, a, b, bias, c, m0: int, m_valid: int, trans_b: bool, stream) -> None:
@@ -249,15 +570,18 @@ def launch_matmul_rows(variant: str, a, b, bias, c, m0: int, m_valid: int, trans
     has_bias = bias is not None
     # Kernels take no None: hand an unused float32 vector (row 0 of c) when there is no bias.
     bias_arg = bias if has_bias else c[0]
-    KERNELS[variant][grid, block, stream](a, b, bias_arg, c, int(m0), int(m_valid), int(bool(trans_b)),
-                                          int(has_bias))
+    args = (a, b, bias_arg, c, int(m0), int(m_valid), int(bool(trans_b)), int(has_bias))
+    if variant in WIDE_VARIANTS:
+        args += wide_flags(a, b, c)
+    KERNELS[variant][grid, block, stream](*args)
 
 
 # Signatures the PTX tests (and the benchmark's ptxas report) compile each kernel for.
 _MAT = "{0}[:, ::1]"
-_SIG = "void({a}, {b}, float32[::1], float32[:, ::1], int64, int64, int64, int64)"
+_SIG = "void({a}, {b}, float32[::1], float32[:, ::1], int64, int64, int64, int64{extra})"
 PTX_SIGNATURES = [
-    (name, kernel, _SIG.format(a=_MAT.format(dt), b=_MAT.format(dt)))
+    (name, kernel, _SIG.format(a=_MAT.format(dt), b=_MAT.format(dt),
+                               extra=", int64, int64, int64" if name in WIDE_VARIANTS else ""))
     for name, kernel in KERNELS.items()
     for dt in ("float32", "float16")
 ]

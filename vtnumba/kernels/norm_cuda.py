@@ -1,4 +1,4 @@
-"""CUDA fused residual-add + RMSNorm / LayerNorm: one block per row, block reduction in shared memory.
+"""CUDA fused residual-add + RMSNorm / LayerNorm: one block per row, the row held in registers.
 
 This module imports ``numba.cuda``; :mod:`vtnumba.kernels.norm` loads it only for device
 arrays.  The kernel contract (identical to the host reference
@@ -11,25 +11,34 @@ arrays.  The kernel contract (identical to the host reference
 
 Rows outside ``[r0, r1)`` are not touched.
 
-**One pass over DRAM.**  Block ``b`` handles row ``r0 + b``.  Pass 1 reads ``y`` and
-``residual`` once, writes ``z`` to ``new_residual`` and keeps a per-thread partial sum
-(of ``z^2`` for RMSNorm, of ``z`` for LayerNorm).  The block then reduces the partials in
-shared memory (:func:`block_sum`).  The later passes re-read ``z`` from ``new_residual``:
-each thread reads exactly the elements it wrote itself (same stride), so no barrier is
-needed for visibility, and a row (``H * 4`` bytes) is still in L1/L2 -- DRAM sees each
-input byte read once and each output byte written once.  LayerNorm takes a second
-reduction for the variance, ``mean((z - mean)^2)``, instead of ``E[z^2] - mean^2``:
-the latter cancels catastrophically in float32 when ``|mean| >> std``.
+**Bandwidth is the whole game.**  The arithmetic is a few operations per element; what
+counts is that DRAM sees each byte once (read ``y`` and ``residual``, write
+``new_residual`` and ``out``) and that enough bytes are in flight to cover the memory
+latency.  :func:`fused_add_norm_kernel` does three things for that:
 
-Because every element is read and written by the same thread, the outputs may alias the
-inputs (``new_residual is residual`` updates the residual stream in place).
+1. **The row stays in registers.**  Block ``b`` owns row ``r0 + b``; thread ``t`` owns the
+   quads (4 consecutive elements) ``t, t + nt, t + 2 nt, ...`` and keeps the first
+   :data:`CACHE_QUADS` of them in registers, so the normalisation after the reduction
+   (and LayerNorm's variance pass) reads registers, not memory.  With 256 threads that is
+   every row up to ``256 * 4 * CACHE_QUADS`` = 8192 elements; longer rows stream the rest
+   through: stored in pass 1 and re-read (from L2, it was just written) in pass 2.
+2. **Loads first, stores after.**  A thread issues all its loads of ``y``/``bias``/
+   ``residual`` before its first store.  Interleaved, the compiler could not move a load
+   above the previous store -- ``new_residual`` may *be* ``residual`` -- and each load's
+   latency would be paid one after the other; batched, they are all in flight at once.
+3. **128-bit accesses** (:mod:`vtnumba.kernels._wide_cuda`): one instruction per quad,
+   when the launcher has checked alignment (``wide``); otherwise the same quads element by
+   element.
 
-Reductions use shared memory and ``syncthreads`` only (no warp shuffles), which the
-simulator supports; the block size is a power of two up to :data:`MAX_THREADS`, picked
-from ``H`` by :func:`threads_for`.
+The reduction is :func:`block_sum` (shared memory and ``syncthreads`` only -- no warp
+shuffles, which the simulator lacks).  LayerNorm takes a second reduction for the
+variance, ``mean((z - mean)^2)``, instead of ``E[z^2] - mean^2``: the latter cancels
+catastrophically in float32 when ``|mean| >> std``.  Every element is read and written by
+one thread, and all of a thread's reads come before its writes, so the outputs may alias
+the inputs (``new_residual is residual`` updates the residual stream in place).
 
-:func:`normalize_row` is shared with the peer-reduce kernel (:mod:`vtnumba.kernels.peer_cuda`),
-which differs only in how pass 1 builds ``z``.
+:func:`finish_row` (reduction + normalisation) is shared with the peer-reduce kernel
+(:mod:`vtnumba.kernels.peer_cuda`), which differs only in how pass 1 builds ``z``.
 """
 
 from __future__ import annotations
@@ -38,11 +47,17 @@ import math
 
 from numba import cuda, float32
 
+from vtnumba.backend.arrays import cdiv
+from vtnumba.kernels._wide_cuda import VEC, quad, store_quad, vquad, wide_ok
+
 MAX_THREADS = 256  # threads per block (a power of two); the shared reduction buffer's size
+#: Quads (of 4 float32) of its row each thread keeps in registers between the passes.
+CACHE_QUADS = 8
+CACHE_FLOATS = CACHE_QUADS * VEC
 
 
 def threads_for(h: int) -> int:
-    """Threads per row-block: the next power of two >= ``h``, at most MAX_THREADS.
+    """Threads per block for ``h`` independent items: the next power of two >= ``h``, at most MAX_THREADS.
 
     Rows shorter than a warp get a block shorter than a warp: idle lanes would cost nothing
     measurable at such sizes, and fewer threads keep the simulator (one Python thread per
@@ -52,6 +67,11 @@ def threads_for(h: int) -> int:
     while t < h and t < MAX_THREADS:
         t *= 2
     return t
+
+
+def threads_for_row(h: int) -> int:
+    """Threads per row-block of the norm kernels: one per quad of the row, up to MAX_THREADS."""
+    return threads_for(cdiv(h, VEC))
 
 
 @cuda.jit(device=True)
@@ -78,56 +98,155 @@ def block_sum(value):
 
 
 @cuda.jit(device=True)
-def normalize_row(z, out, r, weight, norm_bias, has_norm_bias, eps, is_layer, partial):
-    """Finish one row after pass 1 stored ``z`` in ``z[r]`` and left this thread's ``partial``
-    (sum of its ``z^2`` for RMSNorm, of its ``z`` for LayerNorm)."""
-    h = z.shape[1]
+def keep_quad(zc, j, z0, z1, z2, z3):
+    """Cache quad ``j`` of this thread's part of the row: ``zc[4j:4j+4] = z0..z3``."""
+    zc[VEC * j] = z0
+    zc[VEC * j + 1] = z1
+    zc[VEC * j + 2] = z2
+    zc[VEC * j + 3] = z3
+
+
+@cuda.jit(device=True)
+def store_cached(zc, new_residual, r, is_layer, wide):
+    """Pass 1's second half: write the cached quads to ``new_residual[r]``; return this thread's
+    partial sum (of ``z`` for LayerNorm, of ``z^2`` for RMSNorm).  Elements past the row's end
+    were loaded as 0 and add nothing."""
+    h = new_residual.shape[1]
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
+    partial = float32(0.0)
+    for j in range(CACHE_QUADS):
+        c = VEC * (t + j * nt)
+        if c < h:
+            z0, z1, z2, z3 = zc[VEC * j], zc[VEC * j + 1], zc[VEC * j + 2], zc[VEC * j + 3]
+            store_quad(new_residual, r, c, h, wide, z0, z1, z2, z3)
+            if is_layer:
+                partial += (z0 + z1) + (z2 + z3)
+            else:
+                partial += (z0 * z0 + z1 * z1) + (z2 * z2 + z3 * z3)
+    return partial
+
+
+@cuda.jit(device=True)
+def _dev2(z, mean, ok):
+    """``(z - mean)^2`` for an element inside the row, 0 for the zero padding of the last quad."""
+    d = z - mean
+    return d * d if ok else float32(0.0)
+
+
+@cuda.jit(device=True)
+def finish_row(zc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, out, new_residual, wide):
+    """Reduce ``partial`` over the block and normalise row ``r`` into ``out[r]``.
+
+    Expects pass 1 done: the thread's first CACHE_QUADS quads of ``z`` in ``zc`` (and stored
+    in ``new_residual[r]``), any further quads stored in ``new_residual[r]`` only.
+    """
+    h = out.shape[1]
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    first_streamed = VEC * (t + CACHE_QUADS * nt)  # this thread's first quad beyond the cache
     inv_h = float32(1.0) / float32(h)
     eps32 = float32(eps)  # keep every operation float32 (a float64 eps would promote them)
     total = block_sum(partial)
+    mean = float32(0.0)  # RMSNorm: out = (z - 0) * inv * weight
     if is_layer:
         mean = total * inv_h
         sq = float32(0.0)
-        for i in range(t, h, nt):  # the same elements this thread wrote in pass 1
-            d = z[r, i] - mean
-            sq += d * d
+        for j in range(CACHE_QUADS):  # from registers
+            c = VEC * (t + j * nt)
+            sq += (_dev2(zc[VEC * j], mean, c < h) + _dev2(zc[VEC * j + 1], mean, c + 1 < h)) + \
+                (_dev2(zc[VEC * j + 2], mean, c + 2 < h) + _dev2(zc[VEC * j + 3], mean, c + 3 < h))
+        for c in range(first_streamed, h, VEC * nt):  # long rows: the streamed part, re-read
+            z0, z1, z2, z3 = quad(new_residual, r, c, h, wide)
+            sq += (_dev2(z0, mean, True) + _dev2(z1, mean, c + 1 < h)) + \
+                (_dev2(z2, mean, c + 2 < h) + _dev2(z3, mean, c + 3 < h))
         var = block_sum(sq) * inv_h
         inv = float32(1.0) / float32(math.sqrt(var + eps32))
-        for i in range(t, h, nt):
-            v = (z[r, i] - mean) * inv * weight[i]
-            if has_norm_bias:
-                v += norm_bias[i]
-            out[r, i] = v
     else:
         inv = float32(1.0) / float32(math.sqrt(total * inv_h + eps32))
-        for i in range(t, h, nt):
-            out[r, i] = z[r, i] * inv * weight[i]
+    # Pass 2, cached quads: normalise in registers (loads of weight/norm_bias only) ...
+    for j in range(CACHE_QUADS):
+        c = VEC * (t + j * nt)
+        if c < h:
+            w0, w1, w2, w3 = vquad(weight, c, h, wide)
+            o0 = (zc[VEC * j] - mean) * inv * w0
+            o1 = (zc[VEC * j + 1] - mean) * inv * w1
+            o2 = (zc[VEC * j + 2] - mean) * inv * w2
+            o3 = (zc[VEC * j + 3] - mean) * inv * w3
+            if has_norm_bias:
+                b0, b1, b2, b3 = vquad(norm_bias, c, h, wide)
+                o0 += b0
+                o1 += b1
+                o2 += b2
+                o3 += b3
+            keep_quad(zc, j, o0, o1, o2, o3)
+    # ... then store them (stores last, as in pass 1).
+    for j in range(CACHE_QUADS):
+        c = VEC * (t + j * nt)
+        if c < h:
+            store_quad(out, r, c, h, wide, zc[VEC * j], zc[VEC * j + 1], zc[VEC * j + 2], zc[VEC * j + 3])
+    for c in range(first_streamed, h, VEC * nt):
+        z0, z1, z2, z3 = quad(new_residual, r, c, h, wide)
+        w0, w1, w2, w3 = vquad(weight, c, h, wide)
+        o0 = (z0 - mean) * inv * w0
+        o1 = (z1 - mean) * inv * w1
+        o2 = (z2 - mean) * inv * w2
+        o3 = (z3 - mean) * inv * w3
+        if has_norm_bias:
+            b0, b1, b2, b3 = vquad(norm_bias, c, h, wide)
+            o0 += b0
+            o1 += b1
+            o2 += b2
+            o3 += b3
+        store_quad(out, r, c, h, wide, o0, o1, o2, o3)
+
+
+@cuda.jit(device=True)
+def _add_quad(y, bias, has_bias, residual, has_residual, r, c, wide):
+    """``y[r, c:c+4] (+ bias[c:c+4]) (+ residual[r, c:c+4])`` as four float32 (zeros past the row)."""
+    h = y.shape[1]
+    z0, z1, z2, z3 = quad(y, r, c, h, wide)
+    if has_bias:
+        b0, b1, b2, b3 = vquad(bias, c, h, wide)
+        z0 += b0
+        z1 += b1
+        z2 += b2
+        z3 += b3
+    if has_residual:
+        s0, s1, s2, s3 = quad(residual, r, c, h, wide)
+        z0 += s0
+        z1 += s1
+        z2 += s2
+        z3 += s3
+    return z0, z1, z2, z3
 
 
 @cuda.jit
 def fused_add_norm_kernel(y, bias, has_bias, residual, has_residual, weight, norm_bias, has_norm_bias, eps,
-                          is_layer, out, new_residual, r0):
-    """Block ``b`` normalises row ``r0 + b``; see the module docstring for the contract."""
+                          is_layer, out, new_residual, r0, wide):
+    """Block ``b`` normalises row ``r0 + b``, its part of the row cached in registers (module docstring)."""
     r = r0 + cuda.blockIdx.x
     h = y.shape[1]
     t = cuda.threadIdx.x
-    partial = float32(0.0)
-    # Pass 1: z = y + bias + residual, stored as the new residual; stride by the block so a
-    # warp reads 32 consecutive floats (coalesced).
-    for i in range(t, h, cuda.blockDim.x):
-        z = y[r, i]
-        if has_bias:
-            z += bias[i]
-        if has_residual:
-            z += residual[r, i]
-        new_residual[r, i] = z
+    nt = cuda.blockDim.x
+    zc = cuda.local.array(CACHE_FLOATS, float32)  # constant-indexed after unrolling -> registers
+    # Pass 1a: every load of the cached part, no store in between (all in flight together).
+    for j in range(CACHE_QUADS):
+        c = VEC * (t + j * nt)
+        if c < h:
+            z0, z1, z2, z3 = _add_quad(y, bias, has_bias, residual, has_residual, r, c, wide)
+            keep_quad(zc, j, z0, z1, z2, z3)
+    # Pass 1b: z is the new residual stream; sum for the statistics.
+    partial = store_cached(zc, new_residual, r, is_layer, wide)
+    # Rows longer than the cache: the rest goes straight through (re-read in finish_row).
+    for c in range(VEC * (t + CACHE_QUADS * nt), h, VEC * nt):
+        z0, z1, z2, z3 = _add_quad(y, bias, has_bias, residual, has_residual, r, c, wide)
+        store_quad(new_residual, r, c, h, wide, z0, z1, z2, z3)
         if is_layer:
-            partial += z
+            partial += (z0 + z1) + (z2 + z3)
         else:
-            partial += z * z
-    normalize_row(new_residual, out, r, weight, norm_bias, has_norm_bias, eps, is_layer, partial)
+            partial += (z0 * z0 + z1 * z1) + (z2 * z2 + z3 * z3)
+    finish_row(zc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, out, new_residual, wide)
 
 
 def launch_add_norm_rows(y, bias, residual, weight, norm_bias, eps, is_layer, out, new_residual, r0, r1,
@@ -135,20 +254,22 @@ def launch_add_norm_rows(y, bias, residual, weight, norm_bias, eps, is_layer, ou
     """Launch :func:`fused_add_norm_kernel` over rows ``[r0, r1)`` (host twin:
     :func:`vtnumba.kernels.norm.add_norm_rows_host`)."""
     nrows = int(r1) - int(r0)
-    if nrows <= 0 or y.shape[1] == 0:
+    h = y.shape[1]
+    if nrows <= 0 or h == 0:
         return
+    wide = wide_ok(y, bias, residual, weight, norm_bias, out, new_residual)
     # Kernels take no None: absent vectors are replaced by ``weight`` and an absent residual
     # by ``y`` (same types); the has_* flags guarantee the kernel never reads them.
-    fused_add_norm_kernel[nrows, threads_for(y.shape[1]), stream](
+    fused_add_norm_kernel[nrows, threads_for_row(h), stream](
         y, weight if bias is None else bias, int(bias is not None),
         y if residual is None else residual, int(residual is not None),
         weight, weight if norm_bias is None else norm_bias, int(norm_bias is not None),
-        float(eps), int(bool(is_layer)), out, new_residual, int(r0))
+        float(eps), int(bool(is_layer)), out, new_residual, int(r0), int(wide))
 
 
 _V = "float32[::1]"
 _M = "float32[:, ::1]"
 PTX_SIGNATURES = [
     ("fused_add_norm", fused_add_norm_kernel,
-     f"void({_M}, {_V}, int64, {_M}, int64, {_V}, {_V}, int64, float64, int64, {_M}, {_M}, int64)"),
+     f"void({_M}, {_V}, int64, {_M}, int64, {_V}, {_V}, int64, float64, int64, {_M}, {_M}, int64, int64)"),
 ]

@@ -29,9 +29,20 @@ import numba
 import numpy as np
 
 from vtnumba.backend.arrays import is_int
-from vtnumba.kernels._common import HOST_JIT, check_array, check_eps, common_kind, run
-from vtnumba.kernels._streaming import STREAM_MIN_BYTES, store_fence, store_row
-from vtnumba.kernels.norm import finish_row
+from vtnumba.kernels._common import (
+    HOST_JIT,
+    check_array,
+    check_eps,
+    common_kind,
+    drop_stale_numba_cache,
+    run,
+    split_rows,
+)
+from vtnumba.kernels._streaming import STREAM_MIN_BYTES, store_fence, store_norm_row, store_row
+from vtnumba.kernels.norm import row_stats
+
+# Cached kernels below call jitted helpers from these files (see drop_stale_numba_cache).
+drop_stale_numba_cache(__file__, "_streaming.py", "_common.py", "norm.py")
 
 _F32 = (np.float32,)
 NORMS = ("rms", "layer")
@@ -43,8 +54,7 @@ def _reduce_add_norm_rows(sources, bias, has_bias, residual, has_residual, weigh
                           is_layer, out, new_residual, r0, r1, stream):
     h = new_residual.shape[1]
     eps32 = np.float32(eps)
-    z = np.empty(h, np.float32)  # scratch rows, L1-resident (see vtnumba.kernels.norm)
-    o = np.empty(h, np.float32)
+    z = np.empty(h, np.float32)  # scratch row, L1-resident (see vtnumba.kernels.norm)
     s0 = sources[0]
     for r in range(r0, r1):
         # Build z: the first source with bias and residual, ...
@@ -63,9 +73,9 @@ def _reduce_add_norm_rows(sources, bias, has_bias, residual, has_residual, weigh
         s = np.float32(0.0)
         for i in range(h):
             s += z[i] if is_layer else z[i] * z[i]
-        finish_row(z, o, s, weight, norm_bias, has_norm_bias, eps32, is_layer)
+        mean, inv = row_stats(z, s, eps32, is_layer)
         store_row(new_residual, r, z, stream)
-        store_row(out, r, o, stream)
+        store_norm_row(out, r, z, mean, inv, weight, norm_bias, has_norm_bias, stream)
     if stream:
         store_fence()
 
@@ -77,11 +87,14 @@ def peer_reduce_norm_rows_host(sources, bias, residual, weight, norm_bias, eps, 
     if int(r1) <= int(r0):
         return
     # A tuple of same-typed arrays compiles to a homogeneous tuple numba can index in a loop.
-    stream = 2 * (int(r1) - int(r0)) * new_residual.shape[1] * 4 >= STREAM_MIN_BYTES
-    _reduce_add_norm_rows(tuple(sources), weight if bias is None else bias, bias is not None,
-                          new_residual if residual is None else residual, residual is not None,
-                          weight, weight if norm_bias is None else norm_bias, norm_bias is not None,
-                          float(eps), bool(is_layer), out, new_residual, int(r0), int(r1), stream)
+    written = 2 * (int(r1) - int(r0)) * new_residual.shape[1] * 4
+    stream = written >= STREAM_MIN_BYTES
+    args = (tuple(sources), weight if bias is None else bias, bias is not None,
+            new_residual if residual is None else residual, residual is not None,
+            weight, weight if norm_bias is None else norm_bias, norm_bias is not None,
+            float(eps), bool(is_layer), out, new_residual)
+    read = written // 2 * (len(sources) + (residual is not None))
+    split_rows(lambda a, b: _reduce_add_norm_rows(*args, a, b, stream), r0, r1, nbytes=written + read)
 
 
 def gather_rows_host(src, dests, row_offset: int) -> None:

@@ -6,9 +6,21 @@ arrays.  Contracts (host twins in :mod:`vtnumba.kernels.peer`):
 * :func:`peer_reduce_norm_kernel` -- for each row ``r`` in ``[r0, r1)``: ``z = sum of the
   sources' row r (+ bias) (+ residual[r])``, ``new_residual[r] = z``, ``out[r] =
   norm(z)``.  Pass 1 differs from :func:`vtnumba.kernels.norm_cuda.fused_add_norm_kernel`
-  only in summing several sources; the reduction and normalisation are the shared
-  :func:`~vtnumba.kernels.norm_cuda.normalize_row`.
-* :func:`gather_rows_kernel` -- ``dest[row_offset + i] = src[i]`` for every destination.
+  only in summing several sources; everything that makes that kernel run at bandwidth
+  (row cached in registers, all loads before the first store, 128-bit accesses) holds
+  here too, and the reduction and normalisation are the shared
+  :func:`~vtnumba.kernels.norm_cuda.finish_row`.
+* :func:`gather_rows_kernel` -- ``dest[row_offset + i] = src[i]`` for every destination;
+  :func:`sum_sources_kernel` -- the elementwise sum for more sources than one launch takes.
+
+**The copies are wide and grid-strided.**  A copy does no arithmetic; its speed is bytes in
+flight.  Each thread moves quads of 4 floats with 128-bit loads and stores (when the
+launcher's :func:`~vtnumba.kernels._wide_cuda.wide_ok` allows; element by element
+otherwise), and the grid is capped at :data:`MAX_COPY_BLOCKS` blocks that stride over the
+whole range, so a 64 MiB exchange is a few quads per thread instead of one launch-sized
+grid of one-element threads.  On a GPU the sources and destinations may be a peer's
+memory (CUDA IPC); the loads or stores then cross NVLink, which rewards wide accesses all
+the more.
 
 **Why a fixed number of source arguments.**  The sources are the rank's own partial and
 the peers' inbox slots: separate allocations (IPC mappings of other processes' buffers on
@@ -27,104 +39,201 @@ from __future__ import annotations
 from numba import cuda, float32
 
 from vtnumba.backend.arrays import cdiv
-from vtnumba.kernels.norm_cuda import normalize_row, threads_for
+from vtnumba.kernels._wide_cuda import VEC, quad, store_quad, vquad, wide_ok
+from vtnumba.kernels.norm_cuda import CACHE_FLOATS, CACHE_QUADS, finish_row, keep_quad, store_cached, threads_for_row
 
 MAX_SOURCES = 8
 MAX_DESTS = 8
-_ELEMENTWISE_THREADS = 256
+_COPY_THREADS = 256
+#: At most this many blocks per copy launch; larger copies stride (a few quads per thread).
+MAX_COPY_BLOCKS = 4096
 
 
 @cuda.jit(device=True)
-def _sum8(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, r, i):
-    """Sum element (r, i) of the first ``nsrc`` sources, in order."""
-    z = s0[r, i]
+def _acc(z0, z1, z2, z3, src, r, c, h, wide):
+    """``z + src[r, c:c+4]``, quad-wise."""
+    s0, s1, s2, s3 = quad(src, r, c, h, wide)
+    return z0 + s0, z1 + s1, z2 + s2, z3 + s3
+
+
+@cuda.jit(device=True)
+def _sum8(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, r, c, wide):
+    """Quad ``[r, c:c+4]`` summed over the first ``nsrc`` sources, in order (zeros past the row)."""
+    h = s0.shape[1]
+    z0, z1, z2, z3 = quad(s0, r, c, h, wide)
     if nsrc > 1:
-        z += s1[r, i]
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s1, r, c, h, wide)
     if nsrc > 2:
-        z += s2[r, i]
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s2, r, c, h, wide)
     if nsrc > 3:
-        z += s3[r, i]
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s3, r, c, h, wide)
     if nsrc > 4:
-        z += s4[r, i]
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s4, r, c, h, wide)
     if nsrc > 5:
-        z += s5[r, i]
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s5, r, c, h, wide)
     if nsrc > 6:
-        z += s6[r, i]
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s6, r, c, h, wide)
     if nsrc > 7:
-        z += s7[r, i]
-    return z
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s7, r, c, h, wide)
+    return z0, z1, z2, z3
+
+
+@cuda.jit(device=True)
+def _reduce_quad(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, bias, has_bias, residual, has_residual, r, c, wide):
+    """Pass 1 of the peer kernel for one quad, in the host reference's order:
+    ``s0 (+ bias) (+ residual) + s1 + ... + s_{nsrc-1}``."""
+    h = s0.shape[1]
+    z0, z1, z2, z3 = quad(s0, r, c, h, wide)
+    if has_bias:
+        b0, b1, b2, b3 = vquad(bias, c, h, wide)
+        z0 += b0
+        z1 += b1
+        z2 += b2
+        z3 += b3
+    if has_residual:
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, residual, r, c, h, wide)
+    if nsrc > 1:
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s1, r, c, h, wide)
+    if nsrc > 2:
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s2, r, c, h, wide)
+    if nsrc > 3:
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s3, r, c, h, wide)
+    if nsrc > 4:
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s4, r, c, h, wide)
+    if nsrc > 5:
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s5, r, c, h, wide)
+    if nsrc > 6:
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s6, r, c, h, wide)
+    if nsrc > 7:
+        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s7, r, c, h, wide)
+    return z0, z1, z2, z3
+
+
+@cuda.jit(device=True)
+def _add_cached(zc, src, r, wide):
+    """``zc += src[r]``'s quads of this thread (the cached part of the row)."""
+    h = src.shape[1]
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for j in range(CACHE_QUADS):
+        c = VEC * (t + j * nt)
+        if c < h:
+            s0, s1, s2, s3 = quad(src, r, c, h, wide)
+            zc[VEC * j] += s0
+            zc[VEC * j + 1] += s1
+            zc[VEC * j + 2] += s2
+            zc[VEC * j + 3] += s3
 
 
 @cuda.jit
 def peer_reduce_norm_kernel(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, bias, has_bias, residual, has_residual, weight,
-                            norm_bias, has_norm_bias, eps, is_layer, out, new_residual, r0):
-    """Block ``b`` reduces and normalises row ``r0 + b`` (one block per row, as in norm_cuda)."""
+                            norm_bias, has_norm_bias, eps, is_layer, out, new_residual, r0, wide):
+    """Block ``b`` reduces and normalises row ``r0 + b``, cached in registers as in norm_cuda."""
     r = r0 + cuda.blockIdx.x
     h = new_residual.shape[1]
     t = cuda.threadIdx.x
-    partial = float32(0.0)
-    for i in range(t, h, cuda.blockDim.x):
-        z = _sum8(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, r, i)
-        if has_bias:
-            z += bias[i]
-        if has_residual:
-            z += residual[r, i]
-        new_residual[r, i] = z
+    nt = cuda.blockDim.x
+    zc = cuda.local.array(CACHE_FLOATS, float32)
+    # Pass 1a, source by source (a short loop per source keeps every loop unrolled, and zc in
+    # registers); all loads before the first store.  The sum runs in the host reference's order.
+    for j in range(CACHE_QUADS):
+        c = VEC * (t + j * nt)
+        if c < h:
+            z0, z1, z2, z3 = quad(s0, r, c, h, wide)
+            if has_bias:
+                b0, b1, b2, b3 = vquad(bias, c, h, wide)
+                z0 += b0
+                z1 += b1
+                z2 += b2
+                z3 += b3
+            if has_residual:
+                z0, z1, z2, z3 = _acc(z0, z1, z2, z3, residual, r, c, h, wide)
+            keep_quad(zc, j, z0, z1, z2, z3)
+    if nsrc > 1:
+        _add_cached(zc, s1, r, wide)
+    if nsrc > 2:
+        _add_cached(zc, s2, r, wide)
+    if nsrc > 3:
+        _add_cached(zc, s3, r, wide)
+    if nsrc > 4:
+        _add_cached(zc, s4, r, wide)
+    if nsrc > 5:
+        _add_cached(zc, s5, r, wide)
+    if nsrc > 6:
+        _add_cached(zc, s6, r, wide)
+    if nsrc > 7:
+        _add_cached(zc, s7, r, wide)
+    partial = store_cached(zc, new_residual, r, is_layer, wide)
+    for c in range(VEC * (t + CACHE_QUADS * nt), h, VEC * nt):
+        z0, z1, z2, z3 = _reduce_quad(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, bias, has_bias, residual, has_residual,
+                                      r, c, wide)
+        store_quad(new_residual, r, c, h, wide, z0, z1, z2, z3)
         if is_layer:
-            partial += z
+            partial += (z0 + z1) + (z2 + z3)
         else:
-            partial += z * z
-    normalize_row(new_residual, out, r, weight, norm_bias, has_norm_bias, eps, is_layer, partial)
+            partial += (z0 * z0 + z1 * z1) + (z2 * z2 + z3 * z3)
+    finish_row(zc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, out, new_residual, wide)
 
 
 @cuda.jit
-def sum_sources_kernel(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, residual, has_residual, acc, r0, r1):
-    """``acc[r] = sum of nsrc sources' row r (+ residual[r])`` for r in [r0, r1); elementwise."""
-    idx = cuda.grid(1)
+def sum_sources_kernel(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, residual, has_residual, acc, r0, r1, wide):
+    """``acc[r] = sum of nsrc sources' row r (+ residual[r])`` for r in [r0, r1); a grid-strided quad per step."""
     h = acc.shape[1]
-    r = r0 + idx // h
-    i = idx % h
-    if r < r1:
-        z = _sum8(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, r, i)
+    qpr = (h + VEC - 1) // VEC  # quads per row; the last one partial when h % 4 != 0
+    total = (r1 - r0) * qpr
+    g = cuda.grid(1)
+    while g < total:
+        r = r0 + g // qpr
+        c = VEC * (g % qpr)
+        z0, z1, z2, z3 = _sum8(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, r, c, wide)
         if has_residual:
-            z += residual[r, i]
-        acc[r, i] = z
+            z0, z1, z2, z3 = _acc(z0, z1, z2, z3, residual, r, c, h, wide)
+        store_quad(acc, r, c, h, wide, z0, z1, z2, z3)
+        g += cuda.gridDim.x * cuda.blockDim.x
 
 
 @cuda.jit
-def gather_rows_kernel(src, d0, d1, d2, d3, d4, d5, d6, d7, ndst, row_offset):
-    """``d_k[row_offset + i, :] = src[i, :]`` for the first ``ndst`` destinations; elementwise.
+def gather_rows_kernel(src, d0, d1, d2, d3, d4, d5, d6, d7, ndst, row_offset, wide):
+    """``d_k[row_offset + i, :] = src[i, :]`` for the first ``ndst`` destinations; a grid-strided quad per step.
 
-    Each thread reads its element once and writes it to every destination, so the source
+    Each thread reads its quad once and writes it to every destination, so the source
     crosses DRAM once however many ranks receive it.
     """
-    idx = cuda.grid(1)
+    n = src.shape[0]
     h = src.shape[1]
-    i = idx // h
-    j = idx % h
-    if i < src.shape[0]:
-        v = src[i, j]
+    qpr = (h + VEC - 1) // VEC
+    g = cuda.grid(1)
+    while g < n * qpr:
+        i = g // qpr
+        c = VEC * (g % qpr)
         r = row_offset + i
-        d0[r, j] = v
+        v0, v1, v2, v3 = quad(src, i, c, h, wide)
+        store_quad(d0, r, c, h, wide, v0, v1, v2, v3)
         if ndst > 1:
-            d1[r, j] = v
+            store_quad(d1, r, c, h, wide, v0, v1, v2, v3)
         if ndst > 2:
-            d2[r, j] = v
+            store_quad(d2, r, c, h, wide, v0, v1, v2, v3)
         if ndst > 3:
-            d3[r, j] = v
+            store_quad(d3, r, c, h, wide, v0, v1, v2, v3)
         if ndst > 4:
-            d4[r, j] = v
+            store_quad(d4, r, c, h, wide, v0, v1, v2, v3)
         if ndst > 5:
-            d5[r, j] = v
+            store_quad(d5, r, c, h, wide, v0, v1, v2, v3)
         if ndst > 6:
-            d6[r, j] = v
+            store_quad(d6, r, c, h, wide, v0, v1, v2, v3)
         if ndst > 7:
-            d7[r, j] = v
+            store_quad(d7, r, c, h, wide, v0, v1, v2, v3)
+        g += cuda.gridDim.x * cuda.blockDim.x
 
 
 def _pad(arrays: list, n: int) -> list:
     """``arrays`` padded to ``n`` entries by repeating the first (never read: see the count)."""
     return list(arrays) + [arrays[0]] * (n - len(arrays))
+
+
+def copy_blocks(nrows: int, h: int) -> int:
+    """Blocks for a grid-strided copy over ``nrows x h`` elements (one quad per thread and step)."""
+    return max(1, min(MAX_COPY_BLOCKS, cdiv(nrows * cdiv(h, VEC), _COPY_THREADS)))
 
 
 def launch_peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, is_layer, out, new_residual, r0, r1,
@@ -140,17 +249,18 @@ def launch_peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, is_
     # More than MAX_SOURCES: fold the surplus into new_residual first (see module docstring).
     while len(sources) > MAX_SOURCES:
         head, sources = sources[:MAX_SOURCES], sources[MAX_SOURCES:]
-        blocks = cdiv(nrows * h, _ELEMENTWISE_THREADS)
-        sum_sources_kernel[blocks, _ELEMENTWISE_THREADS, stream](
+        wide = wide_ok(*head, residual, new_residual)
+        sum_sources_kernel[copy_blocks(nrows, h), _COPY_THREADS, stream](
             *_pad(head, MAX_SOURCES), len(head), residual if has_residual else new_residual, int(has_residual),
-            new_residual, int(r0), int(r1))
+            new_residual, int(r0), int(r1), int(wide))
         residual, has_residual = new_residual, True  # the running sum now lives in new_residual
-    peer_reduce_norm_kernel[nrows, threads_for(h), stream](
+    wide = wide_ok(*sources, bias, residual, weight, norm_bias, out, new_residual)
+    peer_reduce_norm_kernel[nrows, threads_for_row(h), stream](
         *_pad(sources, MAX_SOURCES), len(sources),
         weight if bias is None else bias, int(bias is not None),
         residual if has_residual else new_residual, int(has_residual),
         weight, weight if norm_bias is None else norm_bias, int(norm_bias is not None),
-        float(eps), int(bool(is_layer)), out, new_residual, int(r0))
+        float(eps), int(bool(is_layer)), out, new_residual, int(r0), int(wide))
 
 
 def launch_gather_rows(src, dests, row_offset, stream) -> None:
@@ -158,12 +268,12 @@ def launch_gather_rows(src, dests, row_offset, stream) -> None:
     n, h = src.shape
     if n == 0 or h == 0:
         return
-    blocks = cdiv(n * h, _ELEMENTWISE_THREADS)
     dests = list(dests)
+    # Destination rows start at row_offset: with h % 4 == 0 and an aligned base they are aligned too.
     for k in range(0, len(dests), MAX_DESTS):
         chunk = dests[k:k + MAX_DESTS]
-        gather_rows_kernel[blocks, _ELEMENTWISE_THREADS, stream](src, *_pad(chunk, MAX_DESTS), len(chunk),
-                                                                int(row_offset))
+        gather_rows_kernel[copy_blocks(n, h), _COPY_THREADS, stream](
+            src, *_pad(chunk, MAX_DESTS), len(chunk), int(row_offset), int(wide_ok(src, *chunk)))
 
 
 _V = "float32[::1]"
@@ -171,7 +281,7 @@ _M = "float32[:, ::1]"
 _S8 = ", ".join([_M] * 8)
 PTX_SIGNATURES = [
     ("peer_reduce_norm", peer_reduce_norm_kernel,
-     f"void({_S8}, int64, {_V}, int64, {_M}, int64, {_V}, {_V}, int64, float64, int64, {_M}, {_M}, int64)"),
-    ("sum_sources", sum_sources_kernel, f"void({_S8}, int64, {_M}, int64, {_M}, int64, int64)"),
-    ("gather_rows", gather_rows_kernel, f"void({_M}, {_S8}, int64, int64)"),
+     f"void({_S8}, int64, {_V}, int64, {_M}, int64, {_V}, {_V}, int64, float64, int64, {_M}, {_M}, int64, int64)"),
+    ("sum_sources", sum_sources_kernel, f"void({_S8}, int64, {_M}, int64, {_M}, int64, int64, int64)"),
+    ("gather_rows", gather_rows_kernel, f"void({_M}, {_S8}, int64, int64, int64)"),
 ]

@@ -1,0 +1,102 @@
+"""128-bit accesses (vtnumba.kernels._wide_cuda): when the launchers allow them, that the PTX has them,
+and that the wide and streamed paths of the norms keep the NaN semantics of the host reference.
+
+The kernels' results on both access paths are tested in test_kernels_matmul/norm/peer; here
+are the pieces those tests take for granted.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vtnumba.kernels import fused_add_layer_norm, fused_add_rms_norm, peer_reduce_norm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+def test_wide_ok_needs_aligned_starts_and_rows():
+    from vtnumba.kernels._wide_cuda import wide_ok
+
+    flat = np.zeros(1024 + 8, np.float32)
+    base = flat[(-flat.ctypes.data % 16) // 4:]  # starts on a 16-byte boundary
+    assert wide_ok(base[:64].reshape(4, 16), base[:8], None)
+    assert not wide_ok(base[1:65].reshape(4, 16))  # 4 bytes past the boundary
+    assert not wide_ok(base[:60].reshape(4, 15))  # rows of 15: row 1 starts misaligned
+    assert wide_ok(base[4:68].reshape(4, 16))  # 16 bytes past: aligned again
+    half = np.zeros(64, np.float16)
+    half = half[(-half.ctypes.data % 8) // 2:]
+    assert wide_ok(half[:16].reshape(2, 8)) and not wide_ok(half[2:18].reshape(2, 8))  # float16: 8-byte quads
+
+
+_PTX_SCRIPT = """
+import json
+from numba import cuda
+from vtnumba.kernels import matmul_cuda, norm_cuda, peer_cuda
+from vtnumba.kernels.ptx import _device_functions_for
+want = {"wide", "warptile", "dbuf", "fused_add_norm", "peer_reduce_norm", "gather_rows"}
+ops = ("ld.global.v4.f32", "ld.global.v4.u16", "ld.shared.v4.f32", "st.global.v4.f32", "ld.local", "st.local")
+out = {}
+for mod in (matmul_cuda, norm_cuda, peer_cuda):
+    for name, kernel, sig in mod.PTX_SIGNATURES:
+        if name in want and ("float16" not in sig or name == "wide"):  # one float16 rung: the loaders are shared
+            with _device_functions_for((9, 0)):
+                ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+            out[name + ("-f16" if "float16" in sig else "")] = {op: ptx.count(op) for op in ops}
+print(json.dumps(out))
+"""
+
+
+def test_the_ptx_has_128_bit_accesses_and_no_local_memory():
+    # What the simulator cannot show: that load4/store4 become vector instructions, and that
+    # the register-held tiles and row caches really stay in registers (no .local traffic).
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout)
+    for rung in ("wide", "warptile", "dbuf"):
+        c = counts[rung]
+        assert c["ld.global.v4.f32"] >= 2 and c["ld.shared.v4.f32"] >= 4 and c["st.global.v4.f32"] >= 1, (rung, c)
+    assert counts["wide-f16"]["ld.global.v4.u16"] >= 2  # 4 halves = one 64-bit load
+    for name in ("fused_add_norm", "peer_reduce_norm", "gather_rows"):
+        assert counts[name]["ld.global.v4.f32"] >= 1 and counts[name]["st.global.v4.f32"] >= 1, (name, counts[name])
+    spilled = {k: v for k, v in counts.items() if v["ld.local"] or v["st.local"]}
+    assert not spilled, f"kernels with local-memory traffic: {spilled}"
+
+
+# H = 64: the 128-bit path, the row in registers; 8200: a row longer than the register cache.
+@pytest.mark.parametrize("H,norm", [(64, "rms"), (64, "layer"), (8200, "layer")])
+def test_nan_propagates_on_the_wide_and_streamed_paths(device_backend, rng, H, norm):
+    to, back = device_backend.asarray, device_backend.to_host
+    rows = 2
+    y = rng.standard_normal((rows, H)).astype(np.float32)
+    w, b = rng.standard_normal(H).astype(np.float32), rng.standard_normal(H).astype(np.float32)
+    y[1, H - 3] = np.nan  # in the last quad: on the streamed path for H = 8200
+    if norm == "rms":
+        host_out, _ = fused_add_rms_norm(y, None, w, 1e-5)
+        out, _ = fused_add_rms_norm(to(y), None, to(w), 1e-5)
+    else:
+        host_out, _ = fused_add_layer_norm(y, None, w, b, 1e-5)
+        out, _ = fused_add_layer_norm(to(y), None, to(w), to(b), 1e-5)
+    out = back(out)
+    assert np.isnan(out[1]).all() and np.isnan(host_out[1]).all()
+    np.testing.assert_allclose(out[0], host_out[0], rtol=2e-5, atol=2e-6)
+
+
+def test_peer_nan_on_the_wide_path(device_backend, rng):
+    to, back = device_backend.asarray, device_backend.to_host
+    R, H = 3, 64
+    srcs = [rng.standard_normal((R, H)).astype(np.float32) for _ in range(2)]
+    srcs[1][0, 5] = np.nan
+    w = rng.standard_normal(H).astype(np.float32)
+    out, new_res = to(np.full((R, H), 7.0, np.float32)), to(np.full((R, H), 7.0, np.float32))
+    peer_reduce_norm([to(s) for s in srcs], None, None, to(w), None, 1e-6, out, new_res)
+    out = back(out)
+    assert np.isnan(out[0]).all() and np.isfinite(out[1:]).all()
