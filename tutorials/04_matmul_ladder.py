@@ -342,5 +342,6 @@ lesson.say("done")
 #    tile size sets how often a block goes to *global* memory, not how often a thread goes
 #    to shared memory.  What does the register tile change instead?
 # 2. Add a rung: copy ``matmul_smem_kernel``, give each thread two outputs along ``j``,
-#    register it in ``KERNELS``, ``launch_config`` and ``VARIANTS``, and run this lesson --
+#    register it in ``KERNELS`` and ``launch_config`` (``matmul_cuda.py``) and in ``LADDER``
+#    (``matmul.py``: the rungs in order, with their one idea), and run this lesson --
 #    the kernel listing, the PTX table and the device figure pick it up by themselves.
