@@ -119,6 +119,32 @@ def test_row_range_leaves_other_rows_untouched(rng, where):
     assert (unwrap(d_out)[:2] == SENTINEL).all()
 
 
+@pytest.mark.parametrize("max_blocks", [1, 2, 3])
+def test_fewer_blocks_than_rows_walk_every_row(rng, where, max_blocks):
+    # TPSP's SM budget: a few blocks stride over the rows (and the gather over its quads);
+    # the host reference ignores the bound.  Rows outside the range stay untouched.
+    wrap, unwrap = where
+    R, H = 7, 36
+    p = problem(rng, 3, R, H, True)
+    ref, z = reference(p["sources"], p["bias"], p["residual"], p["weight"], p["norm_bias"], EPS, True)
+    d_out, d_new_res = wrap(full((R, H), SENTINEL)), wrap(full((R, H), SENTINEL))
+    run(p, True, d_out, d_new_res, wrap, rows=(1, 7), max_blocks=max_blocks)
+    out, new_res = unwrap(d_out), unwrap(d_new_res)
+    assert rel_err(out[1:], ref[1:]) <= 1e-5 and rel_err(new_res[1:], z[1:]) <= 1e-6
+    assert (out[0] == SENTINEL).all() and (new_res[0] == SENTINEL).all()
+    src, dst = make(rng, (R, H)), wrap(full((R + 2, H), SENTINEL))
+    gather_rows(wrap(src), [dst], 2, max_blocks=max_blocks)
+    got = unwrap(dst)
+    assert np.array_equal(got[2:], src) and (got[:2] == SENTINEL).all()
+
+
+def test_max_blocks_must_be_a_positive_int(rng):
+    p = problem(rng, 2, 3, 8, False)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_blocks"):
+            run(p, False, full((3, 8)), full((3, 8)), max_blocks=bad)
+
+
 @pytest.mark.parametrize("H", [5, 8])  # the fold's copy kernel element by element, and 128 bits wide
 def test_more_sources_than_one_launch_takes(rng, where, H):
     # tp > MAX_SOURCES: the surplus is folded into new_residual first, which may be residual itself.

@@ -12,18 +12,18 @@ its residual shard, and checks the fused op's ``gathered`` (all rows) and ``new_
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpi_helpers import collectively, group  # noqa: F401 (group is a fixture)
 
 from vtnumba.dist import list_segments
 from vtnumba.tpsp import (
     CudaTPSPBackend,
     HostTPSPBackend,
+    TPSPConfig,
     regular_matmul_ar_norm,
     regular_matmul_rs_norm_ag,
     shard_residual,
     token_range,
 )
-
-from mpi_helpers import collectively, group  # noqa: E402,F401 (group is a fixture)
 
 COMM = MPI.COMM_WORLD
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(180)]
@@ -185,7 +185,8 @@ def test_threaded_host_queue_gives_the_same_result(group):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("exchange, T, chunk, norm", [("push", 5, 1, "layer"), ("pull", 3, 8, "rms")])
+@pytest.mark.parametrize("exchange, T, chunk, norm", [("push", 5, 1, "layer"), ("pull", 3, 8, "rms"),
+                                                      ("push", 8, 4, "rms")])
 def test_cuda_backend_on_the_device(group, device_backend, exchange, T, chunk, norm):
     """CudaTPSPBackend with the @cuda.jit kernels on the device target (numba's simulator, or the
     GPU under VTNUMBA_TARGET=cuda): tiny shapes, for the simulator's ~7000 threads/s."""
@@ -200,8 +201,11 @@ def test_cuda_backend_on_the_device(group, device_backend, exchange, T, chunk, n
             R = -(-T // group.size)
             out = d(np.full((T, H), np.nan, np.float32))
             new_res = d(np.full((R, H), np.nan, np.float32))
+            # The third case bounds the exchange to one thread block (TPSP's SM budget on a GPU):
+            # each of its kernels walks all of a chunk's rows with that one block.
+            config = TPSPConfig(chunk, sm_count_target=1) if T == 8 else chunk
             be.tpsp_matmul_rs_norm_ag(h, d(layer.x), d(layer.w), d(layer.bias), d(layer.res), d(layer.nw), layer.eps,
-                                      None if layer.nb is None else d(layer.nb), norm=norm, config=chunk, out=out,
+                                      None if layer.nb is None else d(layer.nb), norm=norm, config=config, out=out,
                                       new_residual=new_res)
             layer.check(device_backend.to_host(out), device_backend.to_host(new_res), tol=1e-5)
             with pytest.raises(TypeError, match="device arrays"):

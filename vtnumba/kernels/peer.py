@@ -104,16 +104,25 @@ def gather_rows_host(src, dests, row_offset: int) -> None:
         np.copyto(dest[row_offset:row_offset + n], src)
 
 
-def _launch_reduce(*args):
+def _launch_reduce(*args, max_blocks=None):
     from vtnumba.kernels.peer_cuda import launch_peer_reduce_norm
 
-    launch_peer_reduce_norm(*args)
+    launch_peer_reduce_norm(*args, max_blocks=max_blocks)
 
 
-def _launch_gather(*args):
+def _launch_gather(*args, max_blocks=None):
     from vtnumba.kernels.peer_cuda import launch_gather_rows
 
-    launch_gather_rows(*args)
+    launch_gather_rows(*args, max_blocks=max_blocks)
+
+
+def _check_max_blocks(max_blocks) -> int | None:
+    if max_blocks is None:
+        return None
+    if not is_int(max_blocks) or max_blocks < 1:
+        raise ValueError(f"max_blocks={max_blocks!r} must be a positive int (the most thread blocks, ~SMs, the "
+                         "kernel may occupy) or None")
+    return int(max_blocks)
 
 
 # ---------------------------------------------------------------------------- validation
@@ -142,7 +151,7 @@ def _check_list(name: str, value) -> list:
 
 # ---------------------------------------------------------------------------- public API
 def peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, out, new_residual, norm: str = "rms",
-                     rows=None, queue=None, backend=None):
+                     rows=None, queue=None, backend=None, max_blocks: int | None = None):
     """Sum the same rows of ``sources``, add ``bias`` and ``residual``, normalise; one pass.
 
     ``sources``: list of ``tp`` float32 ``[R, H]`` arrays (own partial + peers' inbox
@@ -150,7 +159,10 @@ def peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, out, new_r
     be None; ``norm_bias`` only with ``norm="layer"``).  ``residual``: ``[R, H]`` or None.
     ``out``, ``new_residual``: ``[R, H]``, written only in ``rows`` (default: all R rows);
     ``new_residual`` may be ``residual`` (in-place update).  Returns ``(out, new_residual)``.
+    ``max_blocks`` (GPU): at most this many thread blocks -- so at most that many SMs -- work
+    on the rows, each taking several; the host reference ignores it.
     """
+    max_blocks = _check_max_blocks(max_blocks)
     if norm not in NORMS:
         raise ValueError(f"norm={norm!r} is not supported; expected 'rms' or 'layer'")
     sources = _check_list("sources", sources)
@@ -188,18 +200,19 @@ def peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, out, new_r
     run(kind, "peer_reduce_norm", queue, backend,
         uses=(*sources, bias, residual, weight, norm_bias, out, new_residual),
         host_fn=lambda: peer_reduce_norm_rows_host(*args),
-        launch_fn=lambda stream: _launch_reduce(*args, stream),
+        launch_fn=lambda stream: _launch_reduce(*args, stream, max_blocks=max_blocks),
         sources=len(sources), rows=r1 - r0)
     return out, new_residual
 
 
-def gather_rows(src, dests, row_offset: int = 0, queue=None, backend=None):
+def gather_rows(src, dests, row_offset: int = 0, queue=None, backend=None, max_blocks: int | None = None):
     """Copy ``src [n, H]`` into rows ``[row_offset, row_offset + n)`` of every array in ``dests``.
 
     The all-gather's copy: every rank's gather slot receives this rank's normalised rows.
     ``dests``: list of float32 ``[T, H]`` arrays with ``row_offset + n <= T``; other rows are
-    not touched.  Returns ``dests``.
+    not touched.  Returns ``dests``.  ``max_blocks`` (GPU): at most this many thread blocks.
     """
+    max_blocks = _check_max_blocks(max_blocks)
     dests = _check_list("dests", dests)
     kind = common_kind({"src": src, **{f"dests[{k}]": d for k, d in enumerate(dests)}})
     check_array("src", src, ndim=2, dtypes=_F32)
@@ -216,7 +229,7 @@ def gather_rows(src, dests, row_offset: int = 0, queue=None, backend=None):
             raise ValueError(f"dests[{k}] is src; the gather copies between different arrays")
     run(kind, "gather_rows", queue, backend, uses=(src, *dests),
         host_fn=lambda: gather_rows_host(src, dests, row_offset),
-        launch_fn=lambda stream: _launch_gather(src, dests, row_offset, stream),
+        launch_fn=lambda stream: _launch_gather(src, dests, row_offset, stream, max_blocks=max_blocks),
         bytes=n * h * 4 * (1 + len(dests)), dests=len(dests))
     return dests
 

@@ -127,52 +127,61 @@ def _add_cached(zc, src, r, wide):
 
 @cuda.jit
 def peer_reduce_norm_kernel(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, bias, has_bias, residual, has_residual, weight,
-                            norm_bias, has_norm_bias, eps, is_layer, out, new_residual, r0, wide):
-    """Block ``b`` reduces and normalises row ``r0 + b``, cached in registers as in norm_cuda."""
-    r = r0 + cuda.blockIdx.x
+                            norm_bias, has_norm_bias, eps, is_layer, out, new_residual, r0, r1, wide):
+    """Block ``b`` reduces and normalises rows ``r0 + b``, ``r0 + b + gridDim``, ... below ``r1``,
+    each cached in registers as in norm_cuda.
+
+    One block per row when the grid has a block per row; fewer blocks -- a bound on the SMs
+    the exchange may occupy while the next chunk's matmul runs (``TPSPConfig.sm_count_target``)
+    -- walk the rows in strides, in one launch instead of many small ones.
+    """
     h = new_residual.shape[1]
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
     zc = cuda.local.array(CACHE_FLOATS, float32)
-    # Pass 1a, source by source (a short loop per source keeps every loop unrolled, and zc in
-    # registers); all loads before the first store.  The sum runs in the host reference's order.
-    for j in range(CACHE_QUADS):
-        c = VEC * (t + j * nt)
-        if c < h:
-            z0, z1, z2, z3 = quad(s0, r, c, h, wide)
-            if has_bias:
-                b0, b1, b2, b3 = vquad(bias, c, h, wide)
-                z0 += b0
-                z1 += b1
-                z2 += b2
-                z3 += b3
-            if has_residual:
-                z0, z1, z2, z3 = _acc(z0, z1, z2, z3, residual, r, c, h, wide)
-            keep_quad(zc, j, z0, z1, z2, z3)
-    if nsrc > 1:
-        _add_cached(zc, s1, r, wide)
-    if nsrc > 2:
-        _add_cached(zc, s2, r, wide)
-    if nsrc > 3:
-        _add_cached(zc, s3, r, wide)
-    if nsrc > 4:
-        _add_cached(zc, s4, r, wide)
-    if nsrc > 5:
-        _add_cached(zc, s5, r, wide)
-    if nsrc > 6:
-        _add_cached(zc, s6, r, wide)
-    if nsrc > 7:
-        _add_cached(zc, s7, r, wide)
-    partial = store_cached(zc, new_residual, r, is_layer, wide)
-    for c in range(VEC * (t + CACHE_QUADS * nt), h, VEC * nt):
-        z0, z1, z2, z3 = _reduce_quad(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, bias, has_bias, residual, has_residual,
-                                      r, c, wide)
-        store_quad(new_residual, r, c, h, wide, z0, z1, z2, z3)
-        if is_layer:
-            partial += (z0 + z1) + (z2 + z3)
-        else:
-            partial += (z0 * z0 + z1 * z1) + (z2 * z2 + z3 * z3)
-    finish_row(zc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, out, new_residual, wide)
+    for r in range(r0 + cuda.blockIdx.x, r1, cuda.gridDim.x):  # uniform in the block: syncs stay legal
+        # Pass 1a, source by source (a short loop per source keeps every loop unrolled, and zc in
+        # registers); all loads before the first store.  The sum runs in the host reference's order.
+        for j in range(CACHE_QUADS):
+            c = VEC * (t + j * nt)
+            if c < h:
+                z0, z1, z2, z3 = quad(s0, r, c, h, wide)
+                if has_bias:
+                    b0, b1, b2, b3 = vquad(bias, c, h, wide)
+                    z0 += b0
+                    z1 += b1
+                    z2 += b2
+                    z3 += b3
+                if has_residual:
+                    z0, z1, z2, z3 = _acc(z0, z1, z2, z3, residual, r, c, h, wide)
+                keep_quad(zc, j, z0, z1, z2, z3)
+        if nsrc > 1:
+            _add_cached(zc, s1, r, wide)
+        if nsrc > 2:
+            _add_cached(zc, s2, r, wide)
+        if nsrc > 3:
+            _add_cached(zc, s3, r, wide)
+        if nsrc > 4:
+            _add_cached(zc, s4, r, wide)
+        if nsrc > 5:
+            _add_cached(zc, s5, r, wide)
+        if nsrc > 6:
+            _add_cached(zc, s6, r, wide)
+        if nsrc > 7:
+            _add_cached(zc, s7, r, wide)
+        partial = store_cached(zc, new_residual, r, is_layer, wide)
+        for c in range(VEC * (t + CACHE_QUADS * nt), h, VEC * nt):
+            z0, z1, z2, z3 = _reduce_quad(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, bias, has_bias, residual, has_residual,
+                                          r, c, wide)
+            store_quad(new_residual, r, c, h, wide, z0, z1, z2, z3)
+            if is_layer:
+                partial += (z0 + z1) + (z2 + z3)
+            else:
+                partial += (z0 * z0 + z1 * z1) + (z2 * z2 + z3 * z3)
+        finish_row(zc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, out, new_residual, wide)
+        # The next row's block reduction reuses the shared scratch: no thread may start it
+        # while another still reads this row's total.
+        cuda.syncthreads()
 
 
 @cuda.jit
@@ -231,15 +240,17 @@ def _pad(arrays: list, n: int) -> list:
     return list(arrays) + [arrays[0]] * (n - len(arrays))
 
 
-def copy_blocks(nrows: int, h: int) -> int:
-    """Blocks for a grid-strided copy over ``nrows x h`` elements (one quad per thread and step)."""
-    return max(1, min(MAX_COPY_BLOCKS, cdiv(nrows * cdiv(h, VEC), _COPY_THREADS)))
+def copy_blocks(nrows: int, h: int, max_blocks: int | None = None) -> int:
+    """Blocks for a grid-strided copy over ``nrows x h`` elements (one quad per thread and step),
+    at most ``max_blocks`` when given."""
+    cap = MAX_COPY_BLOCKS if max_blocks is None else min(MAX_COPY_BLOCKS, int(max_blocks))
+    return max(1, min(cap, cdiv(nrows * cdiv(h, VEC), _COPY_THREADS)))
 
 
 def launch_peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, is_layer, out, new_residual, r0, r1,
-                            stream) -> None:
-    """Launch the reduce + norm over rows ``[r0, r1)`` (host twin:
-    :func:`vtnumba.kernels.peer.peer_reduce_norm_rows_host`)."""
+                            stream, max_blocks: int | None = None) -> None:
+    """Launch the reduce + norm over rows ``[r0, r1)`` on at most ``max_blocks`` blocks (None: one
+    per row; host twin: :func:`vtnumba.kernels.peer.peer_reduce_norm_rows_host`)."""
     nrows = int(r1) - int(r0)
     h = new_residual.shape[1]
     if nrows <= 0 or h == 0:
@@ -250,21 +261,23 @@ def launch_peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, is_
     while len(sources) > MAX_SOURCES:
         head, sources = sources[:MAX_SOURCES], sources[MAX_SOURCES:]
         wide = wide_ok(*head, residual, new_residual)
-        sum_sources_kernel[copy_blocks(nrows, h), _COPY_THREADS, stream](
+        sum_sources_kernel[copy_blocks(nrows, h, max_blocks), _COPY_THREADS, stream](
             *_pad(head, MAX_SOURCES), len(head), residual if has_residual else new_residual, int(has_residual),
             new_residual, int(r0), int(r1), int(wide))
         residual, has_residual = new_residual, True  # the running sum now lives in new_residual
     wide = wide_ok(*sources, bias, residual, weight, norm_bias, out, new_residual)
-    peer_reduce_norm_kernel[nrows, threads_for_row(h), stream](
+    blocks = nrows if max_blocks is None else max(1, min(nrows, int(max_blocks)))
+    peer_reduce_norm_kernel[blocks, threads_for_row(h), stream](
         *_pad(sources, MAX_SOURCES), len(sources),
         weight if bias is None else bias, int(bias is not None),
         residual if has_residual else new_residual, int(has_residual),
         weight, weight if norm_bias is None else norm_bias, int(norm_bias is not None),
-        float(eps), int(bool(is_layer)), out, new_residual, int(r0), int(wide))
+        float(eps), int(bool(is_layer)), out, new_residual, int(r0), int(r1), int(wide))
 
 
-def launch_gather_rows(src, dests, row_offset, stream) -> None:
-    """Launch the gather copy into every destination (host twin: :func:`vtnumba.kernels.peer.gather_rows_host`)."""
+def launch_gather_rows(src, dests, row_offset, stream, max_blocks: int | None = None) -> None:
+    """Launch the gather copy into every destination on at most ``max_blocks`` blocks (host twin:
+    :func:`vtnumba.kernels.peer.gather_rows_host`)."""
     n, h = src.shape
     if n == 0 or h == 0:
         return
@@ -272,7 +285,7 @@ def launch_gather_rows(src, dests, row_offset, stream) -> None:
     # Destination rows start at row_offset: with h % 4 == 0 and an aligned base they are aligned too.
     for k in range(0, len(dests), MAX_DESTS):
         chunk = dests[k:k + MAX_DESTS]
-        gather_rows_kernel[copy_blocks(n, h), _COPY_THREADS, stream](
+        gather_rows_kernel[copy_blocks(n, h, max_blocks), _COPY_THREADS, stream](
             src, *_pad(chunk, MAX_DESTS), len(chunk), int(row_offset), int(wide_ok(src, *chunk)))
 
 
@@ -281,7 +294,8 @@ _M = "float32[:, ::1]"
 _S8 = ", ".join([_M] * 8)
 PTX_SIGNATURES = [
     ("peer_reduce_norm", peer_reduce_norm_kernel,
-     f"void({_S8}, int64, {_V}, int64, {_M}, int64, {_V}, {_V}, int64, float64, int64, {_M}, {_M}, int64, int64)"),
+     f"void({_S8}, int64, {_V}, int64, {_M}, int64, {_V}, {_V}, int64, float64, int64, {_M}, {_M}, int64, int64, "
+     "int64)"),
     ("sum_sources", sum_sources_kernel, f"void({_S8}, int64, {_M}, int64, {_M}, int64, int64, int64)"),
     ("gather_rows", gather_rows_kernel, f"void({_M}, {_S8}, int64, int64, int64)"),
 ]

@@ -14,9 +14,11 @@ Upstream: vLLM's ``CudaTPSPBackend`` (``vllm/platforms/tpsp_cuda.py``).  The pip
 * ``exchange="push"`` by default: remote writes from the matmul epilogue, as vLLM's
   design does over NVLink.
 
-``TPSPConfig.sm_count_target`` is honoured here: the reduce + norm kernel uses one block per
-row, so it is launched in batches of at most ``sm_count_target`` rows, and at most that
-many SMs are busy with the exchange at any time.
+``TPSPConfig.sm_count_target`` is honoured here: the reduce + norm and gather kernels run on
+at most that many thread blocks (each block walks several rows), so at most that many SMs
+are busy with the exchange and the rest run the next chunk's matmul.  On a real GPU the
+default is an eighth of the SMs (at least 8); the measured profile (``profile(search=True)``)
+then picks the microchunk and the token threshold with that budget.
 
 The flags are raised and awaited *by the streams* (:class:`vtnumba.dist.QueueFlags`:
 ``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` on flag words in the IPC workspace), so
@@ -44,10 +46,13 @@ class DeviceChunkStrategy(ChunkStrategy):
     ``linear_rows_to`` launches one matmul per destination over that destination's row range,
     writing straight into the destination's inbox slot (push: a peer's IPC-mapped memory) or
     this rank's outbox (pull); with one chunk and push, a single queue operation covers all
-    destinations.  Reduce launches are cut to ``sm_count_target`` rows (one block per row).
+    destinations.  The exchange's kernels (reduce + norm, gathers) run on at most
+    ``sm_count_target`` blocks, each walking several rows, so the rest of the GPU stays free
+    for the next chunk's matmul on the compute stream.
     """
 
-    def reduce_rows_per_launch(self, call) -> int | None:
+    def exchange_max_blocks(self, call) -> int | None:
+        """The SM budget of the exchange (``TPSPConfig.sm_count_target``; None: unbounded)."""
         return call.sm_limit
 
     def begin(self, pipe) -> None:
@@ -120,12 +125,13 @@ class CudaTPSPBackend(PeerTPSPBackend):
         return DeviceChunkStrategy()
 
     def default_config(self, handle) -> TPSPConfig:
-        """About four pipeline steps per full slot: ``ceil(max_chunk_rows / 4)`` rows per rank, at least one
-        granule (``tpsp_chunk_granularity``) and at most the slot."""
-        # Overlap needs several chunks; 4 steps of at least one granule each is a sane start.
+        """Four microchunks of at least one granule each (overlap needs several chunks), and on a
+        real GPU an exchange bounded to an eighth of the SMs (at least 8), so the next chunk's
+        matmul keeps most of the GPU while this chunk is exchanged."""
         rows = handle.max_chunk_rows
         chunk = max(self.tpsp_chunk_granularity, cdiv(rows, 4))
-        return TPSPConfig(min(rows, chunk))
+        sms = self.sm_count()
+        return TPSPConfig(min(rows, chunk), sm_count_target=None if sms is None else min(sms, max(8, sms // 8)))
 
     def sm_count(self) -> int | None:
         """The device's streaming-multiprocessor count (None in the simulator)."""

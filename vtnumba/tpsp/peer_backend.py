@@ -226,8 +226,8 @@ class PeerTPSPBackend(TPSPBackend):
     def _resolve_config(self, handle: TPSPHandle, config) -> TPSPConfig:
         if config is None:
             return handle.config
-        if is_int(config):
-            config = TPSPConfig(int(config))
+        if is_int(config):  # a plain microchunk keeps the handle's SM budget
+            config = TPSPConfig(int(config), sm_count_target=handle.config.sm_count_target)
         if not isinstance(config, TPSPConfig):
             raise TypeError(f"config={config!r} must be a TPSPConfig or an int microchunk size")
         if config.sm_count_target is not None:

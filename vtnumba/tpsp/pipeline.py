@@ -54,7 +54,7 @@ there (the residual shard's padding) and they are never copied into ``out``.
 backend supplies: how a chunk's partial sums are computed and where they land
 (:mod:`vtnumba.tpsp.host`: one BLAS call into a contiguous outbox, or into private scratch
 plus a copy; :mod:`vtnumba.tpsp.cuda`: the matmul kernel's epilogue writes every
-destination's inbox), and how many rows one reduce launch may cover (the SM budget).
+destination's inbox), and how many SMs the exchange's kernels may occupy (the SM budget).
 """
 
 from __future__ import annotations
@@ -220,10 +220,11 @@ class ChunkStrategy:
     signal; :meth:`own_partial` says where the reduce finds this rank's own partial rows.
     """
 
-    def reduce_rows_per_launch(self, call: TPSPCall) -> int | None:
-        """The most rows one reduce launch may cover, or None for the whole chunk (this default).
+    def exchange_max_blocks(self, call: TPSPCall) -> int | None:
+        """The most thread blocks the exchange's kernels may occupy, or None for no bound (this default).
 
-        The GPU strategy returns the SM budget (``TPSPConfig.sm_count_target``, one block per row).
+        The GPU strategy returns the SM budget (``TPSPConfig.sm_count_target``): the reduce and
+        gather kernels then leave the other SMs to the next chunk's matmul.
         """
         return None
 
@@ -304,16 +305,16 @@ class ChunkPipeline:
         mine = self.gather_slot(self.me, self.me, s)[:rows]
         normed = call.out[t0:t0 + rows] if v == rows else mine  # real tokens only: straight into out
         res, new_res = call.residual[r0:r0 + rows], call.new_residual[r0:r0 + rows]
-        step = self.strategy.reduce_rows_per_launch(call) or rows
-        for a in range(0, rows, step):
-            peer_reduce_norm(sources, call.bias, res, call.norm_weight, call.norm_bias, call.eps, normed, new_res,
-                             norm=call.norm, rows=(a, min(rows, a + step)), queue=q)
+        blocks = self.strategy.exchange_max_blocks(call)  # one launch, on at most this many SMs
+        peer_reduce_norm(sources, call.bias, res, call.norm_weight, call.norm_bias, call.eps, normed, new_res,
+                         norm=call.norm, queue=q, max_blocks=blocks)
         if self.push and self.peers:
-            gather_rows(normed, [self.gather_slot(self.me, d, s)[:rows] for d in self.peers], 0, queue=q)
+            gather_rows(normed, [self.gather_slot(self.me, d, s)[:rows] for d in self.peers], 0, queue=q,
+                        max_blocks=blocks)
         elif normed is not mine:
-            gather_rows(normed, [mine], 0, queue=q)
+            gather_rows(normed, [mine], 0, queue=q, max_blocks=blocks)
         if normed is mine and v:
-            gather_rows(mine[:v], [call.out], t0, queue=q)
+            gather_rows(mine[:v], [call.out], t0, queue=q, max_blocks=blocks)
         self.flags.signal(q, "gather_ready", g + 1)
 
     def collect(self, i: int) -> None:
@@ -327,7 +328,8 @@ class ChunkPipeline:
         for k in self.peers:
             t0, v = self.valid_rows(k, r0, rows)
             if v:
-                gather_rows(self.gather_slot(k, self.me, s)[:v], [self.call.out], t0, queue=q)
+                gather_rows(self.gather_slot(k, self.me, s)[:v], [self.call.out], t0, queue=q,
+                            max_blocks=self.strategy.exchange_max_blocks(self.call))
         self.flags.signal(q, "consumed", g + 1)
 
     # -- the call -------------------------------------------------------------------------

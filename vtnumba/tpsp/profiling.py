@@ -152,8 +152,10 @@ def _scan_chunk(runner: _Runner, tokens: int, deadline: float, report: ProfileRe
     backend, group = runner.backend, runner.group
     rows = min(shard_rows(tokens, group.size), runner.handle.max_chunk_rows)
     results: list[tuple[int, float]] = []
+    # The search varies the microchunk under the handle's SM budget (a GPU's exchange bound).
+    budget = runner.handle.config.sm_count_target
     for chunk in chunk_candidates(backend.tpsp_chunk_granularity, rows):
-        cfg = TPSPConfig(chunk)
+        cfg = TPSPConfig(chunk, sm_count_target=budget)
         _time_ms(lambda cfg=cfg: runner.fused(tokens, cfg), group, backend)  # warm-up (first touch, jit)
         trials = []
         for _ in range(_SCREEN_TRIALS):
@@ -168,13 +170,13 @@ def _scan_chunk(runner: _Runner, tokens: int, deadline: float, report: ProfileRe
     if len(finalists) > 1 and not _expired(deadline, group, backend.timeout_s):
         retimed = []
         for chunk, _ in finalists:
-            cfg = TPSPConfig(chunk)
+            cfg = TPSPConfig(chunk, sm_count_target=budget)
             times = [_time_ms(lambda cfg=cfg: runner.fused(tokens, cfg), group, backend)
                      for _ in range(_SCREEN_TRIALS)]
             retimed.append((chunk, sorted(times)[1]))
         finalists = retimed
     best = min(finalists, key=lambda r: r[1])[0]
-    return TPSPConfig(best)
+    return TPSPConfig(best, sm_count_target=budget)
 
 
 def _measure_size(runners, tokens: int, report: ProfileReport) -> tuple[float, float, float]:
