@@ -49,7 +49,7 @@ from vtnumba.backend.atomics import store_release
 from vtnumba.backend.polling import WaitTimeout, poll_until
 from vtnumba.dist.comm import DEFAULT, agree_errors, barrier, resolve_timeout
 from vtnumba.dist.peer_buffers import PeerBuffers
-from vtnumba.dist.signals import PeerSignals
+from vtnumba.dist.signals import PeerSignals, flag_names_error
 
 #: The value a released flag word holds.  Waits compare cyclically (int32 difference >= 0),
 #: so it must stay within 2**31 of every epoch it releases: epochs stay below it.
@@ -70,12 +70,7 @@ class QueueFlags:
 
     def __init__(self, group, names, backend, *, timeout_s: float = DEFAULT,
                  host_signals: PeerSignals | None = None):
-        err = None
-        names_t = tuple(names) if isinstance(names, (list, tuple)) else None
-        if names_t is None or not names_t or any(not isinstance(n, str) or not n for n in names_t):
-            err = ValueError(f"names={names!r} must be a non-empty tuple of non-empty strings")
-        elif len(set(names_t)) != len(names_t):
-            err = ValueError(f"names={names!r} contains duplicates")
+        names_t, err = flag_names_error(names)
         agree_errors(err, group, context="QueueFlags", timeout_s=timeout_s)
         self.group = group
         self.names = names_t

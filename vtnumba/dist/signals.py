@@ -53,6 +53,18 @@ META_BANKS = 2
 ABORT_FOREVER = 1 << 62
 
 
+def flag_names_error(names) -> tuple[tuple[str, ...] | None, ValueError | None]:
+    """``(names as a tuple, None)``, or ``(None, the error)`` when ``names`` is not a non-empty
+    tuple of distinct non-empty strings -- returned, not raised, so that the ranks can compare
+    their errors before any of them raises (:func:`vtnumba.dist.agree_errors`)."""
+    names_t = tuple(names) if isinstance(names, (list, tuple)) else None
+    if names_t is None or not names_t or any(not isinstance(n, str) or not n for n in names_t):
+        return None, ValueError(f"names={names!r} must be a non-empty tuple of non-empty strings")
+    if len(set(names_t)) != len(names_t):
+        return None, ValueError(f"names={names!r} contains duplicates")
+    return names_t, None
+
+
 def _host_backend():
     # Flags are host memory on every target; a private CPU backend gives us shm + numpy views.
     from vtnumba.backend.cpu import CPUBackend
@@ -72,12 +84,7 @@ class PeerSignals:
 
         if getattr(group, "cpu_comm", None) is None:
             raise TypeError(f"group must be a live ProcessGroup, got {group!r}")
-        err = None
-        names_t = tuple(names) if isinstance(names, (list, tuple)) else None
-        if names_t is None or not names_t or any(not isinstance(n, str) or not n for n in names_t):
-            err = ValueError(f"names={names!r} must be a non-empty tuple of non-empty strings")
-        elif len(set(names_t)) != len(names_t):
-            err = ValueError(f"names={names!r} contains duplicates")
+        names_t, err = flag_names_error(names)
         agree_errors(err, group, context="PeerSignals", timeout_s=timeout_s)
         mine = "\x00".join(names_t).encode()
         everyone = allgather_bytes(mine, group, timeout_s)
@@ -282,4 +289,4 @@ class PeerSignals:
         return f"<PeerSignals {list(self.names)} on group {self.group.name!r} epoch={self.epoch}>"
 
 
-__all__ = ["PeerSignals", "DEFAULT_NAMES", "META_SLOTS", "META_BANKS"]
+__all__ = ["PeerSignals", "DEFAULT_NAMES", "META_SLOTS", "META_BANKS", "flag_names_error"]
