@@ -20,19 +20,31 @@ This module implements exactly that rule for a step's load buffer:
 
 "No view is alive" is detected exactly on the host targets: the views are built on a small
 owner object that exposes the buffer through ``__array_interface__``, so every numpy array
-derived from them keeps the owner alive, and a ``weakref.finalize`` on the owner fires
-when the last one dies -- the same thing a tensor's storage refcount does.
+derived from them keeps the owner alive, and a weak reference to the owner calls back
+when the last one dies -- the same thing a tensor's storage refcount does.  (A plain
+``weakref.ref`` with a callback, not ``weakref.finalize``: it is several times cheaper, and
+this runs once per step.)
+
+**Synchronous queues** (the cpu target's default mode, the simulator: every queued
+operation runs on the spot) make step 2 empty: whatever the compute queue was given has
+already run, so the event would fire the moment it is recorded.  There the buffer is
+reusable as soon as (a) and (b) hold, and instead of handing it back to the allocator it
+is kept as the *spare* and reused by the next load that fits -- a one-buffer cache in
+front of the caching allocator, which saves each step the allocator's round trip (a new
+Block, its address registration, the pool bookkeeping).  A hazard checker, when one is
+watching, sees the full path: no spare, ``record_stream`` as upstream.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from math import prod
 
 import numpy as np
 
 from vtnumba.backend.arrays import host_view, wrap_host_memory
-from vtnumba.backend.base import Backend, Event, Queue
+from vtnumba.backend.base import Backend, Event, Queue, observing_uses
 from vtnumba.memory.copy_engine import address_of
 
 __all__ = ["LoadDestination", "LoadDestinations"]
@@ -49,17 +61,20 @@ class _HostOwner:
 class LoadDestination:
     """One step's contiguous load buffer (see module docstring for its life)."""
 
-    def __init__(self, memory, ptr: int, nbytes: int):
-        self.memory = memory          # a Buffer (or an allocator block)
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.copy_done = False        # the load's end event fired
-        self.views_dead = False       # set by a finalizer when the last derived array died
-        self.live_views = 0           # real-GPU path: handed-out views not yet collected
-        self.release_event: Event | None = None
-        self.from_allocator = False
-        self.freed = False
+    def __init__(self, memory, ptr: int, nbytes: int, capacity: int | None = None):
+        self.memory = memory          #: a Buffer (or an allocator block) holding the bytes
+        self.ptr = ptr                #: address of its first byte
+        self.nbytes = nbytes          #: bytes this step's load uses
+        #: bytes the memory holds (more than ``nbytes`` when a larger spare was reused)
+        self.capacity = nbytes if capacity is None else capacity
+        self.copy_done = False        #: the load's end event fired
+        self.views_dead = False       #: set by a finalizer when the last derived array died
+        self.live_views = 0           #: real-GPU path: handed-out views not yet collected
+        self.release_event: Event | None = None  #: recorded on the compute queue once (a) and (b) held
+        self.from_allocator = False   #: the memory came from the caching allocator (else backend.alloc)
+        self.freed = False            #: the memory went back (or became the spare)
         self._owner_array = None      # host targets: the owner-backed byte array views are cut from
+        self._host_bytes = None       # host targets: the memory as a flat uint8 array (all of its capacity)
 
     def __repr__(self) -> str:
         return (f"<LoadDestination {self.nbytes} B copy_done={self.copy_done} views_dead={self.views_dead} "
@@ -78,35 +93,59 @@ class LoadDestinations:
         caps = backend.capabilities
         self._host = caps.host_addressable
         self._simulator = caps.simulator
+        self._synchronous = not caps.async_queues
         self._lock = threading.Lock()
         self._live: list[LoadDestination] = []
-        self.freed_count = 0
+        # Synchronous queues: the last reclaimed buffer, kept for the next load that fits.
+        self._spare: LoadDestination | None = None
+        self.freed_count = 0    #: buffers whose step is over (returned, or kept as the spare)
+        self.spare_reuses = 0   #: loads that reused the spare instead of allocating
 
     # ------------------------------------------------------------------ allocation and views
     def allocate(self, nbytes: int, copy_queue: Queue) -> LoadDestination:
         """A load buffer of ``nbytes``, written by ``copy_queue`` and read on the compute queue."""
+        if self._synchronous and self._live and self._spare is None:
+            # The buffer the previous step's views just let go of (the caller dropped them
+            # before asking for more) becomes the spare now, not at the next poll: reusing it
+            # at once keeps one buffer, warm in the cache, instead of alternating between two.
+            self.reclaim()
+        spare = self._spare
+        if spare is not None:
+            self._spare = None
+            if nbytes <= spare.capacity and not observing_uses():
+                self.spare_reuses += 1
+                dest = LoadDestination(spare.memory, spare.ptr, nbytes, spare.capacity)
+                dest._host_bytes = spare._host_bytes
+                return self._track(dest, spare.from_allocator)
+            self._give_back(spare)  # too small (or a checker is watching): back to where it came from
         from_allocator = self.allocator is not None and nbytes > 0
         if from_allocator:
             # Allocated for the copy queue, which writes it first...
             memory = self.allocator.allocate(nbytes, copy_queue)
-            # ...and, as upstream: dst_buf.record_stream(compute_stream) -- the allocator waits for
-            # the compute queue's reads before it reissues this memory.
-            self.allocator.record_stream(memory, self.compute_queue)
+            if not (self._synchronous and not observing_uses()):
+                # ...and, as upstream: dst_buf.record_stream(compute_stream) -- the allocator waits
+                # for the compute queue's reads before it reissues this memory.  (Synchronous
+                # queues have run those reads already; see the module docstring.)
+                self.allocator.record_stream(memory, self.compute_queue)
         else:
             memory = self.backend.alloc(nbytes)
-        dest = LoadDestination(memory, address_of(memory) if nbytes else 0, nbytes)
+        return self._track(LoadDestination(memory, address_of(memory) if nbytes else 0, nbytes), from_allocator)
+
+    def _track(self, dest: LoadDestination, from_allocator: bool) -> LoadDestination:
         dest.from_allocator = from_allocator
         if self._host:
-            host_bytes = self._host_array(memory)
-            owner = _HostOwner(dest.ptr if nbytes else host_bytes.ctypes.data, nbytes, host_bytes)
+            if dest._host_bytes is None:
+                dest._host_bytes = self._host_array(dest.memory)
+            host_bytes = dest._host_bytes
+            owner = _HostOwner(dest.ptr if dest.nbytes else host_bytes.ctypes.data, dest.nbytes, host_bytes)
             dest._owner_array = np.asarray(owner)  # dropped by seal() once the views exist
-            weakref.finalize(owner, _mark_views_dead, dest)
+            _watch(owner, dest)
         with self._lock:
             self._live.append(dest)
         return dest
 
     def _host_array(self, memory) -> np.ndarray:
-        arr = memory.array if hasattr(memory, "array") else memory
+        arr = getattr(memory, "array", memory)
         view = host_view(arr)  # numpy itself, or the numpy memory behind a simulated array
         if view is None:
             raise TypeError(f"load buffer {type(arr).__name__} is not host-addressable")
@@ -115,11 +154,9 @@ class LoadDestinations:
     def view(self, dest: LoadDestination, dtype, shape, offset: int):
         """A typed array on the target aliasing ``dest``'s bytes ``offset .. offset+size``."""
         dtype = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
-        nbytes = count * dtype.itemsize
+        nbytes = prod(shape) * dtype.itemsize
         if self._host:
-            raw = dest._owner_array[offset:offset + nbytes]
-            arr = raw.view(dtype).reshape(shape)
+            arr = dest._owner_array[offset:offset + nbytes].view(dtype).reshape(shape)
             if self._simulator:
                 arr = wrap_host_memory(arr)  # kernels in the simulator take it in place
             return arr
@@ -140,21 +177,30 @@ class LoadDestinations:
         """The load copy into ``dest`` has finished (its end event fired)."""
         dest.copy_done = True
 
+    def cancel(self, dest: LoadDestination) -> None:
+        """``dest`` was allocated but nothing was (or will be) copied into it, and it has no
+        views: it is free at once."""
+        dest._owner_array = None
+        dest.copy_done = dest.views_dead = True
+        self._free(dest)
+
     # ------------------------------------------------------------------ freeing
     def reclaim(self) -> int:
         """Free every buffer whose copy finished, whose views died and whose compute-queue
         reads are done.  Non-blocking; returns how many were freed."""
-        freed = 0
-        if self.allocator is not None:
+        if self.allocator is not None and not self._synchronous:
             # Let the allocator take back blocks whose compute-queue events have fired.
             self.allocator.process_events()
+        if not self._live:
+            return 0
+        freed = 0
         with self._lock:
-            candidates = list(self._live)
+            candidates = [d for d in self._live if d.copy_done and d.views_dead]
         for dest in candidates:
-            if not (dest.copy_done and dest.views_dead):
-                continue
-            if dest.from_allocator:
-                self._free(dest)  # the allocator holds it back until the compute queue caught up
+            if dest.from_allocator or self._synchronous:
+                # The allocator holds it back until the compute queue caught up (record_stream);
+                # synchronous queues have caught up already.
+                self._free(dest)
                 freed += 1
                 continue
             if dest.release_event is None:
@@ -175,11 +221,20 @@ class LoadDestinations:
         if dest.release_event is not None:
             self.backend.destroy_event(dest.release_event)
             dest.release_event = None
+        self.freed_count += 1
+        if self._synchronous and dest.capacity and not observing_uses():
+            # Keep it for the next load (see the module docstring); the previous spare goes back.
+            old, self._spare = self._spare, dest
+            if old is not None:
+                self._give_back(old)
+            return
+        self._give_back(dest)
+
+    def _give_back(self, dest: LoadDestination) -> None:
         if dest.from_allocator:
             self.allocator.free(dest.memory)
         else:
             self.backend.free(dest.memory)
-        self.freed_count += 1
 
     def pending(self) -> list[LoadDestination]:
         """The buffers not freed yet."""
@@ -209,12 +264,27 @@ class LoadDestinations:
                     dest.freed = True
                     self._live.remove(dest)
                 self.backend.free(dest.memory)
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            self._give_back(spare)
         return n
 
 
-def _mark_views_dead(dest: LoadDestination) -> None:
-    # Runs at garbage-collection time, on whatever thread: only flip a flag.
-    dest.views_dead = True
+# Owners being watched: weak reference -> the destination whose views it stands for.  The
+# reference must outlive its owner (or the callback never runs), so it lives here.
+_watched: dict = {}
+
+
+def _watch(owner: _HostOwner, dest: LoadDestination) -> None:
+    _watched[weakref.ref(owner, _owner_died)] = dest
+
+
+def _owner_died(ref) -> None:
+    # Runs when the last array derived from the owner is gone, on whatever thread: only
+    # flip a flag (the worker's next poll frees the buffer).
+    dest = _watched.pop(ref, None)
+    if dest is not None:
+        dest.views_dead = True
 
 
 def _drop_view(dest: LoadDestination) -> None:

@@ -251,6 +251,7 @@ class ECSharedRegion:
         self._mmap: mmap.mmap | None = None
         self._base: np.ndarray | None = None
         self.blocks: np.ndarray | None = None  #: the ``int8`` view ``[num_blocks, block_size_bytes]``
+        self._base_ptr = 0
         self._range: int | None = None
         self.label = self.path or f"anonymous region vtnumba_ec_{config.engine_id}"
         try:
@@ -400,6 +401,9 @@ class ECSharedRegion:
         self._mmap = mmap.mmap(self._fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._base = np.frombuffer(self._mmap, dtype=np.int8)
         self.blocks = self._base[HEADER_BYTES:].reshape(self.num_blocks, self.block_size_bytes)
+        # The address is asked for on every transfer; reading it through numpy's ctypes
+        # helper costs a microsecond or so each time, and it never changes while mapped.
+        self._base_ptr = int(self.blocks.ctypes.data)
         # The blocks are live memory for batched copies (which check every address they touch).
         self._range = register(self.blocks.ctypes.data, self.blocks.nbytes, f"encoder-cache {self.label}")
 
@@ -414,7 +418,7 @@ class ECSharedRegion:
         """Address of block 0 in *this* process (each process maps the memory elsewhere)."""
         if self.blocks is None:
             raise RuntimeError(f"{self.label} was cleaned up")
-        return int(self.blocks.ctypes.data)
+        return self._base_ptr
 
     @property
     def closed(self) -> bool:
@@ -475,7 +479,11 @@ class ECSharedRegion:
         from numba import cuda
 
         cuda.current_context()  # registration needs a current context
-        (err,) = cu.cuMemHostRegister(int(self._base.ctypes.data), int(self._base.nbytes), 0)
+        # PORTABLE: pinned for every context of this process, not only the current one (a
+        # queue or a library may run in another).  The whole mapping, header included: it is
+        # page-aligned (mmap), as registration wants.
+        (err,) = cu.cuMemHostRegister(int(self._base.ctypes.data), int(self._base.nbytes),
+                                      cu.CU_MEMHOSTREGISTER_PORTABLE)
         if err != cu.CUresult.CUDA_SUCCESS:
             # Still correct without it, only slower (pageable DMA through a bounce buffer).
             self.pin_status = f"cuMemHostRegister failed ({err}); transfers use pageable memory"

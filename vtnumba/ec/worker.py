@@ -31,6 +31,32 @@ not fit its blocks, or whose dtype or row width differs from the region's, is a
 ``ValueError`` -- vLLM's ``assert`` vanishes under ``python -O``, and then the copy
 would write into another entry's blocks (or the consumer would read the bytes as the wrong
 dtype).
+
+What one step costs, and where it went
+--------------------------------------
+
+A step moves one entry or a few, and for entries of a few MiB the copy itself takes tens
+of microseconds on a CPU, about as long as a pile of small Python costs: building
+descriptors, recording events, checking addresses, bookkeeping.  So the hot path is kept
+short, each piece on purpose:
+
+* inputs are checked once, here, at the public boundary: the output's dtype and shape, the
+  block ids' type -- and their range inside the compiled pass that also builds the
+  descriptors (:meth:`~vtnumba.ec.DescriptorBuffers.add_block_runs`), so a list of
+  thousands of ids costs one call, not a dozen numpy operations;
+* descriptor buffers, copy queues and events come from pools, so a step allocates almost
+  nothing; an output already inside live memory (a backend Buffer) is not registered again;
+* **synchronous queues** (the cpu target's default mode, and the simulator): every queued
+  operation runs on the spot, on this thread, so the compute queue has finished its work
+  before a save is issued and a copy has finished when ``batched_copy`` returns.  Events
+  would fire at the very moment they are recorded; the worker records none and times the
+  copy with the host clock.  The rules are the same -- a completion is still reported by
+  :meth:`build_connector_worker_meta`, after the copy -- they just need no machinery;
+* on **asynchronous queues** (threaded cpu queues, a real GPU) nothing of that holds, and
+  every event of the list above is recorded: gate, start, end.
+
+:attr:`ECWorker.step_us` keeps the host time of recent steps' calls, so the fixed cost
+per step can be read off a running worker (``vtnumba bench ec`` reports it).
 """
 
 from __future__ import annotations
@@ -38,36 +64,40 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from time import perf_counter_ns
 from typing import Any
 
 import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.address_ranges import register, unregister
-from vtnumba.backend.arrays import array_kind, cdiv, check_int
+from vtnumba.backend.arrays import array_kind, check_int, is_int
 from vtnumba.backend.base import Backend, Buffer, Event, Queue
-from vtnumba.ec.descriptors import DescriptorBufferPool, DescriptorBuffers, coalesce_runs
+from vtnumba.ec.descriptors import BadBlockId, DescriptorBufferPool, DescriptorBuffers, prepare_descriptors
 from vtnumba.ec.destination import LoadDestination, LoadDestinations
 from vtnumba.ec.metadata import ECConnectorMetadata, ECWorkerMetadata
 from vtnumba.ec.region import ECSharedRegion
 from vtnumba.memory import CachingAllocator
-from vtnumba.memory.copy_engine import address_of, batched_copy, prepare
+from vtnumba.memory.copy_engine import address_of, batched_copy, is_live, prepare
 
 __all__ = ["ECWorker", "Transfer"]
 
+_INT64 = np.dtype(np.int64)
 
-@dataclass
+
+@dataclass(slots=True)
 class Transfer:
     """One batched copy in flight.
 
-    Its queue, events and descriptor buffers are held until ``end_event`` fires; only then
-    are they recycled and ``completions`` (mm_hashes for saves, transfer ids for loads)
-    reported.  ``start_event``/``end_event`` bracket the copy, so its duration is known.
+    Its queue, events and descriptor buffers are held until it is done -- ``end_event``
+    fired, or, on synchronous queues (no events), at once -- and only then recycled and
+    ``completions`` (mm_hashes for saves, transfer ids for loads) reported.
+    ``start_event``/``end_event`` bracket the copy, so its duration is known.
     """
 
     direction: str                 #: "save" or "load"
-    start_event: Event             #: recorded just before the batched copy
-    end_event: Event               #: recorded just after it: the transfer is done when it fires
+    start_event: Event | None      #: recorded just before the batched copy (None on synchronous queues)
+    end_event: Event | None        #: recorded just after it: done when it fires (None: done on issue)
     completions: list              #: what to report then: mm_hashes (saves) or transfer ids (loads)
     bufs: DescriptorBuffers        #: the descriptors the copy reads
     queue: Queue                   #: the pooled copy queue it runs on
@@ -77,6 +107,7 @@ class Transfer:
     keepalive: list = field(default_factory=list)      #: saved outputs read by the copy
     ranges: list = field(default_factory=list)         #: their address-range registrations
     destination: LoadDestination | None = None         #: loads: the buffer written by the copy
+    copy_ms: float = 0.0           #: synchronous queues: the copy's duration by the host clock
 
 
 def _check_output(src, mm_hash: str, region: ECSharedRegion, num_blocks: int) -> int:
@@ -89,31 +120,52 @@ def _check_output(src, mm_hash: str, region: ECSharedRegion, num_blocks: int) ->
     into the blocks of whichever entry follows.  A raw :class:`Buffer` (no dtype) must be a
     whole number of rows.
     """
-    name = f"encoder_cache[{mm_hash!r}]"
-    allocated = num_blocks * region.block_size_bytes
+    block_size = region.block_size_bytes
     if isinstance(src, Buffer):
         total = int(src.nbytes)
-        if total % region.block_size_bytes:
-            raise ValueError(f"{name} is a Buffer of {total} bytes, not a whole number of rows of "
-                             f"{region.block_size_bytes} bytes (hidden_size={region.hidden_size} x "
-                             f"{region.dtype.name})")
+        if total % block_size:
+            raise ValueError(f"encoder_cache[{mm_hash!r}] is a Buffer of {total} bytes, not a whole number of rows "
+                             f"of {block_size} bytes (hidden_size={region.hidden_size} x {region.dtype.name})")
     else:
-        array_kind(name, src)  # a numpy or numba device array (TypeError otherwise)
+        if type(src) is not np.ndarray:
+            array_kind(f"encoder_cache[{mm_hash!r}]", src)  # a numba device array (TypeError otherwise)
         dtype, shape = src.dtype, src.shape
-        if np.dtype(dtype) != region.dtype:
-            raise ValueError(f"{name} has dtype {np.dtype(dtype).name}; the region holds "
+        if dtype != region.dtype:
+            raise ValueError(f"encoder_cache[{mm_hash!r}] has dtype {np.dtype(dtype).name}; the region holds "
                              f"{region.dtype.name} rows (the consumer would read the bytes as "
                              f"{region.dtype.name}): convert the output first")
         if len(shape) != 2 or shape[1] != region.hidden_size:
-            raise ValueError(f"{name} has shape {tuple(shape)}; expected [rows, {region.hidden_size}] "
-                             f"(one row of hidden_size={region.hidden_size} per block)")
-        total = int(shape[0]) * region.block_size_bytes
-    if total > allocated:
-        rows = total // region.block_size_bytes
-        raise ValueError(f"{name} has {rows} rows ({total} bytes) but mm_hash={mm_hash!r} was allocated "
-                         f"{num_blocks} blocks ({allocated} bytes); the scheduler sizes an entry by its row "
-                         "count -- request_save(mm_hash, rows) with the output's rows")
+            raise ValueError(f"encoder_cache[{mm_hash!r}] has shape {tuple(shape)}; expected "
+                             f"[rows, {region.hidden_size}] (one row of hidden_size={region.hidden_size} per block)")
+        total = int(shape[0]) * block_size
+    if total > num_blocks * block_size:
+        raise ValueError(f"encoder_cache[{mm_hash!r}] has {total // block_size} rows ({total} bytes) but "
+                         f"mm_hash={mm_hash!r} was allocated {num_blocks} blocks ({num_blocks * block_size} bytes); "
+                         "the scheduler sizes an entry by its row count -- request_save(mm_hash, rows) with the "
+                         "output's rows")
     return total
+
+
+def _block_id_array(block_ids, mm_hash: str, kind: str) -> np.ndarray:
+    """``block_ids`` (of ``kind[mm_hash]``) as a 1-D C-contiguous int64 array (the scheduler's
+    arrays pass as they are); TypeError unless they are whole numbers.  Their *range* is
+    checked where the descriptors are built (:meth:`DescriptorBuffers.add_block_runs`)."""
+    if type(block_ids) is np.ndarray and block_ids.dtype == _INT64 and block_ids.ndim == 1 \
+            and block_ids.flags.c_contiguous:
+        return block_ids
+    what = f"{kind}[{mm_hash!r}]"
+    try:
+        raw = np.asarray(block_ids)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}={block_ids!r} must be a sequence of int block ids") from None
+    if raw.ndim != 1:
+        raise ValueError(f"{what} must be a flat sequence of block ids, got shape={raw.shape}")
+    if raw.size == 0:
+        return np.zeros(0, dtype=np.int64)  # np.asarray([]) is float64: an empty list is fine
+    # Integer dtypes only: converting 1.7 to int64 would silently copy block 1.
+    if raw.dtype.kind not in "iu" and not (raw.dtype == object and all(is_int(v) for v in raw)):
+        raise TypeError(f"{what}={block_ids!r} must be whole-number int block ids, got dtype {raw.dtype}")
+    return np.ascontiguousarray(raw, dtype=np.int64)
 
 
 class ECWorker:
@@ -140,15 +192,26 @@ class ECWorker:
             raise ValueError(f"dtype={self.dtype.name} differs from the region's dtype={region.dtype.name}")
         self.hidden_size = region.hidden_size
         self.block_size = region.block_size_bytes
+        if compute_queue is not None and (not isinstance(compute_queue, Queue) or compute_queue.backend is not backend):
+            raise ValueError(f"compute_queue={compute_queue!r} must be a Queue of this worker's backend ({backend.name})")
+        caps = backend.capabilities
+        # Synchronous queues run every operation on the spot (see the module docstring):
+        # no events needed, the copy is done when batched_copy returns.
+        self.synchronous = not caps.async_queues
         if pin_memory:
-            region.pin_memory(backend)  # a no-op off real GPUs; each process pins its own mapping
+            # Page-locked region memory is what lets a GPU's copy engine read and write it
+            # directly (and asynchronously); a no-op off real GPUs, and each process pins its
+            # own mapping.
+            region.pin_memory(backend)
         # Every TP rank holds the same encoder output; one writer is enough.
         self.tp_rank = tp_rank
         self.is_save_rank = tp_rank == 0
         self._own_compute_queue = compute_queue is None
         self.compute_queue = compute_queue if compute_queue is not None else backend.create_queue("ec-compute")
         self._buf_pool = DescriptorBufferPool()
-        prepare(backend)  # compile the host copy loop now, not inside the first timed copy
+        # Compile the host copy loop and the descriptor builder now, not inside the first timed step.
+        prepare(backend)
+        prepare_descriptors()
         # Load buffers come from a caching allocator with record_stream (vtnumba.memory), as
         # vLLM's come from torch's; allocator=None uses backend.alloc per load instead.
         self._own_allocator = isinstance(allocator, str)
@@ -178,6 +241,12 @@ class ECWorker:
                       for d in ("save", "load")}
         # The last completed transfers, newest last: (direction, entries, bytes, descriptors, ms).
         self.history: deque[tuple] = deque(maxlen=256)
+        #: Host time (microseconds) of the worker's calls in recent steps, newest last, per kind:
+        #: ``"save"`` (save_caches + flush_saves of a step), ``"load"`` (start_load_caches),
+        #: ``"report"`` (a build_connector_worker_meta that reported something).  The copy's own
+        #: duration is in :attr:`history`; what is left is the fixed cost of a step.
+        self.step_us: dict[str, deque] = {k: deque(maxlen=256) for k in ("save", "load", "report")}
+        self._save_t0 = 0
 
     # ------------------------------------------------------------------ pools
     def _acquire_queue(self) -> Queue:
@@ -201,7 +270,9 @@ class ECWorker:
         Nothing is copied yet: :meth:`flush_saves` issues the whole batch as one copy.  The
         output is kept referenced until that copy has finished.
         """
-        self._check_live("save_caches")
+        t0 = perf_counter_ns()
+        if self._shut_down:
+            self._check_live("save_caches")
         if not self.is_save_rank:
             return
         block_ids = connector_metadata.saves.get(mm_hash)
@@ -210,69 +281,97 @@ class ECWorker:
         if mm_hash not in encoder_cache:
             raise KeyError(f"save_caches: mm_hash {mm_hash!r} is scheduled for saving but encoder_cache has no "
                            "output for it")
-        ids = self._region.check_block_ids(block_ids, f"saves[{mm_hash!r}]")
+        ids = _block_id_array(block_ids, mm_hash, "saves")
         src = encoder_cache[mm_hash]
-        total_bytes = _check_output(src, mm_hash, self._region, int(ids.size))
+        region = self._region
+        total_bytes = _check_output(src, mm_hash, region, ids.size)
         block_size = self.block_size
 
-        if self._save_bufs is None:
+        fresh = self._save_bufs is None
+        if fresh:
             total = sum(len(v) for v in connector_metadata.saves.values())
             self._save_bufs = self._buf_pool.acquire(total)
             self._save_queue = self._acquire_queue()
-            self._save_mm_hashes = []
-            self._save_sources = []
+            self._save_t0 = t0
         bufs = self._save_bufs
-        if self._save_count + ids.size > bufs.capacity:
+        if self._save_count + ids.size > len(bufs.sizes):
             raise RuntimeError(f"save_caches({mm_hash!r}): this step's saves need more than the "
-                               f"{bufs.capacity} descriptors sized from the metadata; pass the same "
+                               f"{len(bufs.sizes)} descriptors sized from the metadata; pass the same "
                                "connector_metadata to every save_caches call of a step")
 
         # Entries may be sized by placeholder count, larger than the output: blocks the
-        # output never reaches get no descriptor.
-        n_used = cdiv(total_bytes, block_size)
-        if n_used:
-            src_addr = address_of(src)
-            # The copy runs later, by address: declare the output live until it has (see the
-            # copy engine's range check).
+        # output never reaches get no descriptor (vLLM's worker trims the last run to the
+        # output's end the same way).
+        n_used = -(-total_bytes // block_size)
+        src_addr = address_of(src) if n_used else 0
+        try:
+            self._save_count = bufs.add_block_runs(self._save_count, ids, n_used, region.num_blocks,
+                                                   region.base_ptr, src_addr, block_size, total_bytes,
+                                                   flat_is_src=True)
+        except BadBlockId as exc:
+            if fresh:  # nothing of this step is in the batch yet: give its resources back
+                self._drop_save_batch()
+            raise ValueError(f"saves[{mm_hash!r}] contains block id {exc.block_id}, outside the region's "
+                             f"0..{exc.num_blocks - 1}") from None
+        if n_used and not is_live(src_addr, total_bytes):
+            # The copy runs later, by address, and the copy engine checks every address it
+            # touches against live memory: declare an output it does not know (an array the
+            # caller made) live until the copy has finished.  Backend buffers already are.
             self._save_ranges.append(register(src_addr, total_bytes, f"encoder output {mm_hash!r}"))
-            src_base = np.uint64(src_addr)
-            dst_base = np.uint64(self._region.base_ptr)
-            slots, first_blocks, num_blocks = coalesce_runs(ids[:n_used])
-            run_bytes = num_blocks * block_size
-            # vLLM's worker trims the last run to the output's end; _check_output lets only whole rows
-            # through, so here this only restates that the copy ends with the output.
-            run_bytes[-1] = total_bytes - slots[-1] * block_size
-            self._save_count = bufs.add_copies(
-                self._save_count,
-                src_base + slots.astype(np.uint64) * np.uint64(block_size),
-                dst_base + first_blocks.astype(np.uint64) * np.uint64(block_size),
-                run_bytes)
         self._save_bytes += total_bytes
         self._save_mm_hashes.append(mm_hash)
         self._save_sources.append(src)
 
-    def flush_saves(self) -> None:
-        """Issue this step's saves as one batched copy gated behind the compute queue."""
-        self._check_live("flush_saves")
-        if not self._save_mm_hashes:
-            return
-        bufs, q, n = self._save_bufs, self._save_queue, self._save_count
-        with trace.span("ec.flush_saves", "ec", "host", entries=len(self._save_mm_hashes), bytes=self._save_bytes,
-                        descriptors=n):
-            # The outputs were produced on the compute queue: the copy must not start before it.
-            gate = self._acquire_event()
-            self.backend.record_event(gate, self.compute_queue)
-            self.backend.queue_wait_event(q, gate)
-            start, end = self._acquire_event(), self._acquire_event()
-            self.backend.record_event(start, q)
-            batched_copy(bufs.src_ptrs[:n], bufs.dst_ptrs[:n], bufs.sizes[:n], queue=q, backend=self.backend)
-            self.backend.record_event(end, q)
-        self._inflight_saves.append(Transfer(
-            "save", start, end, self._save_mm_hashes, bufs, q, self._save_bytes, n, gate_event=gate,
-            keepalive=self._save_sources, ranges=self._save_ranges))
+    def _drop_save_batch(self) -> None:
+        if self._save_bufs is not None:
+            self._buf_pool.release(self._save_bufs)
+        if self._save_queue is not None:
+            self._queue_pool.append(self._save_queue)
+        for token in self._save_ranges:
+            unregister(token)
         self._save_bufs, self._save_queue = None, None
         self._save_count, self._save_bytes = 0, 0
         self._save_mm_hashes, self._save_sources, self._save_ranges = [], [], []
+
+    def flush_saves(self) -> None:
+        """Issue this step's saves as one batched copy gated behind the compute queue."""
+        if self._shut_down:
+            self._check_live("flush_saves")
+        if not self._save_mm_hashes:
+            if self._save_bufs is not None:
+                self._drop_save_batch()
+            return
+        bufs, q, n = self._save_bufs, self._save_queue, self._save_count
+        be = self.backend
+        t0 = perf_counter_ns()
+        if self.synchronous:
+            # The compute queue's work already ran (synchronous queues run on the spot), and
+            # the copy is finished when batched_copy returns: no gate, no events.
+            gate = start = end = None
+            batched_copy(bufs.src_ptrs[:n], bufs.dst_ptrs[:n], bufs.sizes[:n], queue=q, backend=be)
+            t1 = perf_counter_ns()
+            copy_ms = (t1 - t0) / 1e6
+        else:
+            # The outputs were produced on the compute queue: the copy must not start before it.
+            gate = self._acquire_event()
+            be.record_event(gate, self.compute_queue)
+            be.queue_wait_event(q, gate)
+            start, end = self._acquire_event(), self._acquire_event()
+            be.record_event(start, q)
+            batched_copy(bufs.src_ptrs[:n], bufs.dst_ptrs[:n], bufs.sizes[:n], queue=q, backend=be)
+            be.record_event(end, q)
+            t1 = perf_counter_ns()
+            copy_ms = 0.0
+        if trace.RECORDER is not None:
+            trace.record("ec.flush_saves", "ec", "host", t0, t1, entries=len(self._save_mm_hashes),
+                         bytes=self._save_bytes, descriptors=n)
+        self._inflight_saves.append(Transfer(
+            "save", start, end, self._save_mm_hashes, bufs, q, self._save_bytes, n, gate_event=gate,
+            keepalive=self._save_sources, ranges=self._save_ranges, copy_ms=copy_ms))
+        self._save_bufs, self._save_queue = None, None
+        self._save_count, self._save_bytes = 0, 0
+        self._save_mm_hashes, self._save_sources, self._save_ranges = [], [], []
+        self.step_us["save"].append((t1 - self._save_t0) / 1e3)
 
     # ------------------------------------------------------------------ consumer path
     def start_load_caches(self, encoder_cache: dict, connector_metadata: ECConnectorMetadata) -> None:
@@ -281,78 +380,117 @@ class ECWorker:
         Every scheduled load is copied, even if ``encoder_cache`` already has the hash: each
         participating rank must report each transfer exactly once.
         """
-        self._check_live("start_load_caches")
-        if not connector_metadata.loads:
+        t0 = perf_counter_ns()
+        if self._shut_down:
+            self._check_live("start_load_caches")
+        loads = connector_metadata.loads
+        if not loads:
             return
-        with trace.span("ec.start_load_caches", "ec", "host", entries=len(connector_metadata.loads)):
-            self._start_loads(encoder_cache, connector_metadata)
+        self._start_loads(encoder_cache, loads)
+        t1 = perf_counter_ns()
+        if trace.RECORDER is not None:
+            trace.record("ec.start_load_caches", "ec", "host", t0, t1, entries=len(loads))
+        self.step_us["load"].append((t1 - t0) / 1e3)
 
-    def _start_loads(self, encoder_cache: dict, connector_metadata: ECConnectorMetadata) -> None:
-        items = [(h, tid, self._region.check_block_ids(ids, f"loads[{h!r}]"))
-                 for h, (tid, ids) in connector_metadata.loads.items()]
+    def _start_loads(self, encoder_cache: dict, loads: dict) -> None:
+        items = [(h, tid, _block_id_array(ids, h, "loads")) for h, (tid, ids) in loads.items()]
+        if len(items) > 1:
+            # Sorted by first block: entries adjacent in the region land adjacent in the
+            # destination and coalesce.  Every loop below follows this order.
+            items.sort(key=lambda it: int(it[2][0]) if it[2].size else -1)
+        total_blocks = sum(ids.size for _, _, ids in items)
+        region = self._region
         block_size = self.block_size
-        # Sorted by first block: entries adjacent in the region land adjacent in the
-        # destination and coalesce.  Every loop below follows this order.
-        load_items = sorted(items, key=lambda it: int(it[2][0]) if it[2].size else -1)
-        total_blocks = sum(int(ids.size) for _, _, ids in load_items)
-
+        num_blocks, region_base = region.num_blocks, region.base_ptr
+        be = self.backend
         q = self._acquire_queue()
-        start, end = self._acquire_event(), self._acquire_event()
-        dest = self._destinations.allocate(total_blocks * block_size, q)
+        nbytes = total_blocks * block_size
+        dest = self._destinations.allocate(nbytes, q)
         bufs = self._buf_pool.acquire(total_blocks)
-        slots, first_blocks, num_blocks = coalesce_runs(
-            np.concatenate([ids for _, _, ids in load_items]) if load_items else np.zeros(0, np.int64))
-        n = bufs.add_copies(
-            0,
-            np.uint64(self._region.base_ptr) + first_blocks.astype(np.uint64) * np.uint64(block_size),
-            np.uint64(dest.ptr) + slots.astype(np.uint64) * np.uint64(block_size),
-            num_blocks * block_size)
-        self.backend.record_event(start, q)
-        # The region is written by another process and nothing earlier on this queue
-        # touches it, so the driver may read it out of stream order.
-        batched_copy(bufs.src_ptrs[:n], bufs.dst_ptrs[:n], bufs.sizes[:n], queue=q, backend=self.backend,
-                     src_access_order="any")
-        self.backend.record_event(end, q)
+        n, slot = 0, 0
+        try:
+            for h, _, ids in items:
+                k = ids.size
+                # The destination is one flat buffer: entry after entry, in the sorted order.
+                n = bufs.add_block_runs(n, ids, k, num_blocks, region_base, dest.ptr + slot * block_size,
+                                        block_size, k * block_size, flat_is_src=False, merge=True)
+                slot += k
+        except BadBlockId as exc:
+            # Nothing was copied: everything taken for this step goes back, unused.
+            self._buf_pool.release(bufs)
+            self._queue_pool.append(q)
+            self._destinations.cancel(dest)
+            raise ValueError(f"loads[{h!r}] contains block id {exc.block_id}, outside the region's "
+                             f"0..{num_blocks - 1}") from None
+        if self.synchronous:
+            start = end = None
+            c0 = perf_counter_ns()
+            # The region is written by another process and nothing earlier on this queue
+            # touches it, so the driver may read it out of stream order.
+            batched_copy(bufs.src_ptrs[:n], bufs.dst_ptrs[:n], bufs.sizes[:n], queue=q, backend=be,
+                         src_access_order="any")
+            copy_ms = (perf_counter_ns() - c0) / 1e6
+        else:
+            start, end = self._acquire_event(), self._acquire_event()
+            be.record_event(start, q)
+            batched_copy(bufs.src_ptrs[:n], bufs.dst_ptrs[:n], bufs.sizes[:n], queue=q, backend=be,
+                         src_access_order="any")
+            be.record_event(end, q)
+            copy_ms = 0.0
         self._inflight_loads.append(Transfer(
-            "load", start, end, [tid for _, tid, _ in load_items], bufs, q, total_blocks * block_size, n,
-            destination=dest))
+            "load", start, end, [tid for _, tid, _ in items], bufs, q, nbytes, n, destination=dest,
+            copy_ms=copy_ms))
 
         # Per-hash views of the contiguous buffer, as [rows, hidden] in the model dtype.
         offset = 0
-        for mm_hash, _, ids in load_items:
-            rows = int(ids.size)
-            encoder_cache[mm_hash] = self._destinations.view(dest, self.dtype, (rows, self.hidden_size),
-                                                             offset * block_size)
+        view, dtype, hidden = self._destinations.view, self.dtype, self.hidden_size
+        for mm_hash, _, ids in items:
+            rows = ids.size
+            encoder_cache[mm_hash] = view(dest, dtype, (rows, hidden), offset * block_size)
             offset += rows
         self._destinations.seal(dest)
-        # Kernels queued on the compute queue from now on see the loaded bytes.
-        self.backend.queue_wait_event(self.compute_queue, end)
+        if end is not None:
+            # Kernels queued on the compute queue from now on see the loaded bytes.  (On
+            # synchronous queues the copy is already done: later kernels see them anyway.)
+            be.queue_wait_event(self.compute_queue, end)
 
     @staticmethod
     def _release_sources(t: Transfer) -> None:
         """The copy has finished: its sources need neither keeping alive nor declaring live."""
         t.keepalive.clear()
-        for token in t.ranges:
-            unregister(token)
-        t.ranges.clear()
+        if t.ranges:
+            for token in t.ranges:
+                unregister(token)
+            t.ranges.clear()
 
     # ------------------------------------------------------------------ completions
-    def _collect_finished(self, inflight: deque[Transfer]) -> list:
-        """Pop transfers whose end event fired, front first; recycle; return their completions.
+    def _collect_finished(self, inflight: deque[Transfer], done: list) -> None:
+        """Pop transfers that are done, front first; recycle; append their completions to ``done``.
 
         Conservative: a later transfer that finished first waits behind the front one and
         is reported on a later poll -- so every completion is real and reported once.
         """
-        done: list = []
-        while inflight and self.backend.query_event(inflight[0].end_event):
-            t = inflight.popleft()
+        be = self.backend
+        while inflight:
+            t = inflight[0]
+            end = t.end_event
+            if end is not None and not be.query_event(end):
+                return
+            inflight.popleft()
             done.extend(t.completions)
             st = self.stats[t.direction]
             st["transfers"] += 1
             st["entries"] += len(t.completions)
             st["bytes"] += t.num_bytes
             st["descriptors"] += t.num_descriptors
-            ms = self.backend.elapsed_ms(t.start_event, t.end_event)
+            if end is None:
+                ms = t.copy_ms
+            else:
+                ms = be.elapsed_ms(t.start_event, end)
+                self._event_pool.append(t.start_event)
+                self._event_pool.append(end)
+                if t.gate_event is not None:
+                    self._event_pool.append(t.gate_event)
             st["copy_ms"] += ms
             self.history.append((t.direction, len(t.completions), t.num_bytes, t.num_descriptors, ms))
             if t.destination is not None:
@@ -360,18 +498,23 @@ class ECWorker:
             self._release_sources(t)
             self._buf_pool.release(t.bufs)
             self._queue_pool.append(t.queue)
-            self._event_pool.extend(e for e in (t.start_event, t.end_event, t.gate_event) if e is not None)
-        return done
 
     def build_connector_worker_meta(self) -> ECWorkerMetadata | None:
         """Report the copies that finished on this rank since the last call; None if none did."""
+        t0 = perf_counter_ns()
+        saves: list = []
+        loads: list = []
         with self._lock:
-            saves = self._collect_finished(self._inflight_saves)
-            loads = self._collect_finished(self._inflight_loads)
+            if self._inflight_saves:
+                self._collect_finished(self._inflight_saves, saves)
+            if self._inflight_loads:
+                self._collect_finished(self._inflight_loads, loads)
             self._destinations.reclaim()
         if not saves and not loads:
             return None
-        return ECWorkerMetadata(completed_saves=saves, completed_loads=loads)
+        meta = ECWorkerMetadata(completed_saves=saves, completed_loads=loads)
+        self.step_us["report"].append((perf_counter_ns() - t0) / 1e3)
+        return meta
 
     def inflight(self) -> tuple[int, int]:
         """(saves, loads) transfers issued and not yet reported."""
@@ -384,13 +527,15 @@ class ECWorker:
         keeps two copies in flight.  Finished transfers are still reported normally by
         :meth:`build_connector_worker_meta`.
         """
-        check_int("max_inflight", max_inflight, min_value=0)
+        if max_inflight != 0:
+            check_int("max_inflight", max_inflight, min_value=0)
         for inflight in (self._inflight_saves, self._inflight_loads):
             pending = list(inflight)
             # Transfers on one direction finish in any order (separate pooled queues), so
             # wait for all but the newest max_inflight.
             for t in pending[:max(len(pending) - max_inflight, 0)]:
-                self.backend.synchronize_event(t.end_event)
+                if t.end_event is not None:  # None: a synchronous copy, done on issue
+                    self.backend.synchronize_event(t.end_event)
 
     # ------------------------------------------------------------------ teardown
     def shutdown(self) -> None:
@@ -409,11 +554,7 @@ class ECWorker:
         self._inflight_saves.clear()
         self._inflight_loads.clear()
         if self._save_bufs is not None:  # descriptors written but never flushed: dropped
-            for token in self._save_ranges:
-                unregister(token)
-            self._save_bufs, self._save_queue = None, None
-            self._save_count, self._save_bytes, self._save_mm_hashes, self._save_sources = 0, 0, [], []
-            self._save_ranges = []
+            self._drop_save_batch()
         self._destinations.drain()
         if self._own_allocator:
             self.allocator.empty_cache()  # views still alive keep their own bytes (numpy base)

@@ -5,19 +5,28 @@ Upstream: vLLM's ``swap_blocks_batch`` custom op, which the encoder-cache worker
 ``copy_`` per block.  Each copy is tiny and the per-call overhead (a Python call, a driver
 call, a launch) dominates, so the worker first *coalesces* consecutive blocks into runs and
 then hands the whole list of runs to a single batched call.  The descriptors are three equal-length integer arrays
-filled in bulk with numpy: source addresses, destination addresses, byte counts.
+filled in bulk: source addresses, destination addresses, byte counts.
 
 How each target does it:
 
 * ``cpu``     -- a ``@numba.njit(nogil=True)`` loop that calls libc ``memmove`` on the raw
-  addresses, submitted with ``backend.submit`` so it runs in queue order (on the queue's
-  thread in threaded mode).  ``nogil`` matters: the whole batch runs without the GIL, so
-  the Python thread that queued it keeps scheduling the next step meanwhile.
+  addresses.  One compiled call serves both shapes of batch: a few large runs (each
+  ``memmove`` runs at memcpy speed, and the call costs well under a microsecond -- less
+  than one ``ctypes.memmove`` or ``np.copyto`` from Python) and many small runs (the loop
+  over them is machine code, not Python).  ``nogil`` matters: the whole batch runs
+  without the GIL, so on threaded queues the Python thread that queued it keeps
+  scheduling the next step meanwhile.  On *synchronous* queues (the default cpu mode,
+  where every queued operation runs at once on the caller's thread) the loop is called
+  directly instead of through ``backend.submit``: the result is the same -- the copy is
+  done on return -- without the submission's closure and bookkeeping.  Tracing and the
+  hazard checker still see it go through ``submit``.
 * ``cudasim`` -- simulator "device" memory *is* host memory, so the same host loop runs,
   through ``backend.submit`` and therefore under the simulator's launch lock.
-* ``cuda``    -- one ``cuMemcpyBatchAsync`` (driver >= 12.8) on the queue's stream; on older
-  drivers a loop of ``cuMemcpyAsync`` on the same stream.  Both infer the direction
-  (H2D, D2H, D2D) from the unified addresses.
+* ``cuda``    -- one ``cuMemcpyBatchAsync`` (driver >= 12.8) on the queue's stream; a single
+  descriptor, or an older driver, uses ``cuMemcpyAsync`` on the same stream.  Both infer
+  the direction (H2D, D2H, D2D) from the unified addresses; host memory should be pinned
+  (page-locked, e.g. :meth:`vtnumba.ec.ECSharedRegion.pin_memory`), or the driver stages
+  the copy through a bounce buffer and it stops being asynchronous.
 
 Ordering: the batch as a whole is ordered on its queue like any other work, but copies
 *inside* one batch have no order among themselves (that is also ``cuMemcpyBatchAsync``'s
@@ -36,6 +45,12 @@ Buffer, every open encoder-cache region, and what a caller registered).  A bad a
 a ValueError naming the descriptor -- not a segmentation fault on the host, nor an illegal
 memory access that leaves a GPU process's CUDA context dead.
 
+The check is built to cost little next to the copy: one compiled (``numba.njit``) pass over
+the descriptors does a binary search of each address in the sorted table of live ranges and
+looks for null addresses -- well under a microsecond for the encoder cache's usual batch of
+one run per entry, and machine-code speed for thousands.  Only when it finds a bad
+descriptor does the slower, vectorised numpy check run, to say which one and why.
+
 :func:`batched_copy_reference` is the host reference with the same signature: one
 ``ctypes.memmove`` per descriptor, in the calling thread.
 """
@@ -45,17 +60,18 @@ from __future__ import annotations
 import ctypes
 import threading
 import warnings
+import weakref
 
 import numba
 import numpy as np
 
+from vtnumba import trace
 from vtnumba.backend.address_ranges import LIVE
 from vtnumba.backend.arrays import address_of as _array_address
 from vtnumba.backend.base import Backend, Buffer, Queue, observing_uses
 
 __all__ = ["batched_copy", "batched_copy_reference", "check_descriptors", "check_ranges", "address_of",
-           "cuda_batch_api_available", "prepare", "host_batched_copy"]
-
+           "cuda_batch_api_available", "prepare", "host_batched_copy", "is_live"]
 
 # --------------------------------------------------------------------------- validation
 _U64, _I64 = np.dtype(np.uint64), np.dtype(np.int64)
@@ -76,38 +92,131 @@ def _as_u64(name: str, arr) -> np.ndarray:
     return a.astype(np.uint64)
 
 
+def _is_u64_vector(a) -> bool:
+    """A 1-D C-contiguous uint64 ndarray: the form the checks and the copy loops read as is."""
+    return type(a) is np.ndarray and a.dtype == _U64 and a.ndim == 1 and a.flags.c_contiguous
+
+
+def _null_error(src: np.ndarray, dst: np.ndarray, sz: np.ndarray) -> None:
+    """Raise for the first null address with a non-zero size (nothing if there is none)."""
+    for name, ptrs in (("src_ptrs", src), ("dst_ptrs", dst)):
+        bad = np.flatnonzero((ptrs == 0) & (sz > 0))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{name}[{i}] is a null address but sizes[{i}]={int(sz[i])}; "
+                             "expected a valid address for every non-empty copy")
+
+
+@numba.njit(nogil=True, cache=True)
+def _scan(src, dst, sizes, starts, reach):  # pragma: no cover - compiled; tested through batched_copy
+    # One pass over a validated-shape batch: a null address with a non-zero size, or a byte
+    # range outside every live range (binary search: the last range starting at or before
+    # the address must reach its end), stops the scan.  Returns the total byte count, or
+    # -1 - i for the first bad descriptor i.
+    total = 0
+    m = starts.shape[0]
+    for i in range(sizes.shape[0]):
+        n = sizes[i]
+        if n == 0:
+            continue
+        for p in (src[i], dst[i]):
+            if p == 0:
+                return -1 - i
+            lo, hi = 0, m
+            while lo < hi:  # first range starting after p
+                mid = (lo + hi) // 2
+                if starts[mid] <= p:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            # (Compared as "reach - p < n", not "reach < p + n": a huge size must not wrap around.)
+            if lo == 0 or reach[lo - 1] < p or reach[lo - 1] - p < n:
+                return -1 - i
+        total += n
+    return total
+
+
+def _checked(src_ptrs, dst_ptrs, sizes):
+    """The shape checks of check_descriptors: three equal-length uint64 arrays (or an error)."""
+    if _is_u64_vector(src_ptrs) and _is_u64_vector(dst_ptrs) and _is_u64_vector(sizes):
+        # The form the encoder-cache worker passes: nothing to convert, and uint64 sizes
+        # cannot be negative.
+        src, dst, sz = src_ptrs, dst_ptrs, sizes
+    else:
+        sz_raw = sizes if type(sizes) is np.ndarray else np.asarray(sizes)
+        if sz_raw.dtype.kind == "i" and sz_raw.ndim == 1 and sz_raw.size and sz_raw.min() < 0:
+            i = int(np.argmin(sz_raw))
+            raise ValueError(f"sizes[{i}]={int(sz_raw[i])} is negative; expected byte counts >= 0")
+        src = _as_u64("src_ptrs", src_ptrs)
+        dst = _as_u64("dst_ptrs", dst_ptrs)
+        sz = _as_u64("sizes", sz_raw)
+    if not (src.size == dst.size == sz.size):
+        raise ValueError(f"descriptor arrays differ in length: len(src_ptrs)={src.size}, "
+                         f"len(dst_ptrs)={dst.size}, len(sizes)={sz.size}; expected equal lengths")
+    return src, dst, sz
+
+
 def check_descriptors(src_ptrs, dst_ptrs, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validate a descriptor list and return it as three contiguous ``uint64`` arrays.
 
     Raises TypeError for non-integer dtypes, ValueError for unequal lengths, a negative
     size, or a null address with a non-zero size -- each naming the argument and index.
-    Cheap on the common path (a few reductions), because it runs once per batched copy.
+    Cheap on the common path (three uint64 arrays are taken as they are), because it runs
+    once per batched copy.
     """
-    sz_raw = sizes if type(sizes) is np.ndarray else np.asarray(sizes)
-    if sz_raw.dtype.kind == "i" and sz_raw.ndim == 1 and sz_raw.size and sz_raw.min() < 0:
-        i = int(np.argmin(sz_raw))
-        raise ValueError(f"sizes[{i}]={int(sz_raw[i])} is negative; expected byte counts >= 0")
-    src = _as_u64("src_ptrs", src_ptrs)
-    dst = _as_u64("dst_ptrs", dst_ptrs)
-    sz = _as_u64("sizes", sz_raw)
-    if not (src.size == dst.size == sz.size):
-        raise ValueError(f"descriptor arrays differ in length: len(src_ptrs)={src.size}, "
-                         f"len(dst_ptrs)={dst.size}, len(sizes)={sz.size}; expected equal lengths")
-    if not (src.all() and dst.all()):  # some address is 0: only an error for a non-empty copy
-        for name, ptrs in (("src_ptrs", src), ("dst_ptrs", dst)):
-            bad = np.flatnonzero((ptrs == 0) & (sz > 0))
-            if bad.size:
-                i = int(bad[0])
-                raise ValueError(f"{name}[{i}] is a null address but sizes[{i}]={int(sz[i])}; "
-                                 "expected a valid address for every non-empty copy")
+    src, dst, sz = _checked(src_ptrs, dst_ptrs, sizes)
+    if sz.size and not (src.all() and dst.all()):  # some address is 0: only an error for a non-empty copy
+        _null_error(src, dst, sz)
     return src, dst, sz
+
+
+def _validated_total(src: np.ndarray, dst: np.ndarray, sz: np.ndarray) -> int:
+    """Null and live-range checks of a shape-checked batch; its total byte count."""
+    starts, _, reach, _ = LIVE._table()  # the sorted live ranges, cached by LIVE between changes
+    total = _scan(src, dst, sz, starts, reach)
+    if total < 0:
+        # Something is wrong: let the thorough checks say what, naming the descriptor.
+        _null_error(src, dst, sz)
+        LIVE.check("src_ptrs", src, sz)
+        LIVE.check("dst_ptrs", dst, sz)
+        i = -1 - total  # the table changed in between (another thread freed or registered memory)
+        raise ValueError(f"descriptor {i} (src_ptrs[{i}]={int(src[i]):#x}, dst_ptrs[{i}]={int(dst[i]):#x}, "
+                         f"sizes[{i}]={int(sz[i])}) left live memory while it was being checked")
+    return int(total)
 
 
 def check_ranges(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
     """ValueError unless every non-empty descriptor reads and writes inside live memory
-    (:data:`vtnumba.backend.address_ranges.LIVE`)."""
+    (:data:`vtnumba.backend.address_ranges.LIVE`); the arguments are equal-length uint64 arrays."""
     LIVE.check("src_ptrs", src, sizes)
     LIVE.check("dst_ptrs", dst, sizes)
+
+
+@numba.njit(nogil=True, cache=True)
+def _covered(address, nbytes, starts, reach):  # pragma: no cover - compiled
+    address = np.uint64(address)  # a Python int arrives as int64: compare addresses as uint64
+    nbytes = np.uint64(nbytes)
+    lo, hi = 0, starts.shape[0]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if starts[mid] <= address:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo > 0 and reach[lo - 1] >= address and reach[lo - 1] - address >= nbytes
+
+
+def is_live(address: int, nbytes: int) -> bool:
+    """Is ``[address, address + nbytes)`` inside one range of live memory this process knows
+    (:data:`vtnumba.backend.address_ranges.LIVE`)?  A compiled binary search: cheap enough to
+    ask once per step (the encoder-cache worker asks it before registering an output)."""
+    starts, _, reach, _ = LIVE._table()
+    return _covered(address, nbytes, starts, reach)
+
+
+@numba.njit(nogil=True, cache=True)
+def _data_address(byte_view):  # pragma: no cover - compiled
+    return byte_view.ctypes.data
 
 
 def address_of(obj) -> int:
@@ -118,6 +227,11 @@ def address_of(obj) -> int:
     """
     if isinstance(obj, Buffer):
         return obj.ptr
+    if type(obj) is np.ndarray and obj.ndim and obj.flags.c_contiguous and obj.size:
+        # numpy's own ways (``.ctypes.data``, ``__array_interface__``) build a helper object
+        # per call, about a microsecond; a compiled function reads the pointer in a third of
+        # that.  (Through a byte view: numba's CPU arrays have no float16.)
+        return _data_address(obj.view(np.uint8))
     return _array_address(obj)
 
 
@@ -160,7 +274,7 @@ def _get_host_loop():
 def prepare(backend: Backend | None = None) -> None:
     """Compile the host loop now (about a second, once per process) if ``backend`` copies on
     the host -- so the first timed copy does not include the compilation."""
-    if backend is None or _runs_on_host(backend):
+    if backend is None or _plan(backend).host:
         _get_host_loop()
 
 
@@ -172,6 +286,7 @@ def host_batched_copy(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> No
 
 # --------------------------------------------------------------------------- CUDA driver path
 _cuda_batch_ok: bool | None = None
+_cuda_attrs: dict = {}  # src_access_order -> [CUmemcpyAttributes], made once (a struct per call costs)
 
 
 def cuda_batch_api_available() -> bool:
@@ -200,22 +315,31 @@ def _stream_handle(stream):
     return h
 
 
-def _cuda_batched_copy(stream, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, src_access_order: str) -> None:
-    global _cuda_batch_ok
-    from cuda.bindings import driver as cu
-
-    h = _stream_handle(stream)
-    n = int(sizes.size)
-    if n == 0:
-        return
-    if cuda_batch_api_available():
+def _batch_attrs(cu, src_access_order: str) -> list:
+    attrs = _cuda_attrs.get(src_access_order)
+    if attrs is None:
         attr = cu.CUmemcpyAttributes()
         attr.srcAccessOrder = (cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_ANY
                                if src_access_order == "any" else
                                cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
-        res = cu.cuMemcpyBatchAsync([cu.CUdeviceptr(int(p)) for p in dst.tolist()],
-                                    [cu.CUdeviceptr(int(p)) for p in src.tolist()],
-                                    sizes.tolist(), n, [attr], [0], 1, h)
+        attrs = _cuda_attrs[src_access_order] = [attr]
+    return attrs
+
+
+def _cuda_batched_copy(stream, lists, src_access_order: str) -> None:
+    """``lists``: the descriptors as three Python lists (read here, on the caller's thread:
+    the driver call itself copies them, so nothing needs keeping alive afterwards)."""
+    global _cuda_batch_ok
+    from cuda.bindings import driver as cu
+
+    src, dst, sizes = lists
+    n = len(sizes)
+    if n == 0:
+        return
+    h = _stream_handle(stream)
+    if n > 1 and cuda_batch_api_available():
+        res = cu.cuMemcpyBatchAsync([cu.CUdeviceptr(p) for p in dst], [cu.CUdeviceptr(p) for p in src],
+                                    sizes, n, _batch_attrs(cu, src_access_order), [0], 1, h)
         err = res[0] if isinstance(res, tuple) else res
         if err == cu.CUresult.CUDA_SUCCESS:
             return
@@ -224,9 +348,11 @@ def _cuda_batched_copy(stream, src: np.ndarray, dst: np.ndarray, sizes: np.ndarr
         warnings.warn(f"cuMemcpyBatchAsync of {n} descriptors returned {err}; using cuMemcpyAsync per "
                       "descriptor from now on", RuntimeWarning, stacklevel=3)
         _cuda_batch_ok = False
-    for s, d, nb in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+    # One descriptor (the usual encoder-cache entry: one run) needs no batch: one driver call
+    # either way, and this one takes no attribute structs.
+    for s, d, nb in zip(src, dst, sizes):
         if nb:
-            (err,) = cu.cuMemcpyAsync(cu.CUdeviceptr(int(d)), cu.CUdeviceptr(int(s)), int(nb), h)
+            (err,) = cu.cuMemcpyAsync(cu.CUdeviceptr(d), cu.CUdeviceptr(s), nb, h)
             if err != cu.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"cuMemcpyAsync({nb} bytes) failed: {err}")
 
@@ -242,8 +368,31 @@ def _resolve(backend: Backend | None) -> Backend:
     return backend
 
 
+class _Plan:
+    """How a backend's copies run, read once from its capabilities (a fresh dataclass per read)."""
+
+    __slots__ = ("host", "inline")
+
+    def __init__(self, backend: Backend):
+        caps = backend.capabilities
+        self.host = caps.host_addressable        # the host loop can touch its memory
+        # Every queue runs its work at once on the caller's thread, outside any launch lock:
+        # calling the loop directly is what submit would do (the cpu target's default mode).
+        self.inline = caps.host_addressable and not caps.async_queues and not caps.simulator
+
+
+_plans: "weakref.WeakKeyDictionary[Backend, _Plan]" = weakref.WeakKeyDictionary()
+
+
+def _plan(backend: Backend) -> _Plan:
+    plan = _plans.get(backend)
+    if plan is None:
+        plan = _plans[backend] = _Plan(backend)
+    return plan
+
+
 def _runs_on_host(backend: Backend) -> bool:
-    return backend.capabilities.host_addressable
+    return _plan(backend).host
 
 
 def batched_copy(src_ptrs, dst_ptrs, sizes, queue: Queue | None = None, backend: Backend | None = None, *,
@@ -256,28 +405,37 @@ def batched_copy(src_ptrs, dst_ptrs, sizes, queue: Queue | None = None, backend:
     by earlier work on the stream (true for the shared region on loads), which lets it
     start reading early; it is ignored on the host.  Returns the number of bytes copied.
     """
-    if src_access_order not in ("stream", "any"):
+    if src_access_order != "stream" and src_access_order != "any":
         raise ValueError(f"src_access_order={src_access_order!r}; expected 'stream' or 'any'")
-    src, dst, sz = check_descriptors(src_ptrs, dst_ptrs, sizes)
+    src, dst, sz = _checked(src_ptrs, dst_ptrs, sizes)
     be = _resolve(backend)
     if queue is not None and not isinstance(queue, Queue):
         raise TypeError(f"queue must be a vtnumba Queue or None, got {type(queue).__name__}")
-    check_ranges(src, dst, sz)
-    total = int(sz.sum(dtype=np.uint64)) if sz.size else 0
+    total = _validated_total(src, dst, sz)
     if sz.size == 0:
         return 0
+    plan = _plan(be)
+    if (plan.inline and trace.RECORDER is None and not observing_uses()
+            and (queue is None or (queue.backend is be and not queue.destroyed))):
+        # A synchronous queue would run the copy right now, on this thread: do just that.
+        # (Tracing, a hazard checker, or a queue that is not this backend's take the
+        # general path below, which records, reports or refuses as usual.)
+        _get_host_loop()(src, dst, sz)
+        return total
     own_queue = queue is None
     q = be.create_queue("batched_copy") if own_queue else queue
     try:
         # Every descriptor's two ranges, for a hazard checker that may be watching (see Backend.submit).
         uses = [(int(p), int(n)) for p, n in zip(np.concatenate([src, dst]).tolist(), np.concatenate([sz, sz]).tolist())
                 if n] if observing_uses() else ()
-        if _runs_on_host(be):
+        if plan.host:
             loop = _get_host_loop()  # compile here, on the caller, not inside the queued work
             be.submit(q, lambda _stream: loop(src, dst, sz), "batched_copy", uses=uses,
                       descriptors=int(sz.size), bytes=total)
         else:
-            be.submit(q, lambda stream: _cuda_batched_copy(stream, src, dst, sz, src_access_order), "batched_copy",
+            # The driver reads the descriptors during the call: hand it Python lists made now.
+            lists = (src.tolist(), dst.tolist(), sz.tolist())
+            be.submit(q, lambda stream: _cuda_batched_copy(stream, lists, src_access_order), "batched_copy",
                       uses=uses, descriptors=int(sz.size), bytes=total)
     finally:
         if own_queue:
