@@ -25,3 +25,16 @@ def minilm_dir() -> Path:
         if ON_GPU:
             pytest.skip(f"no MiniLM weights on this GPU run (VTNUMBA_TARGET=cuda): {exc}")
         raise
+
+
+def needs_the_target() -> list:
+    """Marks (a list, for ``pytestmark``) for tests whose model computes on the run's target (the
+    default backend): under ``VTNUMBA_TARGET=cuda`` on a machine without a usable GPU they are
+    skipped, saying why, instead of failing to create the CUDA backend."""
+    if ON_GPU:
+        from vtnumba.target import gpu_usable
+
+        ok, why = gpu_usable()
+        if not ok:
+            return [pytest.mark.skip(reason=f"VTNUMBA_TARGET=cuda but no usable GPU: {why}")]
+    return []

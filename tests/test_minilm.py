@@ -4,7 +4,8 @@ tp = 1 runs through the public :class:`MiniLMEncoder`.  tp = 2, 3, 4 run here in
 one thread per rank, with the ranks' partial sums combined through a thread barrier -- once
 with a regular all-reduce and once through :class:`TPSPReduceNorm` around a reference TPSP op
 that follows DESIGN.md's semantics (reduce-scatter over token rows, norm, all-gather).  The
-same checks under real MPI ranks are in tests/mpi/test_minilm_tp.py.
+same checks under real MPI ranks (with :func:`vtnumba.tpsp.regular.regular_matmul_ar_norm`
+and the real TPSP op) are in tests/mpi/test_minilm_tp.py and test_minilm_random_checkpoint.py.
 """
 
 import math
@@ -19,6 +20,7 @@ import pytest
 pytest.importorskip("safetensors", reason="needs the model extra: pip install safetensors tokenizers")
 pytest.importorskip("tokenizers", reason="needs the model extra: pip install safetensors tokenizers")
 
+from vtnumba.backend import CPUBackend
 from vtnumba.backend.arrays import is_device_array, to_host
 from vtnumba.kernels import fused_add_layer_norm
 from vtnumba.models import (
@@ -37,7 +39,9 @@ from vtnumba.models import (
     shard_layer,
 )
 
-from minilm_weights import minilm_dir
+from minilm_weights import minilm_dir, needs_the_target
+
+pytestmark = needs_the_target()  # the encoder computes on the run's target
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "minilm_reference.npz"
 TOL = 1e-5
@@ -159,7 +163,9 @@ class _ThreadGroup:
 
 
 def _regular_op(group, rank):
-    def reduce_norm(x, w, bias, residual, lw, lb, eps, *, name):
+    # A stand-in strategy: it ignores the buffers the model lends (out=, buffers=) and returns
+    # an array of its own, which the model copies into its hidden buffer.
+    def reduce_norm(x, w, bias, residual, lw, lb, eps, *, name, **_lent):
         return fused_add_layer_norm(group.allreduce(rank, x @ w.T), residual, lw, lb, eps, bias=bias)[0]
 
     return reduce_norm
@@ -188,7 +194,9 @@ def _run_threads(weights, tp, make_reduce_norm, batch):
 
     def rank_main(rank):
         try:
-            model = MiniLMModel(weights, rank=rank, tp=tp, reduce_norm=make_reduce_norm(group, rank))
+            # Host arrays on every target: the stand-in exchanges below are numpy code.
+            model = MiniLMModel(weights, rank=rank, tp=tp, reduce_norm=make_reduce_norm(group, rank),
+                                backend=CPUBackend())
             results[rank] = model.forward(batch)
         except BaseException as exc:  # noqa: BLE001 -- reported below, and the barrier is broken for the others
             errors.append(exc)
@@ -281,33 +289,43 @@ def test_encoder_switches_between_regular_and_tpsp(weights, ref):
         enc.use_tpsp({"layer0.output": 3})
 
 
-def test_tpsp_adapter_stages_host_arrays_for_a_device_op(device_backend, rng):
-    # Targets cuda / cudasim: the TPSP backend takes device arrays (here: the device target's).
-    T, K, H = 7, 33, 16
+def test_tpsp_adapter_hands_device_arrays_to_the_op_without_staging(device_backend, rng):
+    # On cuda / cudasim the model's arrays are device arrays, and so are the TPSP backend's: the
+    # adapter passes them straight through (no copy to the host and back per call), hands the op
+    # the residual shard the model lent it, and the op's rows land in the model's out buffer.
+    T, K, H, tp, rank = 7, 33, 16, 2, 1
+    R = -(-T // tp)
     x = rng.standard_normal((T, K)).astype(np.float32)
     w = rng.standard_normal((H, K)).astype(np.float32)
     bias, lw, lb = (rng.standard_normal(H).astype(np.float32) for _ in range(3))
-    res = rng.standard_normal((T, H)).astype(np.float32)
+    padded = np.zeros((tp * R, H), np.float32)
+    padded[:T] = rng.standard_normal((T, H))
+    d = device_backend.asarray
+    d_res = d(padded)
+    d_shard = d_res[rank * R:(rank + 1) * R]
     seen = []
 
     def device_op(x_d, w_d, b_d, r_d, nw_d, eps, norm_bias=None):
-        assert not any(isinstance(a, np.ndarray) for a in (x_d, w_d, b_d, r_d, nw_d, norm_bias))
-        seen.append(w_d)
+        assert all(is_device_array(a) for a in (x_d, w_d, b_d, r_d, nw_d, norm_bias))
+        seen.append(r_d)
         h = device_backend.to_host
-        out, z = fused_add_layer_norm(h(x_d) @ h(w_d).T, h(r_d), h(nw_d), h(norm_bias), eps, bias=h(b_d))
-        return device_backend.asarray(out), device_backend.asarray(z)
+        full = fused_add_layer_norm(h(x_d) @ h(w_d).T, padded[:T], h(nw_d), h(norm_bias), eps, bias=h(b_d))[0]
+        return device_backend.asarray(full), None  # as if all-gathered: every rank's normalised rows
 
-    rn = TPSPReduceNorm(device_op, 0, 1, device=True)
-    want = fused_add_layer_norm(x @ w.T, res, lw, lb, 1e-12, bias=bias)[0]
-    for _ in range(2):
-        got = rn(x, w, bias, res, lw, lb, 1e-12, name="p")
-        assert isinstance(got, np.ndarray) and np.array_equal(got, want)
-    assert seen[0] is seen[1]  # weights are copied to the device once, then reused
+    from vtnumba.models import ReduceNormBuffers
+
+    rn = TPSPReduceNorm(device_op, rank, tp)
+    out = device_backend.asarray(np.full((T, H), np.nan, np.float32))
+    buffers = ReduceNormBuffers(d_shard, None, device_backend.empty((R, H)))
+    got = rn(d(x), d(w), d(bias), d_res[:T], d(lw), d(lb), 1e-12, name="p", out=out, buffers=buffers)
+    assert got is out and len(seen) == 1 and seen[0] is d_shard
+    want = fused_add_layer_norm(x @ w.T, padded[:T], lw, lb, 1e-12, bias=bias)[0]
+    np.testing.assert_allclose(device_backend.to_host(out), want, rtol=1e-5, atol=1e-5)
 
 
 def test_tpsp_adapter_with_fewer_tokens_than_ranks(weights, ref):
     batch = pack_batch([ref["ids"][0][:3]])  # T = 3 < tp = 4: rank 3 owns only padding
-    want = MiniLMModel(weights).forward(batch)
+    want = MiniLMModel(weights, backend=CPUBackend()).forward(batch)
     results = _run_threads(weights, 4, lambda g, r: TPSPReduceNorm(_reference_tpsp_op(g, r), r, 4), batch)
     for h in results:
         assert np.abs(h - want).max() < TOL
@@ -336,6 +354,7 @@ def test_shards_reassemble_the_full_layer(weights):
     ([], ValueError, "at least one"),
     ("a single string", TypeError, "wrap it in a list"),
     (["ok", 3], TypeError, r"texts\[1\]=3"),
+    (["ok", "abc\udcff\udcfe"], ValueError, r"texts\[1\]=.* is not valid UTF-8 text"),
     (None, TypeError, "sequence of str"),
 ])
 def test_bad_texts_are_refused(encoder, texts, exc, match):

@@ -1,8 +1,10 @@
-"""The host numerics of the MiniLM encoder against float64 numpy references.
+"""The MiniLM encoder's pieces against float64 numpy references, and the model on the device target.
 
 erf / GELU, packed attention (odd lengths, padding), batch packing, the regular
-reduce + add + LayerNorm on one rank, and the TPSP adapter's argument checks.
-No checkpoint needed.
+reduce + add + LayerNorm on one rank, the TPSP adapter's argument checks, the QKV layout
+that keeps heads whole on a rank, and a small random MiniLM-shaped model computed on the
+device target (numba's simulator here, the GPU under ``VTNUMBA_TARGET=cuda``) against the
+same model on the host.  No checkpoint needed.
 """
 
 import math
@@ -10,7 +12,13 @@ import math
 import numpy as np
 import pytest
 
+from vtnumba.backend import CPUBackend
+from vtnumba.backend.arrays import is_device_array
 from vtnumba.models import (
+    LayerWeights,
+    MiniLMConfig,
+    MiniLMModel,
+    MiniLMWeights,
     PackedBatch,
     RegularReduceNorm,
     TPSPReduceNorm,
@@ -18,6 +26,7 @@ from vtnumba.models import (
     bias_gelu_,
     fast_erf,
     pack_batch,
+    shard_layer,
 )
 
 ODD = (1, 7, 33, 65)
@@ -145,3 +154,89 @@ def test_tpsp_adapter_validates(rng):
     bad = TPSPReduceNorm(lambda *a, **k: (np.zeros((2, 4), np.float32), None), 0, 1)
     with pytest.raises(RuntimeError, match="gathered"):
         bad(np.ones((3, 2), np.float32), np.ones((4, 2), np.float32), None, np.ones((3, 4), np.float32), None, None, 1e-12)
+
+
+# -- a small random MiniLM-shaped model --------------------------------------------------
+
+
+def _random_weights(rng, hidden=16, heads=4, layers=2, intermediate=40, vocab=50, positions=40):
+    cfg = MiniLMConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       intermediate_size=intermediate, max_position_embeddings=positions, type_vocab_size=2,
+                       layer_norm_eps=1e-12, pad_token_id=0, max_seq_length=positions)
+
+    def mat(*shape, scale=0.3):
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    def ln():
+        return (1 + mat(hidden, scale=0.1)), mat(hidden, scale=0.1)
+
+    H, I = hidden, intermediate
+    layer_list = []
+    for _ in range(layers):
+        (l1w, l1b), (l2w, l2b) = ln(), ln()
+        layer_list.append(LayerWeights(q_w=mat(H, H), q_b=mat(H), k_w=mat(H, H), k_b=mat(H), v_w=mat(H, H),
+                                       v_b=mat(H), o_w=mat(H, H), o_b=mat(H), ln1_w=l1w, ln1_b=l1b, i_w=mat(I, H),
+                                       i_b=mat(I), out_w=mat(H, I), out_b=mat(H), ln2_w=l2w, ln2_b=l2b))
+    ew, eb = ln()
+    return MiniLMWeights(config=cfg, word_embeddings=mat(vocab, H, scale=1.0),
+                         position_embeddings=mat(positions, H, scale=1.0), token_type_embeddings=mat(2, H),
+                         emb_ln_w=ew, emb_ln_b=eb, layers=tuple(layer_list), model_dir=None)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_qkv_layout_gives_each_rank_whole_heads(rng, tp):
+    # The column-parallel QKV layer's contiguous slice on rank r is [Q_r; K_r; V_r] (its heads).
+    w = _random_weights(rng, layers=1)
+    layer, cfg = w.layers[0], w.config
+    k = cfg.hidden_size // tp
+    for r in range(tp):
+        s = shard_layer(layer, cfg, r, tp)
+        rows = slice(r * k, r * k + k)
+        scale = np.float32(1 / math.sqrt(cfg.head_dim))
+        np.testing.assert_array_equal(s.qkv.weight, np.concatenate([layer.q_w[rows] * scale, layer.k_w[rows],
+                                                                     layer.v_w[rows]]))
+        np.testing.assert_array_equal(s.attention_output.weight, layer.o_w[:, rows])
+        assert s.qkv.out_range == (3 * r * k, 3 * (r + 1) * k)
+
+
+def test_model_on_the_device_target_matches_the_host_and_stays_there(device_backend, rng):
+    # Tiny, because numba's simulator runs every GPU thread as a Python thread (and the norms'
+    # block reductions as thread barriers): one layer, hidden 8, two sentences (3 and 1 tokens).
+    weights = _random_weights(rng, hidden=8, heads=2, layers=1, intermediate=12)
+    batch = pack_batch([rng.integers(0, 50, n) for n in (3, 1)])
+    want = MiniLMModel(weights, backend=CPUBackend()).forward(batch)
+    model = MiniLMModel(weights, backend=device_backend)
+    kinds, downloads = [], []
+    regular = model.reduce_norm
+
+    def watched(x, w, bias, residual, lw, lb, eps, **lent):
+        kinds.append(all(is_device_array(a) for a in (x, w, bias, residual, lw, lb, lent["out"])))
+        return regular(x, w, bias, residual, lw, lb, eps, **lent)
+
+    def counted_to_host(arr, _real=device_backend.to_host):
+        downloads.append(tuple(arr.shape))
+        return _real(arr)
+
+    model.set_reduce_norm(watched)
+    device_backend.to_host = counted_to_host
+    try:
+        got = model.forward(batch)
+    finally:
+        del device_backend.to_host
+    assert kinds == [True] * 2  # both row-parallel finishes ran on device arrays
+    assert downloads == [(batch.num_tokens, 8)]  # one download: the result
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    model.close()
+
+
+def test_step_arena_is_reused_and_grows_only_when_needed(rng):
+    weights = _random_weights(rng)
+    model = MiniLMModel(weights, backend=CPUBackend())
+    big = pack_batch([rng.integers(0, 50, n) for n in (33, 7)])
+    first = model.forward(big)
+    arena = model.buffers.arena
+    model.forward(pack_batch([rng.integers(0, 50, 5)]))
+    assert model.buffers.arena is arena and arena.steps == 2  # a smaller batch: the same slab, reset
+    np.testing.assert_array_equal(model.forward(big), first)  # nothing leaks between forwards
+    model.forward(pack_batch([rng.integers(0, 50, 39)] * 3))
+    assert model.buffers.arena is not arena and arena.closed  # a bigger one: a new, larger slab

@@ -20,8 +20,9 @@ row-parallel projection of every forward took the fused op (``fused_calls``), no
 regular fallback.  A TPSP that silently declines still produces correct numbers, so the
 numbers alone cannot tell.
 
-On the ``cudasim`` target the simulator runs ~7,000 GPU threads per second, so the
-checkpoint there is shrunk (hidden 48, 12 heads, one layer) and one short batch is run.
+On the ``cudasim`` target the whole model computes on the simulated device, and the
+simulator runs ~7,000 GPU threads per second, so the checkpoint there is shrunk (hidden 48,
+12 heads, one layer) and one short batch is run.
 """
 
 import json
@@ -43,10 +44,11 @@ from vtnumba.models.tp_runtime import DEFAULT_MAX_BATCHED_TOKENS, TensorParallel
 from vtnumba.target import current_target  # noqa: E402
 
 from minilm_checkpoint import DEFAULT_WORDS, SPECIAL_TOKENS, vocabulary, write_random_minilm_checkpoint  # noqa: E402
+from minilm_weights import needs_the_target  # noqa: E402
 from mpi_helpers import collectively, group  # noqa: E402,F401 (group is a fixture)
 
 COMM = MPI.COMM_WORLD
-pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(300), *needs_the_target()]
 
 SEED = 1234
 SIMULATOR = current_target().name == "cudasim"

@@ -18,6 +18,7 @@ from vtnumba.bench.timing import stats_from_times
 
 
 def add_arguments(parser) -> None:
+    """The suite's own options (batch sizes, sentences per measurement)."""
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 8 32 64)")
     parser.add_argument("--sentences", type=int, default=None, help="sentences per measurement (default 256)")
 
@@ -44,6 +45,7 @@ def _sentence_transformers_rate(sentences, batch: int, threads: int, repeat: int
 
 
 def run(args) -> dict:
+    """Run the suite (collective over the world); the result document of :mod:`vtnumba.bench.schema`."""
     from mpi4py import MPI
 
     from vtnumba.dist import barrier, init_distributed

@@ -38,9 +38,9 @@ import types
 
 def _cuda_modules():
     from vtnumba.backend import cuda_flags
-    from vtnumba.kernels import matmul_cuda, norm_cuda, peer_cuda
+    from vtnumba.kernels import activation_cuda, attention_cuda, matmul_cuda, norm_cuda, peer_cuda
 
-    return [matmul_cuda, norm_cuda, peer_cuda, cuda_flags]
+    return [matmul_cuda, norm_cuda, peer_cuda, activation_cuda, attention_cuda, cuda_flags]
 
 
 def kernel_signatures() -> list[tuple[str, object, str]]:
@@ -146,6 +146,7 @@ def ptxas_usage(ptx: str, arch: str, ptxas: str | None = None) -> dict:
 
 
 def main(argv=None) -> int:
+    """``python -m vtnumba.kernels.ptx``: print the compile report as JSON; 1 if any kernel failed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cc", nargs="+", default=["80", "90"], help="compute capabilities, e.g. 80 90")
     parser.add_argument("--ptxas", action="store_true", help="also report ptxas resource usage")

@@ -6,9 +6,11 @@ The pieces, one concept per module, in the order data flows through them:
 * :mod:`~vtnumba.models.minilm_weights`   -- its config and float32 weights (``safetensors``, no torch);
 * :mod:`~vtnumba.models.minilm_tokenizer` -- texts to WordPiece ids (``tokenizers``), truncation policy;
 * :mod:`~vtnumba.models.minilm_batch`     -- packing variable-length sentences into one token stream;
-* :mod:`~vtnumba.models.bert_ops`         -- bias + GELU (erf), attention (add + LayerNorm: vtnumba.kernels);
+* :mod:`~vtnumba.models.bert_ops`         -- bias + GELU (erf) and packed attention by the model's names
+  (the kernels: :mod:`vtnumba.kernels.activation`, :mod:`vtnumba.kernels.attention`);
 * :mod:`~vtnumba.models.reduce_norm`      -- the row-parallel + residual + LayerNorm seam (regular / TPSP);
-* :mod:`~vtnumba.models.minilm`           -- the tensor-parallel encoder itself, and pooling;
+* :mod:`~vtnumba.models.step_buffers`     -- every array of a forward, from one step arena;
+* :mod:`~vtnumba.models.minilm`           -- the tensor-parallel encoder from nn layers, and pooling;
 * :mod:`~vtnumba.models.encoder`          -- :class:`MiniLMEncoder`, the facade scripts use;
 * :mod:`~vtnumba.models.corpus`           -- the demo's sentence corpus (``vtnumba/data/corpus.txt``).
 
@@ -24,12 +26,20 @@ from vtnumba.models.minilm_batch import PackedBatch, pack_batch
 from vtnumba.models.minilm_files import ENV_VAR, INSTALL_HINT, find_minilm_dir
 from vtnumba.models.minilm_tokenizer import MiniLMTokenizer, TruncationWarning
 from vtnumba.models.minilm_weights import LayerWeights, MiniLMConfig, MiniLMWeights, load_minilm_weights
-from vtnumba.models.reduce_norm import DEFAULT_TIMEOUT_S, RegularReduceNorm, TPSPReduceNorm, as_mpi_comm
+from vtnumba.models.reduce_norm import (
+    DEFAULT_TIMEOUT_S,
+    ReduceNormBuffers,
+    RegularReduceNorm,
+    TPSPReduceNorm,
+    as_mpi_comm,
+    as_process_group,
+)
+from vtnumba.models.step_buffers import StepBuffers
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "ENV_VAR", "INSTALL_HINT", "LayerWeights", "MiniLMConfig", "MiniLMEncoder", "MiniLMModel",
-    "MiniLMTokenizer", "MiniLMWeights", "PackedBatch", "RegularReduceNorm", "ShardedLayer", "TPSPReduceNorm",
-    "TokenOutputs", "TruncationWarning", "as_mpi_comm", "attention", "bias_gelu_",
-    "check_tp_size", "fast_erf", "find_minilm_dir", "load_corpus", "load_minilm_weights", "pack_batch",
-    "pool_embedding", "random_sentences", "shard_layer",
+    "MiniLMTokenizer", "MiniLMWeights", "PackedBatch", "ReduceNormBuffers", "RegularReduceNorm", "ShardedLayer",
+    "StepBuffers", "TPSPReduceNorm", "TokenOutputs", "TruncationWarning", "as_mpi_comm", "as_process_group",
+    "attention", "bias_gelu_", "check_tp_size", "fast_erf", "find_minilm_dir", "load_corpus", "load_minilm_weights",
+    "pack_batch", "pool_embedding", "random_sentences", "shard_layer",
 ]

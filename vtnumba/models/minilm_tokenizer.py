@@ -18,6 +18,10 @@ truncates too (so its outputs stay comparable to the reference) but says so with
 :class:`ValueError`.  ``max_seq_length`` may be raised up to the model's 512 positions;
 beyond that there are no position embeddings, so asking for more is a ``ValueError``.
 
+**Text that is not text.**  A ``str`` holding lone surrogates (bytes that were not UTF-8, as
+Python passes them through from a command line) is refused with a ``ValueError`` naming
+its index and showing its bytes (:func:`invalid_text`).
+
 **Empty inputs.**  sentence-transformers would embed ``""`` as ``[CLS] [SEP]`` -- a vector
 that means nothing.  vtnumba refuses a text with no word pieces (empty, whitespace only,
 or only characters the normaliser removes) with a ``ValueError`` naming its index.
@@ -31,6 +35,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from vtnumba.backend.arrays import is_int
 from vtnumba.models.minilm_files import INSTALL_HINT, find_minilm_dir
 from vtnumba.models.minilm_weights import MiniLMConfig
 
@@ -53,7 +58,36 @@ def _check_texts(texts) -> list[str]:
     for i, t in enumerate(out):
         if not isinstance(t, str):
             raise TypeError(f"texts[{i}]={t!r} is a {type(t).__name__}; expected str")
+        bad = invalid_text(t)
+        if bad:
+            raise ValueError(f"texts[{i}]={t!r} {bad}")
     return out
+
+
+def invalid_text(text: str) -> str | None:
+    """Why ``text`` cannot be tokenized, or None when it can.
+
+    A Python ``str`` may hold lone surrogates (``\\udc80``-``\\udcff``): that is how Python keeps
+    bytes that were not valid UTF-8 -- a command-line argument in another encoding, say --
+    so they can be written back unchanged.  They are not text, and the tokenizer (Rust,
+    UTF-8 only) would refuse them with an obscure TypeError.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raw = text.encode("utf-8", "surrogateescape") if _only_escaped_bytes(text) else None
+        shown = f" (its bytes: {raw!r})" if raw is not None else ""
+        return (f"is not valid UTF-8 text: character {exc.start} is a lone surrogate{shown}; pass text "
+                "decoded from its real encoding")
+    return None
+
+
+def _only_escaped_bytes(text: str) -> bool:
+    try:
+        text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class MiniLMTokenizer:
@@ -71,7 +105,7 @@ class MiniLMTokenizer:
         limit = self.config.max_position_embeddings
         if max_seq_length is None:
             max_seq_length = self.config.max_seq_length
-        if isinstance(max_seq_length, bool) or not isinstance(max_seq_length, (int, np.integer)):
+        if not is_int(max_seq_length):
             raise TypeError(f"max_seq_length={max_seq_length!r} must be an int")
         if not 3 <= int(max_seq_length) <= limit:
             raise ValueError(

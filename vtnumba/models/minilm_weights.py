@@ -29,24 +29,35 @@ from vtnumba.models.minilm_files import INSTALL_HINT, find_minilm_dir
 class MiniLMConfig:
     """The architecture numbers the encoder needs (a subset of Hugging Face's BertConfig)."""
 
+    #: Word-piece vocabulary size (rows of the word-embedding table; 30522 for MiniLM).
     vocab_size: int
+    #: Width of the hidden state, ``H`` (384).
     hidden_size: int
+    #: Transformer layers (6).
     num_hidden_layers: int
+    #: Attention heads (12); ``tp`` must divide it, so every rank holds whole heads.
     num_attention_heads: int
+    #: Width of the FFN's intermediate activations, ``I`` (1536).
     intermediate_size: int
+    #: Rows of the position table: the longest input the model can take (512).
     max_position_embeddings: int
+    #: Rows of the token-type table (2; single sentences use type 0).
     type_vocab_size: int
+    #: LayerNorm epsilon (1e-12, BERT's).
     layer_norm_eps: float
+    #: Id of the ``[PAD]`` token (never used: vtnumba packs real tokens only).
     pad_token_id: int
     #: sentence-transformers' truncation length (``sentence_bert_config.json``), <= max_position_embeddings.
     max_seq_length: int
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head, ``hidden_size // num_attention_heads`` (64)."""
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> MiniLMConfig:
+        """Read ``config.json`` (and ``sentence_bert_config.json`` if present) from ``model_dir``."""
         raw = json.loads((model_dir / "config.json").read_text())
         # Only the plain BERT recipe is implemented; anything else must fail loudly, not silently differ.
         for key, want in (("model_type", "bert"), ("hidden_act", "gelu"), ("position_embedding_type", "absolute")):
@@ -83,21 +94,37 @@ class MiniLMConfig:
 class LayerWeights:
     """One post-LayerNorm BERT layer, full (unsharded), float32, ``[out, in]`` linear weights."""
 
+    #: Query projection weight ``[H, H]``.
     q_w: np.ndarray
+    #: Query projection bias ``[H]``.
     q_b: np.ndarray
+    #: Key projection weight ``[H, H]``.
     k_w: np.ndarray
+    #: Key projection bias ``[H]``.
     k_b: np.ndarray
+    #: Value projection weight ``[H, H]``.
     v_w: np.ndarray
+    #: Value projection bias ``[H]``.
     v_b: np.ndarray
-    o_w: np.ndarray  # attention output projection [H, H]
+    #: Attention-output projection weight ``[H, H]``.
+    o_w: np.ndarray
+    #: Attention-output projection bias ``[H]``.
     o_b: np.ndarray
-    ln1_w: np.ndarray  # attention.output.LayerNorm
+    #: LayerNorm after attention (``attention.output.LayerNorm``): weight ``[H]``.
+    ln1_w: np.ndarray
+    #: LayerNorm after attention: bias ``[H]``.
     ln1_b: np.ndarray
-    i_w: np.ndarray  # intermediate [I, H]
+    #: Intermediate (FFN up) projection weight ``[I, H]``.
+    i_w: np.ndarray
+    #: Intermediate projection bias ``[I]``.
     i_b: np.ndarray
-    out_w: np.ndarray  # output projection [H, I]
+    #: Output (FFN down) projection weight ``[H, I]``.
+    out_w: np.ndarray
+    #: Output projection bias ``[H]``.
     out_b: np.ndarray
-    ln2_w: np.ndarray  # output.LayerNorm
+    #: LayerNorm after the FFN (``output.LayerNorm``): weight ``[H]``.
+    ln2_w: np.ndarray
+    #: LayerNorm after the FFN: bias ``[H]``.
     ln2_b: np.ndarray
 
 
@@ -105,13 +132,21 @@ class LayerWeights:
 class MiniLMWeights:
     """The whole checkpoint: embeddings + their LayerNorm, and the layers."""
 
+    #: The architecture (:class:`MiniLMConfig`).
     config: MiniLMConfig
-    word_embeddings: np.ndarray  # [vocab, H]
-    position_embeddings: np.ndarray  # [max_positions, H]
-    token_type_embeddings: np.ndarray  # [type_vocab, H]
+    #: Word-piece embedding table ``[vocab, H]``.
+    word_embeddings: np.ndarray
+    #: Absolute position embedding table ``[max_positions, H]``.
+    position_embeddings: np.ndarray
+    #: Token-type embedding table ``[type_vocab, H]``.
+    token_type_embeddings: np.ndarray
+    #: LayerNorm after the embeddings: weight ``[H]``.
     emb_ln_w: np.ndarray
+    #: LayerNorm after the embeddings: bias ``[H]``.
     emb_ln_b: np.ndarray
+    #: The transformer layers, first to last.
     layers: tuple[LayerWeights, ...]
+    #: The folder the checkpoint was read from (its tokenizer is there too).
     model_dir: Path
 
 

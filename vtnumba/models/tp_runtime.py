@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import warnings
 
+from vtnumba.backend.arrays import check_int
 from vtnumba.models.encoder import MiniLMEncoder
 
 # Tokens per forward the TPSP workspaces are sized for.  Batches of 64 typical sentences
@@ -34,7 +35,7 @@ class TensorParallelEncoder:
                  search: bool = False, weights=None, **encoder_kwargs):
         self.group = group
         self.encoder = MiniLMEncoder(group, weights=weights, **encoder_kwargs)
-        self.max_batched_tokens = int(max_batched_tokens)
+        self.max_batched_tokens = check_int("max_batched_tokens", max_batched_tokens, min_value=1)
         self.tpsp_backend = None
         self.context = None
         self.ops = None
@@ -54,33 +55,48 @@ class TensorParallelEncoder:
             warnings.simplefilter("ignore", TPSPDisabledWarning)
             self.context = profile_tpsp(self.tpsp_backend, ops_groups, max_batched_tokens=self.max_batched_tokens,
                                         search=search)
-        self.ops = {g.name: TPSPOp(self.context, g.name, norm="layer", group=self.group) for g in ops_groups}
+        self.ops = {g.name: TPSPOp(self.context, g.name, norm="layer", group=self.group,
+                                   timeout_s=self.encoder.timeout_s) for g in ops_groups}
         self.encoder.use_tpsp(self.ops)
 
     @property
     def tpsp_enabled(self) -> bool:
+        """Did every rank open TPSP (False: one rank, ``use_tpsp=False``, or the profile declined)?"""
         return self.context is not None
 
     def use_tpsp(self) -> None:
+        """From the next forward on, finish each row-parallel projection with the TPSP ops."""
         if self.ops is None:
             raise RuntimeError("TPSP was not opened for this encoder (one rank, or use_tpsp=False)")
         self.encoder.use_tpsp(self.ops)
 
     def use_regular(self) -> None:
+        """From the next forward on, finish each row-parallel projection with the regular forward."""
         self.encoder.use_regular()
 
     def fused_calls(self) -> int:
+        """How many row-parallel projections ran the fused op so far (all 12 ops together)."""
         return sum(op.fused_calls for op in (self.ops or {}).values())
 
     def close(self) -> None:
-        """Close TPSP's handles and backend (collective over the group)."""
-        if self.tpsp_backend is not None:
-            backend, self.tpsp_backend = self.tpsp_backend, None
-            backend.close()
+        """Close TPSP's handles and backend (collective over the group), and free the model's step arena."""
+        try:
+            if self.tpsp_backend is not None:
+                backend, self.tpsp_backend = self.tpsp_backend, None
+                backend.close()
+        finally:
+            self.encoder.close()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            # Failing: the peers may be anywhere (waiting in a forward, or already gone), so a
+            # collective close would wait for them until a timeout and hide this error behind
+            # its own.  Free what is this rank's alone; the peer segments are unlinked when
+            # the process exits (vtnumba.dist.shm's exit hook).
+            self.encoder.close()
         return False

@@ -2,7 +2,8 @@
 
 * :mod:`~vtnumba.nn.linear`     -- ColumnParallelLinear, RowParallelLinear (Megatron-style splits);
 * :mod:`~vtnumba.nn.norm`       -- RMSNorm, LayerNorm (fused residual add + norm);
-* :mod:`~vtnumba.nn.activation` -- ReLU / GELU / SiLU and the bias add (host + CUDA);
+* :mod:`~vtnumba.nn.activation` -- ReLU / GELU (tanh, erf) / SiLU and the bias add (the kernels:
+  :mod:`vtnumba.kernels.activation`);
 * :mod:`~vtnumba.nn.block`      -- ParallelMLPBlock (down-projection paired with the next norm,
   as TPSP fuses them) and ParallelMLPStack.
 

@@ -3,8 +3,10 @@
 The :mod:`vtnumba.nn` modules keep their weights as numpy arrays (what a checkpoint loader
 produces and what the ``cpu`` target computes with).  When a forward receives *device*
 arrays (the ``cuda``/``cudasim`` targets) the module needs the same weights in device
-memory: :class:`Params` uploads each one once, on first use, and hands out the cached copy
-afterwards.  Assigning a new array to a parameter drops its stale device copy.
+memory: :class:`Params` uploads each one once, on first use, through the CUDA backend's
+``asarray`` (the :class:`vtnumba.backend.Backend` seam), and hands out the cached copy
+afterwards -- a model's weights cross to the device once, not once per call.  Assigning a
+new array to a parameter drops its stale device copy.
 """
 
 from __future__ import annotations
@@ -13,7 +15,17 @@ import numpy as np
 
 
 def is_host(arr) -> bool:
+    """Is ``arr`` a numpy array (the ``cpu`` target's memory)?"""
     return isinstance(arr, np.ndarray)
+
+
+def _upload(host: np.ndarray):
+    from vtnumba.backend import default_backend
+    from vtnumba.backend.device import Device, DeviceType
+
+    # The process's CUDA backend (a GPU, or the simulator): the arrays it makes are the ones
+    # every CUDA kernel of vtnumba takes.
+    return default_backend(Device(DeviceType.CUDA, 0)).asarray(np.ascontiguousarray(host, dtype=np.float32))
 
 
 class Params:
@@ -31,9 +43,7 @@ class Params:
             return value
         cache = self.__dict__.setdefault("_device_params", {})
         if name not in cache:
-            from numba import cuda
-
-            cache[name] = cuda.to_device(np.ascontiguousarray(value, dtype=np.float32))
+            cache[name] = _upload(value)
         return cache[name]
 
 

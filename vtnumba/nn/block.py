@@ -23,6 +23,7 @@ runs it both ways and compares.
 
 from __future__ import annotations
 
+from vtnumba.backend.arrays import is_int
 from vtnumba.nn.activation import activation
 from vtnumba.nn.linear import ColumnParallelLinear, RowParallelLinear
 from vtnumba.nn.norm import make_norm
@@ -72,13 +73,14 @@ class ParallelMLPStack:
 
     def __init__(self, layers: int, hidden_size: int, ffn_size: int, *, norm: str = "rms", act: str = "gelu",
                  bias: bool = True, tp_size=None, tp_rank=None, seed: int = 0):
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        if not is_int(layers) or layers < 1:
             raise ValueError(f"layers={layers!r} must be a positive int")
         self.input_norm = make_norm(norm, hidden_size, seed=seed * 1000 + 7)
         self.blocks = [ParallelMLPBlock(hidden_size, ffn_size, norm=norm, act=act, bias=bias, tp_size=tp_size,
                                         tp_rank=tp_rank, seed=seed * 1000 + 10 + i) for i in range(layers)]
 
     def ops_groups(self) -> list[TPSPOpsGroup]:
+        """One :class:`~vtnumba.tpsp.TPSPOpsGroup` per block (``block{i}.down``): what TPSP opens handles for."""
         return [b.ops_group(f"block{i}.down") for i, b in enumerate(self.blocks)]
 
     def forward_regular(self, embeddings, group):

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtnumba.kernels import linear
+from vtnumba.backend.arrays import check_int, is_int
+from vtnumba.kernels import add_bias, linear
 from vtnumba.nn._params import Params
 
 
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
     """``[start, stop)`` of part ``index`` when ``total`` items are split into ``parts`` near-equal parts."""
     for name, v in (("total", total), ("parts", parts), ("index", index)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        if not is_int(v):
             raise TypeError(f"{name}={v!r} must be an int")
     if parts < 1 or total < parts:
         raise ValueError(f"cannot split total={total} into parts={parts} non-empty parts")
@@ -48,11 +49,8 @@ def _tp(tp_size, tp_rank) -> tuple[int, int]:
         g = get_tp_group()
         tp_size = g.size if tp_size is None else tp_size
         tp_rank = g.rank if tp_rank is None else tp_rank
-    if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
-        raise ValueError(f"tp_size={tp_size!r} must be an int >= 1")
-    if isinstance(tp_rank, bool) or not isinstance(tp_rank, (int, np.integer)) or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank={tp_rank!r} must be an int in 0..{tp_size - 1}")
-    return int(tp_size), int(tp_rank)
+    tp_size = check_int("tp_size", tp_size, min_value=1)
+    return tp_size, check_int("tp_rank", tp_rank, min_value=0, max_value=tp_size - 1)
 
 
 def _full_weight(weight, out_features: int, in_features: int, seed: int) -> np.ndarray:
@@ -79,7 +77,13 @@ def _full_bias(bias, out_features: int, seed: int) -> np.ndarray | None:
 
 
 class ColumnParallelLinear(Params):
-    """``y_local = x @ W[out slice].T + b[out slice]``; ``x`` is the full input, replicated."""
+    """``y_local = x @ W[out slice].T + b[out slice]``; ``x`` is the full input, replicated.
+
+    A contiguous split of the output features is what a plain MLP needs.  A layer whose
+    outputs come in groups that must stay together on one rank (attention: whole heads of
+    Q, K and V) arranges the *full* weight so that each rank's contiguous slice is one
+    whole group -- see :func:`vtnumba.models.minilm.shard_layer`.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, bias=True, weight=None, tp_size=None, tp_rank=None,
                  seed: int = 0):
@@ -94,10 +98,17 @@ class ColumnParallelLinear(Params):
 
     @property
     def output_size_per_partition(self) -> int:
+        """How many of the output features this rank holds (Megatron's name)."""
         return self.out_range[1] - self.out_range[0]
 
-    def __call__(self, x, out=None):
-        return linear(x, self.param("weight", x), self.param("bias", x), out=out)
+    def __call__(self, x, out=None, *, add_bias: bool = True):
+        """``x [T, in_features] -> [T, output_size_per_partition]`` (into ``out`` when given).
+
+        ``add_bias=False`` leaves the bias out, for a caller that fuses it into the next
+        elementwise pass (BERT: bias + GELU, or the QKV bias inside attention); the bias
+        in the input's memory is ``self.param("bias", x)``.
+        """
+        return linear(x, self.param("weight", x), self.param("bias", x) if add_bias else None, out=out)
 
     def __repr__(self) -> str:
         return (f"ColumnParallelLinear({self.in_features} -> {self.out_features}, rank {self.tp_rank}/{self.tp_size} "
@@ -124,6 +135,7 @@ class RowParallelLinear(Params):
 
     @property
     def input_size_per_partition(self) -> int:
+        """How many of the input features this rank holds (Megatron's name)."""
         return self.in_range[1] - self.in_range[0]
 
     def partial(self, x_local, out=None):
@@ -142,8 +154,6 @@ class RowParallelLinear(Params):
         if group.size > 1:
             mpi_all_reduce_(out, group)
         if self.bias is not None:
-            from vtnumba.nn.activation import add_bias
-
             add_bias(out, self.param("bias", out))
         return out
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vtnumba.backend.arrays import check_eps, check_int
 from vtnumba.kernels import fused_add_layer_norm, fused_add_rms_norm
 from vtnumba.nn._params import Params
 
@@ -30,26 +31,15 @@ def _vector(value, hidden: int, default: float, name: str, seed: int | None) -> 
     return np.ascontiguousarray(v)
 
 
-def _check_hidden(hidden_size) -> int:
-    if isinstance(hidden_size, bool) or not isinstance(hidden_size, (int, np.integer)) or hidden_size < 1:
-        raise ValueError(f"hidden_size={hidden_size!r} must be a positive int")
-    return int(hidden_size)
-
-
-def _check_eps(eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps={eps!r} must be a positive float")
-    return float(eps)
-
-
 class RMSNorm(Params):
     """``out = z * rsqrt(mean(z^2) + eps) * weight``; ``seed`` draws a random weight near 1 (for tests)."""
 
+    #: Which norm this is, as :func:`vtnumba.tpsp.get_tpsp_norm_type` names it.
     norm_type = "rms"
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, weight=None, *, seed: int | None = None):
-        self.hidden_size = _check_hidden(hidden_size)
-        self.eps = _check_eps(eps)
+        self.hidden_size = check_int("hidden_size", hidden_size, min_value=1)
+        self.eps = check_eps(eps)
         self.weight = _vector(weight, self.hidden_size, 1.0, "weight", seed)
         self.bias = None  # RMSNorm has no bias (TPSP refuses a norm bias with RMSNorm)
 
@@ -65,11 +55,12 @@ class RMSNorm(Params):
 class LayerNorm(Params):
     """``out = (z - mean) * rsqrt(var + eps) * weight + bias``; ``seed`` draws random weight/bias."""
 
+    #: Which norm this is, as :func:`vtnumba.tpsp.get_tpsp_norm_type` names it.
     norm_type = "layer"
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, weight=None, bias=None, *, seed: int | None = None):
-        self.hidden_size = _check_hidden(hidden_size)
-        self.eps = _check_eps(eps)
+        self.hidden_size = check_int("hidden_size", hidden_size, min_value=1)
+        self.eps = check_eps(eps)
         self.weight = _vector(weight, self.hidden_size, 1.0, "weight", seed)
         self.bias = _vector(bias, self.hidden_size, 0.0, "bias", None if seed is None else seed + 1)
 

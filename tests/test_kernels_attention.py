@@ -1,0 +1,184 @@
+"""vtnumba.kernels.attention: packed attention, host reference vs float64 numpy, CUDA kernel vs host reference.
+
+The contract under test: each token attends to the keys of its own sentence only, and no
+padding ever reaches a real token's output.  The CUDA kernel runs on the device target
+(numba's simulator here, the GPU under ``VTNUMBA_TARGET=cuda``: the ``device_backend``
+fixture).  Inputs are fresh random numbers, outputs are filled with NaN first, and the
+sentence lengths are odd on purpose (1, 7, 33, several sentences of different lengths).
+"""
+
+import numpy as np
+import pytest
+
+from vtnumba.backend import CPUBackend
+from vtnumba.kernels import AttentionWorkspace, attention, attention_host
+from vtnumba.memory import StepArena
+
+
+def _offsets(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def _case(rng, lengths, nh, d, with_bias=True):
+    T, K = int(sum(lengths)), nh * d
+    qkv = rng.standard_normal((T, 3 * K)).astype(np.float32)
+    bias = rng.standard_normal(3 * K).astype(np.float32) if with_bias else None
+    return qkv, bias, _offsets(lengths)
+
+
+def _attention64(qkv, lengths, nh, d, bias):
+    """Per sentence and head, in float64: the textbook softmax(q k^T) v."""
+    K = nh * d
+    out, s = [], 0
+    for n in lengths:
+        blk = qkv[s:s + n].astype(np.float64) + (0.0 if bias is None else bias)
+        s += n
+        ctx = np.empty((n, K))
+        for h in range(nh):
+            q, k, v = (blk[:, p * K + h * d:p * K + (h + 1) * d] for p in range(3))
+            sc = q @ k.T
+            p_ = np.exp(sc - sc.max(axis=1, keepdims=True))
+            ctx[:, h * d:(h + 1) * d] = (p_ / p_.sum(axis=1, keepdims=True)) @ v
+        out.append(ctx)
+    return np.concatenate(out)
+
+
+def _tolerance(qkv, bias, nh, d):
+    # float32 rounds each score q.k to ~1 ulp of |q| |k|; softmax passes that on to the output,
+    # scaled by |v|: so one float32 ulp of max|q| max|k| max|v| (a padded key leaking into a row
+    # would be off by O(|v|), far above this).
+    x = qkv.astype(np.float64) + (0.0 if bias is None else bias)
+    K = nh * d
+    q, k = (np.linalg.norm(x[:, p * K:(p + 1) * K].reshape(-1, nh, d), axis=2).max() for p in (0, 1))
+    return 4 * np.finfo(np.float32).eps * max(q * k, 1.0) * np.abs(x[:, 2 * K:]).max()
+
+
+@pytest.mark.parametrize("lengths", [(1,), (7,), (33,), (7, 1, 33), (1, 1, 1), (65, 7, 33, 1)])
+@pytest.mark.parametrize("nh,d", [(1, 8), (3, 64), (2, 5)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_host_reference_matches_float64(rng, lengths, nh, d, with_bias):
+    qkv, bias, offsets = _case(rng, lengths, nh, d, with_bias)
+    out = np.full((qkv.shape[0], nh * d), np.nan, np.float32)
+    assert attention(qkv, offsets, nh, d, bias=bias, out=out) is out
+    want = _attention64(qkv, lengths, nh, d, bias)
+    assert np.abs(out - want).max() < _tolerance(qkv, bias, nh, d)
+
+
+def test_workspace_from_a_step_arena_gives_the_same_result(rng):
+    lengths, nh, d = (7, 1, 33), 2, 16
+    qkv, bias, offsets = _case(rng, lengths, nh, d)
+    want = attention(qkv, offsets, nh, d, bias=bias)
+    backend = CPUBackend()
+    shapes = AttentionWorkspace.shapes(len(lengths), max(lengths), nh, d)
+    nbytes = sum(int(np.prod(s)) * 4 for s in shapes.values())
+    with StepArena(backend, nbytes + 64 * len(shapes)) as arena:
+        ws = AttentionWorkspace.allocate(len(lengths), max(lengths), nh, d,
+                                         alloc=lambda shape: arena.alloc(int(np.prod(shape)) * 4, np.float32, shape))
+        for arr in ws:
+            arr.fill(np.nan)  # stale contents must not matter (padding is zeroed, not assumed)
+        got = attention(qkv, offsets, nh, d, bias=bias, workspace=ws)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_padding_never_reaches_real_rows(rng):
+    # The same sentence alone, and after a much longer one (so the host pads it): same rows.
+    nh, d = 2, 16
+    short, _, _ = _case(rng, (5,), nh, d)
+    other, _, _ = _case(rng, (33,), nh, d)
+    alone = attention(short, _offsets((5,)), nh, d)
+    both = attention(np.concatenate([other, short]), _offsets((33, 5)), nh, d)
+    # Padding must not *leak* (an O(1) error); it may change the order of float32 sums (a longer,
+    # masked row vectorises differently): a few ulps of the values' scale.
+    ulp = np.finfo(np.float32).eps * np.abs(alone).max()
+    np.testing.assert_allclose(both[33:], alone, rtol=0, atol=8 * ulp)
+
+
+# Few heads and short rows: the simulator starts a Python thread per GPU thread of every block.
+@pytest.mark.parametrize("lengths,nh,d,with_bias", [((1,), 1, 8, False), ((7, 1, 33), 1, 5, True),
+                                                    ((1, 7), 3, 16, True), ((3, 2), 2, 4, False)])
+def test_kernel_matches_host_reference(device_backend, rng, lengths, nh, d, with_bias):
+    qkv, bias, offsets = _case(rng, lengths, nh, d, with_bias)
+    host = np.full((qkv.shape[0], nh * d), np.nan, np.float32)
+    attention_host(qkv, bias, offsets, nh, d, max(lengths), host)
+    dev = device_backend.asarray
+    d_out = dev(np.full_like(host, np.nan))
+    got = attention(dev(qkv), dev(offsets), nh, d, bias=None if bias is None else dev(bias), out=d_out,
+                    max_len=max(lengths))
+    assert got is d_out
+    np.testing.assert_allclose(device_backend.to_host(d_out), host, rtol=0, atol=_tolerance(qkv, bias, nh, d))
+
+
+def test_kernel_sentence_sees_only_its_own_keys(device_backend, rng):
+    # Neighbours in the packed stream, and a longer batch (more threads per block), change nothing.
+    nh, d = 1, 5
+    short, bias, _ = _case(rng, (7,), nh, d)
+    other, _, _ = _case(rng, (33,), nh, d)
+    dev = device_backend.asarray
+    alone = device_backend.to_host(attention(dev(short), dev(_offsets((7,))), nh, d, bias=dev(bias)))
+    both = device_backend.to_host(attention(dev(np.concatenate([other, short, other[:1]])),
+                                            dev(_offsets((33, 7, 1))), nh, d, bias=dev(bias)))
+    ulp = np.finfo(np.float32).eps * np.abs(alone).max()
+    np.testing.assert_allclose(both[33:40], alone, rtol=0, atol=8 * ulp)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 64])
+def test_kernel_block_size_does_not_change_the_result(device_backend, rng, threads):
+    # The launch picks the block size (smaller in the simulator); any size is correct.
+    from vtnumba.kernels._common import DEVICE, run
+    from vtnumba.kernels.attention_cuda import launch_attention
+
+    lengths, nh, d = (3, 5), 1, 4
+    qkv, bias, offsets = _case(rng, lengths, nh, d)
+    host = np.full((qkv.shape[0], nh * d), np.nan, np.float32)
+    attention_host(qkv, bias, offsets, nh, d, max(lengths), host)
+    dev = device_backend.asarray
+    d_qkv, d_bias, d_off = dev(qkv), dev(bias), dev(offsets)
+    d_out = dev(np.full_like(host, np.nan))
+    run(DEVICE, "attention", None, None, host_fn=None,
+        launch_fn=lambda stream: launch_attention(d_qkv, d_bias, d_off, nh, d, max(lengths), d_out, stream,
+                                                  threads=threads))
+    np.testing.assert_allclose(device_backend.to_host(d_out), host, rtol=0, atol=_tolerance(qkv, bias, nh, d))
+
+
+def test_errors_name_the_argument(device_backend, rng):
+    qkv, bias, offsets = _case(rng, (4, 3), 1, 4)
+    with pytest.raises(ValueError, match=r"qkv has shape \(7, 12\); expected \('\?', 9\)"):
+        attention(qkv, offsets, 1, 3)
+    with pytest.raises(ValueError, match="bias has shape"):
+        attention(qkv, offsets, 1, 4, bias=bias[:5])
+    for bad in ([0, 4, 6], [1, 4, 7], [0, 4, 4, 7]):
+        with pytest.raises(ValueError, match=r"offsets=\[.*\] must start at 0, end at T=7"):
+            attention(qkv, np.asarray(bad, np.int64), 1, 4)
+    with pytest.raises(TypeError, match="offsets has dtype int32"):
+        attention(qkv, offsets.astype(np.int32), 1, 4)
+    with pytest.raises(ValueError, match="max_len=3 but the longest sentence in offsets has 4"):
+        attention(qkv, offsets, 1, 4, max_len=3)
+    ws = AttentionWorkspace.allocate(2, 3, 1, 4)  # sized for max_len 3, not 4
+    with pytest.raises(ValueError, match="workspace.q has shape"):
+        attention(qkv, offsets, 1, 4, workspace=ws)
+    with pytest.raises(TypeError, match="must all be numpy arrays or all device arrays"):
+        attention(qkv, device_backend.asarray(offsets), 1, 4)
+    dev = device_backend.asarray
+    with pytest.raises(ValueError, match="workspace is for the host reference"):
+        attention(dev(qkv), dev(offsets), 1, 4, workspace=AttentionWorkspace.allocate(2, 4, 1, 4))
+    long = rng.standard_normal((513, 3)).astype(np.float32)
+    with pytest.raises(ValueError, match="513 tokens; the CUDA attention kernel takes at most 512"):
+        attention(dev(long), dev(_offsets((513,))), 1, 1, max_len=513)
+
+
+def test_the_host_path_never_imports_numba_cuda():
+    # Importing numba.cuda would lock the process out of choosing the simulator later.
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys, numpy as np\n"
+              "from vtnumba.kernels import activation, attention\n"
+              "x = np.ones((3, 6), np.float32)\n"
+              "activation(x, 'gelu_erf', bias=np.ones(6, np.float32))\n"
+              "attention(np.ones((3, 6), np.float32), np.array([0, 2, 3]), 2, 1)\n"
+              "print('numba.cuda' in sys.modules)\n")
+    env = dict(os.environ, VTNUMBA_TARGET="cpu", NUMBA_ENABLE_CUDASIM="0")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "False"
