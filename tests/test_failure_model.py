@@ -154,3 +154,41 @@ def test_a_tutorial_ends_when_one_rank_fails(tmp_path, how, wait, limit):
         assert "[rank 1] failed while running: ValueError: boom on rank 1" in out, out
     else:
         assert "timed out after 3 s" in out, out
+
+
+def _embed(ranks: int, *extra: str):
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
+    cmd = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "vtnumba", "embed", "--target", "cpu", *extra,
+           "a first sentence", "a second one"]
+    before = _vtnumba_files()
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+                          stdin=subprocess.DEVNULL)
+    assert _vtnumba_files() <= before, f"left in /dev/shm: {_vtnumba_files() - before}"
+    return proc, time.monotonic() - t0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("ranks, inject, phase", [(3, "raise:1:encoding", "encoding the texts"),
+                                                  (2, "raise:0:loading", "loading the model")])
+def test_embed_a_rank_that_raises_stops_every_rank_at_once(ranks, inject, phase):
+    proc, elapsed, out = _embed(ranks, "--timeout", "30", "--inject", inject)
+    bad = int(inject.split(":")[1])
+    assert proc.returncode != 0
+    assert elapsed < 25, f"the peers waited for a timeout instead of hearing about the failure ({elapsed:.1f} s)"
+    assert f"[rank {bad}] failed while {phase}: RuntimeError: injected failure" in out, out
+    for r in set(range(ranks)) - {bad}:
+        assert f"[rank {r}] stopped while" in out and f"because rank {bad} failed" in out, out
+
+
+def test_embed_a_killed_or_stopped_rank_ends_the_job():
+    proc, _, out = _embed(2, "--timeout", "5", "--inject", "kill:1:encoding")
+    assert proc.returncode != 0 and "cosine similarities" not in out, out
+    proc, elapsed, out = _embed(2, "--timeout", "5", "--inject", "stop:1:loading")
+    assert proc.returncode != 0, out
+    assert elapsed < 40, elapsed
+    assert "[rank 0] failed while loading the model" in out and "timed out after 5 s" in out, out
+
+
+def test_embed_refuses_a_bad_inject_spec():
+    proc, _, out = _embed(1, "--inject", "raise:1:nowhere")
+    assert proc.returncode == 2 and "--inject='raise:1:nowhere'" in out, out

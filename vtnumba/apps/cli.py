@@ -15,6 +15,7 @@ import os
 import sys
 
 from vtnumba.apps.processes import share_cores_between_local_ranks
+from vtnumba.bench.runner import positive_seconds
 from vtnumba.target import TARGETS, TargetError, select_target
 
 _TARGET_HELP = "execution target (default: $VTNUMBA_TARGET or 'auto' = cuda if a GPU is usable, else cpu)"
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(p)
     p.add_argument("--no-tpsp", action="store_true", help="use the regular forward instead of TPSP")
     p.add_argument("--json", action="store_true", help="print a JSON list of {text, embedding}")
+    p.add_argument("--timeout", type=positive_seconds, default=None,
+                   help="seconds any wait for another rank may take (default: vtnumba.dist.DEFAULT_TIMEOUT_S = 60)")
+    p.add_argument("--inject", default=None, help=argparse.SUPPRESS)  # test hook: how:rank:(loading|encoding)
     p.add_argument("texts", nargs="+", metavar="TEXT")
 
     p = sub.add_parser("bench", help="benchmarks against stock baselines (numpy/BLAS, mpi4py, memcpy)",
@@ -124,9 +128,20 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_pipeline_demo(args)
     if args.command == "embed":
-        from vtnumba.apps.embed import run_embed
+        from vtnumba.apps.embed import INJECT_POINTS, run_embed
+        from vtnumba.dist import run_collectively, set_default_timeout
+        from vtnumba.dist.comm import DEFAULT
+        from vtnumba.faults import FaultInjection
 
-        return run_embed(args)
+        if args.inject is not None:
+            try:
+                FaultInjection.parse(args.inject, INJECT_POINTS)
+            except ValueError as exc:
+                parser.error(str(exc))
+        if args.timeout is not None:
+            set_default_timeout(args.timeout)
+        # A rank that fails (not bad input: every rank refuses that alike) ends the others' waits.
+        return run_collectively(lambda: run_embed(args), timeout_s=args.timeout if args.timeout is not None else DEFAULT)
     if args.command == "bench":
         from vtnumba.apps.info import collect_info
         from vtnumba.bench.runner import run_bench

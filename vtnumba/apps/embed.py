@@ -4,6 +4,11 @@
 tensor-parallel size N (N must divide the 12 attention heads: 1, 2, 3, 4, 6 or 12) and
 prints, on rank 0, one embedding per text -- or, with ``--json``, a list of
 ``{"text", "embedding"}`` objects.
+
+Bad input ends the command with status 2 and one message on rank 0, on every rank alike:
+each rank gets the same arguments, and the encoder's ranks agree on its input before any
+forward.  A TEXT whose bytes are not UTF-8 (the shell passes bytes; Python keeps the ones
+it cannot decode as lone surrogates) is refused before the model is even loaded.
 """
 
 from __future__ import annotations
@@ -14,22 +19,58 @@ import sys
 import numpy as np
 
 
+def _bad_argument(texts) -> str | None:
+    """The message for the first TEXT that is not valid text, or None."""
+    from vtnumba.models.minilm_tokenizer import invalid_text
+
+    for i, text in enumerate(texts):
+        bad = invalid_text(text)
+        if bad:
+            return f"TEXT argument {i + 1} ({text!r}) {bad}"
+    return None
+
+
+#: Where the hidden ``--inject how:rank:point`` test flag (:mod:`vtnumba.faults`) can make a rank fail.
+INJECT_POINTS = ("loading", "encoding")
+
+
 def run_embed(args) -> int:
-    from vtnumba.dist import destroy_distributed, init_distributed
+    """The ``embed`` command (collective over the world): print embeddings on rank 0; the exit status.
+
+    Run it under :func:`vtnumba.dist.run_collectively` (the CLI does): a rank that fails for
+    any other reason than bad input tells the others, and the whole job ends.
+    """
+    from mpi4py import MPI
+
+    from vtnumba.dist import destroy_distributed, init_distributed, phase
+    from vtnumba.faults import parse_inject
     from vtnumba.models.tp_runtime import TensorParallelEncoder
 
+    hook = parse_inject(getattr(args, "inject", None), INJECT_POINTS, MPI.COMM_WORLD.Get_rank()) or (lambda _p: None)
     group = init_distributed()
     try:
-        with TensorParallelEncoder(group, use_tpsp=not args.no_tpsp) as tpe:
+        # Every rank has the same argv, so every rank decides the same way -- no exchange needed.
+        error = _bad_argument(args.texts)
+        if error is not None:
+            raise ValueError(error)
+        with phase("loading the model"):
+            hook("loading")
+            tpe = TensorParallelEncoder(group, use_tpsp=not args.no_tpsp)
+        with tpe, phase("encoding the texts"):
+            hook("encoding")
             emb = tpe.encoder.encode(args.texts)
             mode = "TPSP" if tpe.tpsp_enabled and tpe.fused_calls() else "regular forward"
     except ValueError as exc:
-        # Bad input: every rank raised the same error (the encoder's ranks agree first).
+        # Bad input: every rank raised the same error (the encoder's ranks agree first), so
+        # every rank may leave together, through the collective teardown.
         if group.rank == 0:
             print(f"vtnumba embed: error: {exc}", file=sys.stderr)
-        return 2
-    finally:
         destroy_distributed()
+        return 2
+    # Not in a ``finally``: after any other failure the teardown (collective) must not run --
+    # the failure board it closes is how this rank's report reaches the others
+    # (run_collectively, vtnumba.dist.failures).
+    destroy_distributed()
     if group.rank != 0:
         return 0
     if args.json:

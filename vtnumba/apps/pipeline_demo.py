@@ -356,11 +356,13 @@ class _Pipeline:
                 "load_descriptors": w["descriptors"], "steps": step, "extra_ranks": len(ep.followers)}
 
 
-def explain_speedup(ratio: float, speedups: list[float], target: str) -> list[str]:
+def explain_speedup(ratio: float, speedups: list[float], target: str, label: str = "TPSP / regular") -> list[str]:
     """Two lines on TPSP vs the regular forward: the measured ratio with its spread, and why.
 
-    ``ratio`` is TPSP's tokens/s over the regular forward's (medians); ``speedups`` are the
-    same ratio per interleaved round (> 1: TPSP faster), whose range shows the noise.
+    ``ratio`` is TPSP's speed over the regular forward's (medians: tokens/s, or the inverse
+    of the times); ``speedups`` are the same ratio per interleaved round (> 1: TPSP faster),
+    whose range shows the noise.  ``label`` starts the first line (``mpi/tpsp_model.py``
+    says "speed-up of TPSP", because it also prints the *time* ratio).
     """
     lo, hi = min(speedups), max(speedups)
     if lo > 1:
@@ -369,7 +371,7 @@ def explain_speedup(ratio: float, speedups: list[float], target: str) -> list[st
         verdict = "TPSP was slower in every round"
     else:
         verdict = "the rounds disagree: the difference is within this machine's noise"
-    lines = [f"TPSP / regular: {ratio:.2f} (per round {lo:.2f}-{hi:.2f} over {len(speedups)} interleaved rounds); "
+    lines = [f"{label}: {ratio:.2f} (per round {lo:.2f}-{hi:.2f} over {len(speedups)} interleaved rounds); "
              f"{verdict}"]
     if target == "cpu":
         lines.append("why: on the cpu target both forwards do the same matmuls; TPSP saves the all-reduce's copies "

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vtnumba.apps.processes import share_cores_between_local_ranks
+from vtnumba.bench.runner import positive_seconds
 from vtnumba.target import TARGETS, select_target
 
 # A tutorial imports this module first, before numpy: share the cores between the ranks now.
@@ -437,13 +438,6 @@ class Lesson:
                                                                        row_order=row_order, labels=labels))
 
 
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and value < float("inf")):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of seconds")
-    return value
-
-
 def _end_together_on_failure(timeout_s: float) -> None:
     """A lesson's uncaught exception ends every rank, as :func:`vtnumba.dist.run_collectively` does.
 
@@ -479,7 +473,7 @@ def start(description: str, extra_args=None) -> Lesson:
     parser.add_argument("--out", default=None,
                         help=f"folder for the figures (default: ${OUT_ENV}, else out/tutorials at the repository "
                              "root); they go into a subfolder named after the tutorial")
-    parser.add_argument("--timeout", type=_positive_seconds, default=60.0,
+    parser.add_argument("--timeout", type=positive_seconds, default=60.0,
                         help="seconds a rank waits for the others (self-checks, and the exit after a failure) "
                              "before the lesson gives up (default: 60)")
     if extra_args:

@@ -86,7 +86,7 @@ def add_common_arguments(p) -> None:
     p.add_argument("--plot", metavar="DIR", nargs="?", const=AUTO, default=None,
                    help=f"write perf_report-style PNG plots into DIR (no DIR: {default_plot_dir()}/)")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds, not minutes)")
-    p.add_argument("--timeout", type=_positive_seconds, default=BARRIER_TIMEOUT_S,
+    p.add_argument("--timeout", type=positive_seconds, default=BARRIER_TIMEOUT_S,
                    help="seconds a rank waits for the others -- also while rank 0 alone runs a single-process "
                         f"suite, so it bounds a suite's run time (default: {BARRIER_TIMEOUT_S:g}); a rank that "
                         "fails ends the others' waits at once")
@@ -101,7 +101,8 @@ def _inject_hook(args, name: str, rank: int):
     return parse_inject(getattr(args, "inject", None), BENCH_SUITES, rank)
 
 
-def _positive_seconds(text: str) -> float:
+def positive_seconds(text: str) -> float:
+    """The ``--timeout`` flags' argparse type: a positive, finite number of seconds."""
     value = float(text)
     if not (value > 0 and value < float("inf")):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of seconds")

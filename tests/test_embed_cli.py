@@ -1,0 +1,44 @@
+"""``vtnumba embed`` with a TEXT that is not valid UTF-8: a clear error naming it, on every rank, no traceback.
+
+The shell hands a program bytes; Python decodes ``argv`` as UTF-8 and keeps the bytes it
+cannot decode as lone surrogates (``$'abc\\xff\\xfe'`` arrives as ``'abc\\udcff\\udcfe'``).  The
+tokenizer (Rust, UTF-8 only) cannot take those, so the command must refuse them itself.
+Run as a user would: in subprocesses, alone and under ``mpiexec -n 2``.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vtnumba.models.minilm_tokenizer import invalid_text
+
+BAD = b"abc\xff\xfe"  # not UTF-8
+
+
+def _embed(*texts, mpiexec=0):
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
+    cmd = [sys.executable, "-m", "vtnumba", "embed", "--target", "cpu", *texts]
+    if mpiexec:
+        cmd = ["mpiexec", "-n", str(mpiexec), *cmd]
+    return subprocess.run(cmd, capture_output=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("ranks", [0, 2])
+def test_a_text_that_is_not_utf8_is_refused_by_name(ranks):
+    proc = _embed(b"a fine sentence", BAD, mpiexec=ranks)
+    err = proc.stderr.decode("utf-8", "replace")
+    out = proc.stdout.decode("utf-8", "replace")
+    assert proc.returncode == 2, out + err
+    assert "Traceback" not in err + out
+    assert "TEXT argument 2 ('abc\\udcff\\udcfe') is not valid UTF-8 text" in err
+    assert "its bytes: b'abc\\xff\\xfe'" in err
+    assert err.count("vtnumba embed: error:") == 1  # said once (rank 0), though every rank stopped
+
+
+def test_the_tokenizer_names_the_text_too():
+    assert invalid_text("fine, even non-ASCII: \u00e9\u4e2d") is None
+    bad = BAD.decode("utf-8", "surrogateescape")
+    assert "character 3 is a lone surrogate" in invalid_text(bad)
+    assert "its bytes" not in invalid_text("x\ud800")  # a surrogate that was never a byte
