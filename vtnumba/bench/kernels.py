@@ -59,6 +59,7 @@ EPS = 1e-5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--norm-shape``, ``--ptxas`` and the suite's other options (see ``vtnumba bench kernels --help``)."""
     parser.add_argument("--norm-shape", default=None, metavar="ROWSxH",
                         help="shape of the norm benchmarks (default 8192x4096; on the host 1024x1024 with --quick)")
     parser.add_argument("--ptxas", action="store_true",
@@ -364,6 +365,7 @@ def _resource_notes(resources: list[dict], cc: str = "9.0") -> list[str]:
 
 # ---------------------------------------------------------------------------- entry point
 def run(args) -> dict:
+    """Measure every kernel of the ladder beside its stock baseline and return the suite's results."""
     cfg = _settings(args)
     target = current_target().name
     results: list = []

@@ -47,6 +47,7 @@ H = 4096  # row width in float32 elements (16 KiB rows, a typical hidden size)
 
 
 def add_arguments(parser) -> None:
+    """``--sizes``, ``--repeat`` and the suite's other options (see ``vtnumba bench peer --help``)."""
     parser.add_argument("--sizes", type=float, nargs="+", default=None,
                         help="total sizes S in MiB (default 1 2 4 8 16 32 64; --quick: 1 16)")
     parser.add_argument("--repeat", type=int, default=None, help="timed rounds per size (default 15, quick 5)")
@@ -121,6 +122,7 @@ def _measure_size(group, backend, size_mib: float, repeat: int, to_target, on_de
 
 
 def run(args) -> dict:
+    """Measure the peer-buffer reduce-scatter and all-gather beside mpi4py's collectives on every rank."""
     from mpi4py import MPI
 
     from vtnumba import dist

@@ -94,7 +94,7 @@ class FailureBoard:
         self.comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self.failed_peer: PeerFailed | None = None
+        self.failed_peer: PeerFailed | None = None  #: the first peer failure seen (kept, so later checks raise it again)
 
     def post(self, text: str) -> None:
         """Tell every other rank.  Non-blocking and fire-and-forget: a note is small, so MPI sends
