@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 EXPECTED = {"naive", "smem", "regtile", "fused_add_norm", "peer_reduce_norm", "sum_sources", "gather_rows",
-            "wide", "warptile", "dbuf", "activation", "add_bias", "attention", "write_flag", "wait_flag"}
+            "wide", "warptile", "dbuf", "copy_rows", "add_rows", "accumulate_rows", "activation", "add_bias", "attention", "write_flag", "wait_flag"}
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90():

@@ -84,9 +84,9 @@ lesson.say(f"{pb}, flags {list(signals.names)}")
 # pass, each further one accumulated -- one CUDA thread per output element; on a GPU the
 # loads of ``a``, ``b`` and ``src`` go to the *peers'* memory, over NVLink or PCIe:
 #
-# .. vt-source:: vtnumba.kernels.reduce.add_rows
+# .. vt-source:: vtnumba.kernels.reduce_cuda.add_rows_kernel
 #
-# .. vt-source:: vtnumba.kernels.reduce.accumulate_rows
+# .. vt-source:: vtnumba.kernels.reduce_cuda.accumulate_rows_kernel
 T, H = 7, 4
 R = -(-T // tp)
 x = np.repeat(((np.arange(T) + 1) * 10.0 ** rank)[:, None], H, axis=1).astype(np.float32)

@@ -136,7 +136,7 @@ def test_every_rank_reads_every_peers_pattern(tp, backend, shm_unchanged):
 
 def _kernel_reads_a_peer(pb, backend, views, me, n, count):
     """A kernel (simulated, or real on a GPU) copies a peer's row into local memory."""
-    from vtnumba.kernels.reduce import launch
+    from vtnumba.kernels.reduce_cuda import launch
 
     src = (me + 1) % n
     q = pb.queue

@@ -28,6 +28,7 @@ device array, and the ``@cuda.jit`` kernels themselves (``vtnumba.kernels.matmul
 ``...matmul_smem_kernel``, ``...matmul_regtile_kernel``, ``...matmul_wide_kernel``, ``...matmul_warptile_kernel``,
 ``...matmul_dbuf_kernel``, ``...fused_add_norm_kernel``,
 ``...peer_reduce_norm_kernel``, ``...sum_sources_kernel``, ``...gather_rows_kernel``,
+``...copy_rows_kernel``, ``...add_rows_kernel``, ``...accumulate_rows_kernel``,
 ``...activation_kernel``, ``...add_bias_kernel``, ``...attention_kernel``) are attributes loaded
 on first access, for tutorials that launch one ladder step by hand.
 
@@ -65,6 +66,7 @@ _LAZY_KERNELS = {
     "matmul_regtile_kernel": "matmul_cuda", "matmul_wide_kernel": "matmul_cuda",
     "matmul_warptile_kernel": "matmul_cuda", "matmul_dbuf_kernel": "matmul_cuda", "fused_add_norm_kernel": "norm_cuda",
     "peer_reduce_norm_kernel": "peer_cuda", "sum_sources_kernel": "peer_cuda", "gather_rows_kernel": "peer_cuda",
+    "copy_rows_kernel": "reduce_cuda", "add_rows_kernel": "reduce_cuda", "accumulate_rows_kernel": "reduce_cuda",
     "activation_kernel": "activation_cuda", "add_bias_kernel": "activation_cuda", "attention_kernel": "attention_cuda",
 }
 

@@ -38,9 +38,9 @@ import types
 
 def _cuda_modules():
     from vtnumba.backend import cuda_flags
-    from vtnumba.kernels import activation_cuda, attention_cuda, matmul_cuda, norm_cuda, peer_cuda
+    from vtnumba.kernels import activation_cuda, attention_cuda, matmul_cuda, norm_cuda, peer_cuda, reduce_cuda
 
-    return [matmul_cuda, norm_cuda, peer_cuda, activation_cuda, attention_cuda, cuda_flags]
+    return [matmul_cuda, norm_cuda, peer_cuda, reduce_cuda, activation_cuda, attention_cuda, cuda_flags]
 
 
 def kernel_signatures() -> list[tuple[str, object, str]]:
