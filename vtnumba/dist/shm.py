@@ -38,37 +38,18 @@ kernel arguments in and back (which would hide and then clobber a peer's writes)
 
 from __future__ import annotations
 
-import atexit
 import mmap
 import os
 import re
 import secrets
-import stat
-import threading
 
 import numpy as np
+
+from vtnumba.memory.shared_files import create_private_file, private_file_problem, unlink_private_file
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "vtnumba-"
 _NAME = re.compile(r"vtnumba-[A-Za-z0-9_.-]{1,160}")
-
-_linked: set[str] = set()  # named segments this process created and has not unlinked yet
-_linked_lock = threading.Lock()
-
-
-def _unlink_leftovers() -> None:
-    with _linked_lock:
-        paths = list(_linked)
-        _linked.clear()
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
-atexit.register(_unlink_leftovers)
-
 
 def _check_name(name: str) -> str:
     # Names come from peers; refuse anything that could point outside /dev/shm.
@@ -126,15 +107,12 @@ class ShmSegment:
         if not os.path.isdir(SHM_DIR):
             raise RuntimeError(f"{SHM_DIR} does not exist: POSIX shared memory is unavailable on this system")
         path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
-        with _linked_lock:
-            _linked.add(path)
+        fd = create_private_file(path)  # 0600, O_EXCL, O_NOFOLLOW; unlinked at exit if still there
         try:
-            os.fchmod(fd, 0o600)  # exactly, whatever the umask
             mm = _map(fd, nbytes, f"segment {path}")
         except BaseException:
             os.close(fd)
-            _unlink_path(path)
+            unlink_private_file(path)
             raise
         os.close(fd)  # the mapping keeps the memory; the descriptor is not needed any more
         return cls(name, f"name:{name}", nbytes, mm, owner=True, path=path)
@@ -180,11 +158,10 @@ class ShmSegment:
     @staticmethod
     def _open_named(path: str) -> int:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # a symlink planted at the name fails here
-        st = os.fstat(fd)
-        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o600 or not stat.S_ISREG(st.st_mode):
+        problem = private_file_problem(os.fstat(fd))
+        if problem is not None:
             os.close(fd)
-            raise PermissionError(f"{path} is not a vtnumba segment of this user (owner uid {st.st_uid}, mode "
-                                  f"{stat.S_IMODE(st.st_mode):o}; expected uid {os.getuid()}, mode 600)")
+            raise PermissionError(f"{path} is not a vtnumba segment of this user: it {problem}")
         return fd
 
     @property
@@ -204,7 +181,7 @@ class ShmSegment:
             fd, self._fd = self._fd, None
             os.close(fd)
         if self.path is not None:
-            _unlink_path(self.path)
+            unlink_private_file(self.path)
 
     def close(self) -> None:
         """Unmap.  If a caller still holds a view, the mapping lives on until that view dies.
@@ -222,13 +199,6 @@ class ShmSegment:
                 pass
 
 
-def _unlink_path(path: str) -> None:
-    with _linked_lock:
-        _linked.discard(path)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def list_segments() -> list[str]:

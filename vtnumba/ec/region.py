@@ -56,13 +56,10 @@ Lifecycle:
 
 from __future__ import annotations
 
-import atexit
 import mmap
 import os
 import re
-import stat
 import struct
-import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -73,9 +70,10 @@ import numpy as np
 
 from vtnumba.backend.address_ranges import register, unregister
 from vtnumba.backend.arrays import check_int, is_int
+from vtnumba.memory.shared_files import create_private_file, private_file_problem, unlink_private_file
 
 __all__ = ["ECRegionConfig", "ECRegionHandle", "ECSharedRegion", "ECRegionError", "create_ec_shared_region",
-           "open_ec_shared_region", "region_path", "HEADER_BYTES"]
+           "open_ec_shared_region", "region_path", "HEADER_BYTES", "block_id_array"]
 
 HEADER_BYTES = 4096
 _MAGIC = b"VTNUMBA-EC-v1\x00\x00\x00"  # 16 bytes, written last
@@ -86,26 +84,6 @@ _VERSION = 1
 # must never reach a file name.
 _ENGINE_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
-
-# Named regions this process created and has not unlinked yet: an uncaught exception (or a
-# plain exit) must not leave their files in /dev/shm.
-_linked: set[str] = set()
-_linked_lock = threading.Lock()
-
-
-def _unlink_leftovers() -> None:
-    with _linked_lock:
-        paths = list(_linked)
-        _linked.clear()
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
-atexit.register(_unlink_leftovers)
-
 
 class ECRegionError(RuntimeError):
     """The region cannot be created or opened (already exists, missing, incomplete, not ours)."""
@@ -213,6 +191,24 @@ class ECRegionConfig:
         return None if self.region_bytes is None else int(self.region_bytes) // self.block_size_bytes
 
 
+def block_id_array(block_ids, what: str = "block_ids") -> np.ndarray:
+    """``block_ids`` as a 1-D C-contiguous int64 array; TypeError unless they are whole
+    numbers, ValueError unless they are a flat sequence.  (Not their range: see
+    :meth:`ECSharedRegion.check_block_ids`.)"""
+    try:
+        raw = np.asarray(block_ids)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}={block_ids!r} must be a sequence of int block ids") from None
+    if raw.ndim != 1:
+        raise ValueError(f"{what} must be a flat sequence of block ids, got shape={raw.shape}")
+    if raw.size == 0:
+        return np.zeros(0, dtype=np.int64)  # np.asarray([]) is float64: an empty list is fine
+    # Integer dtypes only: converting 1.7 to int64 would silently copy block 1.
+    if raw.dtype.kind not in "iu" and not (raw.dtype == object and all(is_int(v) for v in raw)):
+        raise TypeError(f"{what}={block_ids!r} must be whole-number int block ids, got dtype {raw.dtype}")
+    return np.ascontiguousarray(raw, dtype=np.int64)
+
+
 def _check_ownership(fd: int, what: str) -> os.stat_result:
     """Refuse memory that is not a regular file of this user with mode 0600.
 
@@ -220,14 +216,9 @@ def _check_ownership(fd: int, what: str) -> os.stat_result:
     another user's process read (or write) our embeddings, or hand us theirs.
     """
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise ECRegionError(f"{what} is not a regular file (mode {stat.filemode(st.st_mode)}); refusing to map it")
-    if st.st_uid != os.geteuid():
-        raise ECRegionError(f"{what} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}); "
-                            "refusing to map another user's memory")
-    if stat.S_IMODE(st.st_mode) != 0o600:
-        raise ECRegionError(f"{what} has mode {oct(stat.S_IMODE(st.st_mode))}, expected 0o600 (only this user may "
-                            "read or write it); refusing to map it")
+    problem = private_file_problem(st)
+    if problem is not None:
+        raise ECRegionError(f"{what} {problem}; refusing to map it")
     return st
 
 
@@ -283,16 +274,14 @@ class ECSharedRegion:
             self.is_creator = True
         else:
             try:
-                # O_NOFOLLOW: a symlink planted under our name must not redirect the create.
-                self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                   0o600)
+                # O_NOFOLLOW inside: a symlink planted under our name must not redirect the
+                # create; the file is unlinked at exit if this process has not done it before.
+                self._fd = create_private_file(self.path)
             except FileExistsError:
                 raise ECRegionError(
                     f"engine_id={config.engine_id!r}: {self.path} already exists -- another creator owns this "
                     "region (open it with create=False), or a killed run left it behind (remove the file)") from None
             self.is_creator = True
-            with _linked_lock:
-                _linked.add(self.path)
         os.fchmod(self._fd, 0o600)  # exact mode, whatever the umask (memfd starts at 0777)
         self.num_blocks = num_blocks
         total = HEADER_BYTES + num_blocks * self.block_size_bytes
@@ -438,19 +427,8 @@ class ECSharedRegion:
     def check_block_ids(self, block_ids, what: str = "block_ids") -> np.ndarray:
         """Return ``block_ids`` as an int64 array; refuse ids that are not whole numbers (TypeError)
         or lie outside ``0 .. num_blocks-1`` (ValueError)."""
-        try:
-            raw = np.asarray(block_ids)
-        except (TypeError, ValueError):
-            raise TypeError(f"{what}={block_ids!r} must be a sequence of int block ids") from None
-        if raw.ndim != 1:
-            raise ValueError(f"{what} must be a flat sequence of block ids, got shape={raw.shape}")
-        if raw.size == 0:
-            return np.zeros(0, dtype=np.int64)  # np.asarray([]) is float64: an empty list is fine
-        # Integer dtypes only: converting 1.7 to int64 would silently copy block 1.
-        if raw.dtype.kind not in "iu" and not (raw.dtype == object and all(is_int(v) for v in raw)):
-            raise TypeError(f"{what}={block_ids!r} must be whole-number int block ids, got dtype {raw.dtype}")
-        ids = raw.astype(np.int64)
-        if ids.min() < 0 or ids.max() >= self.num_blocks:
+        ids = block_id_array(block_ids, what)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
             bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
             raise ValueError(f"{what} contains block id {bad}, outside the region's 0..{self.num_blocks - 1}")
         return ids
@@ -509,12 +487,7 @@ class ECSharedRegion:
                 os.close(self._fd)
                 self._fd = None
             return True
-        with _linked_lock:
-            _linked.discard(self.path)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_private_file(self.path)
         return True
 
     def _close_mapping(self) -> None:

@@ -71,12 +71,12 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.address_ranges import register, unregister
-from vtnumba.backend.arrays import array_kind, check_int, is_int
+from vtnumba.backend.arrays import array_kind, check_int
 from vtnumba.backend.base import Backend, Buffer, Event, Queue
 from vtnumba.ec.descriptors import BadBlockId, DescriptorBufferPool, DescriptorBuffers, prepare_descriptors
 from vtnumba.ec.destination import LoadDestination, LoadDestinations
 from vtnumba.ec.metadata import ECConnectorMetadata, ECWorkerMetadata
-from vtnumba.ec.region import ECSharedRegion
+from vtnumba.ec.region import ECSharedRegion, block_id_array
 from vtnumba.memory import CachingAllocator
 from vtnumba.memory.copy_engine import address_of, batched_copy, is_live, prepare
 
@@ -147,25 +147,13 @@ def _check_output(src, mm_hash: str, region: ECSharedRegion, num_blocks: int) ->
 
 
 def _block_id_array(block_ids, mm_hash: str, kind: str) -> np.ndarray:
-    """``block_ids`` (of ``kind[mm_hash]``) as a 1-D C-contiguous int64 array (the scheduler's
-    arrays pass as they are); TypeError unless they are whole numbers.  Their *range* is
-    checked where the descriptors are built (:meth:`DescriptorBuffers.add_block_runs`)."""
+    """``block_ids`` of ``kind[mm_hash]`` as a 1-D C-contiguous int64 array (see
+    :func:`~vtnumba.ec.region.block_id_array`).  Their *range* is checked where the
+    descriptors are built (:meth:`DescriptorBuffers.add_block_runs`)."""
     if type(block_ids) is np.ndarray and block_ids.dtype == _INT64 and block_ids.ndim == 1 \
             and block_ids.flags.c_contiguous:
-        return block_ids
-    what = f"{kind}[{mm_hash!r}]"
-    try:
-        raw = np.asarray(block_ids)
-    except (TypeError, ValueError):
-        raise TypeError(f"{what}={block_ids!r} must be a sequence of int block ids") from None
-    if raw.ndim != 1:
-        raise ValueError(f"{what} must be a flat sequence of block ids, got shape={raw.shape}")
-    if raw.size == 0:
-        return np.zeros(0, dtype=np.int64)  # np.asarray([]) is float64: an empty list is fine
-    # Integer dtypes only: converting 1.7 to int64 would silently copy block 1.
-    if raw.dtype.kind not in "iu" and not (raw.dtype == object and all(is_int(v) for v in raw)):
-        raise TypeError(f"{what}={block_ids!r} must be whole-number int block ids, got dtype {raw.dtype}")
-    return np.ascontiguousarray(raw, dtype=np.int64)
+        return block_ids  # the scheduler's arrays pass as they are: this runs every step
+    return block_id_array(block_ids, f"{kind}[{mm_hash!r}]")
 
 
 class ECWorker:

@@ -7,7 +7,9 @@
 * :mod:`~vtnumba.memory.current_queue` -- ``using_queue``, the thread's current queue;
 * :mod:`~vtnumba.memory.numba_emm` -- the allocator as numba's memory-manager plugin (cuda);
 * :mod:`~vtnumba.memory.copy_engine` -- ``batched_copy``: many (src, dst, nbytes) descriptors in
-  one call on a queue (vLLM's ``swap_blocks_batch``), every address checked first.
+  one call on a queue (vLLM's ``swap_blocks_batch``), every address checked first;
+* :mod:`~vtnumba.memory.shared_files` -- private ``/dev/shm`` files (0600, ``O_EXCL``,
+  ``O_NOFOLLOW``, unlinked at exit) for the peer segments and the encoder-cache region.
 """
 
 from vtnumba.memory.allocator import (
