@@ -53,9 +53,14 @@ def run_embed(args) -> int:
         error = _bad_argument(args.texts)
         if error is not None:
             raise ValueError(error)
+        # Progress on rank 0, to stderr (stdout is the result, e.g. --json): loading and the
+        # first call's kernel compilation take seconds.
+        say = (lambda text: print(text, file=sys.stderr, flush=True)) if group.rank == 0 else (lambda text: None)
+        say(f"vtnumba embed: loading all-MiniLM-L6-v2 on {group.size} rank(s) ...")
         with phase("loading the model"):
             hook("loading")
             tpe = TensorParallelEncoder(group, use_tpsp=not args.no_tpsp)
+        say(f"vtnumba embed: encoding {len(args.texts)} text(s) (a first run also compiles the kernels) ...")
         with tpe, phase("encoding the texts"):
             hook("encoding")
             emb = tpe.encoder.encode(args.texts)
