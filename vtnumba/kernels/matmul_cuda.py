@@ -576,6 +576,14 @@ def launch_matmul_rows(variant: str, a, b, bias, c, m0: int, m_valid: int, trans
     KERNELS[variant][grid, block, stream](*args)
 
 
+def launch_linear_rows_to(variant: str, x, w, bias, dests, rows_per_dest: int, stream) -> None:
+    """``x @ w.T (+ bias)`` with output rows ``[d*R, (d+1)*R)`` into ``dests[d]``: one launch per
+    destination (:func:`vtnumba.kernels.matmul.linear_rows_to` checks the arguments first)."""
+    m = int(x.shape[0])
+    for d, dest in enumerate(dests):
+        launch_matmul_rows(variant, x, w, bias, dest, d * rows_per_dest, m - d * rows_per_dest, True, stream)
+
+
 # Signatures the PTX tests (and the benchmark's ptxas report) compile each kernel for.
 _MAT = "{0}[:, ::1]"
 _SIG = "void({a}, {b}, float32[::1], float32[:, ::1], int64, int64, int64, int64{extra})"
