@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -320,7 +321,7 @@ def timeline_figure(trace: dict, title: str = "vtnumba timeline", *, first_calls
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
                              label="1st call: a one-time cost (loading or compiling)"))
     ncol = min(4, len(handles))
-    legend_rows = -(-len(handles) // ncol)
+    legend_rows = math.ceil(len(handles) / ncol)
     height = fig.get_size_inches()[1]
     fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=7.5, frameon=False)
     fig.tight_layout(rect=(0, (0.22 * legend_rows + 0.08) / height, 1, 1))

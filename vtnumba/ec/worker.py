@@ -71,7 +71,7 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.address_ranges import register, unregister
-from vtnumba.backend.arrays import array_kind, check_int
+from vtnumba.backend.arrays import array_kind, cdiv, check_int
 from vtnumba.backend.base import Backend, Buffer, Event, Queue
 from vtnumba.ec.descriptors import BadBlockId, DescriptorBufferPool, DescriptorBuffers, prepare_descriptors
 from vtnumba.ec.destination import LoadDestination, LoadDestinations
@@ -290,7 +290,7 @@ class ECWorker:
         # Entries may be sized by placeholder count, larger than the output: blocks the
         # output never reaches get no descriptor (vLLM's worker trims the last run to the
         # output's end the same way).
-        n_used = -(-total_bytes // block_size)
+        n_used = cdiv(total_bytes, block_size)
         src_addr = address_of(src) if n_used else 0
         try:
             self._save_count = bufs.add_block_runs(self._save_count, ids, n_used, region.num_blocks,
