@@ -25,6 +25,10 @@ def test_quick_run_follows_the_schema():
     desc = [r for r in res["results"] if r["case"] == "ec descriptors/entry"]
     assert [r["value"] for r in desc] == [1.0, 1.0]  # contiguous entries: one run, one descriptor
     assert "save 64 KiB / memcpy same buffers" in res["ratios"]
+    # The fixed cost per step (ec step minus the same copy), per size and direction, in microseconds.
+    fixed = {(r["impl"], r["size"]): r for r in res["results"] if r["case"] == "ec fixed cost per step"}
+    assert set(fixed) == {(f"ec {d}", n) for d in ("save", "load") for n in (4096, 65536)}
+    assert all(r["metric"] == "us" and abs(r["value"]) < 1e5 for r in fixed.values()), fixed  # noisy: may dip below 0
     assert _ec_files() == before
 
 
