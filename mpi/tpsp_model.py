@@ -69,8 +69,14 @@ def parse_args(argv=None):
     return args
 
 
-# Where the hidden --inject test flag (vtnumba.faults: how:rank:point[@n]) can make a rank fail.
+# Where the hidden --inject test flag (vtnumba.faults: how:rank:point[@n]) can make a rank fail:
+# "regular" and "tpsp" are passed once per timed round (@n picks the round), the others once.
 INJECT_POINTS = ("setup", "profile", "regular", "between", "tpsp")
+
+
+def inject_passes(repeat: int) -> dict:
+    """How many times a run passes each of INJECT_POINTS."""
+    return {p: repeat if p in ("regular", "tpsp") else 1 for p in INJECT_POINTS}
 
 
 def main(argv=None) -> int:
@@ -82,7 +88,12 @@ def main(argv=None) -> int:
     share_cores_between_local_ranks()  # before numpy loads its BLAS
     target = select_target(args.target)  # before anything imports numba.cuda
     try:
-        inject = None if args.inject is None else FaultInjection.parse(args.inject, INJECT_POINTS)
+        if args.inject is not None:
+            from mpi4py import MPI
+
+            inject = FaultInjection.parse(args.inject, inject_passes(args.repeat), MPI.COMM_WORLD.Get_size())
+        else:
+            inject = None
     except ValueError as exc:
         raise SystemExit(f"tpsp_model.py: error: {exc}") from None
 
@@ -98,7 +109,15 @@ def _run(args, target, inject) -> int:
     from mpi4py import MPI
 
     from vtnumba.backend import default_backend
-    from vtnumba.dist import agree_errors, allgather_bytes, barrier, destroy_distributed, init_distributed, phase
+    from vtnumba.dist import (
+        agree_errors,
+        allgather_bytes,
+        allreduce_max,
+        barrier,
+        destroy_distributed,
+        init_distributed,
+        phase,
+    )
     from vtnumba.dist.comm import set_default_timeout
     from vtnumba.nn import ParallelMLPStack
     from vtnumba.tpsp import TPSPOp, get_tpsp_backend, shard_residual
@@ -157,12 +176,14 @@ def _run(args, target, inject) -> int:
         """One run of one forward; its time on the slowest rank (each rank's own clock)."""
         with phase(f"{what}, run {k + 1} of {args.repeat + 1}"):
             barrier(group)
-            if k == 1:
+            if k >= 1:  # the timed rounds: --inject ...:tpsp@2 fails in the second
                 _fault(point)
             start = time.perf_counter()
             result = fn()
             mine = time.perf_counter() - start
-        return group.cpu_comm.allreduce(mine, op=MPI.MAX), result
+            # With a deadline (a blocking allreduce would wait forever for a stopped rank).
+            slowest = allreduce_max(mine, group, f"the timing of {what}")
+        return slowest, result
 
     # The two forwards run in interleaved rounds (regular, then TPSP, repeat), so a noisy
     # neighbour on a shared machine slows both alike; round 0 warms up (jit, page faults)
@@ -180,11 +201,12 @@ def _run(args, target, inject) -> int:
 
     with phase("comparing the results"):
         x_reg, res_reg, x_tpsp = to_host(x_reg), to_host(res_reg), to_host(x_tpsp)
-        shards = group.cpu_comm.allgather(np.ascontiguousarray(to_host(res_shard)))
+        mine = np.ascontiguousarray(to_host(res_shard), dtype=np.float32)
+        shards = [np.frombuffer(b, np.float32).reshape(-1, H) for b in allgather_bytes(mine.tobytes(), group)]
         res_tpsp = np.concatenate(shards, axis=0)[:T]
         err_x = float(np.max(np.abs(x_tpsp - x_reg)))
         err_res = float(np.max(np.abs(res_tpsp - res_reg)) / max(1.0, float(np.max(np.abs(res_reg)))))
-        err = group.cpu_comm.allreduce(max(err_x, err_res), op=MPI.MAX)
+        err = allreduce_max(max(err_x, err_res), group, "the comparison of the results")
     fused = sum(op.fused_calls for op in ops)
     say(f"regular forward: {t_reg * 1e3:9.2f} ms   (all-reduce of [T, H] per block, replicated residual)")
     say(f"TPSP forward:    {t_tpsp * 1e3:9.2f} ms   ({fused} fused calls, "

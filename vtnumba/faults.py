@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 #: How a rank can fail: raise an exception, be killed (SIGKILL), stop (SIGSTOP).
@@ -38,8 +38,14 @@ class FaultInjection:
     nth: int = 1   #: at its n-th pass of ``point``
 
     @classmethod
-    def parse(cls, text: str, points: Iterable[str]) -> "FaultInjection":
-        """Read ``how:rank:point[@n]`` against the program's ``points``; ValueError naming ``--inject`` otherwise."""
+    def parse(cls, text: str, points: Iterable[str] | Mapping[str, int], world_size: int | None = None) -> "FaultInjection":
+        """Read ``how:rank:point[@n]`` against the program's ``points``; ValueError naming ``--inject`` otherwise.
+
+        ``points`` may map each point to how many times a run passes it: then an ``n`` the run
+        never reaches is refused, as is a ``rank`` outside ``world_size`` -- a fault that can
+        never fire would make a fault test pass without testing anything.
+        """
+        passes = dict(points) if isinstance(points, Mapping) else None
         points = tuple(points)
         example = f"kill:1:{points[0] if points else 'point'}@2"
         try:
@@ -51,6 +57,11 @@ class FaultInjection:
         if how not in HOWS or point not in points or spec.nth < 1 or spec.rank < 0:
             raise ValueError(f"--inject={text!r}: expected ({'|'.join(HOWS)}):RANK:({'|'.join(points)})[@N] "
                              "with RANK >= 0 and N >= 1")
+        if world_size is not None and spec.rank >= world_size:
+            raise ValueError(f"--inject={text!r}: rank {spec.rank} does not exist; the job has ranks 0..{world_size - 1}")
+        if passes is not None and spec.nth > passes[point]:
+            raise ValueError(f"--inject={text!r}: a run passes {point!r} {passes[point]} time(s), so @{spec.nth} "
+                             "would never fire")
         return spec
 
     def on_point(self, rank: int) -> Callable[[str], None] | None:
@@ -75,11 +86,12 @@ class FaultInjection:
         return hook
 
 
-def parse_inject(text: str | None, points: Iterable[str], rank: int) -> Callable[[str], None] | None:
+def parse_inject(text: str | None, points: Iterable[str] | Mapping[str, int], rank: int,
+                 world_size: int | None = None) -> Callable[[str], None] | None:
     """A program's ``--inject`` flag to the hook this rank calls at each point (None: no fault here)."""
     if text is None:
         return None
-    return FaultInjection.parse(text, points).on_point(rank)
+    return FaultInjection.parse(text, points, world_size).on_point(rank)
 
 
 __all__ = ["HOWS", "FaultInjection", "parse_inject"]

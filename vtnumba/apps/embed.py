@@ -30,8 +30,14 @@ def _bad_argument(texts) -> str | None:
     return None
 
 
-#: Where the hidden ``--inject how:rank:point`` test flag (:mod:`vtnumba.faults`) can make a rank fail.
-INJECT_POINTS = ("loading", "encoding")
+#: Where the hidden ``--inject how:rank:point`` test flag (:mod:`vtnumba.faults`) can make a
+#: rank fail, and how many times a run passes each.
+INJECT_POINTS = {"loading": 1, "encoding": 1}
+
+
+class InputRejected(ValueError):
+    """Input that every rank rejects alike (they all got the same command line): the one error
+    after which the ranks may leave together, through the collective teardown."""
 
 
 def run_embed(args) -> int:
@@ -46,13 +52,18 @@ def run_embed(args) -> int:
     from vtnumba.faults import parse_inject
     from vtnumba.models.tp_runtime import TensorParallelEncoder
 
-    hook = parse_inject(getattr(args, "inject", None), INJECT_POINTS, MPI.COMM_WORLD.Get_rank()) or (lambda _p: None)
     group = init_distributed()
     try:
         # Every rank has the same argv, so every rank decides the same way -- no exchange needed.
         error = _bad_argument(args.texts)
         if error is not None:
-            raise ValueError(error)
+            raise InputRejected(error)
+        world = MPI.COMM_WORLD
+        try:
+            hook = parse_inject(getattr(args, "inject", None), INJECT_POINTS, world.Get_rank(), world.Get_size())
+        except ValueError as exc:
+            raise InputRejected(str(exc)) from None
+        hook = hook or (lambda _point: None)
         # Progress on rank 0, to stderr (stdout is the result, e.g. --json): loading and the
         # first call's kernel compilation take seconds.
         say = (lambda text: print(text, file=sys.stderr, flush=True)) if group.rank == 0 else (lambda text: None)
@@ -65,9 +76,10 @@ def run_embed(args) -> int:
             hook("encoding")
             emb = tpe.encoder.encode(args.texts)
             mode = "TPSP" if tpe.tpsp_enabled and tpe.fused_calls() else "regular forward"
-    except ValueError as exc:
-        # Bad input: every rank raised the same error (the encoder's ranks agree first), so
-        # every rank may leave together, through the collective teardown.
+    except InputRejected as exc:
+        # Bad input, rejected by every rank alike: they may leave together, through the
+        # collective teardown.  (Any other error -- even a ValueError, which one rank alone
+        # may raise -- goes to run_collectively, which tells the others.)
         if group.rank == 0:
             print(f"vtnumba embed: error: {exc}", file=sys.stderr)
         destroy_distributed()

@@ -57,6 +57,9 @@ class _Case:
         from vtnumba.ec import ECConnectorMetadata, ECConsumer, ECProducer
 
         self.backend = backend
+        self.device_copy = not backend.capabilities.host_addressable  # a real GPU's memory
+        self.dst_buf = None   # the GPU baseline's device buffer for loads
+        self.loaded: dict = {}  # (set before anything can fail: close() reads both)
         block = HIDDEN * np.dtype(DTYPE).itemsize
         self.rows = rows = max(nbytes // block, 1)
         self.nbytes = rows * block
@@ -78,6 +81,11 @@ class _Case:
             self.producer.close()
             raise
         try:
+            # On a GPU the fair baseline is the driver's own copy between the same device
+            # buffer and the same (pinned) region slot: a plain cudaMemcpy D2H / H2D,
+            # synchronized.  On the host it is np.copyto between the same buffers.
+            if self.device_copy:
+                self.dst_buf = backend.alloc(self.nbytes)
             self.src_buf = backend.alloc(self.nbytes)
             self.src = self.src_buf.view(DTYPE, (rows, HIDDEN))
             self.host = np.random.default_rng(nbytes).standard_normal((rows, HIDDEN)).astype(DTYPE)
@@ -87,18 +95,11 @@ class _Case:
             self.close()
             raise
         self.enc = {"e": self.src}
-        # On a GPU the fair baseline is the driver's own copy between the same device buffer
-        # and the same (pinned) region slot: a plain cudaMemcpy D2H / H2D, synchronized.  On
-        # the host it is np.copyto between the same buffers.
-        self.backend = backend
-        self.device_copy = not backend.capabilities.host_addressable
-        self.dst_buf = backend.alloc(self.nbytes) if self.device_copy else None
         # Block ids as int64 arrays, as ECScheduler sends them.
         self.save_metas = [ECConnectorMetadata(saves={"e": ids}) for ids in self.slot_ids]
         self.load_metas = [ECConnectorMetadata(loads={"e": (i, ids)}) for i, ids in enumerate(self.slot_ids)]
         self._turn = {"save": 0, "load": 0, "memcpy_save": 2, "memcpy_load": 2}  # each rotates on its own; the
         # baselines run two slots apart, so neither finds the bytes the other just touched in cache
-        self.loaded: dict = {}
 
     def _next(self, what: str, items: list):
         k = self._turn[what]

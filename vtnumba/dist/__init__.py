@@ -4,7 +4,7 @@ Reading order (each module is one concept):
 
 * :mod:`~vtnumba.dist.groups`       -- ``init_distributed``, named groups, ``get_tp_group``;
 * :mod:`~vtnumba.dist.comm`         -- ``all_ranks_ready`` (vLLM TPSP's agreement), ``barrier``
-  with a timeout, ``allgather_bytes``, ``agree_errors``;
+  with a timeout, ``allgather_bytes``, ``allreduce_max``, ``agree_errors``;
 * :mod:`~vtnumba.dist.shm`          -- POSIX shared-memory segments (cpu / cudasim peer memory);
 * :mod:`~vtnumba.dist.cuda_ipc`     -- CUDA IPC handles as raw bytes (real-GPU peer memory);
 * :mod:`~vtnumba.dist.peer_buffers` -- ``PeerBuffers``: symmetric memory over either transport;
@@ -23,6 +23,7 @@ from vtnumba.dist.comm import (
     agree_errors,
     all_ranks_ready,
     allgather_bytes,
+    allreduce_max,
     barrier,
     set_default_timeout,
 )
@@ -46,7 +47,8 @@ from vtnumba.dist.signals import DEFAULT_NAMES, PeerSignals
 __all__ = [
     "ProcessGroup", "GroupNotFoundError", "init_distributed", "destroy_distributed", "is_initialized",
     "new_group", "get_group", "get_tp_group", "get_world_group",
-    "DEFAULT_TIMEOUT_S", "set_default_timeout", "all_ranks_ready", "barrier", "allgather_bytes", "agree_errors",
+    "DEFAULT_TIMEOUT_S", "set_default_timeout", "all_ranks_ready", "barrier", "allgather_bytes", "allreduce_max",
+    "agree_errors",
     "PeerBuffers", "PeerAccessError", "ShmSegment", "list_segments",
     "PeerFailed", "phase", "run_collectively", "PeerSignals", "DEFAULT_NAMES", "QueueFlags", "QueueFlagsError", "RELEASED",
     "reduce_scatter", "all_gather", "mpi_reduce_scatter", "mpi_all_gather",

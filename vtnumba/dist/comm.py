@@ -108,6 +108,20 @@ def all_ranks_ready(ok: bool, group, timeout_s: float = DEFAULT) -> bool:
     return bool(recv[0])
 
 
+def allreduce_max(value: float, group, what: str, timeout_s: float = DEFAULT) -> float:
+    """The largest ``value`` over the group's ranks (e.g. the slowest rank's time), with a deadline.
+
+    A blocking ``comm.allreduce`` would wait forever for a stopped rank, where the failure
+    board cannot reach it; this one is a non-blocking all-reduce polled by :func:`wait_request`
+    (``what`` names it in the timeout's message).
+    """
+    _check_group(group)
+    send = np.array([value], dtype=np.float64)
+    recv = np.zeros(1, dtype=np.float64)
+    wait_request(group.cpu_comm.Iallreduce(send, recv, op=MPI.MAX), group, what, timeout_s)
+    return float(recv[0])
+
+
 def allgather_bytes(data: bytes, group, timeout_s: float = DEFAULT) -> list[bytes]:
     """Every rank contributes ``data`` (any length); every rank gets the list, indexed by group rank.
 

@@ -165,6 +165,14 @@ class DescriptorBuffers(NamedTuple):
         slot (a step's loads: neighbours in the region land side by side in one buffer).  The
         caller makes sure ``count + n_used <= capacity`` (one descriptor per block at most).
         """
+        # The compiled loop writes by index without bounds checks: refuse what would take it
+        # past the arrays (cheap next to the call itself).
+        if not 0 <= n_used <= ids.shape[0] or count < 0 or count + n_used > self.sizes.shape[0] \
+                or not 0 <= total_bytes <= n_used * block_size or total_bytes <= (n_used - 1) * block_size:
+            raise ValueError(f"add_block_runs: n_used={n_used}, count={count}, total_bytes={total_bytes} do not fit "
+                             f"{ids.shape[0]} ids of {block_size} bytes and {self.sizes.shape[0]} descriptor slots; "
+                             "expected n_used <= len(ids), count + n_used <= capacity and the last used block "
+                             "partly filled")
         new = _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size,
                                total_bytes, self.src_ptrs, self.dst_ptrs, self.sizes, count, flat_is_src, merge)
         if new < 0:

@@ -91,6 +91,10 @@ class TensorParallelEncoder:
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        """Close collectively on a normal exit.  Leaving on an exception, only this rank's own
+        resources are freed: the TPSP backend stays open until the process exits (its peers may
+        never reach a collective close); a caller that catches the error and goes on should
+        call :meth:`close` on every rank itself."""
         if exc_type is None:
             self.close()
         else:

@@ -34,11 +34,9 @@ import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
-from mpi4py import MPI
 
 from vtnumba.backend.arrays import is_int, to_host
-from vtnumba.dist import all_ranks_ready, barrier, get_group
-from vtnumba.dist.comm import wait_request
+from vtnumba.dist import all_ranks_ready, allreduce_max, barrier, get_group
 from vtnumba.tpsp.config import TPSPConfig, TPSPContext, TPSPProfile, check_ops_groups
 from vtnumba.tpsp.norm_type import get_tpsp_norm_type
 from vtnumba.tpsp.regular import regular_matmul_rs_norm_ag
@@ -73,13 +71,6 @@ class ProfileReport:
     #: Wall-clock seconds the whole profile took on this rank.
     elapsed_s: float = 0.0
 
-
-
-def _allreduce_max(value: float, group, timeout_s: float) -> float:
-    send = np.array([value], dtype=np.float64)
-    recv = np.zeros(1, dtype=np.float64)
-    wait_request(group.cpu_comm.Iallreduce(send, recv, op=MPI.MAX), group, "TPSP profile timing", timeout_s)
-    return float(recv[0])
 
 
 class _Runner:
@@ -131,11 +122,11 @@ def _time_ms(fn, group, backend) -> float:
     t0 = time.perf_counter()
     fn()
     backend.data_backend.synchronize()
-    return _allreduce_max((time.perf_counter() - t0) * 1e3, group, backend.timeout_s)
+    return allreduce_max((time.perf_counter() - t0) * 1e3, group, "TPSP profile timing", backend.timeout_s)
 
 
 def _expired(deadline: float, group, timeout_s: float) -> bool:
-    return _allreduce_max(1.0 if time.monotonic() >= deadline else 0.0, group, timeout_s) > 0
+    return allreduce_max(1.0 if time.monotonic() >= deadline else 0.0, group, "TPSP profile timing", timeout_s) > 0
 
 
 def chunk_candidates(granularity: int, shard_rows_max: int) -> list[int]:
