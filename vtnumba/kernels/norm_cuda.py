@@ -129,9 +129,12 @@ def store_cached(zc, new_residual, r, is_layer, wide):
 
 @cuda.jit(device=True)
 def _dev2(z, mean, ok):
-    """``(z - mean)^2`` for an element inside the row, 0 for the zero padding of the last quad."""
+    """``(z - mean)^2`` for an element inside the row, 0 for the padding past the row's end
+    (whose cache slots may never have been written: no arithmetic on them)."""
+    if not ok:
+        return float32(0.0)
     d = z - mean
-    return d * d if ok else float32(0.0)
+    return d * d
 
 
 @cuda.jit(device=True)
