@@ -28,6 +28,7 @@ stage() {  # stage NAME TIMEOUT_S CMD...
 
 # vtnumba's own segments only: MPICH itself leaves mpich_shm_* files when a job is aborted.
 ls /dev/shm 2>/dev/null | grep -i vtnumba > /tmp/vtnumba-shm-before.$$ || true
+ls /dev/shm 2>/dev/null | grep '^mpich_shm_' > /tmp/vtnumba-mpich-before.$$ || true
 
 stage "serial tests (cpu + simulator)" 1500 python -m pytest "${PYTEST_ARGS[@]}" tests --ignore=tests/mpi
 stage "MPI tests, 2 ranks" 900 mpiexec -n 2 python -m mpi4py -m pytest "${PYTEST_ARGS[@]}" --with-mpi tests/mpi
@@ -41,6 +42,18 @@ if ! diff -q /tmp/vtnumba-shm-before.$$ /tmp/vtnumba-shm-after.$$ >/dev/null 2>&
   FAILED+=("/dev/shm leak")
 fi
 rm -f /tmp/vtnumba-shm-before.$$ /tmp/vtnumba-shm-after.$$
+
+# The fault tests kill and stop ranks on purpose; a job that ends that way cannot unlink
+# MPICH's own shared-memory segment.  Remove the ones this run made that no live process
+# still maps (a running MPI job's segment is in its processes' /proc/PID/maps).
+orphans=0
+for f in $(ls /dev/shm 2>/dev/null | grep '^mpich_shm_' | grep -vxF -f /tmp/vtnumba-mpich-before.$$ || true); do
+  if ! grep -qsF "/dev/shm/$f" /proc/[0-9]*/maps; then
+    rm -f "/dev/shm/$f" && orphans=$((orphans + 1))
+  fi
+done
+[ $orphans -eq 0 ] || echo "removed $orphans MPICH segment(s) left by the jobs the fault tests ended on purpose"
+rm -f /tmp/vtnumba-mpich-before.$$
 
 echo
 if [ ${#FAILED[@]} -ne 0 ]; then
