@@ -33,9 +33,14 @@ def _run(ranks: int, *extra: str, timeout_s: float = 5.0, mpmd=None):
         cmd = [MPIEXEC]
         for i, args in enumerate(mpmd):
             cmd += ([":"] if i else []) + ["-n", "1", sys.executable, script, *SMALL, "--timeout", str(timeout_s), *args]
+    return _job(cmd, env)
+
+
+def _job(cmd: list, env: dict, timeout: float = 120):
+    """Run an MPI job as a user would (no stdin); (process, seconds, output); it left nothing in /dev/shm."""
     before = _vtnumba_files()
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
                           stdin=subprocess.DEVNULL)
     elapsed = time.monotonic() - t0
     assert _vtnumba_files() <= before, f"left in /dev/shm: {_vtnumba_files() - before}"
@@ -90,13 +95,7 @@ def test_ranks_started_with_different_arguments_say_so_instead_of_blaming_tpsp()
 def _run_cmd(cmd, *, timeout=120):
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM",)}
     env.update(VTNUMBA_TARGET="cpu", VTNUMBA_OUT_DIR=str(Path(os.environ.get("TMPDIR", "/tmp")) / "vtnumba-fm-out"))
-    before = _vtnumba_files()
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
-                          stdin=subprocess.DEVNULL)
-    elapsed = time.monotonic() - t0
-    assert _vtnumba_files() <= before, f"left in /dev/shm: {_vtnumba_files() - before}"
-    return proc, elapsed, proc.stdout + proc.stderr
+    return _job(cmd, env, timeout)
 
 
 @pytest.mark.parametrize("ranks, inject", [(2, "raise:0:memory"), (3, "raise:1:memory")])
@@ -160,12 +159,7 @@ def _embed(ranks: int, *extra: str):
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
     cmd = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "vtnumba", "embed", "--target", "cpu", *extra,
            "a first sentence", "a second one"]
-    before = _vtnumba_files()
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
-                          stdin=subprocess.DEVNULL)
-    assert _vtnumba_files() <= before, f"left in /dev/shm: {_vtnumba_files() - before}"
-    return proc, time.monotonic() - t0, proc.stdout + proc.stderr
+    return _job(cmd, env)
 
 
 @pytest.mark.parametrize("ranks, inject, phase", [(3, "raise:1:encoding", "encoding the texts"),
