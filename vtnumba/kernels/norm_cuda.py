@@ -205,7 +205,7 @@ def finish_row(zc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, 
 
 
 @cuda.jit(device=True)
-def _add_quad(y, bias, has_bias, residual, has_residual, r, c, wide):
+def add_quad(y, bias, has_bias, residual, has_residual, r, c, wide):
     """``y[r, c:c+4] (+ bias[c:c+4]) (+ residual[r, c:c+4])`` as four float32 (zeros past the row)."""
     h = y.shape[1]
     z0, z1, z2, z3 = quad(y, r, c, h, wide)
@@ -237,13 +237,13 @@ def fused_add_norm_kernel(y, bias, has_bias, residual, has_residual, weight, nor
     for j in range(CACHE_QUADS):
         c = VEC * (t + j * nt)
         if c < h:
-            z0, z1, z2, z3 = _add_quad(y, bias, has_bias, residual, has_residual, r, c, wide)
+            z0, z1, z2, z3 = add_quad(y, bias, has_bias, residual, has_residual, r, c, wide)
             keep_quad(zc, j, z0, z1, z2, z3)
     # Pass 1b: z is the new residual stream; sum for the statistics.
     partial = store_cached(zc, new_residual, r, is_layer, wide)
     # Rows longer than the cache: the rest goes straight through (re-read in finish_row).
     for c in range(VEC * (t + CACHE_QUADS * nt), h, VEC * nt):
-        z0, z1, z2, z3 = _add_quad(y, bias, has_bias, residual, has_residual, r, c, wide)
+        z0, z1, z2, z3 = add_quad(y, bias, has_bias, residual, has_residual, r, c, wide)
         store_quad(new_residual, r, c, h, wide, z0, z1, z2, z3)
         if is_layer:
             partial += (z0 + z1) + (z2 + z3)

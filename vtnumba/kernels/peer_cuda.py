@@ -40,7 +40,15 @@ from numba import cuda, float32
 
 from vtnumba.backend.arrays import cdiv
 from vtnumba.kernels._wide_cuda import VEC, quad, store_quad, vquad, wide_ok
-from vtnumba.kernels.norm_cuda import CACHE_FLOATS, CACHE_QUADS, finish_row, keep_quad, store_cached, threads_for_row
+from vtnumba.kernels.norm_cuda import (
+    CACHE_FLOATS,
+    CACHE_QUADS,
+    add_quad,
+    finish_row,
+    keep_quad,
+    store_cached,
+    threads_for_row,
+)
 
 MAX_SOURCES = 8
 MAX_DESTS = 8
@@ -57,10 +65,9 @@ def _acc(z0, z1, z2, z3, src, r, c, h, wide):
 
 
 @cuda.jit(device=True)
-def _sum8(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, r, c, wide):
-    """Quad ``[r, c:c+4]`` summed over the first ``nsrc`` sources, in order (zeros past the row)."""
-    h = s0.shape[1]
-    z0, z1, z2, z3 = quad(s0, r, c, h, wide)
+def _acc_sources(z0, z1, z2, z3, s1, s2, s3, s4, s5, s6, s7, nsrc, r, c, wide):
+    """``z + s1[r, c:c+4] + ... + s_{nsrc-1}[r, c:c+4]``, in order (the first source is already in z)."""
+    h = s1.shape[1]
     if nsrc > 1:
         z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s1, r, c, h, wide)
     if nsrc > 2:
@@ -79,34 +86,19 @@ def _sum8(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, r, c, wide):
 
 
 @cuda.jit(device=True)
+def _sum8(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, r, c, wide):
+    """Quad ``[r, c:c+4]`` summed over the first ``nsrc`` sources, in order (zeros past the row)."""
+    z0, z1, z2, z3 = quad(s0, r, c, s0.shape[1], wide)
+    return _acc_sources(z0, z1, z2, z3, s1, s2, s3, s4, s5, s6, s7, nsrc, r, c, wide)
+
+
+@cuda.jit(device=True)
 def _reduce_quad(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, bias, has_bias, residual, has_residual, r, c, wide):
     """Pass 1 of the peer kernel for one quad, in the host reference's order:
-    ``s0 (+ bias) (+ residual) + s1 + ... + s_{nsrc-1}``."""
-    h = s0.shape[1]
-    z0, z1, z2, z3 = quad(s0, r, c, h, wide)
-    if has_bias:
-        b0, b1, b2, b3 = vquad(bias, c, h, wide)
-        z0 += b0
-        z1 += b1
-        z2 += b2
-        z3 += b3
-    if has_residual:
-        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, residual, r, c, h, wide)
-    if nsrc > 1:
-        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s1, r, c, h, wide)
-    if nsrc > 2:
-        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s2, r, c, h, wide)
-    if nsrc > 3:
-        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s3, r, c, h, wide)
-    if nsrc > 4:
-        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s4, r, c, h, wide)
-    if nsrc > 5:
-        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s5, r, c, h, wide)
-    if nsrc > 6:
-        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s6, r, c, h, wide)
-    if nsrc > 7:
-        z0, z1, z2, z3 = _acc(z0, z1, z2, z3, s7, r, c, h, wide)
-    return z0, z1, z2, z3
+    ``s0 (+ bias) (+ residual) + s1 + ... + s_{nsrc-1}`` -- the fused add+norm's first step
+    (:func:`~vtnumba.kernels.norm_cuda.add_quad`) followed by the other sources."""
+    z0, z1, z2, z3 = add_quad(s0, bias, has_bias, residual, has_residual, r, c, wide)
+    return _acc_sources(z0, z1, z2, z3, s1, s2, s3, s4, s5, s6, s7, nsrc, r, c, wide)
 
 
 @cuda.jit(device=True)
