@@ -14,6 +14,8 @@ from vtnumba.memory.copy_engine import (
     batched_copy_reference,
     check_descriptors,
     host_batched_copy,
+    is_live,
+    live_address,
 )
 
 POISON = 0xAB
@@ -160,6 +162,49 @@ def test_a_range_that_runs_past_its_allocation_is_refused(backend):
         batched_copy([src.ptr], [dst.ptr + 200], [64], backend=backend)
 
 
+def test_a_bad_descriptor_anywhere_means_nothing_is_copied(backend, rng):
+    """The check runs over the whole batch before the first byte moves (on synchronous queues
+    in the same compiled call as the copy): good descriptors before a bad one copy nothing."""
+    src, dst = backend.alloc(256), backend.alloc(256)
+    data = rng.integers(0, 256, 256, dtype=np.uint8)
+    _write(backend, src, data)
+    poison = np.full(256, 0xAB, np.uint8)
+    _write(backend, dst, poison)
+    q = backend.create_queue("bad-last")
+    with pytest.raises(ValueError, match=r"src_ptrs\[2\]"):
+        batched_copy([src.ptr, src.ptr + 64, 0x1000], [dst.ptr, dst.ptr + 64, dst.ptr + 128], [64, 64, 8],
+                     queue=q, backend=backend)
+    backend.synchronize(q)
+    np.testing.assert_array_equal(_read(backend, dst), poison)
+    backend.destroy_queue(q)
+
+
+def test_backends_used_in_turn_each_copy_their_own_way(rng):
+    """The copy engine remembers how the last backend copies (inline or through its queues);
+    alternating between a synchronous and a threaded backend must not mix the two up."""
+    sync, threaded = CPUBackend(), CPUBackend(threaded=True)
+    try:
+        for step in range(4):
+            for be in (sync, threaded):
+                src, dst = be.alloc(128), be.alloc(128)
+                data = rng.integers(0, 256, 128, dtype=np.uint8)
+                _write(be, src, data)
+                q = be.create_queue("turn")
+                gate = threading.Event()
+                if be is threaded:  # the copy must wait in its queue behind the gate
+                    be.launch_host_func(q, lambda: gate.wait(10))
+                assert batched_copy([src.ptr], [dst.ptr], [128], queue=q, backend=be) == 128
+                if be is threaded:
+                    assert not np.array_equal(dst.array, data), "the copy ran ahead of its queue"
+                    gate.set()
+                be.synchronize(q)
+                np.testing.assert_array_equal(_read(be, dst), data)
+                be.destroy_queue(q)
+    finally:
+        sync.close()
+        threaded.close()
+
+
 def test_freed_memory_is_no_longer_a_valid_target(backend):
     src, dst = backend.alloc(64), backend.alloc(64)
     batched_copy([src.ptr], [dst.ptr], [64], backend=backend)
@@ -259,3 +304,23 @@ def test_real_gpu_batched_copy_h2d_and_d2h(rng, device_backend):
     batched_copy((dev.ptr + so).astype(np.uint64), (back.ptr + so).astype(np.uint64), sz, q, be)
     be.synchronize(q)
     np.testing.assert_array_equal(back.array, host.array)
+
+
+def test_live_address_is_address_of_and_is_live_in_one_call(rng):
+    """What the encoder-cache worker asks of every output it saves, answered by one compiled call
+    for numpy arrays -- the same answers as the two separate questions."""
+    be = CPUBackend()
+    try:
+        buf = be.alloc(4096)
+        inside = buf.view(np.float32, (16, 64))           # backend memory: live
+        mine = rng.standard_normal((8, 16)).astype(np.float16)  # the caller's own array: not known
+        for arr, nbytes in ((inside, 4096), (inside[4:], 3072), (mine, mine.nbytes)):
+            addr, live = live_address(arr, nbytes)
+            assert addr == address_of(arr) and live == is_live(addr, nbytes)
+        assert live_address(inside, 4096)[1] and not live_address(inside, 4097)[1]  # one byte past the buffer
+        assert not live_address(mine, mine.nbytes)[1]
+        with registered(mine):
+            assert live_address(mine, mine.nbytes) == (address_of(mine), True)
+        assert live_address(buf, 4096) == (buf.ptr, True)  # a Buffer: the general path
+    finally:
+        be.close()

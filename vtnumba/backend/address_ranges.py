@@ -57,6 +57,12 @@ class AddressRanges:
                 self._sorted = None
 
     def _table(self) -> tuple:
+        table = self._sorted
+        if table is not None:
+            # The common case, read without the lock (one attribute read is atomic): every
+            # batched copy asks, and the table changes only when memory comes or goes.  A
+            # change racing with this read is no different from one right after it.
+            return table
         with self._lock:
             if self._sorted is None:
                 items = sorted(self._ranges.values())

@@ -71,7 +71,7 @@ from vtnumba.backend.arrays import address_of as _array_address
 from vtnumba.backend.base import Backend, Buffer, Queue, observing_uses
 
 __all__ = ["batched_copy", "batched_copy_reference", "check_descriptors", "check_ranges", "address_of",
-           "cuda_batch_api_available", "prepare", "host_batched_copy", "is_live"]
+           "cuda_batch_api_available", "prepare", "host_batched_copy", "is_live", "live_address"]
 
 # --------------------------------------------------------------------------- validation
 _U64, _I64 = np.dtype(np.uint64), np.dtype(np.int64)
@@ -90,11 +90,6 @@ def _as_u64(name: str, arr) -> np.ndarray:
     if a.dtype.kind == "i" and a.size and int(a.min()) < 0:
         raise ValueError(f"{name} has a negative entry {int(a.min())}; expected addresses/sizes >= 0")
     return a.astype(np.uint64)
-
-
-def _is_u64_vector(a) -> bool:
-    """A 1-D C-contiguous uint64 ndarray: the form the checks and the copy loops read as is."""
-    return type(a) is np.ndarray and a.dtype == _U64 and a.ndim == 1 and a.flags.c_contiguous
 
 
 def _null_error(src: np.ndarray, dst: np.ndarray, sz: np.ndarray) -> None:
@@ -138,9 +133,12 @@ def _scan(src, dst, sizes, starts, reach):  # pragma: no cover - compiled; teste
 
 def _checked(src_ptrs, dst_ptrs, sizes):
     """The shape checks of check_descriptors: three equal-length uint64 arrays (or an error)."""
-    if _is_u64_vector(src_ptrs) and _is_u64_vector(dst_ptrs) and _is_u64_vector(sizes):
+    if (type(src_ptrs) is np.ndarray and type(dst_ptrs) is np.ndarray and type(sizes) is np.ndarray
+            and src_ptrs.dtype is _U64 and dst_ptrs.dtype is _U64 and sizes.dtype is _U64
+            and src_ptrs.ndim == 1 and dst_ptrs.ndim == 1 and sizes.ndim == 1
+            and src_ptrs.flags.c_contiguous and dst_ptrs.flags.c_contiguous and sizes.flags.c_contiguous):
         # The form the encoder-cache worker passes: nothing to convert, and uint64 sizes
-        # cannot be negative.
+        # cannot be negative.  (Tested inline, ``is`` for the dtype: this runs every step.)
         src, dst, sz = src_ptrs, dst_ptrs, sizes
     else:
         sz_raw = sizes if type(sizes) is np.ndarray else np.asarray(sizes)
@@ -170,12 +168,16 @@ def check_descriptors(src_ptrs, dst_ptrs, sizes) -> tuple[np.ndarray, np.ndarray
     return src, dst, sz
 
 
-def _validated_total(src: np.ndarray, dst: np.ndarray, sz: np.ndarray) -> int:
-    """Null and live-range checks of a shape-checked batch; its total byte count."""
+def _validated_total(src: np.ndarray, dst: np.ndarray, sz: np.ndarray, scan=None) -> int:
+    """Null and live-range checks of a shape-checked batch; its total byte count.
+
+    ``scan``: the compiled pass to run (:func:`_scan`, or the checked copy loop, which also
+    copies when every descriptor passed)."""
     starts, _, reach, _ = LIVE._table()  # the sorted live ranges, cached by LIVE between changes
-    total = _scan(src, dst, sz, starts, reach)
+    total = (scan or _scan)(src, dst, sz, starts, reach)
     if total < 0:
-        # Something is wrong: let the thorough checks say what, naming the descriptor.
+        # Something is wrong (and nothing was copied): let the thorough checks say what,
+        # naming the descriptor.
         _null_error(src, dst, sz)
         LIVE.check("src_ptrs", src, sz)
         LIVE.check("dst_ptrs", dst, sz)
@@ -219,6 +221,24 @@ def _data_address(byte_view):  # pragma: no cover - compiled
     return byte_view.ctypes.data
 
 
+@numba.njit(nogil=True, cache=True)
+def _live_data_address(byte_view, nbytes, starts, reach):  # pragma: no cover - compiled
+    address = byte_view.ctypes.data
+    return address, _covered(address, nbytes, starts, reach)
+
+
+def live_address(arr, nbytes: int) -> tuple[int, bool]:
+    """``(address_of(arr), is_live(address, nbytes))`` -- for a numpy array in one compiled
+    call instead of two (the encoder-cache worker asks both of every output it saves, and
+    right after a large copy has evicted the CPU's caches each call costs microseconds)."""
+    if type(arr) is np.ndarray and arr.ndim and arr.size and arr.flags.c_contiguous:
+        starts, _, reach, _ = LIVE._table()
+        address, live = _live_data_address(arr.view(np.uint8), nbytes, starts, reach)
+        return address, live
+    address = address_of(arr)
+    return address, is_live(address, nbytes)
+
+
 def address_of(obj) -> int:
     """The address of the first byte of a Buffer, a numpy array, or a (simulated) device array.
 
@@ -237,6 +257,7 @@ def address_of(obj) -> int:
 
 # --------------------------------------------------------------------------- host loop
 _host_loop = None
+_checked_host_loop = None
 _host_loop_lock = threading.Lock()
 
 
@@ -249,33 +270,59 @@ def _python_loop(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
 
 def _get_host_loop():
     """Compile (once per process) the nogil njit loop over libc memmove."""
-    global _host_loop
-    if _host_loop is not None:
-        return _host_loop
-    with _host_loop_lock:
-        if _host_loop is None:
-            libc = ctypes.CDLL(None)
-            memmove = libc.memmove
-            memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-            memmove.restype = ctypes.c_void_p
-
-            # Not cached on disk: the function pointer of memmove is baked into the
-            # machine code, and it differs from process to process (ASLR).
-            @numba.njit(nogil=True)
-            def _memmove_loop(src, dst, sizes):
-                for i in range(src.shape[0]):
-                    if sizes[i] != 0:
-                        memmove(dst[i], src[i], sizes[i])
-
-            _host_loop = _memmove_loop
+    if _host_loop is None:
+        _compile_host_loops()
     return _host_loop
 
 
+def _get_checked_host_loop():
+    """The same loop preceded by the live-range check (:func:`_scan`), in one compiled call:
+    what a synchronous queue runs -- the check and the copy back to back, on this thread."""
+    if _checked_host_loop is None:
+        _compile_host_loops()
+    return _checked_host_loop
+
+
+def _compile_host_loops() -> None:
+    global _host_loop, _checked_host_loop
+    with _host_loop_lock:
+        if _host_loop is not None:
+            return
+        libc = ctypes.CDLL(None)
+        memmove = libc.memmove
+        memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        memmove.restype = ctypes.c_void_p
+
+        # Not cached on disk: the function pointer of memmove is baked into the
+        # machine code, and it differs from process to process (ASLR).
+        @numba.njit(nogil=True)
+        def _memmove_loop(src, dst, sizes):
+            for i in range(src.shape[0]):
+                if sizes[i] != 0:
+                    memmove(dst[i], src[i], sizes[i])
+
+        @numba.njit(nogil=True)
+        def _checked_memmove_loop(src, dst, sizes, starts, reach):
+            # Nothing is touched unless every descriptor passed: a bad one returns -1 - i
+            # before the first byte moves.  (One call instead of two: on a synchronous
+            # queue each Python-level call is a measurable part of a 1 MiB copy.)
+            total = _scan(src, dst, sizes, starts, reach)
+            if total >= 0:
+                _memmove_loop(src, dst, sizes)
+            return total
+
+        _checked_host_loop = _checked_memmove_loop
+        _host_loop = _memmove_loop
+
+
 def prepare(backend: Backend | None = None) -> None:
-    """Compile the host loop now (about a second, once per process) if ``backend`` copies on
+    """Compile the host loops now (about a second, once per process) if ``backend`` copies on
     the host -- so the first timed copy does not include the compilation."""
     if backend is None or _plan(backend).host:
-        _get_host_loop()
+        _get_checked_host_loop()
+        src = np.zeros(1, np.uint64)
+        _checked_host_loop(src, src, src, src, src)  # numba compiles on the first call, not at definition
+    live_address(np.zeros(1, np.uint8), 1)  # (from numba's disk cache, after the first run)
 
 
 def host_batched_copy(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
@@ -382,12 +429,20 @@ class _Plan:
 
 
 _plans: "weakref.WeakKeyDictionary[Backend, _Plan]" = weakref.WeakKeyDictionary()
+_last_plan: tuple = (lambda: None, None)  # (weak reference to the backend asked last, its plan)
 
 
 def _plan(backend: Backend) -> _Plan:
+    global _last_plan
+    last_ref, plan = _last_plan
+    if last_ref() is backend:
+        # A process copies on one backend almost always: one weak-reference call instead of
+        # the dictionary's lookup (which builds a weak reference per call).
+        return plan
     plan = _plans.get(backend)
     if plan is None:
         plan = _plans[backend] = _Plan(backend)
+    _last_plan = (weakref.ref(backend), plan)
     return plan
 
 
@@ -408,20 +463,20 @@ def batched_copy(src_ptrs, dst_ptrs, sizes, queue: Queue | None = None, backend:
     if src_access_order != "stream" and src_access_order != "any":
         raise ValueError(f"src_access_order={src_access_order!r}; expected 'stream' or 'any'")
     src, dst, sz = _checked(src_ptrs, dst_ptrs, sizes)
-    be = _resolve(backend)
+    be = backend if backend is not None and _last_plan[0]() is backend else _resolve(backend)  # (checked before)
     if queue is not None and not isinstance(queue, Queue):
         raise TypeError(f"queue must be a vtnumba Queue or None, got {type(queue).__name__}")
-    total = _validated_total(src, dst, sz)
-    if sz.size == 0:
-        return 0
     plan = _plan(be)
     if (plan.inline and trace.RECORDER is None and not observing_uses()
             and (queue is None or (queue.backend is be and not queue.destroyed))):
-        # A synchronous queue would run the copy right now, on this thread: do just that.
-        # (Tracing, a hazard checker, or a queue that is not this backend's take the
-        # general path below, which records, reports or refuses as usual.)
-        _get_host_loop()(src, dst, sz)
-        return total
+        # A synchronous queue would run the copy right now, on this thread: do just that,
+        # the checks and the copy in one compiled call.  (Tracing, a hazard checker, or a
+        # queue that is not this backend's take the general path below, which records,
+        # reports or refuses as usual.)
+        return _validated_total(src, dst, sz, _checked_host_loop or _get_checked_host_loop())
+    total = _validated_total(src, dst, sz)
+    if sz.size == 0:
+        return 0
     own_queue = queue is None
     q = be.create_queue("batched_copy") if own_queue else queue
     try:
