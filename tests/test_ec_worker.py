@@ -291,6 +291,88 @@ def test_descriptor_buffers_are_reused(backend, env_factory, rng):
     assert len(env.worker._all_queues) == 1, "the copy queue should be recycled too"
 
 
+def test_synchronous_copies_are_reported_once_by_the_next_poll(env_factory, rng):
+    """On synchronous queues a copy is finished when it is issued: its resources go straight back
+    to the pools, but it still counts as unreported -- in inflight() -- until one poll reports
+    it, exactly once, saves and loads alike."""
+    be = CPUBackend()
+    try:
+        env = env_factory(be)
+        out = rng.standard_normal((3, env.hidden)).astype(np.float32)
+        save(env, {"a": out, "b": out[:1]}, {"a": [4, 5, 6], "b": [9]})
+        w = env.worker
+        assert w.inflight() == (1, 0)                       # one batched copy for the step's two saves
+        assert len(w._buf_pool) == 1 and len(w._queue_pool) == 1  # already recycled
+        assert w.stats["save"]["transfers"] == 1 and w.stats["save"]["entries"] == 2
+        assert w.stats["save"]["descriptors"] == 2 and w.stats["save"]["bytes"] == 4 * env.bs
+        np.testing.assert_array_equal(env.region.blocks[4:7].reshape(-1), as_bytes(out))
+        cache: dict = {}
+        w.start_load_caches(cache, ECConnectorMetadata(loads={"a": (7, [4, 5, 6])}))
+        assert w.inflight() == (1, 1)
+        meta = w.build_connector_worker_meta()
+        assert sorted(meta.completed_saves) == ["a", "b"] and meta.completed_loads == [7]
+        assert w.inflight() == (0, 0) and w.build_connector_worker_meta() is None  # reported once
+        np.testing.assert_array_equal(cache["a"], out)
+        assert [h[:3] for h in w.history] == [("save", 2, 4 * env.bs), ("load", 1, 3 * env.bs)]
+        del cache
+    finally:
+        env.close()
+        be.close()
+
+
+def test_a_load_whose_copy_is_refused_hands_out_nothing_and_keeps_nothing(backend, env_factory, monkeypatch):
+    """The views are cut before the copy; if the copy is refused, none reaches the caller's
+    cache, and the buffer, descriptors, queue and events all go back."""
+    import vtnumba.ec.worker as worker_module
+
+    env = env_factory(backend)
+    w = env.worker
+
+    def refuse(*args, **kwargs):
+        raise ValueError("refused for the test")
+
+    monkeypatch.setattr(worker_module, "batched_copy", refuse)
+    cache = {"old": "untouched"}
+    with pytest.raises(ValueError, match="refused for the test"):
+        w.start_load_caches(cache, ECConnectorMetadata(loads={"a": (1, [0, 1]), "b": (2, [5])}))
+    assert cache == {"old": "untouched"}
+    assert w.inflight() == (0, 0) and w.build_connector_worker_meta() is None
+    assert w._destinations.pending() == [] and len(w._buf_pool) == 1 and len(w._queue_pool) == 1
+    monkeypatch.undo()
+    env.region.blocks[0:2] = 3
+    w.start_load_caches(cache, ECConnectorMetadata(loads={"a": (3, [0, 1])}))  # and the worker carries on
+    assert complete(w).completed_loads == [3]
+    assert (host_of(cache["a"]).view(np.int8) == 3).all()
+
+
+def test_a_save_whose_copy_is_refused_is_dropped_and_the_worker_carries_on(backend, env_factory, monkeypatch,
+                                                                             rng):
+    import vtnumba.ec.worker as worker_module
+    from vtnumba.memory.copy_engine import live_address
+
+    env = env_factory(backend)
+    w = env.worker
+    out = rng.standard_normal((2, env.hidden)).astype(np.float32)
+
+    def refuse(*args, **kwargs):
+        raise ValueError("refused for the test")
+
+    monkeypatch.setattr(worker_module, "batched_copy", refuse)
+    meta = ECConnectorMetadata(saves={"h": [0, 1]})
+    w.save_caches({"h": out}, "h", meta)  # the caller's own array: registered for the copy
+    assert live_address(out, out.nbytes)[1]
+    with pytest.raises(ValueError, match="refused for the test"):
+        w.flush_saves()
+    assert w.inflight() == (0, 0) and w.build_connector_worker_meta() is None
+    assert not live_address(out, out.nbytes)[1], "the output's registration must be undone"
+    assert len(w._buf_pool) == 1 and len(w._queue_pool) == 1
+    assert (env.region.blocks == SENTINEL).all()
+    monkeypatch.undo()
+    save(env, {"h": out}, {"h": [0, 1]})
+    assert complete(w).completed_saves == ["h"]
+    np.testing.assert_array_equal(env.region.blocks[0:2].reshape(-1), as_bytes(out))
+
+
 def test_shutdown_drains_inflight_transfers(threaded, env_factory, rng):
     env = env_factory(threaded)
     out = rng.standard_normal((4, env.hidden)).astype(np.float32)

@@ -18,12 +18,16 @@ This module implements exactly that rule for a step's load buffer:
    that event fires -- or, with a caching allocator, the allocator is told
    ``record_stream(block, compute_queue)`` at allocation and does the waiting itself.
 
-"No view is alive" is detected exactly on the host targets: the views are built on a small
-owner object that exposes the buffer through ``__array_interface__``, so every numpy array
-derived from them keeps the owner alive, and a weak reference to the owner calls back
-when the last one dies -- the same thing a tensor's storage refcount does.  (A plain
-``weakref.ref`` with a callback, not ``weakref.finalize``: it is several times cheaper, and
-this runs once per step.)
+"No view is alive" is detected exactly on the host targets: each step's views are cut from
+an *owner* array of its own, ``np.frombuffer`` over a ``memoryview`` of the buffer.  numpy
+gives a view the array it was cut from as its base, collapsing chains of views down to the
+first array that owns its memory -- but it stops at an array whose own base is not an
+array, and the owner's base is the memoryview.  So every numpy array derived from the
+views, however indirectly, keeps the owner alive, and a weak reference to the owner calls
+back when the last one dies -- the same thing a tensor's storage refcount does.  (A plain
+``weakref.ref`` with a callback, not ``weakref.finalize``, and ``np.frombuffer``, not an
+object with ``__array_interface__``: each is several times cheaper, and this runs once per
+step.)
 
 **Synchronous queues** (the cpu target's default mode, the simulator: every queued
 operation runs on the spot) make step 2 empty: whatever the compute queue was given has
@@ -50,14 +54,6 @@ from vtnumba.memory.copy_engine import address_of
 __all__ = ["LoadDestination", "LoadDestinations"]
 
 
-class _HostOwner:
-    """Exposes a host byte range to numpy; arrays made from it keep it (and the memory) alive."""
-
-    def __init__(self, ptr: int, nbytes: int, keep):
-        self.__array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
-        self._keep = keep  # the allocation itself: alive as long as any derived array
-
-
 class LoadDestination:
     """One step's contiguous load buffer (see module docstring for its life)."""
 
@@ -73,7 +69,7 @@ class LoadDestination:
         self.release_event: Event | None = None  #: recorded on the compute queue once (a) and (b) held
         self.from_allocator = False   #: the memory came from the caching allocator (else backend.alloc)
         self.freed = False            #: the memory went back (or became the spare)
-        self._owner_array = None      # host targets: the owner-backed byte array views are cut from
+        self._owner_array = None      # host targets: the owner array this step's views are cut from
         self._host_bytes = None       # host targets: the memory as a flat uint8 array (all of its capacity)
 
     def __repr__(self) -> str:
@@ -136,9 +132,10 @@ class LoadDestinations:
         if self._host:
             if dest._host_bytes is None:
                 dest._host_bytes = self._host_array(dest.memory)
-            host_bytes = dest._host_bytes
-            owner = _HostOwner(dest.ptr if dest.nbytes else host_bytes.ctypes.data, dest.nbytes, host_bytes)
-            dest._owner_array = np.asarray(owner)  # dropped by seal() once the views exist
+            # The owner (see the module docstring): the first nbytes of the memory, as an array
+            # whose base is a memoryview -- the end of every derived view's chain of bases.
+            owner = np.frombuffer(memoryview(dest._host_bytes), np.uint8, dest.nbytes)
+            dest._owner_array = owner  # dropped by seal() once the views exist
             _watch(owner, dest)
         with self._lock:
             self._live.append(dest)
@@ -270,21 +267,24 @@ class LoadDestinations:
         return n
 
 
-# Owners being watched: weak reference -> the destination whose views it stands for.  The
-# reference must outlive its owner (or the callback never runs), so it lives here.
+# Owners being watched: id of the weak reference -> (the reference, the destination whose
+# views its owner stands for).  The reference must outlive its owner (or the callback never
+# runs), so it lives here; keyed by id because a weak reference to an array cannot be
+# hashed (arrays are not), and the id stays unique while the entry holds the reference.
 _watched: dict = {}
 
 
-def _watch(owner: _HostOwner, dest: LoadDestination) -> None:
-    _watched[weakref.ref(owner, _owner_died)] = dest
+def _watch(owner: np.ndarray, dest: LoadDestination) -> None:
+    ref = weakref.ref(owner, _owner_died)
+    _watched[id(ref)] = (ref, dest)
 
 
 def _owner_died(ref) -> None:
     # Runs when the last array derived from the owner is gone, on whatever thread: only
     # flip a flag (the worker's next poll frees the buffer).
-    dest = _watched.pop(ref, None)
-    if dest is not None:
-        dest.views_dead = True
+    entry = _watched.pop(id(ref), None)
+    if entry is not None:
+        entry[1].views_dead = True
 
 
 def _drop_view(dest: LoadDestination) -> None:

@@ -49,9 +49,12 @@ short, each piece on purpose:
 * **synchronous queues** (the cpu target's default mode, and the simulator): every queued
   operation runs on the spot, on this thread, so the compute queue has finished its work
   before a save is issued and a copy has finished when ``batched_copy`` returns.  Events
-  would fire at the very moment they are recorded; the worker records none and times the
-  copy with the host clock.  The rules are the same -- a completion is still reported by
-  :meth:`build_connector_worker_meta`, after the copy -- they just need no machinery;
+  would fire at the very moment they are recorded; the worker records none, times the
+  copy with the host clock, and -- since nothing is in flight -- gives the step's
+  descriptor buffers and queue straight back to their pools and files the completions
+  for the next report (no :class:`Transfer`, nothing to poll).  The rules are the same --
+  a completion is still reported by :meth:`build_connector_worker_meta`, after the copy,
+  exactly once -- they just need no machinery;
 * on **asynchronous queues** (threaded cpu queues, a real GPU) nothing of that holds, and
   every event of the list above is recorded: gate, start, end.
 
@@ -71,14 +74,14 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.address_ranges import register, unregister
-from vtnumba.backend.arrays import array_kind, cdiv, check_int
+from vtnumba.backend.arrays import array_kind, check_int
 from vtnumba.backend.base import Backend, Buffer, Event, Queue
 from vtnumba.ec.descriptors import BadBlockId, DescriptorBufferPool, DescriptorBuffers, prepare_descriptors
 from vtnumba.ec.destination import LoadDestination, LoadDestinations
 from vtnumba.ec.metadata import ECConnectorMetadata, ECWorkerMetadata
 from vtnumba.ec.region import ECSharedRegion, block_id_array
 from vtnumba.memory import CachingAllocator
-from vtnumba.memory.copy_engine import address_of, batched_copy, is_live, prepare
+from vtnumba.memory.copy_engine import batched_copy, live_address, prepare
 
 __all__ = ["ECWorker", "Transfer"]
 
@@ -87,17 +90,18 @@ _INT64 = np.dtype(np.int64)
 
 @dataclass(slots=True)
 class Transfer:
-    """One batched copy in flight.
+    """One batched copy in flight on an asynchronous queue.
 
-    Its queue, events and descriptor buffers are held until it is done -- ``end_event``
-    fired, or, on synchronous queues (no events), at once -- and only then recycled and
-    ``completions`` (mm_hashes for saves, transfer ids for loads) reported.
-    ``start_event``/``end_event`` bracket the copy, so its duration is known.
+    Its queue, events and descriptor buffers are held until ``end_event`` fired, and only
+    then recycled and ``completions`` (mm_hashes for saves, transfer ids for loads)
+    reported.  ``start_event``/``end_event`` bracket the copy, so its duration is known.
+    (A copy on a synchronous queue is finished when it is issued: it never becomes a
+    Transfer -- see the module docstring.)
     """
 
     direction: str                 #: "save" or "load"
-    start_event: Event | None      #: recorded just before the batched copy (None on synchronous queues)
-    end_event: Event | None        #: recorded just after it: done when it fires (None: done on issue)
+    start_event: Event             #: recorded just before the batched copy
+    end_event: Event               #: recorded just after it: done when it fires
     completions: list              #: what to report then: mm_hashes (saves) or transfer ids (loads)
     bufs: DescriptorBuffers        #: the descriptors the copy reads
     queue: Queue                   #: the pooled copy queue it runs on
@@ -107,7 +111,6 @@ class Transfer:
     keepalive: list = field(default_factory=list)      #: saved outputs read by the copy
     ranges: list = field(default_factory=list)         #: their address-range registrations
     destination: LoadDestination | None = None         #: loads: the buffer written by the copy
-    copy_ms: float = 0.0           #: synchronous queues: the copy's duration by the host clock
 
 
 def _check_output(src, mm_hash: str, region: ECSharedRegion, num_blocks: int) -> int:
@@ -220,6 +223,11 @@ class ECWorker:
         # Separate deques per direction: saves and loads can be in flight at the same time.
         self._inflight_saves: deque[Transfer] = deque()
         self._inflight_loads: deque[Transfer] = deque()
+        # Synchronous queues: copies that finished when they were issued, waiting for the
+        # next report -- their completions, and how many transfers they came from.
+        self._finished_saves: list = []
+        self._finished_loads: list = []
+        self._unreported = [0, 0]  # (saves, loads)
         self._queue_pool: list[Queue] = []
         self._event_pool: list[Event] = []
         self._all_queues: list[Queue] = []
@@ -263,26 +271,28 @@ class ECWorker:
             self._check_live("save_caches")
         if not self.is_save_rank:
             return
-        block_ids = connector_metadata.saves.get(mm_hash)
+        saves = connector_metadata.saves
+        block_ids = saves.get(mm_hash)
         if block_ids is None:
             return  # not scheduled for saving (already cached, or no room)
-        if mm_hash not in encoder_cache:
+        src = encoder_cache.get(mm_hash)
+        if src is None:
             raise KeyError(f"save_caches: mm_hash {mm_hash!r} is scheduled for saving but encoder_cache has no "
                            "output for it")
         ids = _block_id_array(block_ids, mm_hash, "saves")
-        src = encoder_cache[mm_hash]
         region = self._region
         total_bytes = _check_output(src, mm_hash, region, ids.size)
         block_size = self.block_size
 
-        fresh = self._save_bufs is None
+        bufs = self._save_bufs
+        fresh = bufs is None
         if fresh:
-            total = sum(len(v) for v in connector_metadata.saves.values())
-            self._save_bufs = self._buf_pool.acquire(total)
+            # The first save of the step: descriptors for every scheduled block of the step.
+            bufs = self._save_bufs = self._buf_pool.acquire(sum(map(len, saves.values())))
             self._save_queue = self._acquire_queue()
             self._save_t0 = t0
-        bufs = self._save_bufs
-        if self._save_count + ids.size > len(bufs.sizes):
+        count = self._save_count
+        if count + ids.size > len(bufs.sizes):
             raise RuntimeError(f"save_caches({mm_hash!r}): this step's saves need more than the "
                                f"{len(bufs.sizes)} descriptors sized from the metadata; pass the same "
                                "connector_metadata to every save_caches call of a step")
@@ -290,18 +300,17 @@ class ECWorker:
         # Entries may be sized by placeholder count, larger than the output: blocks the
         # output never reaches get no descriptor (vLLM's worker trims the last run to the
         # output's end the same way).
-        n_used = cdiv(total_bytes, block_size)
-        src_addr = address_of(src) if n_used else 0
+        n_used = -(-total_bytes // block_size)  # blocks the output reaches (a ceiling division)
+        src_addr, src_live = live_address(src, total_bytes) if n_used else (0, True)
         try:
-            self._save_count = bufs.add_block_runs(self._save_count, ids, n_used, region.num_blocks,
-                                                   region.base_ptr, src_addr, block_size, total_bytes,
-                                                   flat_is_src=True)
+            self._save_count = bufs.add_block_runs(count, ids, n_used, region.num_blocks, region.base_ptr,
+                                                   src_addr, block_size, total_bytes, True)
         except BadBlockId as exc:
             if fresh:  # nothing of this step is in the batch yet: give its resources back
                 self._drop_save_batch()
             raise ValueError(f"saves[{mm_hash!r}] contains block id {exc.block_id}, outside the region's "
                              f"0..{exc.num_blocks - 1}") from None
-        if n_used and not is_live(src_addr, total_bytes):
+        if not src_live:
             # The copy runs later, by address, and the copy engine checks every address it
             # touches against live memory: declare an output it does not know (an array the
             # caller made) live until the copy has finished.  Backend buffers already are.
@@ -322,7 +331,12 @@ class ECWorker:
         self._save_mm_hashes, self._save_sources, self._save_ranges = [], [], []
 
     def flush_saves(self) -> None:
-        """Issue this step's saves as one batched copy gated behind the compute queue."""
+        """Issue this step's saves as one batched copy gated behind the compute queue.
+
+        If the copy engine refuses the batch (its address check raises before anything is
+        copied), the step's saves are dropped -- nothing will report them -- and the error
+        propagates; the worker stays usable for the next step.
+        """
         if self._shut_down:
             self._check_live("flush_saves")
         if not self._save_mm_hashes:
@@ -330,36 +344,68 @@ class ECWorker:
                 self._drop_save_batch()
             return
         bufs, q, n = self._save_bufs, self._save_queue, self._save_count
+        hashes, nbytes = self._save_mm_hashes, self._save_bytes
         be = self.backend
         t0 = perf_counter_ns()
-        if self.synchronous:
-            # The compute queue's work already ran (synchronous queues run on the spot), and
-            # the copy is finished when batched_copy returns: no gate, no events.
-            gate = start = end = None
+        gate = start = end = None
+        try:
+            if not self.synchronous:
+                # The outputs were produced on the compute queue: the copy must not start before it.
+                gate = self._acquire_event()
+                be.record_event(gate, self.compute_queue)
+                be.queue_wait_event(q, gate)
+                start, end = self._acquire_event(), self._acquire_event()
+                be.record_event(start, q)
             batched_copy(bufs.src_ptrs[:n], bufs.dst_ptrs[:n], bufs.sizes[:n], queue=q, backend=be)
+        except BaseException:
+            # Refused before anything was copied (or interrupted before it was queued): the
+            # step's saves are dropped -- nothing will report them -- and the worker carries on.
+            self._event_pool.extend(e for e in (gate, start, end) if e is not None)
+            self._drop_save_batch()
+            raise
+        if end is None:
+            # Synchronous queues: the compute queue's work already ran, and the copy is
+            # finished now -- no gate, no events, nothing to keep.  The completions wait for
+            # the next report; the resources go straight back.
             t1 = perf_counter_ns()
-            copy_ms = (t1 - t0) / 1e6
+            self._finished_now(0, self._finished_saves, hashes, nbytes, n, (t1 - t0) / 1e6)
+            for token in self._save_ranges:
+                unregister(token)
+            self._buf_pool.release(bufs)
+            self._queue_pool.append(q)
+            self._save_ranges.clear()
+            self._save_sources.clear()
+            self._save_mm_hashes = []
         else:
-            # The outputs were produced on the compute queue: the copy must not start before it.
-            gate = self._acquire_event()
-            be.record_event(gate, self.compute_queue)
-            be.queue_wait_event(q, gate)
-            start, end = self._acquire_event(), self._acquire_event()
-            be.record_event(start, q)
-            batched_copy(bufs.src_ptrs[:n], bufs.dst_ptrs[:n], bufs.sizes[:n], queue=q, backend=be)
             be.record_event(end, q)
             t1 = perf_counter_ns()
-            copy_ms = 0.0
+            # Until the end event fires, the descriptors and the outputs stay referenced.
+            self._inflight_saves.append(Transfer(
+                "save", start, end, hashes, bufs, q, nbytes, n, gate_event=gate,
+                keepalive=self._save_sources, ranges=self._save_ranges))
+            self._save_mm_hashes, self._save_sources, self._save_ranges = [], [], []
         if trace.RECORDER is not None:
-            trace.record("ec.flush_saves", "ec", "host", t0, t1, entries=len(self._save_mm_hashes),
-                         bytes=self._save_bytes, descriptors=n)
-        self._inflight_saves.append(Transfer(
-            "save", start, end, self._save_mm_hashes, bufs, q, self._save_bytes, n, gate_event=gate,
-            keepalive=self._save_sources, ranges=self._save_ranges, copy_ms=copy_ms))
-        self._save_bufs, self._save_queue = None, None
-        self._save_count, self._save_bytes = 0, 0
-        self._save_mm_hashes, self._save_sources, self._save_ranges = [], [], []
+            trace.record("ec.flush_saves", "ec", "host", t0, t1, entries=len(hashes), bytes=nbytes, descriptors=n)
+        self._save_bufs = self._save_queue = None
+        self._save_count = self._save_bytes = 0
         self.step_us["save"].append((t1 - self._save_t0) / 1e3)
+
+    def _finished_now(self, direction: int, finished: list, completions: list, num_bytes: int,
+                      num_descriptors: int, ms: float) -> None:
+        """A synchronous copy finished as it was issued: count it and queue its completions
+        for the next :meth:`build_connector_worker_meta` (``direction``: 0 saves, 1 loads)."""
+        finished += completions
+        self._unreported[direction] += 1
+        self._count_finished("load" if direction else "save", len(completions), num_bytes, num_descriptors, ms)
+
+    def _count_finished(self, direction: str, entries: int, num_bytes: int, num_descriptors: int, ms: float) -> None:
+        st = self.stats[direction]
+        st["transfers"] += 1
+        st["entries"] += entries
+        st["bytes"] += num_bytes
+        st["descriptors"] += num_descriptors
+        st["copy_ms"] += ms
+        self.history.append((direction, entries, num_bytes, num_descriptors, ms))
 
     # ------------------------------------------------------------------ consumer path
     def start_load_caches(self, encoder_cache: dict, connector_metadata: ECConnectorMetadata) -> None:
@@ -381,12 +427,17 @@ class ECWorker:
         self.step_us["load"].append((t1 - t0) / 1e3)
 
     def _start_loads(self, encoder_cache: dict, loads: dict) -> None:
-        items = [(h, tid, _block_id_array(ids, h, "loads")) for h, (tid, ids) in loads.items()]
-        if len(items) > 1:
+        if len(loads) == 1:  # the usual step: one entry, nothing to sort
+            (h, (tid, ids)), = loads.items()
+            items = [(h, tid, _block_id_array(ids, h, "loads"))]
+        else:
+            items = [(h, tid, _block_id_array(ids, h, "loads")) for h, (tid, ids) in loads.items()]
             # Sorted by first block: entries adjacent in the region land adjacent in the
             # destination and coalesce.  Every loop below follows this order.
             items.sort(key=lambda it: int(it[2][0]) if it[2].size else -1)
-        total_blocks = sum(ids.size for _, _, ids in items)
+        total_blocks = 0
+        for item in items:
+            total_blocks += item[2].size
         region = self._region
         block_size = self.block_size
         num_blocks, region_base = region.num_blocks, region.base_ptr
@@ -395,14 +446,14 @@ class ECWorker:
         nbytes = total_blocks * block_size
         dest = self._destinations.allocate(nbytes, q)
         bufs = self._buf_pool.acquire(total_blocks)
-        n, slot = 0, 0
+        n, flat = 0, dest.ptr
         try:
             for h, _, ids in items:
                 k = ids.size
                 # The destination is one flat buffer: entry after entry, in the sorted order.
-                n = bufs.add_block_runs(n, ids, k, num_blocks, region_base, dest.ptr + slot * block_size,
-                                        block_size, k * block_size, flat_is_src=False, merge=True)
-                slot += k
+                n = bufs.add_block_runs(n, ids, k, num_blocks, region_base, flat, block_size, k * block_size,
+                                        False, True)
+                flat += k * block_size
         except BadBlockId as exc:
             # Nothing was copied: everything taken for this step goes back, unused.
             self._buf_pool.release(bufs)
@@ -410,33 +461,47 @@ class ECWorker:
             self._destinations.cancel(dest)
             raise ValueError(f"loads[{h!r}] contains block id {exc.block_id}, outside the region's "
                              f"0..{num_blocks - 1}") from None
-        if self.synchronous:
-            start = end = None
+        completions = [it[1] for it in items]
+        # Per-hash views of the contiguous buffer, as [rows, hidden] in the model dtype --
+        # cut now, while this step's objects are still in the CPU's caches (a copy of a few
+        # MiB evicts them), and handed out once the copy has been issued without an error.
+        views, offset = [], 0
+        view, dtype, hidden = self._destinations.view, self.dtype, self.hidden_size
+        for mm_hash, _, ids in items:
+            rows = ids.size
+            views.append(view(dest, dtype, (rows, hidden), offset))
+            offset += rows * block_size
+        self._destinations.seal(dest)
+        start = end = None
+        try:
             c0 = perf_counter_ns()
+            if not self.synchronous:
+                start, end = self._acquire_event(), self._acquire_event()
+                be.record_event(start, q)
             # The region is written by another process and nothing earlier on this queue
             # touches it, so the driver may read it out of stream order.
             batched_copy(bufs.src_ptrs[:n], bufs.dst_ptrs[:n], bufs.sizes[:n], queue=q, backend=be,
                          src_access_order="any")
-            copy_ms = (perf_counter_ns() - c0) / 1e6
+        except BaseException:
+            # Refused before anything was copied (or interrupted before it was queued): the
+            # views go unused, and everything taken for this step goes back.
+            del views[:]
+            self._event_pool.extend(e for e in (start, end) if e is not None)
+            self._buf_pool.release(bufs)
+            self._queue_pool.append(q)
+            self._destinations.cancel(dest)
+            raise
+        if end is None:
+            # Done on return (see flush_saves): report at the next poll, recycle now.
+            self._finished_now(1, self._finished_loads, completions, nbytes, n, (perf_counter_ns() - c0) / 1e6)
+            self._destinations.copy_finished(dest)
+            self._buf_pool.release(bufs)
+            self._queue_pool.append(q)
         else:
-            start, end = self._acquire_event(), self._acquire_event()
-            be.record_event(start, q)
-            batched_copy(bufs.src_ptrs[:n], bufs.dst_ptrs[:n], bufs.sizes[:n], queue=q, backend=be,
-                         src_access_order="any")
             be.record_event(end, q)
-            copy_ms = 0.0
-        self._inflight_loads.append(Transfer(
-            "load", start, end, [tid for _, tid, _ in items], bufs, q, nbytes, n, destination=dest,
-            copy_ms=copy_ms))
-
-        # Per-hash views of the contiguous buffer, as [rows, hidden] in the model dtype.
-        offset = 0
-        view, dtype, hidden = self._destinations.view, self.dtype, self.hidden_size
-        for mm_hash, _, ids in items:
-            rows = ids.size
-            encoder_cache[mm_hash] = view(dest, dtype, (rows, hidden), offset * block_size)
-            offset += rows
-        self._destinations.seal(dest)
+            self._inflight_loads.append(Transfer("load", start, end, completions, bufs, q, nbytes, n, destination=dest))
+        for item, arr in zip(items, views):
+            encoder_cache[item[0]] = arr
         if end is not None:
             # Kernels queued on the compute queue from now on see the loaded bytes.  (On
             # synchronous queues the copy is already done: later kernels see them anyway.)
@@ -462,25 +527,16 @@ class ECWorker:
         while inflight:
             t = inflight[0]
             end = t.end_event
-            if end is not None and not be.query_event(end):
+            if not be.query_event(end):
                 return
             inflight.popleft()
             done.extend(t.completions)
-            st = self.stats[t.direction]
-            st["transfers"] += 1
-            st["entries"] += len(t.completions)
-            st["bytes"] += t.num_bytes
-            st["descriptors"] += t.num_descriptors
-            if end is None:
-                ms = t.copy_ms
-            else:
-                ms = be.elapsed_ms(t.start_event, end)
-                self._event_pool.append(t.start_event)
-                self._event_pool.append(end)
-                if t.gate_event is not None:
-                    self._event_pool.append(t.gate_event)
-            st["copy_ms"] += ms
-            self.history.append((t.direction, len(t.completions), t.num_bytes, t.num_descriptors, ms))
+            self._count_finished(t.direction, len(t.completions), t.num_bytes, t.num_descriptors,
+                                 be.elapsed_ms(t.start_event, end))
+            self._event_pool.append(t.start_event)
+            self._event_pool.append(end)
+            if t.gate_event is not None:
+                self._event_pool.append(t.gate_event)
             if t.destination is not None:
                 self._destinations.copy_finished(t.destination)
             self._release_sources(t)
@@ -490,9 +546,12 @@ class ECWorker:
     def build_connector_worker_meta(self) -> ECWorkerMetadata | None:
         """Report the copies that finished on this rank since the last call; None if none did."""
         t0 = perf_counter_ns()
-        saves: list = []
-        loads: list = []
         with self._lock:
+            # Synchronous copies finished when they were issued; asynchronous ones are
+            # collected here, front first.
+            saves, loads = self._finished_saves, self._finished_loads
+            self._finished_saves, self._finished_loads = [], []
+            self._unreported[0] = self._unreported[1] = 0
             if self._inflight_saves:
                 self._collect_finished(self._inflight_saves, saves)
             if self._inflight_loads:
@@ -506,7 +565,7 @@ class ECWorker:
 
     def inflight(self) -> tuple[int, int]:
         """(saves, loads) transfers issued and not yet reported."""
-        return len(self._inflight_saves), len(self._inflight_loads)
+        return (len(self._inflight_saves) + self._unreported[0], len(self._inflight_loads) + self._unreported[1])
 
     def wait(self, max_inflight: int = 0) -> None:
         """Block until at most ``max_inflight`` transfers per direction are still running.
