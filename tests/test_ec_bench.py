@@ -32,6 +32,44 @@ def test_quick_run_follows_the_schema():
     assert _ec_files() == before
 
 
+def test_steps_of_several_entries_are_measured_and_checked():
+    """``--entries-per-step 3``: batched rows next to the one-entry rows, per-entry fixed cost,
+    ratios against one memcpy of the step's bytes; every entry loaded back byte for byte."""
+    res = ec.run(argparse.Namespace(quick=True, sizes=[65536], entries_per_step=3))
+    validate_suite(res)
+    batched = {r["impl"] for r in res["results"] if r["case"] == "ec transfer, 3 entries/step"}
+    assert {"ec save", "ec load", "memcpy save", "memcpy load"} <= batched
+    per_entry = [r for r in res["results"] if r["case"] == "ec fixed cost per entry, batched"]
+    assert {r["impl"] for r in per_entry} == {"ec save", "ec load"}
+    assert {"save 3 x 64 KiB per step / memcpy same buffers", "load 3 x 64 KiB per step / memcpy same buffers"} \
+        <= set(res["ratios"])
+    none = ec.run(argparse.Namespace(quick=True, sizes=[65536], entries_per_step=1))
+    assert not any("entries/step" in r["case"] for r in none["results"])
+
+
+def test_a_batched_case_loads_back_every_entry():
+    be = __import__("vtnumba").CPUBackend()
+    case = ec._Case(be, 4 * 2048, False, "entries", entries=3)
+    try:
+        case.save()
+        case.load()
+        case.check_loaded()
+        assert sorted(case.loaded) == ["e0", "e1", "e2"]
+        assert case.descriptors_per_save() == 1.0  # each entry one run
+        case.loaded["e1"][0, 0] += 1  # a wrong byte in one entry is caught
+        with pytest.raises(RuntimeError, match="loaded bytes of e1 differ"):
+            case.check_loaded()
+    finally:
+        case.close()
+        be.close()
+
+
+@pytest.mark.parametrize("bad", [0, 65, 2.5])
+def test_bad_entries_per_step(bad):
+    with pytest.raises(ValueError, match="--entries-per-step"):
+        ec.run(argparse.Namespace(quick=True, sizes=[4096], entries_per_step=bad))
+
+
 def test_fragmented_case_counts_one_descriptor_per_run():
     r = ec._bench_size(__import__("vtnumba").CPUBackend(), 64 * 2048, 3, True, "fragtest")
     assert r["runs"] == 8 and r["descriptors"] == 8  # 64 rows in runs of 8

@@ -16,6 +16,12 @@ the producer's handle -- a mapping of its own, as in a prefill process -- and ow
 loading worker (both in this process: ``comm=None``).  What is timed is the workers'
 copies, fed one entry at a time.
 
+* **several entries per step** (``--entries-per-step``, 4 by default, entries of up to 4 MiB):
+  a step that saves -- and later loads -- that many entries at once, as an engine step does
+  when its batch holds several images.  The step still issues *one* batched copy per
+  direction, so what a step costs in Python is paid once for all of them; the baseline is
+  one ``np.copyto`` of the step's bytes between the same buffers.
+
 Entries rotate through four slots of a region sized for them, so every save writes blocks
 another entry just left (as under eviction).  The ``fragmented`` case lays an entry out in
 runs of 8 blocks with gaps between, to show what the descriptor count costs.  The
@@ -39,10 +45,17 @@ HIDDEN, DTYPE = 1024, np.float16  # one block = one row = 2 KiB
 SLOTS = 4
 
 
+ENTRIES_PER_STEP = 4
+BATCHED_MAX = 4 * MiB  # entry sizes that also get the several-entries-per-step rows
+
+
 def add_arguments(parser) -> None:
-    """``--sizes``: the entry sizes to measure."""
+    """``--sizes``: the entry sizes to measure; ``--entries-per-step``: the batched steps' entries."""
     parser.add_argument("--sizes", nargs="*", type=int, default=None,
                         help="entry sizes in bytes (multiples of 2048; default 4 KiB .. 64 MiB)")
+    parser.add_argument("--entries-per-step", type=int, default=ENTRIES_PER_STEP,
+                        help=f"entries a batched step saves and loads together, for entries up to "
+                             f"{BATCHED_MAX // MiB} MiB (default {ENTRIES_PER_STEP}; 1: no batched rows)")
 
 
 def _label(n: int) -> str:
@@ -50,10 +63,11 @@ def _label(n: int) -> str:
 
 
 class _Case:
-    """One entry size: a producer and a consumer on one region with rotating slots, a source
-    entry on the device."""
+    """One entry size: a producer and a consumer on one region with rotating slots, the
+    source entries on the device.  ``entries``: how many entries a step saves and loads
+    (each ``nbytes``; a slot holds one step's entries side by side)."""
 
-    def __init__(self, backend, nbytes: int, fragmented: bool, tag: str):
+    def __init__(self, backend, nbytes: int, fragmented: bool, tag: str, entries: int = 1):
         from vtnumba.ec import ECConnectorMetadata, ECConsumer, ECProducer
 
         self.backend = backend
@@ -61,8 +75,9 @@ class _Case:
         self.dst_buf = None   # the GPU baseline's device buffer for loads
         self.loaded: dict = {}  # (set before anything can fail: close() reads both)
         block = HIDDEN * np.dtype(DTYPE).itemsize
-        self.rows = rows = max(nbytes // block, 1)
-        self.nbytes = rows * block
+        self.entry_rows = max(nbytes // block, 1)
+        self.rows = rows = self.entry_rows * entries  # a step's rows
+        self.nbytes = rows * block                    # a step's bytes
         if fragmented:
             # Runs of 8 blocks with an 8-block gap after each: the region needs twice the rows.
             run = 8
@@ -94,10 +109,17 @@ class _Case:
         except BaseException:
             self.close()
             raise
-        self.enc = {"e": self.src}
+        # The step's entries: consecutive rows of one device buffer, as a batch's encoder
+        # outputs are; each has its own blocks, consecutive in the slot.
+        er = self.entry_rows
+        self.names = [f"e{j}" for j in range(entries)]
+        self.enc = {h: self.src[j * er:(j + 1) * er] for j, h in enumerate(self.names)}
         # Block ids as int64 arrays, as ECScheduler sends them.
-        self.save_metas = [ECConnectorMetadata(saves={"e": ids}) for ids in self.slot_ids]
-        self.load_metas = [ECConnectorMetadata(loads={"e": (i, ids)}) for i, ids in enumerate(self.slot_ids)]
+        self.save_metas = [ECConnectorMetadata(saves={h: ids[j * er:(j + 1) * er] for j, h in enumerate(self.names)})
+                           for ids in self.slot_ids]
+        self.load_metas = [ECConnectorMetadata(loads={h: (i * entries + j, ids[j * er:(j + 1) * er])
+                                                      for j, h in enumerate(self.names)})
+                           for i, ids in enumerate(self.slot_ids)]
         self._turn = {"save": 0, "load": 0, "memcpy_save": 2, "memcpy_load": 2}  # each rotates on its own; the
         # baselines run two slots apart, so neither finds the bytes the other just touched in cache
 
@@ -115,7 +137,8 @@ class _Case:
     def save(self) -> None:
         w = self.producer.worker
         meta = self._next("save", self.save_metas)
-        w.save_caches(self.enc, "e", meta)
+        for h in self.names:
+            w.save_caches(self.enc, h, meta)
         w.flush_saves()
         self._complete(w)
 
@@ -154,7 +177,8 @@ class _Case:
         t0 = time.perf_counter()
         for k in range(steps):
             if direction == "save":
-                w.save_caches(self.enc, "e", self.save_metas[k % len(self.save_metas)])
+                for h in self.names:
+                    w.save_caches(self.enc, h, self.save_metas[k % len(self.save_metas)])
                 w.flush_saves()
             else:
                 out: dict = {}
@@ -168,13 +192,17 @@ class _Case:
         return time.perf_counter() - t0
 
     def check_loaded(self) -> None:
-        got = _host_bytes(self.loaded["e"])
-        if not np.array_equal(got.view(np.uint8), self.host.view(np.uint8)):
-            raise RuntimeError(f"bench ec: loaded bytes differ from the saved entry ({_label(self.nbytes)})")
+        er = self.entry_rows
+        for j, h in enumerate(self.names):
+            got = _host_bytes(self.loaded[h])
+            if not np.array_equal(got.view(np.uint8), self.host[j * er:(j + 1) * er].view(np.uint8)):
+                raise RuntimeError(f"bench ec: loaded bytes of {h} differ from the saved entry "
+                                   f"({_label(self.nbytes // len(self.names))})")
 
     def descriptors_per_save(self) -> float:
+        """Copy descriptors per saved entry."""
         st = self.producer.worker.stats["save"]
-        return st["descriptors"] / max(st["transfers"], 1)
+        return st["descriptors"] / max(st["entries"], 1)
 
     def close(self) -> None:
         self.loaded.clear()
@@ -187,8 +215,10 @@ class _Case:
             self.producer.close()
 
 
-def _bench_size(backend, nbytes: int, repeat: int, fragmented: bool, tag: str, pipelined_backend=None) -> dict:
-    """Measure one entry size; returns Stats per implementation plus descriptor counts.
+def _bench_size(backend, nbytes: int, repeat: int, fragmented: bool, tag: str, pipelined_backend=None,
+                entries: int = 1) -> dict:
+    """Measure one entry size (``entries`` of it per step); returns Stats per implementation
+    plus descriptor counts.
 
     The implementations are timed *interleaved* (ec save, memcpy save, ec load, memcpy
     load, repeat), so a busy machine slows all of them alike and the ratios stay fair.
@@ -196,7 +226,7 @@ def _bench_size(backend, nbytes: int, repeat: int, fragmented: bool, tag: str, p
     from vtnumba.ec import coalesce_runs
 
     out = {}
-    case = _Case(backend, nbytes, fragmented, tag)
+    case = _Case(backend, nbytes, fragmented, tag, entries)
     try:
         dst = np.empty(case.nbytes, np.int8)
         fns = {"ec save": case.save, "ec load": case.load}
@@ -215,7 +245,7 @@ def _bench_size(backend, nbytes: int, repeat: int, fragmented: bool, tag: str, p
         case.check_loaded()
         out.update({k: stats_from_times(v) for k, v in times.items()})
         out["descriptors"] = case.descriptors_per_save()
-        out["runs"] = len(coalesce_runs(case.slot_ids[0])[0])
+        out["runs"] = len(coalesce_runs(case.slot_ids[0][:case.entry_rows])[0])  # an entry's block runs
     finally:
         case.close()
     if pipelined_backend is not None:
@@ -240,6 +270,27 @@ def _bench_size(backend, nbytes: int, repeat: int, fragmented: bool, tag: str, p
     return out
 
 
+def _batched_rows(backend, n: int, per_step: int, repeat: int, results: list, ratios: dict) -> None:
+    """The rows of steps carrying ``per_step`` entries of ``n`` bytes each: throughput, the
+    fixed cost per entry, and the ratios against one memcpy of the step's bytes."""
+    r = _bench_size(backend, n, repeat, False, f"b{n}", entries=per_step)
+    if r["descriptors"] != r["runs"]:
+        raise RuntimeError(f"bench ec: {r['descriptors']} descriptors per entry but {r['runs']} block runs "
+                           f"({per_step} x {_label(n)} per step)")
+    step = per_step * n
+    case = f"ec transfer, {per_step} entries/step"
+    for impl, st in r.items():
+        if isinstance(st, Stats):
+            results.append(schema.row(case, impl, n, "bytes", "GB/s", step / st.median_s / 1e9, st))
+    for d in ("save", "load"):
+        # The step's cost above its copy, shared by its entries.
+        fixed_us = (r[f"ec {d}"].median_s - r[f"memcpy {d}"].median_s) * 1e6 / per_step
+        results.append(schema.row("ec fixed cost per entry, batched", f"ec {d}", n, "bytes", "us", fixed_us,
+                                  stats_from_times([0.0])))
+        ratios[f"{d} {per_step} x {_label(n)} per step / memcpy same buffers"] = \
+            r[f"memcpy {d}"].median_s / r[f"ec {d}"].median_s
+
+
 def _host_bytes(arr) -> np.ndarray:
     from vtnumba.backend.arrays import to_host
 
@@ -258,6 +309,9 @@ def run(args) -> dict:
     for s in sizes:
         if s <= 0 or s % block:
             raise ValueError(f"--sizes: {s} is not a positive multiple of the {block}-byte block")
+    per_step = getattr(args, "entries_per_step", ENTRIES_PER_STEP)
+    if type(per_step) is not int or not 1 <= per_step <= 64:
+        raise ValueError(f"--entries-per-step: {per_step!r} is not a whole number of entries from 1 to 64")
     backend = default_backend()
     target = current_target().name
     # Pipelining needs queues that run beside the Python thread: threaded cpu queues.
@@ -288,6 +342,8 @@ def run(args) -> dict:
                     ratios[f"{d} {_label(n)} pipelined / memcpy same buffers"] = \
                         gbs[f"ec {d} pipelined"] / gbs[f"memcpy {d} beside pipelined"]
                 ratios[f"{d} {_label(n)} / memcpy bandwidth"] = gbs[f"ec {d}"] / big_memcpy
+            if per_step > 1 and n <= BATCHED_MAX:
+                _batched_rows(backend, n, per_step, repeat, results, ratios)
         frag = 1 * MiB
         if not quick or frag in sizes:
             r = _bench_size(backend, frag, 5 if quick else 20, True, "frag")
@@ -309,6 +365,11 @@ def run(args) -> dict:
     notes.append("'ec fixed cost per step' = median ec step minus median memcpy of the same bytes: the Python and "
                  "driver work around the copy (descriptors, checks, pools, the report), which entries of a few "
                  "MiB cannot hide")
+    if per_step > 1:
+        notes.append(f"'{per_step} entries/step' = a step saving (then loading) {per_step} entries of the row's size "
+                     "together: one batched copy per direction for all of them, against one np.copyto of the "
+                     "step's bytes between the same buffers; 'fixed cost per entry, batched' = the step's cost "
+                     f"above that copy, divided by {per_step}")
     notes.append(f"ec save/load = one entry on {backend.name}, waited for: descriptor building, the batched copy, "
                  "its events and the completion report; 'pipelined' = 8 steps back to back on threaded cpu "
                  f"queues with up to {SLOTS - 2} copies in flight (the copies overlap the next step's Python work)")
