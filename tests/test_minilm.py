@@ -97,7 +97,11 @@ def test_batching_and_order_do_not_change_outputs(encoder, ref):
     for bs in (1, 3):
         assert np.abs(encoder.encode(texts, batch_size=bs) - together).max() < 1e-6
     assert np.abs(together[:4] - ref["emb"][::-1]).max() < TOL
-    assert np.array_equal(together[3], together[4])
+    # The same text twice in one batch: the same embedding up to rounding, not bit for bit.  Its
+    # tokens sit at other rows of each matmul, and a BLAS may compute a row differently
+    # depending on where the matrix's blocking puts it (OpenBLAS on AMD EPYC does: two equal
+    # rows of x @ w.T can differ in the last bits).
+    assert np.abs(together[3] - together[4]).max() < 1e-6
 
 
 def test_encode_is_pool_of_encode_tokens_bit_for_bit(encoder, ref):
