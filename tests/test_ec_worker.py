@@ -542,6 +542,35 @@ def test_load_buffer_waits_for_views_and_the_compute_queue(threaded, env_factory
     assert dest.freed and len(threaded.live_buffers()) == live_before
 
 
+def test_a_slice_of_a_loaded_view_keeps_its_buffer_from_the_next_load(env_factory):
+    """Synchronous queues reuse the last load buffer as soon as nothing views it; an array cut
+    from a view (the view itself gone) still counts, and the buffer is reused once it is gone."""
+    be = CPUBackend()
+    try:
+        env = env_factory(be)
+        env.region.blocks[0:2] = 1
+        env.region.blocks[2:4] = 2
+        cache = {}
+        env.worker.start_load_caches(cache, ECConnectorMetadata(loads={"a": (0, [0, 1])}))
+        complete(env.worker)
+        kept = cache.pop("a")[1:].view(np.int8)  # a view of a view; the handed-out view is dropped
+        gc.collect()
+        env.worker.start_load_caches(cache, ECConnectorMetadata(loads={"b": (1, [2, 3])}))
+        complete(env.worker)
+        assert (kept == 1).all(), "the second load overwrote bytes a live array still shows"
+        assert env.worker._destinations.spare_reuses == 0
+        del kept, cache
+        gc.collect()
+        cache = {}
+        env.worker.start_load_caches(cache, ECConnectorMetadata(loads={"c": (2, [0, 1])}))
+        complete(env.worker)
+        assert env.worker._destinations.spare_reuses == 1 and (cache["c"].view(np.int8) == 1).all()
+        del cache
+    finally:
+        env.close()
+        be.close()
+
+
 def test_load_buffer_goes_back_to_the_caching_allocator(threaded, env_factory):
     env = env_factory(threaded)
     alloc = env.worker.allocator

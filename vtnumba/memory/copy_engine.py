@@ -17,9 +17,10 @@ How each target does it:
   without the GIL, so on threaded queues the Python thread that queued it keeps
   scheduling the next step meanwhile.  On *synchronous* queues (the default cpu mode,
   where every queued operation runs at once on the caller's thread) the loop is called
-  directly instead of through ``backend.submit``: the result is the same -- the copy is
-  done on return -- without the submission's closure and bookkeeping.  Tracing and the
-  hazard checker still see it go through ``submit``.
+  directly instead of through ``backend.submit`` -- in the same compiled call as the
+  address check below, which runs over the whole batch first: the result is the same --
+  the copy is done on return -- without the submission's closure and bookkeeping.
+  Tracing and the hazard checker still see it go through ``submit``.
 * ``cudasim`` -- simulator "device" memory *is* host memory, so the same host loop runs,
   through ``backend.submit`` and therefore under the simulator's launch lock.
 * ``cuda``    -- one ``cuMemcpyBatchAsync`` (driver >= 12.8) on the queue's stream; a single
