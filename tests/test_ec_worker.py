@@ -373,6 +373,41 @@ def test_a_save_whose_copy_is_refused_is_dropped_and_the_worker_carries_on(backe
     np.testing.assert_array_equal(env.region.blocks[0:2].reshape(-1), as_bytes(out))
 
 
+def test_a_report_polled_from_another_thread_loses_and_repeats_nothing(env_factory, rng):
+    """Synchronous copies file their completions as they finish; a poller on another thread
+    must see each exactly once, however its polls interleave with the steps."""
+    be = CPUBackend()
+    try:
+        env = env_factory(be)
+        w = env.worker
+        out = rng.standard_normal((1, env.hidden)).astype(np.float32)
+        reported, stop = [], threading.Event()
+
+        def poll():
+            while not stop.is_set():
+                meta = w.build_connector_worker_meta()
+                if meta is not None:
+                    reported.extend(meta.completed_saves)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            for step in range(300):
+                h = f"h{step}"
+                w.save_caches({h: out}, h, ECConnectorMetadata(saves={h: [step % 32]}))
+                w.flush_saves()
+        finally:
+            stop.set()
+            poller.join()
+        meta = w.build_connector_worker_meta()
+        reported += meta.completed_saves if meta is not None else []
+        assert sorted(reported) == sorted(f"h{step}" for step in range(300))
+        assert w.inflight() == (0, 0)
+    finally:
+        env.close()
+        be.close()
+
+
 def test_shutdown_drains_inflight_transfers(threaded, env_factory, rng):
     env = env_factory(threaded)
     out = rng.standard_normal((4, env.hidden)).astype(np.float32)

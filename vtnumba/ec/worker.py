@@ -368,7 +368,7 @@ class ECWorker:
             # finished now -- no gate, no events, nothing to keep.  The completions wait for
             # the next report; the resources go straight back.
             t1 = perf_counter_ns()
-            self._finished_now(0, self._finished_saves, hashes, nbytes, n, (t1 - t0) / 1e6)
+            self._finished_now(0, hashes, nbytes, n, (t1 - t0) / 1e6)
             for token in self._save_ranges:
                 unregister(token)
             self._buf_pool.release(bufs)
@@ -390,12 +390,13 @@ class ECWorker:
         self._save_count = self._save_bytes = 0
         self.step_us["save"].append((t1 - self._save_t0) / 1e3)
 
-    def _finished_now(self, direction: int, finished: list, completions: list, num_bytes: int,
-                      num_descriptors: int, ms: float) -> None:
+    def _finished_now(self, direction: int, completions: list, num_bytes: int, num_descriptors: int,
+                      ms: float) -> None:
         """A synchronous copy finished as it was issued: count it and queue its completions
         for the next :meth:`build_connector_worker_meta` (``direction``: 0 saves, 1 loads)."""
-        finished += completions
-        self._unreported[direction] += 1
+        with self._lock:  # a report on another thread swaps the lists and resets the counts together
+            (self._finished_loads if direction else self._finished_saves).extend(completions)
+            self._unreported[direction] += 1
         self._count_finished("load" if direction else "save", len(completions), num_bytes, num_descriptors, ms)
 
     def _count_finished(self, direction: str, entries: int, num_bytes: int, num_descriptors: int, ms: float) -> None:
@@ -493,7 +494,7 @@ class ECWorker:
             raise
         if end is None:
             # Done on return (see flush_saves): report at the next poll, recycle now.
-            self._finished_now(1, self._finished_loads, completions, nbytes, n, (perf_counter_ns() - c0) / 1e6)
+            self._finished_now(1, completions, nbytes, n, (perf_counter_ns() - c0) / 1e6)
             self._destinations.copy_finished(dest)
             self._buf_pool.release(bufs)
             self._queue_pool.append(q)
