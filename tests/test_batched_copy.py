@@ -324,3 +324,29 @@ def test_live_address_is_address_of_and_is_live_in_one_call(rng):
         assert live_address(buf, 4096) == (buf.ptr, True)  # a Buffer: the general path
     finally:
         be.close()
+
+
+def test_unregister_never_waits_for_the_lock():
+    """A Buffer's finalizer unregisters its range, and the garbage collector may run it inside
+    an allocation made by a thread holding the table's lock (the sorted table is built under
+    it).  Unregistering must then not wait for the lock -- that thread would wait for itself."""
+    from vtnumba.backend.address_ranges import AddressRanges
+
+    ranges = AddressRanges()
+    token = ranges.register(0x1000, 64, "x")
+    keep = ranges.register(0x2000, 64, "y")
+    starts_before = ranges._table()[0].tolist()
+
+    def finalizer_inside_the_lock():
+        with ranges._lock:         # as if the collector ran the finalizer inside _table()
+            ranges.unregister(token)
+
+    t = threading.Thread(target=finalizer_inside_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "unregister waited for a lock its own thread holds"
+    assert starts_before == [0x1000, 0x2000]
+    assert ranges._table()[0].tolist() == [0x2000] and len(ranges) == 1  # applied by the next caller
+    ranges.unregister(keep)
+    ranges.unregister(keep)  # idempotent
+    assert len(ranges) == 0 and ranges._table()[0].size == 0

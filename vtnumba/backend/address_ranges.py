@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import deque
 from contextlib import contextmanager
 
 import numpy as np
@@ -32,12 +33,27 @@ _ids = itertools.count(1)
 
 
 class AddressRanges:
-    """A thread-safe set of ``[start, start + nbytes)`` ranges, each with a description."""
+    """A thread-safe set of ``[start, start + nbytes)`` ranges, each with a description.
+
+    :meth:`unregister` never waits for the lock.  It runs from a Buffer's finalizer, which
+    the garbage collector may call *inside* any allocation -- including one made by a thread
+    that holds this very lock (building the sorted table allocates arrays).  A blocking
+    unregister would then wait for itself forever; instead it queues the token (a deque's
+    append is atomic), and whoever takes the lock next applies the queued removals first.
+    """
 
     def __init__(self) -> None:
         self._ranges: dict[int, tuple[int, int, str]] = {}  # token -> (start, end, what)
         self._lock = threading.Lock()
         self._sorted: tuple | None = None
+        self._removed: deque[int] = deque()  # tokens unregistered but not yet taken out of _ranges
+
+    def _apply_removals(self) -> None:
+        # Under the lock.  A removal queued while this runs (by a finalizer the allocations
+        # below set off) stays queued for the next caller: the deque is never left stale.
+        while self._removed:
+            if self._ranges.pop(self._removed.popleft(), None) is not None:
+                self._sorted = None
 
     def register(self, start: int, nbytes: int, what: str) -> int:
         """Declare ``nbytes`` at ``start`` live; returns a token for :meth:`unregister`."""
@@ -45,25 +61,27 @@ class AddressRanges:
         if start < 0 or nbytes < 0:
             raise ValueError(f"cannot register {nbytes} bytes at address {start:#x}")
         token = next(_ids)
+        entry = (start, start + nbytes, what)
         with self._lock:
-            self._ranges[token] = (start, start + nbytes, what)
+            self._apply_removals()
+            self._ranges[token] = entry
             self._sorted = None
         return token
 
     def unregister(self, token: int) -> None:
-        """Forget a range (idempotent: an unknown token is ignored)."""
-        with self._lock:
-            if self._ranges.pop(token, None) is not None:
-                self._sorted = None
+        """Forget a range (idempotent: an unknown token is ignored).  Never blocks: safe in a
+        garbage-collection finalizer (see the class docstring)."""
+        self._removed.append(token)
 
     def _table(self) -> tuple:
         table = self._sorted
-        if table is not None:
+        if table is not None and not self._removed:
             # The common case, read without the lock (one attribute read is atomic): every
             # batched copy asks, and the table changes only when memory comes or goes.  A
             # change racing with this read is no different from one right after it.
             return table
         with self._lock:
+            self._apply_removals()
             if self._sorted is None:
                 items = sorted(self._ranges.values())
                 starts = np.array([s for s, _, _ in items], dtype=np.uint64)
@@ -105,6 +123,7 @@ class AddressRanges:
 
     def __len__(self) -> int:
         with self._lock:
+            self._apply_removals()
             return len(self._ranges)
 
 
