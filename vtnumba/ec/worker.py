@@ -307,7 +307,7 @@ class ECWorker:
                                                    src_addr, block_size, total_bytes, True)
         except BadBlockId as exc:
             if fresh:  # nothing of this step is in the batch yet: give its resources back
-                self._drop_save_batch()
+                self._release_save_batch()
             raise ValueError(f"saves[{mm_hash!r}] contains block id {exc.block_id}, outside the region's "
                              f"0..{exc.num_blocks - 1}") from None
         if not src_live:
@@ -319,7 +319,9 @@ class ECWorker:
         self._save_mm_hashes.append(mm_hash)
         self._save_sources.append(src)
 
-    def _drop_save_batch(self) -> None:
+    def _release_save_batch(self) -> None:
+        """Give the step's save batch back -- descriptors, queue, output registrations -- and
+        start an empty one (after a synchronous copy, or when the batch is dropped)."""
         if self._save_bufs is not None:
             self._buf_pool.release(self._save_bufs)
         if self._save_queue is not None:
@@ -341,7 +343,7 @@ class ECWorker:
             self._check_live("flush_saves")
         if not self._save_mm_hashes:
             if self._save_bufs is not None:
-                self._drop_save_batch()
+                self._release_save_batch()
             return
         bufs, q, n = self._save_bufs, self._save_queue, self._save_count
         hashes, nbytes = self._save_mm_hashes, self._save_bytes
@@ -361,7 +363,7 @@ class ECWorker:
             # Refused before anything was copied (or interrupted before it was queued): the
             # step's saves are dropped -- nothing will report them -- and the worker carries on.
             self._event_pool.extend(e for e in (gate, start, end) if e is not None)
-            self._drop_save_batch()
+            self._release_save_batch()
             raise
         if end is None:
             # Synchronous queues: the compute queue's work already ran, and the copy is
@@ -369,13 +371,7 @@ class ECWorker:
             # the next report; the resources go straight back.
             t1 = perf_counter_ns()
             self._finished_now(0, hashes, nbytes, n, (t1 - t0) / 1e6)
-            for token in self._save_ranges:
-                unregister(token)
-            self._buf_pool.release(bufs)
-            self._queue_pool.append(q)
-            self._save_ranges.clear()
-            self._save_sources.clear()
-            self._save_mm_hashes = []
+            self._release_save_batch()
         else:
             be.record_event(end, q)
             t1 = perf_counter_ns()
@@ -602,7 +598,7 @@ class ECWorker:
         self._inflight_saves.clear()
         self._inflight_loads.clear()
         if self._save_bufs is not None:  # descriptors written but never flushed: dropped
-            self._drop_save_batch()
+            self._release_save_batch()
         self._destinations.drain()
         if self._own_allocator:
             self.allocator.empty_cache()  # views still alive keep their own bytes (numpy base)
