@@ -29,7 +29,26 @@ def test_quick_run_follows_the_schema():
     fixed = {(r["impl"], r["size"]): r for r in res["results"] if r["case"] == "ec fixed cost per step"}
     assert set(fixed) == {(f"ec {d}", n) for d in ("save", "load") for n in (4096, 65536)}
     assert all(r["metric"] == "us" and abs(r["value"]) < 1e5 for r in fixed.values()), fixed  # noisy: may dip below 0
+    # ... and the step size that would hide it: solved from the same two medians.
+    size_for = {(r["impl"], r["size"]): r["value"] for r in res["results"] if r["case"] == "ec step size for 0.8 x memcpy"}
+    assert set(size_for) == set(fixed)
+    for (impl, n), mib in size_for.items():
+        assert mib >= 0 and (mib == 0) == (fixed[impl, n]["value"] <= 0), (impl, n, mib)
     assert _ec_files() == before
+
+
+def test_break_even_step_size():
+    # 10 us of fixed cost beside a copy of 1 MiB in 50 us: a 1 MiB step reaches 50/60 = 0.83;
+    # 0.8 needs the copy to take 4 x 10 us, i.e. 0.8 MiB.
+    mib = ec.break_even_bytes(10.0, 50e-6, ec.MiB, 0.8) / ec.MiB
+    assert mib == pytest.approx(0.8)
+    copy_s = mib * 50e-6  # check by the definition: copy / (fixed + copy) at that size
+    assert copy_s / (10e-6 + copy_s) == pytest.approx(0.8)
+    assert ec.break_even_bytes(10.0, 50e-6, ec.MiB, 0.5) / ec.MiB == pytest.approx(0.2)
+    assert ec.break_even_bytes(-3.0, 50e-6, ec.MiB, 0.8) == 0.0  # noise made the step look free
+    for aim in (0, 1, 1.5):
+        with pytest.raises(ValueError, match="aim="):
+            ec.break_even_bytes(10.0, 50e-6, ec.MiB, aim)
 
 
 def test_steps_of_several_entries_are_measured_and_checked():

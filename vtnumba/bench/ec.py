@@ -43,10 +43,9 @@ DEFAULT_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 QUICK_SIZES = (4 * KiB, 1 * MiB, 16 * MiB)
 HIDDEN, DTYPE = 1024, np.float16  # one block = one row = 2 KiB
 SLOTS = 4
-
-
 ENTRIES_PER_STEP = 4
 BATCHED_MAX = 4 * MiB  # entry sizes that also get the several-entries-per-step rows
+AIM = 0.8  # the fraction of memcpy a step should reach (issue 17): the 'step size for' rows solve for it
 
 
 def add_arguments(parser) -> None:
@@ -291,6 +290,21 @@ def _batched_rows(backend, n: int, per_step: int, repeat: int, results: list, ra
             r[f"memcpy {d}"].median_s / r[f"ec {d}"].median_s
 
 
+def break_even_bytes(fixed_us: float, memcpy_s: float, nbytes: int, aim: float) -> float:
+    """The smallest step (bytes) whose copy hides ``fixed_us`` well enough to reach ``aim`` x memcpy.
+
+    A step of ``b`` bytes takes ``fixed + b / bw`` against the copy's ``b / bw``, so the ratio
+    is ``(b / bw) / (fixed + b / bw)``; it reaches ``aim`` once ``b >= fixed * bw * aim / (1 - aim)``
+    (for 0.8: four times the bytes the copy moves in the fixed cost).  ``bw`` is the memcpy's
+    bandwidth at ``nbytes`` between the same buffers.  0 when the fixed cost is not positive.
+    """
+    if not 0 < aim < 1:
+        raise ValueError(f"aim={aim!r}; expected a fraction of memcpy between 0 and 1")
+    if fixed_us <= 0:
+        return 0.0
+    return fixed_us * 1e-6 * (nbytes / memcpy_s) * aim / (1 - aim)
+
+
 def _host_bytes(arr) -> np.ndarray:
     from vtnumba.backend.arrays import to_host
 
@@ -337,6 +351,9 @@ def run(args) -> dict:
                 fixed_us = (r[f"ec {d}"].median_s - r[f"memcpy {d}"].median_s) * 1e6
                 results.append(schema.row("ec fixed cost per step", f"ec {d}", n, "bytes", "us", fixed_us,
                                           stats_from_times([0.0])))
+                results.append(schema.row("ec step size for 0.8 x memcpy", f"ec {d}", n, "bytes", "MiB",
+                                          break_even_bytes(fixed_us, r[f"memcpy {d}"].median_s, n, AIM) / MiB,
+                                          stats_from_times([0.0])))
                 ratios[f"{d} {_label(n)} / memcpy same buffers"] = gbs[f"ec {d}"] / gbs[f"memcpy {d}"]
                 if f"ec {d} pipelined" in gbs:
                     ratios[f"{d} {_label(n)} pipelined / memcpy same buffers"] = \
@@ -364,7 +381,9 @@ def run(args) -> dict:
                  "device buffer), so cache effects match; 'memcpy bandwidth' = large-copy baseline of this run")
     notes.append("'ec fixed cost per step' = median ec step minus median memcpy of the same bytes: the Python and "
                  "driver work around the copy (descriptors, checks, pools, the report), which entries of a few "
-                 "MiB cannot hide")
+                 f"MiB cannot hide; 'ec step size for {AIM:g} x memcpy' = the bytes a step must move for its copy to "
+                 f"hide that cost down to {AIM:g} of memcpy (fixed cost x memcpy bandwidth x {AIM / (1 - AIM):g}): "
+                 "batch entries into steps at least that large")
     if per_step > 1:
         notes.append(f"'{per_step} entries/step' = a step saving (then loading) {per_step} entries of the row's size "
                      "together: one batched copy per direction for all of them, against one np.copyto of the "

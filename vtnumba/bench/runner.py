@@ -546,7 +546,7 @@ def plot_suite(res: dict, out_dir: str) -> list[str]:
         counts = f"{min(samples)}" if len(samples) == 1 else f"{min(samples)}-{max(samples)}"
         timed = any(metric_kind(r["metric"]) != "count" for rows in groups.values() for r in rows)
         how = (f"points: median of {counts} sample{'' if counts == '1' else 's'}; bars: 10th to 90th percentile"
-               if timed else "counts, not timings")
+               if timed else "counts and values derived from medians: no spread")
         fig.suptitle(f"bench {res['suite']}: {figure_title(family, groups)}   "
                      f"[{res['target']}, {ranks} rank{'s' if ranks > 1 else ''}]\n{how}", fontsize=11)
         path = os.path.join(out_dir, f"bench_{res['suite']}_{_slug(family)}_vs_{_slug(unit)}.png")
