@@ -35,7 +35,8 @@ def test_device_part_runs_end_to_end_on_the_device(device_backend):
     sys.setswitchinterval(5e-4)
     try:
         results, ratios, baselines, notes = [], {}, {}, []
-        cfg = bench._settings(argparse.Namespace(quick=True, sizes=None, norm_shape=None))
+        # --device-matmul-sizes reaches the ladder (16: the simulator's default size, kept small).
+        cfg = bench._settings(argparse.Namespace(quick=True, sizes=None, norm_shape=None, device_matmul_sizes=[16]))
         bench.bench_device(cfg, device_backend, results, ratios, baselines, notes, simulator=True)
     finally:
         sys.setswitchinterval(old)
@@ -46,6 +47,7 @@ def test_device_part_runs_end_to_end_on_the_device(device_backend):
 
     rungs = [r["impl"] for r in results if r["case"] == "matmul_fp32"]
     assert rungs == [f"vtnumba-{v}" for v in VARIANTS]
+    assert {r["size"] for r in results if r["case"] == "matmul_fp32"} == {16}
     assert {("rmsnorm", "vtnumba-fused-cuda"), ("layernorm", "vtnumba-fused-cuda"),
             ("peer_reduce_rmsnorm_tp2", "vtnumba-fused-cuda"), ("gather_rows", "vtnumba-cuda")} <= impls
     assert "device_copy" in {case for case, _ in impls}

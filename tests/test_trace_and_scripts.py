@@ -228,6 +228,32 @@ def test_gpu_scripts_parse_and_agree_on_the_wheels():
     assert set(installed) == set(pins), (installed, pins)
 
 
+def test_gpu_check_benchmarks_run_at_the_sizes_of_the_aims():
+    # Issue 17 states its GPU aims at fixed sizes; gpu_check.sh's quick suites must measure
+    # exactly those (and its flags must be ones the CLI takes: the dry run never gets there).
+    import argparse
+
+    from vtnumba.apps.cli import build_parser
+    from vtnumba.bench import kernels, tpsp
+
+    script = ROOT / "scripts" / "gpu_check.sh"
+    parse = build_parser().parse_args
+    args = parse(["bench", "tpsp", "--quick", *_bash_array(script, "TPSP_AIM_ARGS")])
+    tokens, hidden, k_total, _ = tpsp._settings(args, 2, "cuda")
+    assert 4096 in tokens and hidden == k_total == 4096
+    args = parse(["bench", "kernels", "--quick", *_bash_array(script, "KERNELS_AIM_ARGS")])
+    assert 4096 in kernels._settings(args)["device_mm_sizes"]
+    args = parse(["bench", "peer", "--quick", *_bash_array(script, "PEER_AIM_ARGS")])
+    assert 64 in args.sizes
+    text = script.read_text()
+    for name in ("TPSP_AIM_ARGS", "KERNELS_AIM_ARGS", "PEER_AIM_ARGS"):
+        assert f'"${{{name}[@]}}"' in text, f"{name} is defined but not passed to its suite"
+    # Without the flag the sizes stay the defaults; a bad size is refused by name.
+    assert kernels._settings(argparse.Namespace(quick=True))["device_mm_sizes"] is None
+    with pytest.raises(ValueError, match="--device-matmul-sizes: 0 is not a positive"):
+        kernels._settings(argparse.Namespace(quick=True, device_matmul_sizes=[4096, 0]))
+
+
 def test_traced_two_rank_tpsp_run(tmp_path):
     """Issue 9's check: a traced TPSP run has both ranks, every queue TPSP used, MPI exchanges."""
     prefix = tmp_path / "tpsp"
