@@ -48,11 +48,16 @@ def _collected(proc) -> list[str]:
 
 
 def test_the_gpu_run_collects_the_same_suite_without_the_simulator():
-    gpu = _pytest("--collect-only", "-q", "tests", target="cuda")
+    # The two collections run at once (threads waiting on subprocesses): each is one core's work.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        gpu_run, default_run = (pool.submit(_pytest, "--collect-only", "-q", "tests", target=t) for t in ("cuda", None))
+        gpu, default_proc = gpu_run.result(), default_run.result()
     text = gpu.stdout + gpu.stderr
     assert "numba.cuda.simulator" not in text, text[-4000:]
     on_gpu = _collected(gpu)
-    default = _collected(_pytest("--collect-only", "-q", "tests", target=None))
+    default = _collected(default_proc)
     assert len(default) > 500 and any(t.startswith("tests/mpi/") for t in default), len(default)
     missing, extra = sorted(set(default) - set(on_gpu)), sorted(set(on_gpu) - set(default))
     assert not missing and not extra, f"only on the default run: {missing[:20]}; only on the GPU run: {extra[:20]}"
