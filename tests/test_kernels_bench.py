@@ -14,11 +14,15 @@ from vtnumba.bench.schema import suite, validate_suite
 def test_quick_run_follows_schema():
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    args = parser.parse_args(["--norm-shape", "64x256"])
+    args = parser.parse_args(["--norm-shape", "64x256", "--device-matmul-sizes", "8"])
     args.quick, args.sizes = True, [64]
     result = bench.run(args)
     validate_suite(result)
     assert result["suite"] == "kernels"
+    if result["target"] == "cuda":  # the ladder ran at the size asked for
+        assert {r["size"] for r in result["results"] if r["case"] == "matmul_fp32"} == {8}
+    else:  # no device ladder here: the run says the flag went unused instead of ignoring it
+        assert any(n.startswith("--device-matmul-sizes applies on a GPU") for n in result["notes"]), result["notes"]
     for key in ("rmsnorm fused / numpy (speed-up)", "layernorm fused / numpy (speed-up)",
                 "rmsnorm fused GB/s / memcpy traffic GB/s", "linear_fp32 n=64 vtnumba / numpy",
                 "peer_reduce_rmsnorm_tp2 fused / numpy (speed-up)"):

@@ -65,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ptxas", action="store_true",
                         help="report registers/shared memory/spills per kernel (needs ptxas on PATH)")
     parser.add_argument("--device-matmul-sizes", type=int, nargs="+", default=None, metavar="N",
-                        help="square matmul sizes of the ladder on the device target (default 2048 4096 on a GPU, "
-                             "1024 with --quick, 16 in the simulator); --sizes sets the host matmul's")
+                        help="square matmul sizes of the ladder on a GPU (default 2048 4096; 1024 with --quick); "
+                             "--sizes sets the host matmul's")
 
 
 def _parse_shape(text: str) -> tuple[int, int]:
@@ -399,6 +399,8 @@ def run(args) -> dict:
         bench_device(cfg, default_backend(), results, ratios, baselines, notes)
     elif target == "cudasim":
         notes.append("cudasim: the CUDA kernels are tested, not timed, in the simulator; host references measured")
+    if target != "cuda" and cfg["device_mm_sizes"]:
+        notes.append(f"--device-matmul-sizes applies on a GPU (target cuda); on {target} no device ladder runs")
 
     suite = schema.suite("kernels", target, 1, results, ratios, baselines, notes)
     if getattr(args, "ptxas", False):
