@@ -351,7 +351,7 @@ def run(args) -> dict:
                 fixed_us = (r[f"ec {d}"].median_s - r[f"memcpy {d}"].median_s) * 1e6
                 results.append(schema.row("ec fixed cost per step", f"ec {d}", n, "bytes", "us", fixed_us,
                                           stats_from_times([0.0])))
-                results.append(schema.row("ec step size for 0.8 x memcpy", f"ec {d}", n, "bytes", "MiB",
+                results.append(schema.row(f"ec step size for {AIM:g} x memcpy", f"ec {d}", n, "bytes", "MiB",
                                           break_even_bytes(fixed_us, r[f"memcpy {d}"].median_s, n, AIM) / MiB,
                                           stats_from_times([0.0])))
                 ratios[f"{d} {_label(n)} / memcpy same buffers"] = gbs[f"ec {d}"] / gbs[f"memcpy {d}"]
