@@ -39,8 +39,8 @@ def test_device_part_runs_end_to_end_on_the_device(device_backend):
     sys.setswitchinterval(5e-4)
     try:
         results, ratios, baselines, notes = [], {}, {}, []
-        # --device-matmul-sizes reaches the ladder (16: the simulator's default size, kept small).
-        cfg = bench._settings(argparse.Namespace(quick=True, sizes=None, norm_shape=None, device_matmul_sizes=[16]))
+        # --device-matmul-sizes reaches the ladder: 8, not the simulator's default 16 (one block either way).
+        cfg = bench._settings(argparse.Namespace(quick=True, sizes=None, norm_shape=None, device_matmul_sizes=[8]))
         bench.bench_device(cfg, device_backend, results, ratios, baselines, notes, simulator=True)
     finally:
         sys.setswitchinterval(old)
@@ -51,7 +51,7 @@ def test_device_part_runs_end_to_end_on_the_device(device_backend):
 
     rungs = [r["impl"] for r in results if r["case"] == "matmul_fp32"]
     assert rungs == [f"vtnumba-{v}" for v in VARIANTS]
-    assert {r["size"] for r in results if r["case"] == "matmul_fp32"} == {16}
+    assert {r["size"] for r in results if r["case"] == "matmul_fp32"} == {8}
     assert {("rmsnorm", "vtnumba-fused-cuda"), ("layernorm", "vtnumba-fused-cuda"),
             ("peer_reduce_rmsnorm_tp2", "vtnumba-fused-cuda"), ("gather_rows", "vtnumba-cuda")} <= impls
     assert "device_copy" in {case for case, _ in impls}
