@@ -100,6 +100,48 @@ def test_a_wait_on_a_flag_that_never_comes_times_out_naming_the_word(backend):
     backend.destroy_queue(q)
 
 
+class _FakeStuckGPU:
+    """Stands in for CUDABackend's device side in the deadline logic: flag words in a dict; a
+    "release" stores the awaited value, as the real one does from a queue of its own."""
+
+    def __init__(self, words):
+        self.words, self.released, self.reads = words, [], 0
+
+    def _read_flag_word(self, flags, index):
+        self.reads += 1
+        return self.words[index]
+
+    def _release_flag_wait(self, flags, index, value):
+        self.released.append((index, value))
+        self.words[index] = value
+
+
+def test_gpu_stream_waits_get_their_deadline_from_the_host():
+    # A GPU stream's wait (cuStreamWaitValue32) cannot time out, so CUDABackend.synchronize polls
+    # the stream and keeps each wait's deadline itself: a wait past its deadline with its word
+    # short is released (the only way to free the stream) and reported by word and value; a
+    # wait whose word did arrive is left alone.  The logic, without a GPU:
+    from vtnumba.backend.cuda import CUDABackend
+
+    gpu = _FakeStuckGPU({3: 0, 5: 7})
+    now = time.monotonic()
+    waits = [(None, 3, 9, now + 0.2), (None, 5, 7, now - 1)]  # word 5 reached 7 already
+
+    def stream_idle():  # the stream drains once every wait on it has passed
+        return flag_reached(gpu.words[3], 9) and flag_reached(gpu.words[5], 7)
+
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"queue q: timed out waiting for flag word 3 to reach 9; it is 0 "):
+        CUDABackend._wait_out_flag_waits(gpu, stream_idle, waits, "queue q")
+    assert 0.15 < time.perf_counter() - t0 < 2
+    assert gpu.released == [(3, 9)]
+    # Waits that pass before their deadline cost no reads and no errors.
+    gpu = _FakeStuckGPU({3: 0})
+    polls = iter([False, False, True])
+    CUDABackend._wait_out_flag_waits(gpu, lambda: next(polls), [(None, 3, 9, time.monotonic() + 60)], "queue q")
+    assert gpu.released == [] and gpu.reads == 0
+
+
 def test_flag_arguments_are_checked(backend):
     flags = _flags(backend)
     q = backend.create_queue("bad")

@@ -306,7 +306,13 @@ class Backend(abc.ABC):
 
     def to_host(self, arr) -> np.ndarray:
         """``arr``'s contents as a numpy array: the memory itself where the host can address it
-        (cpu, simulator), a synchronous device-to-host copy on a real GPU."""
+        (cpu, simulator), a synchronous device-to-host copy on a real GPU.
+
+        It reads what is there *now*: work still queued that writes ``arr`` is not waited
+        for (on a GPU the copy goes through the legacy default stream, which vtnumba's
+        queues -- non-blocking streams -- are not ordered with).  Synchronize the queues
+        that write ``arr`` first.
+        """
         view = host_view(arr)
         if view is not None:
             return view
@@ -512,10 +518,15 @@ class Backend(abc.ABC):
         The comparison is CUDA's ``CU_STREAM_WAIT_VALUE_GEQ``: ``(int32)(flags[index] - value)
         >= 0``, i.e. "at least value" as long as the two are less than 2**31 apart -- epoch
         counters that only grow.  On a GPU this is ``cuStreamWaitValue32``: the stream waits
-        in hardware and cannot time out, so whoever synchronizes that queue must watch for a
-        peer that never comes (:mod:`vtnumba.dist.queue_flags` does).  Host queues wait by
-        polling and fail after ``timeout_s``: inline on a synchronous queue, on the queue's
-        thread (a sticky error) on a threaded one.
+        in hardware and cannot time out by itself, so the host keeps the deadline: a
+        ``synchronize`` of that queue (or of an event recorded after the wait) polls instead
+        of blocking, and once ``timeout_s`` has passed with the word short it stores the
+        value into the word -- the only way to free the stream -- and raises RuntimeError
+        naming the word (the work queued after the wait ran without its input).  Host
+        queues wait by polling and fail after ``timeout_s``: inline on a synchronous queue,
+        on the queue's thread (a sticky error) on a threaded one.
+        :mod:`vtnumba.dist.queue_flags` builds its failure handling on top: it watches the
+        peers too, and releases their waits when a call fails.
         """
         self._check_queue(q)
         index, value = self._check_flag(flags, index, value)

@@ -15,7 +15,9 @@ Three choices matter on a real GPU:
 * **Flags in queue order are stream memory operations** (``cuStreamWriteValue32`` /
   ``cuStreamWaitValue32``): the GPU orders work across processes without a host thread on
   the critical path.  Where the driver refuses them, one-thread kernels do the same
-  (:mod:`vtnumba.backend.cuda_flags`).
+  (:mod:`vtnumba.backend.cuda_flags`).  Neither can time out on the GPU, so the host keeps
+  each wait's deadline: synchronizing a queue with pending flag waits polls the stream
+  instead of blocking in the driver.
 * **Host functions go through** ``cuLaunchHostFunc`` **of cuda.bindings**, not numba's
   ``Stream.add_callback`` (broken with cuda-bindings in numba-cuda 0.30: it reads
   ``handle.value``).  The Python callable is kept alive until the driver has called it,
@@ -37,7 +39,9 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import threading
+import time
 
 import numpy as np
 
@@ -46,6 +50,7 @@ from vtnumba.backend.arrays import (
     address_of,
     host_view,
     is_device_array,
+    is_simulated_array,
     simulator_active,
     wrap_host_memory,
 )
@@ -102,18 +107,36 @@ class _CUDAQueue(Queue):
         self.stream = stream   # what numba launches and copies take
         self.handle = handle   # the cuda.bindings CUstream we created (real GPU), destroyed with the queue
         self.error: BaseException | None = None  # raised by a host function; re-raised by synchronize
+        #: Real GPU: the flag waits queued here and not yet seen passed, as
+        #: ``(flags, index, value, deadline)`` -- what synchronize watches (see _wait_out_flag_waits).
+        self.flag_waits: list[tuple] = []
 
 
-# Host functions queued with cuLaunchHostFunc, kept alive until the driver has called them.
+# Host functions queued with cuLaunchHostFunc, by key, until the driver has called them.  The
+# driver gets one C function for all of them -- the trampoline below, alive for the whole
+# process -- and the key as its userData: no per-call C thunk exists, so none can be freed
+# while the driver still holds (or is running) it.
 _pending_host_funcs: dict[int, object] = {}
 _host_func_ids = itertools.count(1)
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+@_HOST_FN
+def _host_func_trampoline(user_data) -> None:
+    # Runs on a driver thread.  Nothing may escape into C: the callables catch their own errors.
+    call = _pending_host_funcs.pop(user_data or 0, None)
+    if call is not None:
+        call()
+
+
+_HOST_FN_ADDRESS = ctypes.cast(_host_func_trampoline, ctypes.c_void_p).value
 
 
 class _CUDAEvent(Event):
     def __init__(self, backend, blocking, native):
         super().__init__(backend, blocking)
         self.native = native  # a numba Event on a real GPU; None in the simulator
+        self.flag_waits: list[tuple] = []  # real GPU: its queue's flag waits when it was recorded
         self.mark = EventMark()
         self.mark.fire()
 
@@ -134,6 +157,12 @@ class CUDABackend(Backend):
             from vtnumba.backend.cuda_stack import check_cuda_stack
 
             check_cuda_stack()  # refuse numba's deprecated numba.cuda before it fails obscurely later
+            # Streams share a few hardware work queues (8 by default): a queue stuck on a flag
+            # then holds up every stream behind it on its hardware queue -- including the one
+            # that would release it.  TPSP and the peer flags use many streams; ask for the
+            # most (read when the process's context is created, so only if none exists yet;
+            # a value the user set wins).
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
             cuda = _cuda()
             if not cuda.is_available():
                 raise RuntimeError("CUDABackend: no usable CUDA GPU (use VTNUMBA_TARGET=cpu or cudasim)")
@@ -260,7 +289,7 @@ class CUDABackend(Backend):
     def _destroy_queue(self, q) -> None:
         self._queues_by_id.pop(q.id, None)
         handle, q.handle, q.stream = q.handle, None, None
-        if handle is not None:
+        if handle is not None and int(handle) != 0:  # 0: the legacy default stream, not ours to destroy
             from cuda.bindings import driver as cu
 
             (err,) = cu.cuStreamDestroy(handle)  # its work has finished: destroy_queue synchronized first
@@ -269,17 +298,91 @@ class CUDABackend(Backend):
     def _synchronize(self, q) -> None:
         if not self.simulator:
             with trace.span("synchronize", "host", "host", queue=q.name):
+                if q.flag_waits:
+                    self._wait_out_flag_waits(lambda: self._stream_idle(q), q.flag_waits, f"queue {q.name}")
+                    q.flag_waits.clear()
                 q.stream.synchronize()
         self._raise_queue_error(q)
 
     def _synchronize_all(self) -> None:
         if not self.simulator:
+            # Queues held by a flag wait first, each under its deadlines: a context-wide
+            # synchronize would block on them for good.
+            timed_out = None
+            for q in list(self._queues_by_id.values()):
+                if q.stream is not None and q.flag_waits:
+                    try:
+                        self._synchronize(q)
+                    except RuntimeError as exc:
+                        timed_out = timed_out or exc
             _cuda().synchronize()
             for q in list(self._queues_by_id.values()):  # non-blocking streams: each on its own
                 if q.stream is not None:
                     q.stream.synchronize()
+            if timed_out is not None:
+                raise timed_out
         for q in list(self._queues_by_id.values()):
             self._raise_queue_error(q)
+
+    # ---------------------------------------------------------------- flag waits with a deadline
+    # A stream's wait (cuStreamWaitValue32, or the wait kernel) is done by the GPU and has no
+    # timeout: a host that called cuStreamSynchronize on it would block for as long as the
+    # flag stays short -- forever, if the peer that should raise it died.  So while a queue
+    # has flag waits that are not known to have passed, synchronizing it *polls* the stream
+    # and keeps each wait's deadline (wait_value32's timeout_s) on the host.  A wait past its
+    # deadline is released the only way a GPU wait can end -- by storing the awaited value
+    # into the word, from a queue of its own -- and the synchronize raises an error naming
+    # the word.  (The work queued behind the wait then runs on whatever the flag guarded:
+    # the error says the results are not to be used.  vtnumba.dist.queue_flags releases its
+    # peers' waits the same way when a call fails.)
+    def _stream_idle(self, q) -> bool:
+        from cuda.bindings import driver as cu
+
+        (err,) = cu.cuStreamQuery(q.handle)
+        if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        _check_cu(err, f"cuStreamQuery(queue {q.name})")
+        return True
+
+    def _read_flag_word(self, flags, index: int) -> int:
+        # A synchronous device-to-host copy of one word on the legacy default stream, which a
+        # non-blocking queue stuck on its wait does not hold up.
+        return int(flags[index:index + 1].copy_to_host()[0])
+
+    def _release_flag_wait(self, flags, index: int, value: int) -> None:
+        q = getattr(self, "_flag_release_queue", None)
+        if q is None:
+            q = self._flag_release_queue = self._create_queue("flag-release")
+        self._write_value32(q, flags, index, value)
+        q.stream.synchronize()
+
+    def _wait_out_flag_waits(self, done, waits: list, who: str) -> None:
+        """Poll ``done()`` until it is True; release (and report) every wait of ``waits`` whose
+        deadline passes with its word short of its value.  RuntimeError once done, if any was."""
+        from vtnumba.backend.cpu import flag_reached
+        from vtnumba.backend.polling import backoff
+
+        released: list[str] = []
+        pending = list(waits)
+        start = time.perf_counter()
+        polls = 0
+        while not done():
+            polls += 1
+            now = time.monotonic()
+            for w in [w for w in pending if now >= w[3]]:
+                flags, index, value, deadline = w
+                pending.remove(w)
+                seen = self._read_flag_word(flags, index)
+                if flag_reached(seen, value):
+                    continue  # it arrived: the stream is busy with later work, not stuck
+                self._release_flag_wait(flags, index, value)
+                released.append(f"flag word {index} to reach {value}; it is {seen}")
+            backoff(polls, time.perf_counter() - start)
+        if released:
+            raise RuntimeError(f"{who}: timed out waiting for " + ", and for ".join(released) +
+                               " -- a GPU stream's wait cannot be cancelled, so the backend stored the awaited "
+                               "value into the word to let the queue drain: the work queued after the wait ran "
+                               "without its input, do not use its results")
 
     def order_after_default_stream(self, q) -> None:
         """Make later work on ``q`` wait for what is queued on the legacy default stream now.
@@ -331,9 +434,14 @@ class CUDABackend(Backend):
             return
         from cuda.bindings import driver as cu
 
+        if q.id in self._capturing:
+            # Captured, the host function would become a graph node that every replay calls --
+            # but each key is called (and forgotten) once.
+            raise RuntimeError(f"launch_host_func on {q} while it is capturing a graph: host functions "
+                               "cannot be captured here; queue them outside the capture")
         key = next(_host_func_ids)
 
-        def call(_user_data) -> None:
+        def call() -> None:
             # Runs on a driver thread once the stream gets here.  It must not call CUDA, and
             # an exception must not escape into C: keep it for the queue's next synchronize.
             try:
@@ -341,17 +449,23 @@ class CUDABackend(Backend):
             except BaseException as exc:  # noqa: BLE001
                 if q.error is None:
                     q.error = exc
-            finally:
-                _pending_host_funcs.pop(key, None)
 
-        c_fn = _HOST_FN(call)
-        _pending_host_funcs[key] = c_fn  # the driver holds only a C pointer: keep the callable alive
-        (err,) = cu.cuLaunchHostFunc(q.handle, cu.CUhostFn(ctypes.cast(c_fn, ctypes.c_void_p).value), None)
+        _pending_host_funcs[key] = call
+        (err,) = cu.cuLaunchHostFunc(q.handle, cu.CUhostFn(_HOST_FN_ADDRESS), key)
         if err != cu.CUresult.CUDA_SUCCESS:
             _pending_host_funcs.pop(key, None)
             _check_cu(err, "cuLaunchHostFunc")
 
     # ---------------------------------------------------------------- flags in queue order
+    def _check_flag(self, flags, index, value) -> tuple[int, int]:
+        # On a GPU the word's address goes to the driver (or a kernel) as a *device* pointer: a
+        # numpy or simulator array's host address there is invalid -- at best an error, at worst
+        # an illegal access that kills the process's CUDA context.
+        if not self.simulator and (not is_device_array(flags) or is_simulated_array(flags)):
+            raise TypeError(f"flags must be GPU memory (a numba device array: backend.empty, a Buffer's view, "
+                            f"peer memory) on {self.name}, got {type(flags).__module__}.{type(flags).__name__}")
+        return super()._check_flag(flags, index, value)
+
     def _write_value32(self, q, flags, index, value) -> None:
         if self.simulator:
             # Launches are synchronous here: everything before is done, so store now (release).
@@ -377,6 +491,11 @@ class CUDABackend(Backend):
             return
         from cuda.bindings import driver as cu
 
+        # Kept for synchronize, which polls instead of blocking while waits are pending.  (A
+        # queue that is never synchronized forgets the ones an idle stream has passed.)
+        if len(q.flag_waits) >= 256 and self._stream_idle(q):
+            q.flag_waits.clear()
+        q.flag_waits.append((flags, index, value, time.monotonic() + timeout_s))
         if self._memops_ok:
             (err,) = cu.cuStreamWaitValue32(q.handle, cu.CUdeviceptr(address_of(flags) + 4 * index), value,
                                             cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
@@ -412,9 +531,13 @@ class CUDABackend(Backend):
             e.mark = mark
             return
         e.native.record(q.stream)
+        e.flag_waits = list(q.flag_waits)  # the event fires only after these waits passed
 
     def _synchronize_event(self, e) -> None:
         if not self.simulator:
+            if e.flag_waits:
+                self._wait_out_flag_waits(lambda: bool(e.native.query()), e.flag_waits, "an event")
+                e.flag_waits = []
             e.native.synchronize()
 
     def _query_event(self, e) -> bool:
@@ -427,8 +550,8 @@ class CUDABackend(Backend):
     def _elapsed_ms(self, start, end) -> float:
         if self.simulator:
             return (end.mark.time_ns - start.mark.time_ns) / 1e6
-        end.native.synchronize()
-        start.native.synchronize()
+        self._synchronize_event(end)
+        self._synchronize_event(start)
         return float(_cuda().event_elapsed_time(start.native, end.native))
 
     # ---------------------------------------------------------------- graphs (real GPU)

@@ -225,6 +225,13 @@ def _legacy_default_queue(backend) -> Queue:
 
     q = backend.create_queue("legacy-default")
     if not backend.capabilities.simulator:
+        from cuda.bindings import driver as cu
+
+        # Both of the queue's handles must name stream 0: numba's launches and events use
+        # q.stream, the driver calls (flags, host functions) q.handle.  The stream made for
+        # it goes unused, so it goes now.
+        (err,) = cu.cuStreamDestroy(q.handle)
+        q.handle = cu.CUstream(0)
         q.stream = cuda.default_stream()
     return q
 
