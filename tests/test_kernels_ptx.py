@@ -8,6 +8,7 @@ NVVM comes from pip with the test extra ``numba-cuda[cu13]``.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,9 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
     # One process per architecture, both at once: NVVM is single-threaded, and the suite's
     # other core would sit idle.
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    procs = [subprocess.Popen([sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", cc], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cc in ("80", "90")]
+    procs = [subprocess.Popen([sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", cc, *extra], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cc, extra in (("80", []), ("90", ["--keep-ptx"]))]
     results, unlisted = [], set()
     try:
         for proc in procs:
@@ -42,3 +44,9 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
     assert not unlisted, f"kernels without a PTX signature: {sorted(unlisted)}"
     assert {e["name"] for e in results} == EXPECTED
     assert {e["cc"] for e in results} == {"8.0", "9.0"}
+    # The flag-wait kernel must read the word afresh on every turn of its loop, and at L2
+    # (an atomic): a load the compiler hoisted out of the loop, or one an SM's L1 answers,
+    # could spin forever on a value the peer has long changed.
+    ptx = next(e["ptx"] for e in results if e["name"] == "wait_flag" and e["cc"] == "9.0")
+    loops = re.findall(r"^(\$L__BB\d+_\d+):$(.*?)^\s*@%p\d+ bra\s+\1;", ptx, re.M | re.S)
+    assert loops and all("atom.global.add.u32" in body for _, body in loops), ptx

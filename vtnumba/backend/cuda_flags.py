@@ -11,17 +11,25 @@ are also the readable definition of what the memory operations do:
   which has finished because a kernel only starts after its predecessors on the stream,
   becomes visible to every device and process first), then store the value;
 * :func:`wait_flag_kernel` -- poll the word until it reaches the value, in CUDA's cyclic
-  ``>=``, then fence so later reads of the stream are not satisfied early.
+  ``>=``, then fence so later reads of the stream are not satisfied early.  On a GPU each
+  poll is an atomic add of 0 -- a read done at the L2 cache, where every processor's
+  writes meet: the SM's L1 is not kept coherent with other processors' writes, so a plain
+  load could keep answering from a stale line and never see the peer's store.  (Not
+  :func:`numba.cuda.ldcv`: its inline assembly is not marked as reading memory, and the
+  compiler hoists it out of the loop -- checked in the PTX.)
 
 Each word has exactly one writer, so both are plain loads and stores -- no read-modify-write.
 That matters twice: an atomic used only to *read* (``atomic.max(f, i, 0)``) writes the old
 value back, which in numba's simulator (whose atomics are Python code under a per-process
 lock) can overwrite a peer's store that landed in between, losing the flag; and a plain load
 alone in a loop is hoisted out of it by the compiler -- the ``threadfence()`` in the loop
-body is what makes the load happen again every iteration (verified in the PTX).
+body is what makes the load happen again every iteration (verified in the PTX).  That is
+why the atomic read is for the GPU only: the simulator, which has no caches, polls with a
+plain load.
 
 A waiting kernel occupies one thread of one SM until the flag arrives, and cannot time out:
-the host that synchronizes its stream watches for peers that fail
+the host that synchronizes its stream keeps the wait's deadline
+(:meth:`vtnumba.backend.cuda.CUDABackend.synchronize`) and watches for peers that fail
 (:mod:`vtnumba.dist.queue_flags`).  Host twins: :func:`vtnumba.backend.atomics.store_release`
 and :func:`vtnumba.backend.cpu.wait_flag_word`.
 """
@@ -29,7 +37,18 @@ and :func:`vtnumba.backend.cpu.wait_flag_word`.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, int64
+from numba import cuda, int64, uint32
+
+from vtnumba.backend.arrays import simulator_active
+
+if simulator_active():
+    @cuda.jit(device=True)
+    def _poll_word(flags, index):
+        return flags[index]
+else:
+    @cuda.jit(device=True)
+    def _poll_word(flags, index):
+        return cuda.atomic.add(flags, index, uint32(0))  # read at L2, past the (incoherent) L1
 
 
 @cuda.jit
@@ -45,7 +64,7 @@ def wait_flag_kernel(flags, index, value):
     """Return once ``(int32)(flags[index] - value) >= 0``; one thread polls."""
     if cuda.grid(1) == 0:
         while True:
-            seen = flags[index]
+            seen = _poll_word(flags, index)
             if ((int64(seen) - int64(value)) & 0xFFFFFFFF) < 0x80000000:  # cyclic >= of 32-bit words
                 break
             cuda.threadfence()  # forces the load above to be repeated (and orders the polls)
