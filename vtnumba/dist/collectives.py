@@ -122,6 +122,10 @@ def _exchange(pb, signals, ready: str, meta: tuple, write_fn, read_fn, queue, ti
     with trace.span(f"{what}:wait_consumed", "peer", track, epoch=e):
         signals.wait("consumed", e - 1, timeout_s=timeout_s)
     with trace.span(f"{what}:write", "peer", track, epoch=e):
+        if not _host_sync(pb):
+            # The input may come from the caller's default-stream copies or launches, which a
+            # GPU queue (a non-blocking stream) is not ordered after: wait for them first.
+            pb.backend.order_after_default_stream(queue)
         write_fn(queue)
         _finish(pb, queue)  # the data must be complete before the flag goes up
     signals.set_meta(meta)
