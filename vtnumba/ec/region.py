@@ -496,9 +496,15 @@ class ECSharedRegion:
             self._range = None
         if self.is_pinned and self._base is not None:
             from cuda.bindings import driver as cu
+            from numba import cuda
 
-            cu.cuMemHostUnregister(int(self._base.ctypes.data))
+            cuda.current_context()  # cleanup may run on a thread that never touched the GPU
+            (err,) = cu.cuMemHostUnregister(int(self._base.ctypes.data))
             self.is_pinned = False
+            if err != cu.CUresult.CUDA_SUCCESS:
+                # The pages stay locked until the process exits, and a later mapping at the same
+                # address could not be registered: worth saying, not worth failing the cleanup.
+                warnings.warn(f"{self.label}: cuMemHostUnregister failed ({err})", RuntimeWarning, stacklevel=2)
         self.blocks = None
         self._base = None
         if self._mmap is not None:

@@ -352,6 +352,15 @@ def cuda_batch_api_available() -> bool:
     return _cuda_batch_ok
 
 
+def _cuda_context() -> None:
+    """Make sure this thread has the CUDA context current (numba's own calls do that for
+    themselves; raw cuda.bindings calls do not -- on a thread that never touched numba they
+    would fail with CUDA_ERROR_INVALID_CONTEXT)."""
+    from numba import cuda
+
+    cuda.current_context()
+
+
 def _stream_handle(stream):
     from cuda.bindings import driver as cu
 
@@ -381,21 +390,27 @@ def _cuda_batched_copy(stream, lists, src_access_order: str) -> None:
     from cuda.bindings import driver as cu
 
     src, dst, sizes = lists
+    if 0 in sizes:  # empty descriptors move nothing, and the batch API may refuse them
+        src, dst, sizes = tuple(zip(*[(s, d, nb) for s, d, nb in zip(src, dst, sizes) if nb])) or ((), (), ())
     n = len(sizes)
     if n == 0:
         return
+    _cuda_context()  # the driver calls below need one current on this thread
     h = _stream_handle(stream)
     if n > 1 and cuda_batch_api_available():
         res = cu.cuMemcpyBatchAsync([cu.CUdeviceptr(p) for p in dst], [cu.CUdeviceptr(p) for p in src],
-                                    sizes, n, _batch_attrs(cu, src_access_order), [0], 1, h)
+                                    list(sizes), n, _batch_attrs(cu, src_access_order), [0], 1, h)
         err = res[0] if isinstance(res, tuple) else res
         if err == cu.CUresult.CUDA_SUCCESS:
             return
-        # The batch API refused (an old device, or memory it cannot batch): fall back to the
-        # per-descriptor loop for good.  A real addressing error fails there too, with a message.
-        warnings.warn(f"cuMemcpyBatchAsync of {n} descriptors returned {err}; using cuMemcpyAsync per "
-                      "descriptor from now on", RuntimeWarning, stacklevel=3)
-        _cuda_batch_ok = False
+        # Refused.  Only "not supported" (an old device, memory it cannot batch) turns the batch
+        # API off for good; any other error may be this batch's alone.  Either way the
+        # per-descriptor loop below copies it -- and a real addressing error fails there too,
+        # with a message.
+        if err == cu.CUresult.CUDA_ERROR_NOT_SUPPORTED:
+            warnings.warn(f"cuMemcpyBatchAsync of {n} descriptors is not supported here; using cuMemcpyAsync "
+                          "per descriptor from now on", RuntimeWarning, stacklevel=3)
+            _cuda_batch_ok = False
     # One descriptor (the usual encoder-cache entry: one run) needs no batch: one driver call
     # either way, and this one takes no attribute structs.
     for s, d, nb in zip(src, dst, sizes):
