@@ -646,3 +646,62 @@ def test_bad_input(backend, env_factory, rng):
         ECWorker("region", backend=backend)
     with pytest.raises(ValueError, match="max_inflight=-1"):
         env.worker.wait(-1)
+
+
+GPU_VIEW_TRACKING = r'''
+import contextlib, gc
+import numpy as np
+import numba.cuda
+from cuda.bindings import driver as cu
+from numba.cuda.cudadrv import devices, driver
+from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+# numba's pointer classes count references without a GPU; only their context lookups need
+# one, and nothing here is ever dereferenced.
+devices._runtime.ensure_context = contextlib.nullcontext
+numba.cuda.current_context = lambda: None
+
+from vtnumba.ec.destination import LoadDestination, _gpu_view
+
+BASE = 0x7F0000
+
+
+class DeviceMemoryAtAMadeUpAddress:
+    array = "the allocation"
+
+    def view(self, dtype, shape, offset):
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        ptr = driver.MemoryPointer(None, cu.CUdeviceptr(BASE + offset), n)
+        return DeviceNDArray(shape, (shape[1] * np.dtype(dtype).itemsize, np.dtype(dtype).itemsize), dtype,
+                             gpu_data=ptr)
+
+
+dest = LoadDestination(DeviceMemoryAtAMadeUpAddress(), BASE, 8192)
+a = _gpu_view(dest, dest.memory.view(np.float16, (2, 1024), 0), 0, 4096)
+b = _gpu_view(dest, dest.memory.view(np.float16, (2, 1024), 4096), 4096, 4096)
+assert a.device_ctypes_pointer.value == BASE and b.device_ctypes_pointer.value == BASE + 4096
+assert a.shape == b.shape == (2, 1024) and a.dtype == np.float16
+row = a[1]                           # a slice outlives the view it was cut from
+typed = b.view(np.int16).reshape(-1)  # and so does a re-typed, reshaped one
+del a, b
+gc.collect()
+assert not dest.views_dead, "the buffer was declared free while slices of its views still read it"
+del row
+gc.collect()
+assert not dest.views_dead
+del typed
+gc.collect()
+assert dest.views_dead, "the last derived array died but the buffer was never declared free"
+print("ok")
+'''
+
+
+def test_gpu_load_views_are_tracked_through_everything_derived_from_them():
+    # On a GPU a step's load buffer may be reused once its views are gone -- all of them,
+    # including slices and re-typed arrays cut from a view after the view itself died.  numba's
+    # own refcount (OwnedPointer) tracks that; the real numba.cuda classes, in a process
+    # without the simulator.
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    proc = subprocess.run([sys.executable, "-c", GPU_VIEW_TRACKING], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr

@@ -29,6 +29,15 @@ back when the last one dies -- the same thing a tensor's storage refcount does. 
 object with ``__array_interface__``: each is several times cheaper, and this runs once per
 step.)
 
+On a real GPU the views are numba device arrays, and numba has the same refcount: a device
+array's memory is a ``MemoryPointer``, and every array sliced, reshaped or re-typed from
+it takes a reference on the pointer it came from (``OwnedPointer``).  So each step's views
+are cut from a pointer of its own -- an ``AutoFreePointer`` over the step's bytes that owns
+nothing and whose "free" only flips the flag -- and the flag flips when the last array
+derived from any view is gone.  (A finalizer on each handed-out view would fire while a
+slice of it still reads the buffer.)  Until then the pointer's finalizer also keeps the
+device allocation referenced, so a buffer handed over to its views at shutdown stays valid.
+
 **Synchronous queues** (the cpu target's default mode, the simulator: every queued
 operation runs on the spot) make step 2 empty: whatever the compute queue was given has
 already run, so the event would fire the moment it is recorded.  There the buffer is
@@ -41,6 +50,7 @@ watching, sees the full path: no spare, ``record_stream`` as upstream.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from math import prod
@@ -65,7 +75,7 @@ class LoadDestination:
         self.capacity = nbytes if capacity is None else capacity
         self.copy_done = False        #: the load's end event fired
         self.views_dead = False       #: set by a finalizer when the last derived array died
-        self.live_views = 0           #: real-GPU path: handed-out views not yet collected
+        self.views_pointer = None     #: real GPU: the numba pointer every view is cut from (see module docstring)
         self.release_event: Event | None = None  #: recorded on the compute queue once (a) and (b) held
         self.from_allocator = False   #: the memory came from the caching allocator (else backend.alloc)
         self.freed = False            #: the memory went back (or became the spare)
@@ -157,17 +167,13 @@ class LoadDestinations:
             if self._simulator:
                 arr = wrap_host_memory(arr)  # kernels in the simulator take it in place
             return arr
-        arr = dest.memory.view(dtype, shape, offset)  # a numba device array on a real GPU
-        with self._lock:
-            dest.live_views += 1
-        weakref.finalize(arr, _drop_view, dest)
-        return arr
+        return _gpu_view(dest, dest.memory.view(dtype, shape, offset), offset, nbytes)
 
     def seal(self, dest: LoadDestination) -> None:
         """All views are handed out: from now on only they keep the buffer in use."""
         if self._host:
             dest._owner_array = None
-        elif dest.live_views == 0:
+        elif dest.views_pointer is None:  # no view was handed out
             dest.views_dead = True
 
     def copy_finished(self, dest: LoadDestination) -> None:
@@ -215,6 +221,7 @@ class LoadDestinations:
                 return
             dest.freed = True
             self._live.remove(dest)
+        dest.views_pointer = None  # its views are gone (or handed the memory over, see drain)
         if dest.release_event is not None:
             self.backend.destroy_event(dest.release_event)
             dest.release_event = None
@@ -256,7 +263,8 @@ class LoadDestinations:
             elif not dest.from_allocator:
                 # Hand the memory over to the views.  backend.free only drops the backend's
                 # reference: the views still reference the bytes (the numpy base on the
-                # host, numba's allocation on a GPU), so nothing dangles and nothing leaks.
+                # host; on a GPU the views pointer, whose finalizer holds numba's
+                # allocation), so nothing dangles and nothing leaks.
                 with self._lock:
                     dest.freed = True
                     self._live.remove(dest)
@@ -287,7 +295,26 @@ def _owner_died(ref) -> None:
         entry[1].views_dead = True
 
 
-def _drop_view(dest: LoadDestination) -> None:
-    dest.live_views -= 1
-    if dest.live_views <= 0:
-        dest.views_dead = True
+def _gpu_view(dest: LoadDestination, arr, offset: int, nbytes: int):
+    """``arr`` (a device array on ``dest``'s bytes at ``offset``) re-made on ``dest``'s views
+    pointer, so that it and everything derived from it hold a reference there."""
+    from numba import cuda
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    from numba.cuda.cudadrv.driver import AutoFreePointer
+
+    if dest.views_pointer is None:
+        from cuda.bindings import driver as cu
+
+        # Owns no memory: its "free" (run when the last reference goes) marks the views dead.
+        # The finalizer's arguments keep the real allocation alive until then.
+        keep = getattr(dest.memory, "array", dest.memory)
+        dest.views_pointer = AutoFreePointer(cuda.current_context(), cu.CUdeviceptr(dest.ptr), dest.capacity,
+                                             finalizer=functools.partial(_views_died, dest, keep))
+    owned = dest.views_pointer.view(offset, offset + nbytes)  # an OwnedPointer: one reference
+    return DeviceNDArray(arr.shape, arr.strides, arr.dtype, gpu_data=owned)
+
+
+def _views_died(dest: LoadDestination, _allocation) -> None:
+    # Runs when the last array derived from the step's views is gone, on whatever thread:
+    # only flip the flag (the worker's next poll frees the buffer).
+    dest.views_dead = True
