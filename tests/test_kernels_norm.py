@@ -240,6 +240,27 @@ def test_streaming_stores_match_plain_stores(rng, h, offset):
     assert rel_err(outs[1][0], outs[0][0]) <= 1e-6
 
 
+def test_streaming_stores_fall_back_on_rows_not_4_byte_aligned(rng):
+    # float32 rows at an odd byte address (np.frombuffer at an offset) can never reach a 32-byte
+    # boundary in whole floats: the streaming path must use plain stores there -- a misaligned
+    # non-temporal vector store is a crash (SIGSEGV/SIGBUS), not a slow store.
+    from vtnumba.kernels.norm import _add_norm_rows
+
+    R, h = 3, 41
+    y, res, w, nb = make(rng, (R, h)), make(rng, (R, h)), make(rng, h), make(rng, h)
+    outs = []
+    for stream in (False, True):
+        raw = np.zeros(2 * R * h * 4 + 1, np.uint8)
+        out = np.frombuffer(raw.data, np.float32, R * h, offset=1).reshape(R, h)
+        new_res = np.frombuffer(raw.data, np.float32, R * h, offset=1 + R * h * 4).reshape(R, h)
+        assert not out.flags.aligned and out.flags.writeable
+        _add_norm_rows(y, nb, True, res, True, w, nb, True, EPS, True, out, new_res, 0, R, stream)
+        outs.append((out.copy(), new_res.copy()))
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+    assert rel_err(outs[1][0], outs[0][0]) <= 1e-6
+    np.testing.assert_allclose(outs[1][1], y + nb + res, rtol=1e-6)
+
+
 @pytest.mark.parametrize("R,H", [(7, 33), (1024, 2048)])  # plain and streaming stores
 def test_host_fully_in_place(rng, R, H):
     # out may be y and new_residual may be residual: row r is read completely before it is written.

@@ -117,12 +117,14 @@ def store_fence(typingctx):
 def store_row(dst, r, src, stream):
     """``dst[r, :] = src`` (float32); with ``stream`` through non-temporal stores."""
     h = src.shape[0]
-    if not stream:
+    addr = dst.ctypes.data + r * dst.strides[0]
+    if not stream or addr % 4:
+        # (A row that is not even 4-byte aligned -- np.frombuffer at an odd offset -- never
+        # reaches a 32-byte boundary in whole floats: scalar stores only.)
         for i in range(h):
             dst[r, i] = src[i]
         return
-    addr = dst.ctypes.data + r * dst.strides[0]
-    head = min(h, ((32 - addr % 32) % 32) // 4)  # float32 arrays are 4-byte aligned
+    head = min(h, ((32 - addr % 32) % 32) // 4)
     for i in range(head):
         dst[r, i] = src[i]
     i = head
@@ -139,8 +141,8 @@ def store_norm_row(dst, r, z, mean, inv, weight, norm_bias, has_norm_bias, strea
     row ``z``; with ``stream`` through non-temporal stores (see :func:`_stream8_norm`)."""
     h = z.shape[0]
     i = 0
-    if stream:
-        addr = dst.ctypes.data + r * dst.strides[0]
+    addr = dst.ctypes.data + r * dst.strides[0]
+    if stream and addr % 4 == 0:  # (see store_row)
         head = min(h, ((32 - addr % 32) % 32) // 4)
         for k in range(head):
             v = (z[k] - mean) * inv * weight[k]

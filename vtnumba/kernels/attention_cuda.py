@@ -67,7 +67,10 @@ def attention_kernel(qkv, bias, has_bias, offsets, num_heads, head_dim, out):
         else:
             hi = mid
     s0 = offsets[lo]
-    n = offsets[lo + 1] - s0
+    # The host checks sentence lengths against MAX_KEYS only when it reads the offsets; with a
+    # caller's max_len it trusts that.  A longer sentence must not write past the score buffer
+    # (on a GPU that corrupts memory silently): the kernel never takes more keys than it holds.
+    n = min(offsets[lo + 1] - s0, MAX_KEYS)
 
     K = num_heads * head_dim
     qc = h * head_dim  # this head's query columns; its keys start at K + qc, its values at 2K + qc
