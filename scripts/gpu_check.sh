@@ -22,18 +22,25 @@
 #              dry run: say "no GPU" and why, keep the setup checks above (their line in the
 #              summary says ok or FAILED), exit 0.  A device that Python cannot use fails.
 #   info       `vtnumba info --target cuda` and nvidia-smi.
+#   aims       The benchmarks that measure issue 17's GPU aims, first, while the budget is
+#              whole: the kernel ladder vs cuBLAS and the norms vs a device copy, TPSP fused
+#              vs matmul alone, peer collectives' bus bandwidth vs the copy, encoder cache vs
+#              the pinned copy.  Their JSON is merged into one file, and the summary gets an
+#              "aims" block: each aim's figure, its threshold, met or not.  An aim that could
+#              not be measured (a suite failed, or ran out of time) fails the check.
+#   model      mpi/tpsp_model.py on 2 ranks: TPSP inside the model must really fuse.
+#   mpi        The MPI tests on 2 ranks sharing the one GPU (CUDA IPC between processes).
 #   serial     The serial test suite with VTNUMBA_TARGET=cuda, one pytest process per test
 #              file, several at once.  One process per file because a kernel's illegal
 #              memory access leaves that process's CUDA context unusable: every later CUDA
 #              call in it fails, and one bad file would fail all the others.
-#   mpi        The MPI tests on 2 ranks sharing the one GPU (CUDA IPC between processes).
-#   benchmarks TPSP (fused calls must be > 0), the kernel ladder vs cuBLAS and vs a device
-#              copy, peer buffers, encoder cache; their JSON is merged into one file.
 #   sanitizer  The first failing test file again under compute-sanitizer's memcheck, to name
 #              the kernel or copy behind a CUDA error (preferring a file whose log shows one).
+#   ptxas      Registers, shared memory and spills of every kernel at sm_90, if time is left.
 #
 # Results (at most 8 files, the summary first):
-#   0-summary.txt  one line per stage (ok/FAILED, counts, seconds) and the headline figures
+#   0-summary.txt  one line per stage (ok/FAILED, counts, seconds), the aims and the headline
+#                  figures -- rewritten after every stage, so a run cut short still leaves one
 #   1-info.txt  2-serial-tests.log  3-mpi-tests.log  4-benchmarks.log  5-bench.json
 #   6-sanitizer.log  7-setup.log
 # The exit status is 0 when every stage passed (and for the dry run), 1 otherwise.
@@ -41,6 +48,8 @@
 # Settings (environment): PYTHON (the machine's Python), GPU_CHECK_BUDGET_S (seconds for the
 # whole run, default 465), GPU_CHECK_JOBS (test files at once, default 8), GPU_CHECK_VENV
 # (where the venv goes), GPU_CHECK_TESTS (test files to run instead of tests/test_*.py).
+# .whl/ is git-ignored: a tool that ships the working tree to the GPU machine must be told
+# to take it along.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -49,6 +58,7 @@ mkdir -p "$RESULTS"
 rm -f "$RESULTS"/[0-7]-*.txt "$RESULTS"/[0-7]-*.log "$RESULTS"/[0-7]-*.json  # this script's own, from an earlier run
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/vtnumba-gpu-check.XXXXXX")  # per-file logs, JSON pieces
 trap 'rm -rf "$WORK"' EXIT
+export VTNUMBA_OUT_DIR="$WORK/out"  # the suites' remembered durations, plots: not into the checkout
 
 BUDGET_S=${GPU_CHECK_BUDGET_S:-465}  # the whole run, setup included
 RESERVE_S=15                         # kept back for writing the summary
@@ -63,12 +73,19 @@ SUMMARY="$RESULTS/0-summary.txt"
 declare -a LINES=()
 FAILED=0
 START=$SECONDS
+# The summary is written after every stage and once more on the way out, even when the
+# run is stopped from outside (TERM: exit through the EXIT trap).
+trap 'write_summary; rm -rf "$WORK"' EXIT
+trap 'exit 143' TERM INT
 
 # The simulator would hide the GPU; this script is about the real one.
 unset NUMBA_ENABLE_CUDASIM
 export PYTHONUNBUFFERED=1
 # Small test launches trigger numba's low-occupancy warning thousands of times; it drowns the logs.
 export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+# As many hardware work queues as the GPU has: a stream stuck on a peer's flag must not hold
+# up the streams that share its queue (vtnumba's CUDABackend asks for the same by default).
+export CUDA_DEVICE_MAX_CONNECTIONS=32
 
 log() { echo "$*" | tee -a "$SETUP_LOG"; }
 fail() { log "$*"; setup_ok=0; setup_detail=${setup_detail:-$*}; }  # a setup step failed; the first says why
@@ -77,6 +94,7 @@ note() {
   LINES+=("$(printf '%-28s %-8s %5s s  %s' "$1" "$2" "$3" "$4")")
   [ "$2" = FAILED ] && FAILED=1
   echo ">> $1: $2 ($3 s) $4"
+  write_summary
 }
 # limit WANT: WANT seconds, or less if the budget is nearly spent (0 = no time left)
 limit() {
@@ -88,8 +106,10 @@ pytest_line() { grep -E '^[^a-z]*[0-9]+ (passed|failed|errors?|skipped)|no tests
 # count KIND LINE: the number before KIND in a pytest closing line (0 if absent)
 count() { local n; n=$(grep -oE "[0-9]+ $1" <<<"$2" | head -1 | grep -oE '^[0-9]+'); echo "${n:-0}"; }
 write_summary() {
+  [ -d "$RESULTS" ] || return 0
   {
     printf '%s\n' "${LINES[@]+"${LINES[@]}"}"
+    [ -s "$WORK/aims.txt" ] && { echo; cat "$WORK/aims.txt"; }
     [ -s "$WORK/figures.txt" ] && { echo; cat "$WORK/figures.txt"; }
     echo
     echo "total $((SECONDS - START)) s of a ${BUDGET_S} s budget; results in $RESULTS"
@@ -274,6 +294,154 @@ gpu_name=$(grep -E '^gpu ' "$RESULTS/1-info.txt" | head -1 | sed 's/^gpu *//')
 [ $rc -eq 0 ] && st=ok || st=FAILED
 note info "$st" $((SECONDS - t0)) "${gpu_name:-exit $rc}"
 
+# ================================================================================ aims (the benchmarks of issue 17)
+BENCH_LOG="$RESULTS/4-benchmarks.log"
+: > "$BENCH_LOG"
+: > "$WORK/figures.txt"
+bench() {  # bench NAME WANT_S CMD...: one benchmark, appended to 4-benchmarks.log
+  local name=$1 want=$2 lim t rc
+  shift 2
+  lim=$(limit "$want")
+  # Skipped is a failure: what this stage should have shown is missing from the results.
+  if [ "$lim" -eq 0 ]; then note "$name" FAILED 0 "not run: time budget spent"; return 1; fi
+  t=$SECONDS
+  echo "==================================================================== $name: $*" >> "$BENCH_LOG"
+  timeout -k 10 "$lim" "$@" > "$WORK/bench.out" 2>&1
+  rc=$?
+  cat "$WORK/bench.out" >> "$BENCH_LOG"
+  echo "---- exit $rc in $((SECONDS - t)) s" >> "$BENCH_LOG"
+  BENCH_SECS=$((SECONDS - t))
+  return $rc
+}
+
+run_bench() {  # run_bench NAME WANT_S RANKS SUITE ARGS...: a `vtnumba bench` suite with --json
+  local name=$1 want=$2 ranks=$3 suite=$4 rc
+  shift 4
+  local cmd=("$PY" -m vtnumba bench "$suite" --target cuda --quick --json "$WORK/bench-$suite.json" "$@")
+  [ "$ranks" -gt 1 ] && cmd=(mpiexec -n "$ranks" "${cmd[@]}")
+  if bench "$name" "$want" "${cmd[@]}"; then rc=0; else rc=$?; fi
+  if [ "${BENCH_SECS+x}" ]; then
+    [ $rc -eq 0 ] && note "$name" ok "$BENCH_SECS" "" || note "$name" FAILED "$BENCH_SECS" "exit $rc"
+    unset BENCH_SECS
+  fi
+}
+# The quick suites, but at the sizes issue 17 states its aims at (a GPU does them in seconds):
+# TPSP at T = 4096, K = H = 4096; the matmul ladder at 4096^3 (and 2048^3, the other anchor);
+# peer collectives at 64 MiB; encoder-cache entries of 1 and 16 MiB are quick's own sizes.
+TPSP_AIM_ARGS=(--tokens 1024 4096 --hidden 4096 --k-total 4096)
+KERNELS_AIM_ARGS=(--device-matmul-sizes 2048 4096)
+PEER_AIM_ARGS=(--sizes 16 64)
+t0=$SECONDS
+run_bench "bench kernels" 100 1 kernels "${KERNELS_AIM_ARGS[@]}"
+run_bench "bench tpsp (2 ranks)" 75 2 tpsp "${TPSP_AIM_ARGS[@]}"
+run_bench "bench peer (2 ranks)" 45 2 peer "${PEER_AIM_ARGS[@]}"
+run_bench "bench ec" 45 1 ec
+
+# One JSON document from the suites' files, the aims, and the headline ratios for the summary.
+timeout 60 "$PY" - "$WORK" "$RESULTS/5-bench.json" "$WORK/aims.txt" >> "$WORK/figures.txt" 2>>"$BENCH_LOG" <<'PYEOF'
+import glob, json, operator, os, re, sys
+
+work, dest, aims_path = sys.argv[1:4]
+doc = {"machine": None, "suites": []}
+for path in sorted(glob.glob(os.path.join(work, "bench-*.json"))):
+    with open(path) as f:
+        part = json.load(f)
+    doc["machine"] = doc["machine"] or part.get("machine")
+    doc["suites"].extend(part.get("suites", []))
+if doc["suites"]:
+    with open(dest, "w") as f:
+        json.dump(doc, f, indent=2)
+# Every ratio an aim of issue 17 is stated in: matmul / cuBLAS, norms / device copy, TPSP
+# fused / matmul (and / the unfused forward), peer bus bandwidth / copy, EC / pinned copy.
+headline = ("cuBLAS", "device copy", "fused / baseline", "fused / matmul", "busbw / copy", "geomean",
+            "/ memcpy same buffers")
+for suite in doc["suites"]:
+    picked = [(k, v) for k, v in suite["ratios"].items() if any(h in k for h in headline)]
+    picked += [(k, v) for k, v in suite["baselines"].items() if "device copy" in k]
+    if picked:
+        print(f"{suite['suite']}:")
+        for k, v in picked:
+            print(f"  {k}: {v:.3g}")
+
+# Issue 17's GPU aims: (what, suite, ratio-name pattern, comparison, threshold).  Where several
+# implementations answer one aim (the peer collectives' in-buffer, staged and in-place
+# variants), the best one counts.
+AIMS = [
+    ("matmul best rung / cuBLAS, 4096^3", "kernels", r"matmul_fp32 n=4096 best rung \(.*\) / cuBLAS", ">=", 0.5),
+    ("fused add+RMSNorm / D2D copy traffic, 8192x4096", "kernels",
+     r"rmsnorm fused cuda GB/s / device copy traffic GB/s", ">=", 0.8),
+    ("reduce-scatter busbw / D2D copy traffic, 64 MiB", "peer", r"reduce_scatter peer-.* busbw / copy traffic @64MiB",
+     ">=", 0.6),
+    ("all-gather busbw / D2D copy traffic, 64 MiB", "peer", r"all_gather peer-.* busbw / copy traffic @64MiB", ">=", 0.6),
+    ("TPSP fused / matmul alone, T=4096, K=H=4096", "tpsp", r"fused / matmul T=4096", "<=", 1.15),
+    ("EC save / pinned copy, 1 MiB", "ec", r"save 1 MiB / memcpy same buffers", ">=", 0.8),
+    ("EC load / pinned copy, 1 MiB", "ec", r"load 1 MiB / memcpy same buffers", ">=", 0.8),
+    ("EC save / pinned copy, 16 MiB", "ec", r"save 16 MiB / memcpy same buffers", ">=", 0.8),
+    ("EC load / pinned copy, 16 MiB", "ec", r"load 16 MiB / memcpy same buffers", ">=", 0.8),
+]
+ratios = {}
+for suite in doc["suites"]:
+    ratios.setdefault(suite["suite"], {}).update(suite["ratios"])
+lines, measured, met = [], 0, 0
+for what, suite, pattern, op, want in AIMS:
+    values = [v for k, v in ratios.get(suite, {}).items() if re.fullmatch(pattern, k)]
+    if not values:
+        lines.append(f"  {what:<50} NOT MEASURED  (aim {op} {want:g}; see 4-benchmarks.log)")
+        continue
+    best = max(values) if op == ">=" else min(values)
+    ok = (operator.ge if op == ">=" else operator.le)(best, want)
+    measured += 1
+    met += ok
+    lines.append(f"  {what:<50} {best:6.3f}  (aim {op} {want:g})  {'met' if ok else 'NOT MET'}")
+with open(aims_path, "w") as f:
+    f.write(f"aims of issue 17: {measured}/{len(AIMS)} measured, {met} met\n" + "\n".join(lines) + "\n")
+sys.exit(0 if measured == len(AIMS) else 3)
+PYEOF
+rc=$?
+aims_head=$(head -1 "$WORK/aims.txt" 2>/dev/null)
+[ $rc -eq 0 ] && st=ok || st=FAILED
+note "aims" "$st" $((SECONDS - t0)) "${aims_head:-no aims block (exit $rc)}"
+
+# ================================================================================ model
+# Fused TPSP on the model script: it must really fuse (0 fused calls = it fell back).
+if bench "tpsp_model.py (2 ranks)" 60 mpiexec -n 2 "$PY" mpi/tpsp_model.py --target cuda; then rc=0; else rc=$?; fi
+if [ "${BENCH_SECS+x}" ]; then
+  fused_line=$(grep -E 'fused calls' "$WORK/bench.out" | head -1 | tr -s ' ')
+  fused=$(grep -oE '[0-9]+ fused calls' <<<"$fused_line" | grep -oE '^[0-9]+')
+  { echo "TPSP model (2 ranks):"; grep -E 'regular forward:|TPSP forward:|time ratio|OK:|MISMATCH' "$WORK/bench.out" \
+      | sed 's/^/  /'; } >> "$WORK/figures.txt"
+  if [ $rc -eq 0 ] && [ "${fused:-0}" -gt 0 ]; then st=ok; else st=FAILED; fi
+  note "tpsp_model.py (2 ranks)" "$st" "$BENCH_SECS" "exit $rc; ${fused:-no} fused calls${fused_line:+ ($fused_line)}"
+  unset BENCH_SECS
+fi
+
+# ================================================================================ MPI tests
+t0=$SECONDS
+lim=$(limit 120)
+if [ "$lim" -eq 0 ]; then
+  note "MPI tests (2 ranks)" skipped 0 "time budget spent"
+else
+  # Each rank writes its own log: two ranks' output interleaved on one stream is unreadable.
+  timeout -k 10 "$lim" mpiexec -n 2 bash -c \
+    'exec "$0" -m mpi4py -m pytest -p no:cacheprovider -q -rfEs --timeout=120 --timeout-method=thread \
+       --with-mpi tests/mpi > "$1/mpi-rank${PMI_RANK:-$$}.log" 2>&1' "$PY" "$WORK" > "$WORK/mpiexec.log" 2>&1
+  rc=$?
+  {
+    echo "MPI tests: mpiexec -n 2, VTNUMBA_TARGET=cuda, exit $rc"
+    cat "$WORK/mpiexec.log"
+    for r in "$WORK"/mpi-rank*.log; do
+      [ -e "$r" ] || continue
+      echo; echo "==================================================================== $(basename "$r" .log)"
+      cat "$r"
+    done
+  } > "$RESULTS/3-mpi-tests.log"
+  line0=$(pytest_line "$WORK/mpi-rank0.log")
+  line1=$(pytest_line "$WORK/mpi-rank1.log")
+  [ $rc -eq 0 ] && st=ok || st=FAILED
+  note "MPI tests (2 ranks)" "$st" $((SECONDS - t0)) \
+    "exit $rc; rank 0: ${line0:-no summary}; rank 1: ${line1:-no summary}"
+fi
+
 # ================================================================================ serial tests
 t0=$SECONDS
 if [ -n "${GPU_CHECK_TESTS:-}" ]; then
@@ -293,7 +461,9 @@ run_file() {  # run_file FILE: one pytest process; writes $WORK/serial/NAME.{log
     return
   fi
   t=$SECONDS
-  timeout -k 5 "$left" "$PY" -m pytest -p no:cacheprovider -q -rfEs --timeout=120 --timeout-method=thread "$f" \
+  # A few numba/BLAS threads per file: JOBS files share the machine's cores.
+  NUMBA_NUM_THREADS=2 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 \
+    timeout -k 5 "$left" "$PY" -m pytest -p no:cacheprovider -q -rfEs --timeout=120 --timeout-method=thread "$f" \
     > "$WORK/serial/$name.log" 2>&1
   echo "$? $((SECONDS - t))" > "$WORK/serial/$name.rc"
 }
@@ -340,116 +510,6 @@ detail="$passed passed, $failed failed, $errors errors, $skipped skipped"
 [ ${#not_run[@]} -gt 0 ] && detail+="; not run (time): ${not_run[*]}"
 note "serial tests (${#TEST_FILES[@]} files)" "$st" $((SECONDS - t0)) "$detail"
 
-# ================================================================================ MPI tests
-t0=$SECONDS
-lim=$(limit 120)
-if [ "$lim" -eq 0 ]; then
-  note "MPI tests (2 ranks)" skipped 0 "time budget spent"
-else
-  # Each rank writes its own log: two ranks' output interleaved on one stream is unreadable.
-  timeout -k 10 "$lim" mpiexec -n 2 bash -c \
-    'exec "$0" -m mpi4py -m pytest -p no:cacheprovider -q -rfEs --timeout=120 --timeout-method=thread \
-       --with-mpi tests/mpi > "$1/mpi-rank${PMI_RANK:-$$}.log" 2>&1' "$PY" "$WORK" > "$WORK/mpiexec.log" 2>&1
-  rc=$?
-  {
-    echo "MPI tests: mpiexec -n 2, VTNUMBA_TARGET=cuda, exit $rc"
-    cat "$WORK/mpiexec.log"
-    for r in "$WORK"/mpi-rank*.log; do
-      [ -e "$r" ] || continue
-      echo; echo "==================================================================== $(basename "$r" .log)"
-      cat "$r"
-    done
-  } > "$RESULTS/3-mpi-tests.log"
-  line0=$(pytest_line "$WORK/mpi-rank0.log")
-  line1=$(pytest_line "$WORK/mpi-rank1.log")
-  [ $rc -eq 0 ] && st=ok || st=FAILED
-  note "MPI tests (2 ranks)" "$st" $((SECONDS - t0)) \
-    "exit $rc; rank 0: ${line0:-no summary}; rank 1: ${line1:-no summary}"
-fi
-
-# ================================================================================ benchmarks
-BENCH_LOG="$RESULTS/4-benchmarks.log"
-: > "$BENCH_LOG"
-: > "$WORK/figures.txt"
-HELP=$(timeout 60 "$PY" -m vtnumba bench kernels --help 2>&1)
-bench() {  # bench NAME WANT_S CMD...: one benchmark, appended to 4-benchmarks.log
-  local name=$1 want=$2 lim t rc
-  shift 2
-  lim=$(limit "$want")
-  if [ "$lim" -eq 0 ]; then note "$name" skipped 0 "time budget spent"; return 1; fi
-  t=$SECONDS
-  echo "==================================================================== $name: $*" >> "$BENCH_LOG"
-  timeout -k 10 "$lim" "$@" > "$WORK/bench.out" 2>&1
-  rc=$?
-  cat "$WORK/bench.out" >> "$BENCH_LOG"
-  echo "---- exit $rc in $((SECONDS - t)) s" >> "$BENCH_LOG"
-  BENCH_SECS=$((SECONDS - t))
-  return $rc
-}
-
-# Fused TPSP on the model script: it must really fuse (0 fused calls = it fell back).
-if bench "tpsp_model.py (2 ranks)" 60 mpiexec -n 2 "$PY" mpi/tpsp_model.py --target cuda; then rc=0; else rc=$?; fi
-if [ "${BENCH_SECS+x}" ]; then
-  fused_line=$(grep -E 'fused calls' "$WORK/bench.out" | head -1 | tr -s ' ')
-  fused=$(grep -oE '[0-9]+ fused calls' <<<"$fused_line" | grep -oE '^[0-9]+')
-  { echo "TPSP model (2 ranks):"; grep -E 'regular forward:|TPSP forward:|time ratio|OK:|MISMATCH' "$WORK/bench.out" \
-      | sed 's/^/  /'; } >> "$WORK/figures.txt"
-  if [ $rc -eq 0 ] && [ "${fused:-0}" -gt 0 ]; then st=ok; else st=FAILED; fi
-  note "tpsp_model.py (2 ranks)" "$st" "$BENCH_SECS" "exit $rc; ${fused:-no} fused calls${fused_line:+ ($fused_line)}"
-  unset BENCH_SECS
-fi
-
-run_bench() {  # run_bench NAME WANT_S RANKS SUITE ARGS...: a `vtnumba bench` suite with --json
-  local name=$1 want=$2 ranks=$3 suite=$4 rc
-  shift 4
-  local cmd=("$PY" -m vtnumba bench "$suite" --target cuda --quick --json "$WORK/bench-$suite.json" "$@")
-  [ "$ranks" -gt 1 ] && cmd=(mpiexec -n "$ranks" "${cmd[@]}")
-  if bench "$name" "$want" "${cmd[@]}"; then rc=0; else rc=$?; fi
-  if [ "${BENCH_SECS+x}" ]; then
-    [ $rc -eq 0 ] && note "$name" ok "$BENCH_SECS" "" || note "$name" FAILED "$BENCH_SECS" "exit $rc"
-    unset BENCH_SECS
-  fi
-}
-# The quick suites, but at the sizes issue 17 states its aims at (a GPU does them in seconds):
-# TPSP at T = 4096, K = H = 4096; the matmul ladder at 4096^3 (and 2048^3, the other anchor);
-# peer collectives at 64 MiB; encoder-cache entries of 1 and 16 MiB are quick's own sizes.
-TPSP_AIM_ARGS=(--tokens 1024 4096 --hidden 4096 --k-total 4096)
-KERNELS_AIM_ARGS=(--device-matmul-sizes 2048 4096)
-PEER_AIM_ARGS=(--sizes 16 64)
-run_bench "bench tpsp (2 ranks)" 75 2 tpsp "${TPSP_AIM_ARGS[@]}"
-kernel_flags=("${KERNELS_AIM_ARGS[@]}")
-grep -q -- '--ptxas' <<<"$HELP" && kernel_flags+=(--ptxas)
-run_bench "bench kernels" 100 1 kernels "${kernel_flags[@]}"
-run_bench "bench peer (2 ranks)" 45 2 peer "${PEER_AIM_ARGS[@]}"
-run_bench "bench ec" 45 1 ec
-
-# One JSON document from the suites' files, and the headline ratios for the summary.
-timeout 60 "$PY" - "$WORK" "$RESULTS/5-bench.json" >> "$WORK/figures.txt" 2>>"$BENCH_LOG" <<'PYEOF'
-import glob, json, os, sys
-
-work, dest = sys.argv[1], sys.argv[2]
-doc = {"machine": None, "suites": []}
-for path in sorted(glob.glob(os.path.join(work, "bench-*.json"))):
-    with open(path) as f:
-        part = json.load(f)
-    doc["machine"] = doc["machine"] or part.get("machine")
-    doc["suites"].extend(part.get("suites", []))
-if doc["suites"]:
-    with open(dest, "w") as f:
-        json.dump(doc, f, indent=2)
-# Every ratio an aim of issue 17 is stated in: matmul / cuBLAS, norms / device copy, TPSP
-# fused / matmul (and / the unfused forward), peer bus bandwidth / copy, EC / pinned copy.
-headline = ("cuBLAS", "device copy", "fused / baseline", "fused / matmul", "busbw / copy", "geomean",
-            "/ memcpy same buffers")
-for suite in doc["suites"]:
-    picked = [(k, v) for k, v in suite["ratios"].items() if any(h in k for h in headline)]
-    picked += [(k, v) for k, v in suite["baselines"].items() if "device copy" in k]
-    if picked:
-        print(f"{suite['suite']}:")
-        for k, v in picked:
-            print(f"  {k}: {v:.3g}")
-PYEOF
-
 # ================================================================================ sanitizer
 sanitize_file=${cuda_error_file:-}
 [ -z "$sanitize_file" ] && [ ${#bad_paths[@]} -gt 0 ] && sanitize_file=${bad_paths[0]}
@@ -470,6 +530,23 @@ if [ -n "$sanitize_file" ]; then
     note "sanitizer" ran $((SECONDS - t0)) \
       "$sanitize_file (exit $rc): ${errs:-no error summary}${first:+; first: $first}"
   fi
+fi
+
+# ================================================================================ ptxas
+# Registers, shared memory and spills per kernel (the same compile works without a GPU:
+# `python -m vtnumba bench kernels --ptxas`); last, because nothing above depends on it.
+t0=$SECONDS
+lim=$(limit 90)
+if ! command -v ptxas >/dev/null; then
+  note "ptxas resources" skipped 0 "no ptxas on PATH"
+elif [ "$lim" -eq 0 ]; then
+  note "ptxas resources" skipped 0 "time budget spent"
+else
+  echo "==================================================================== ptxas resources (sm_90)" >> "$BENCH_LOG"
+  timeout -k 10 "$lim" "$PY" -m vtnumba.kernels.ptx --cc 90 --ptxas >> "$BENCH_LOG" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] && st=ok || st=FAILED
+  note "ptxas resources" "$st" $((SECONDS - t0)) "exit $rc (in 4-benchmarks.log)"
 fi
 
 write_summary

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -252,6 +253,66 @@ def test_gpu_check_benchmarks_run_at_the_sizes_of_the_aims():
     assert kernels._settings(argparse.Namespace(quick=True))["device_mm_sizes"] is None
     with pytest.raises(ValueError, match="--device-matmul-sizes: 0 is not a positive"):
         kernels._settings(argparse.Namespace(quick=True, device_matmul_sizes=[4096, 0]))
+
+
+def _gpu_check_merge_program() -> str:
+    """The Python program gpu_check.sh runs (as a heredoc) to merge the suites' JSON and judge the aims."""
+    lines = (ROOT / "scripts" / "gpu_check.sh").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('timeout 60 "$PY" - "$WORK"'))
+    end = lines.index("PYEOF", start)
+    return "\n".join(lines[start + 1:end]) + "\n"
+
+
+def test_gpu_check_judges_every_aim_and_fails_on_a_missing_one(tmp_path):
+    # The aims block of the summary: each GPU aim of issue 17 found by its ratio's name in the
+    # suites' JSON (the names the suites emit), compared with its threshold; an aim no suite
+    # reported makes the merge exit 3, which the script counts as a failed stage.
+    program = tmp_path / "merge.py"
+    program.write_text(_gpu_check_merge_program())
+    ratios = {
+        "kernels": {"matmul_fp32 n=4096 best rung (dbuf) / cuBLAS": 0.41,
+                    "matmul_fp32 n=2048 best rung (dbuf) / cuBLAS": 0.9,  # another size: not the aim
+                    "rmsnorm fused cuda GB/s / device copy traffic GB/s": 0.83},
+        "peer": {"reduce_scatter peer-in-buffer busbw / copy traffic @64MiB": 0.5,
+                 "reduce_scatter peer-staged busbw / copy traffic @64MiB": 0.65,  # the best variant counts
+                 "all_gather peer-in-place busbw / copy traffic @64MiB": 0.7,
+                 "all_gather peer-in-place busbw / copy traffic @16MiB": 0.1},
+        "tpsp": {"fused / matmul T=4096": 1.2, "fused / matmul T=1024": 1.0},
+    }
+
+    def merge(suites):
+        work = tmp_path / "work"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        for name, r in suites.items():
+            (work / f"bench-{name}.json").write_text(json.dumps(
+                {"machine": {}, "suites": [{"suite": name, "ratios": r, "baselines": {}}]}))
+        proc = subprocess.run([sys.executable, str(program), str(work), str(tmp_path / "bench.json"),
+                               str(tmp_path / "aims.txt")], capture_output=True, text=True, timeout=60)
+        return proc.returncode, (tmp_path / "aims.txt").read_text().splitlines()
+
+    rc, aims = merge(ratios)
+    assert rc == 3, aims
+    assert aims[0] == "aims of issue 17: 5/9 measured, 3 met", aims
+    row = {line.split("  ")[1].strip(): line for line in aims[1:]}
+    assert "0.410" in row["matmul best rung / cuBLAS, 4096^3"] and "NOT MET" in row["matmul best rung / cuBLAS, 4096^3"]
+    assert "0.650" in row["reduce-scatter busbw / D2D copy traffic, 64 MiB"], row
+    assert "1.200" in row["TPSP fused / matmul alone, T=4096, K=H=4096"] and "NOT MET" in \
+        row["TPSP fused / matmul alone, T=4096, K=H=4096"]
+    assert "NOT MEASURED" in row["EC load / pinned copy, 16 MiB"]
+    ratios["ec"] = {f"{d} {s} MiB / memcpy same buffers": 0.9 for d in ("save", "load") for s in (1, 16)}
+    rc, aims = merge(ratios)
+    assert rc == 0 and aims[0] == "aims of issue 17: 9/9 measured, 7 met", aims
+
+
+def test_gpu_check_measures_the_aims_before_the_tests():
+    # The aims are what a GPU run must bring back: they run first, while the budget is whole,
+    # and a benchmark the budget skipped fails the run instead of passing silently.
+    text = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    order = [text.index(f"# {'=' * 80} {stage}") for stage in ("info", "aims", "model", "MPI tests", "serial tests")]
+    assert order == sorted(order), order
+    assert 'note "$name" FAILED 0 "not run: time budget spent"' in text
+    assert not any("--ptxas" in line for line in text.splitlines() if line.startswith("run_bench"))
 
 
 def test_traced_two_rank_tpsp_run(tmp_path):

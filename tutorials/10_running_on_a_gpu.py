@@ -255,10 +255,11 @@ backend.destroy_queue(q)
 # ``bash scripts/gpu_check.sh`` does the whole check on a GPU machine in one call: it
 # makes a virtual environment from the machine's Python, installs the wheels that
 # ``bash scripts/gpu_wheels.sh`` downloaded into ``.whl/`` (for machines without network),
-# prints ``vtnumba info``, runs every test file on the ``cuda`` target in its own process
-# (a kernel's illegal memory access kills its process's CUDA context, not the others'),
-# the MPI tests with two ranks sharing the one GPU (CUDA IPC between two processes), the
-# TPSP model and the quick benchmarks, and writes at most eight files under ``$OUT`` (or
+# prints ``vtnumba info``, runs the quick benchmarks at the sizes of the project's GPU aims
+# (and judges each aim in its summary), the TPSP model, the MPI tests with two ranks
+# sharing the one GPU (CUDA IPC between two processes), and every test file on the
+# ``cuda`` target in its own process (a kernel's illegal memory access kills its process's
+# CUDA context, not the others'), and writes at most eight files under ``$OUT`` (or
 # ``gpu-results/``), ``0-summary.txt`` first.  Without a GPU it says so and exits 0 --
 # which this lesson runs, when there is no GPU, to show that first step.
 if rank == 0:
