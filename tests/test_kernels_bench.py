@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+import time
 
 import pytest
 from conftest import DEVICE_TARGET
@@ -32,9 +33,7 @@ def test_quick_run_follows_schema():
     assert result["baselines"]["memcpy traffic GB/s (read + write)"] > 0
 
 
-def test_device_part_runs_end_to_end_on_the_device(device_backend):
-    # The GPU code path end to end at the simulator's tiny sizes (bench_device's simulator=True),
-    # on the device target: numbers that small mean nothing, the schema and the cases do.
+def _run_device_part(device_backend):
     old = sys.getswitchinterval()
     sys.setswitchinterval(5e-4)
     try:
@@ -44,6 +43,14 @@ def test_device_part_runs_end_to_end_on_the_device(device_backend):
         bench.bench_device(cfg, device_backend, results, ratios, baselines, notes, simulator=True)
     finally:
         sys.setswitchinterval(old)
+    return results, ratios, baselines, notes
+
+
+def test_device_part_runs_end_to_end_on_the_device(device_backend):
+    # The GPU code path end to end at the simulator's tiny sizes (bench_device's simulator=True),
+    # on the device target: numbers that small mean nothing, the schema and the cases do.
+    results, ratios, baselines, notes = _run_device_part(device_backend)
+    assert not [n for n in notes if "WRONG RESULT" in n or "FAILED" in n], notes
     validate_suite(suite("kernels", DEVICE_TARGET, 1, results, ratios, baselines, notes))
     impls = {(r["case"], r["impl"]) for r in results}
     # Every rung of the ladder has its row, in ladder order.
@@ -60,6 +67,26 @@ def test_device_part_runs_end_to_end_on_the_device(device_backend):
         assert ratios[f"{case} fused cuda GB/s / device copy traffic GB/s"] > 0
     assert ratios["gather_rows cuda GB/s / device copy traffic GB/s"] > 0
     assert baselines["device copy traffic GB/s"] > 0
+
+
+def test_a_wrong_matmul_rung_cannot_be_the_best(device_backend, monkeypatch):
+    # Every rung's answer is checked before its speed may count toward the cuBLAS aim: a rung
+    # that returns garbage (here smem, made to leave C half written) is named and left out.
+    import vtnumba.kernels as kernels
+
+    real = kernels.matmul
+
+    def matmul(a, b, out=None, queue=None, variant=None):
+        result = real(a, b, out=out, queue=queue, variant=variant)
+        if variant == "smem":
+            device_backend.synchronize(queue)
+            out[: out.shape[0] // 2] = 0.0
+        return result
+
+    monkeypatch.setattr(kernels, "matmul", matmul)
+    results, _, _, notes = _run_device_part(device_backend)
+    wrong = [n for n in notes if "WRONG RESULT" in n]
+    assert len(wrong) == 1 and wrong[0].startswith("matmul n=8 smem: WRONG RESULT"), notes
 
 
 def test_resource_notes_print_one_line_per_kernel():
@@ -110,6 +137,33 @@ def test_time_on_queue_counts_inner_calls():
     finally:
         backend.destroy_queue(q)
     assert st.samples == 3 and len(calls) == 2 + 3 * 4
+
+
+def test_time_on_queue_holds_the_queue_until_a_sample_is_queued():
+    # A kernel launched by slow host code must be timed as the kernel, not as the launches: the
+    # queue waits on a flag until all of a sample's calls are queued.  Threaded cpu queues run on
+    # their own like a GPU's streams; each "launch" here takes 2 ms of host time.
+    from vtnumba.backend.cpu import CPUBackend
+
+    backend = CPUBackend(threaded=True)
+    q = backend.create_queue("t")
+    queued, ran, host = [], [], []
+
+    def slow_launch():
+        time.sleep(0.002)
+        queued.append(time.perf_counter())
+        backend.launch_host_func(q, lambda: ran.append(time.perf_counter()))
+
+    try:
+        st = timing.time_on_queue(backend, q, slow_launch, repeat=3, inner=4, warmup=1, host_s=host)
+    finally:
+        backend.destroy_queue(q)
+        backend.close()
+    assert st.samples == 3 and len(host) == 3 and min(host) >= 0.002
+    for k in range(3):  # after the warm-up call: sample k's four calls ran after the last was queued
+        calls = slice(1 + 4 * k, 1 + 4 * k + 4)
+        assert min(ran[calls]) >= queued[calls][-1], (k, ran, queued)
+    assert st.median_s < 0.002, f"the sample ({st.median_s * 1e3:.2f} ms per call) includes the launches"
 
 
 def test_bad_norm_shape():

@@ -100,7 +100,12 @@ def host_write(arr, values: np.ndarray) -> None:
     if isinstance(arr, np.ndarray):
         arr[...] = values
     else:
+        from numba import cuda
+
         arr.copy_to_device(values)
+        # From pageable memory that copy may return before the bytes land on the GPU, and the
+        # peer's read after the barrier is not ordered after it: wait for it here.
+        cuda.default_stream().synchronize()
 
 
 def pattern(rank: int, n: int, salt: int = 0) -> np.ndarray:
@@ -369,6 +374,13 @@ def test_bench_peer_runs_under_mpi_and_follows_the_schema(tp):
         assert all(r["value"] > 0 and r["samples"] == 2 for r in d["results"])
         for key in ("reduce_scatter peer-in-buffer/mpi4py @0.25MiB", "all_gather peer-in-place/mpi4py geomean"):
             assert d["ratios"][key] > 0, key
+        # The fraction of the memory limit: the bytes each call moves (all ranks) per second against
+        # the copy ceiling -- busbw scaled by traffic_factor * n / (n - 1).
+        n = tp.size
+        for case, impl in (("reduce_scatter", "peer-in-buffer"), ("all_gather", "peer-in-place")):
+            busbw = d["ratios"][f"{case} {impl} busbw / copy traffic @0.25MiB"]
+            traffic = d["ratios"][f"{case} {impl} memory traffic / copy traffic @0.25MiB"]
+            assert traffic == pytest.approx(busbw * peer.traffic_factor(case, impl, n) * n / (n - 1))
 
     collectively(body)
     assert dist.is_initialized()  # run() leaves a distributed setup it did not create alone

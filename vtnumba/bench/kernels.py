@@ -257,8 +257,16 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
     rng = np.random.default_rng(2)
     repeat, inner, warmup = (1, 1, 1) if simulator else (cfg["repeat"], 5, 2)
 
-    def timed(fn):
-        return time_on_queue(backend, q, fn, repeat=repeat, inner=inner, warmup=warmup)
+    launch_bound = []  # (what, host us per call, device us per call)
+    dead = None  # a rung's failure that left the device unusable: the ladder stops there
+
+    def timed(fn, what=None):
+        host_s = []
+        st = time_on_queue(backend, q, fn, repeat=repeat, inner=inner, warmup=warmup, host_s=host_s)
+        host = float(np.median(host_s))
+        if what is not None and not simulator and host > st.median_s:
+            launch_bound.append((what, host * 1e6, st.median_s * 1e6))
+        return st
 
     try:
         # The ceiling first: everything memory-bound below is a fraction of it.
@@ -275,6 +283,7 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
         y, res, peer = (cuda.to_device(rng.standard_normal((rows, h), dtype=np.float32)) for _ in range(3))
         w, bias, nb = (cuda.to_device(rng.standard_normal(h, dtype=np.float32)) for _ in range(3))
         out, new_res = cuda.device_array((rows, h), np.float32), cuda.device_array((rows, h), np.float32)
+        backend.order_after_default_stream(q)  # to_device copies go through the legacy stream
         elem = rows * h * 4  # bytes of one [rows, h] float32 array
         # (case, impl, call, traffic): traffic = bytes read + bytes written, as for the copy.
         memory_bound = [
@@ -288,7 +297,7 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
              lambda: gather_rows(y, [out], 0, queue=q)),
         ]
         for case, impl, traffic, fn in memory_bound:
-            st = timed(fn)
+            st = timed(fn, case)
             gbs = traffic / st.median_s / 1e9
             results.append(schema.row(case, impl, rows * h, "elements", "GB/s", gbs, st))
             kind = "fused cuda" if case != "gather_rows" else "cuda"
@@ -299,11 +308,19 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
         mm_sizes = cfg.get("device_mm_sizes") or ([16] if simulator else ([1024] if cfg["quick"] else [2048, 4096]))
         handle = None if simulator else stream_handle(q)
         for n in mm_sizes:
-            a = cuda.to_device(rng.standard_normal((n, n), dtype=np.float32))
-            b = cuda.to_device(rng.standard_normal((n, n), dtype=np.float32))
+            if dead is not None:
+                break
+            host_a = rng.standard_normal((n, n), dtype=np.float32)
+            host_b = rng.standard_normal((n, n), dtype=np.float32)
+            a, b = cuda.to_device(host_a), cuda.to_device(host_b)
             c = cuda.device_array((n, n), np.float32)
+            # Every rung's answer is checked before it may count: a fast wrong kernel must not
+            # "meet" the aim.  A few random rows of C against float64 on the host.
+            check_rows = np.sort(rng.choice(n, size=min(n, 8), replace=False))
+            expected = host_a[check_rows].astype(np.float64) @ host_b.astype(np.float64)
             flops = 2.0 * n ** 3
             base = None if simulator else _baseline_gemm(n, handle)
+            backend.order_after_default_stream(q)  # the inputs' copies (and CuPy's) ran on the legacy stream
             base_gflops = None
             if base is not None:
                 name, call = base
@@ -314,19 +331,41 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
             for variant in VARIANTS:  # ladder order: one row per rung
                 if variant == "naive" and n > 2048:
                     continue  # seconds of naive matmul per size add nothing to the ladder's story
-                st = timed(lambda: matmul(a, b, out=c, queue=q, variant=variant))
+                try:
+                    st = timed(lambda: matmul(a, b, out=c, queue=q, variant=variant))
+                    got = np.stack([c[int(i)].copy_to_host() for i in check_rows]).astype(np.float64)
+                except Exception as exc:  # noqa: BLE001 - reported; the figures measured so far still count
+                    notes.append(f"matmul n={n} {variant}: FAILED ({type(exc).__name__}: {exc}); the ladder stops")
+                    dead = exc
+                    break
                 gflops = flops / st.median_s / 1e9
                 results.append(schema.row("matmul_fp32", f"vtnumba-{variant}", n, "M=N=K", "GFLOP/s", gflops, st))
+                err = float(np.max(np.abs(got - expected)) / np.max(np.abs(expected)))
+                if not err <= 1e-4:  # (NaN fails too)
+                    notes.append(f"matmul n={n} {variant}: WRONG RESULT (max error {err:.2g} of the largest "
+                                 "element, on 8 sampled rows): left out of 'best rung'")
+                    continue
                 if best is None or gflops > best[1]:
                     best = (variant, gflops)
                 if base_gflops is not None:
                     ratios[f"matmul_fp32 n={n} {variant} / cuBLAS"] = gflops / base_gflops
-            if base_gflops is not None:
+            if base_gflops is not None and best is not None:
                 ratios[f"matmul_fp32 n={n} best rung ({best[0]}) / cuBLAS"] = best[1] / base_gflops
         if not simulator and base is None:
             notes.append("no CuPy or torch: ladder not compared with cuBLAS")
+        notes.append("matmul rungs: each answer checked against float64 on 8 sampled rows of C (max error <= 1e-4 of "
+                     "the largest element) before it may be the 'best rung'")
+        notes.append("GPU rows are device time: the queue is held until a sample's calls are all queued, so the "
+                     "host's launch work is not in the figure (see timing.time_on_queue)")
+        for what, host_us, dev_us in launch_bound:
+            notes.append(f"{what}: launch-bound -- the host needs {host_us:.0f} us to launch one call, the device "
+                         f"{dev_us:.0f} us to run it; back to back, calls come no faster than the host launches them")
     finally:
-        backend.destroy_queue(q)
+        try:
+            backend.destroy_queue(q)
+        except Exception:  # noqa: BLE001 - the device died in a rung (reported above); keep the results
+            if dead is None:
+                raise
 
 
 def _ptxas_resources(notes) -> list[dict]:

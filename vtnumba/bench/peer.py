@@ -30,7 +30,11 @@ fraction of the copy ceiling measured in the same run (``... busbw / copy traffi
 aim of issue 17 being >= 0.6 at 64 MiB: on a GPU a warmed 1 GiB device-to-device copy
 (:func:`vtnumba.bench.timing.device_copy_rate`), on the cpu target a 64 MiB memcpy;
 both counted as traffic (bytes read + bytes written), measured by rank 0 alone while the
-other ranks wait (ranks that share a GPU or a memory bus would otherwise halve it).
+other ranks wait (ranks that share a GPU or a memory bus would otherwise halve it).  Ranks
+that share one memory -- two processes on one GPU, or on one host -- must move several
+times ``S`` through it per call (:func:`traffic_factor`), so there busbw stays well below
+that ceiling even for a perfect collective; ``... memory traffic / copy traffic`` is the
+fraction of the memory's limit a call actually reaches.
 """
 
 from __future__ import annotations
@@ -57,6 +61,32 @@ def add_arguments(parser) -> None:
 
 def _busbw_gbs(nbytes: int, seconds: float, n: int) -> float:
     return nbytes / seconds / 1e9 * (n - 1) / n if n > 1 else nbytes / seconds / 1e9
+
+
+def traffic_factor(case: str, impl: str, n: int) -> int:
+    """The bytes all ``n`` ranks together read and write in memory for one call, in units of ``S``.
+
+    Bus bandwidth is NCCL's measure of a collective against the *links* between GPUs.  When
+    the ranks share one memory (two processes on one GPU, or on one host), the limit is that
+    memory instead, and what a call must move through it is (each rank's own share, summed):
+
+    * reduce-scatter, input in the buffer: read my block from all n buffers (S), write it (S/n): (n+1) S;
+      staged: each rank first copies into its buffer the n-1 blocks its peers read: + 2(n-1) S;
+    * all-gather out of place, shard in the buffer: read all n shards (S), write them to out (S): 2n S;
+      staged: + each rank copies its shard (S/n) into its buffer: + 2 S;
+      in place: only the n-1 peers' shards move: 2(n-1) S.
+
+    So with the ranks on one memory even a perfect collective's busbw is a small fraction of
+    the copy rate -- (n-1) / (n * factor): 1/6 for an in-buffer reduce-scatter at n = 2 --
+    and the fraction of the limit actually reached is ``factor * algbw / copy traffic``.
+    """
+    if case == "reduce_scatter":
+        return (n + 1) + (2 * (n - 1) if impl == "peer-staged" else 0)
+    if case == "all_gather":
+        if impl == "peer-in-place":
+            return 2 * (n - 1)
+        return 2 * n + (2 if impl == "peer-staged" else 0)
+    raise ValueError(f"case={case!r}; expected 'reduce_scatter' or 'all_gather'")
 
 
 
@@ -102,6 +132,7 @@ def _measure_size(group, backend, size_mib: float, repeat: int, to_target, on_de
         shard_in = pb.views(np.float32, (R, H))[me]
         g_inplace = pb.views(np.float32, (T, H), offset=S)[me]
         shard_inplace = g_inplace[me * R:(me + 1) * R]
+        backend.order_after_default_stream(q)  # to_target's copies went through the GPU's legacy stream
         for dst, src, nbytes in ((x_in, x, S), (shard_in, shard, R * H * 4), (shard_inplace, shard, R * H * 4)):
             backend.copy(q, dst, src, nbytes)
         backend.synchronize(q)
@@ -177,6 +208,10 @@ def run(args) -> dict:
             for (case, impl), value in bw.items():
                 if impl.startswith("peer"):
                     ratios[f"{case} {impl} busbw / copy traffic @{size_mib:g}MiB"] = value / ceiling_gbs
+                    if n > 1:  # the memory traffic the call moved per second, against the copy's
+                        algbw = value * n / (n - 1)
+                        ratios[f"{case} {impl} memory traffic / copy traffic @{size_mib:g}MiB"] = \
+                            traffic_factor(case, impl, n) * algbw / ceiling_gbs
         for key, values in per_pair.items():
             ratios[key] = float(np.exp(np.mean(np.log(values))))
     finally:
@@ -186,7 +221,13 @@ def run(args) -> dict:
     notes.append(f"float32 rows of H={H}; S = total bytes of the reduce-scatter input / all-gather output "
                  "per rank; busbw = S/t*(n-1)/n (nccl-tests); t = slowest rank per call, median over rounds")
     notes.append(f"MPI library: {MPI.Get_library_version().splitlines()[0].strip()}")
+    notes.append(f"'memory traffic / copy traffic' = the bytes a call moves through memory (all ranks, "
+                 f"traffic_factor x S) per second, against the copy ceiling: how close to the limit the ranks, "
+                 f"sharing one memory, come.  On one memory busbw / copy traffic cannot exceed (n-1)/(n x factor): "
+                 f"{(n - 1) / (n * traffic_factor('reduce_scatter', 'peer-in-buffer', n)):.3g} for the in-buffer "
+                 f"reduce-scatter, {(n - 1) / (n * traffic_factor('all_gather', 'peer-in-place', n)):.3g} for the "
+                 f"in-place all-gather at n={n}" if n > 1 else "one rank: no exchange")
     return schema.suite("peer", target, n, results, ratios, baselines, notes)
 
 
-__all__ = ["run", "add_arguments"]
+__all__ = ["run", "add_arguments", "traffic_factor"]

@@ -188,15 +188,22 @@ def memcpy_bandwidth_gbs(nbytes: int = 64 << 20, repeat: int = 10) -> float:
 
 
 def time_on_queue(backend, q, fn: Callable[[], object], *, repeat: int = 10, inner: int = 1, warmup: int = 2,
-                  max_time_s: float = 30.0) -> Stats:
+                  max_time_s: float = 30.0, host_s: list | None = None) -> Stats:
     """Per-call time of ``fn``, which enqueues work on queue ``q`` of ``backend``.
 
     Each sample is an event recorded on ``q``, ``inner`` calls back to back, and a second
-    event; the sample is the events' distance divided by ``inner``.  Calling back to back
-    lets the host enqueue the next call while the device runs the current one, so a short
-    kernel is not measured as mostly launch overhead.  ``warmup`` calls come first (the
-    first call compiles the kernel; the first touch of fresh memory maps its pages).  At
-    least one sample is taken, and no more once ``max_time_s`` has passed.
+    event; the sample is the events' distance divided by ``inner``.  ``warmup`` calls come
+    first (the first call compiles the kernel; the first touch of fresh memory maps its
+    pages).  At least one sample is taken, and no more once ``max_time_s`` has passed.
+
+    **The queue is held while the calls are queued** (where queues run on their own: a
+    real GPU, threaded cpu queues).  Without that, the device stamps the first event, runs
+    each kernel as soon as the host has queued it, and the sample includes the host's
+    launch work -- a kernel of 100 us launched by 150 us of Python would be measured at
+    150 us.  So the queue first waits on a flag (``wait_value32``), the events and calls go
+    in behind it, and only then does another queue raise the flag: the events time the
+    kernels back to back, nothing else.  ``host_s``, if given, receives the host's own time
+    per call of each sample, so a caller can say when the device outruns its launches.
 
     On a real GPU the events are CUDA events (device timestamps).  In the simulator they
     only mark when the host got there, which is all a simulator can say.
@@ -205,18 +212,31 @@ def time_on_queue(backend, q, fn: Callable[[], object], *, repeat: int = 10, inn
         fn()
     backend.synchronize(q)
     start, end = backend.create_event(), backend.create_event()
+    gated = backend.capabilities.async_queues
+    if gated:
+        gate = backend.asarray(np.zeros(1, np.uint32))
+        opener = backend.create_queue("timing-gate")
     times: list[float] = []
     t_start = time.perf_counter()
     try:
         while len(times) < repeat:
+            if gated:
+                backend.wait_value32(q, gate, 0, len(times) + 1, timeout_s=max(60.0, max_time_s))
             backend.record_event(start, q)
+            t0 = time.perf_counter()
             for _ in range(inner):
                 fn()
+            if host_s is not None:
+                host_s.append((time.perf_counter() - t0) / inner)
             backend.record_event(end, q)
+            if gated:
+                backend.write_value32(opener, gate, 0, len(times) + 1)  # go: everything is queued
             times.append(backend.elapsed_ms(start, end) / 1e3 / inner)  # waits for `end`
             if time.perf_counter() - t_start >= max_time_s:
                 break
     finally:
+        if gated:
+            backend.destroy_queue(opener)
         backend.destroy_event(start)
         backend.destroy_event(end)
     return stats_from_times(times)
