@@ -167,6 +167,46 @@ def test_cyclic_comparison_is_cudas_geq():
     assert flag_reached(3, 0xFFFFFFFE)           # ... and 3 is "after" -2
 
 
+def test_host_functions_run_in_queue_order_and_their_errors_are_sticky(backend):
+    # Queues that run on their own (threaded cpu, a real GPU's streams through cuLaunchHostFunc):
+    # a host function runs when the queue gets there, and its exception is kept for the queue's
+    # next synchronize, once.
+    if not backend.capabilities.async_queues:
+        pytest.skip("synchronous queues run host functions inline: their errors reach the caller at once")
+    flags = _flags(backend)
+    q, side = backend.create_queue("hf"), backend.create_queue("side")
+    ran = []
+    backend.wait_value32(q, flags, 0, 1, timeout_s=30)  # hold the queue
+    backend.launch_host_func(q, lambda: ran.append("first"))
+    backend.launch_host_func(q, lambda: 1 / 0)
+    time.sleep(0.2)
+    assert ran == [], "a host function ran before the queue got to it"
+    backend.write_value32(side, flags, 0, 1)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        backend.synchronize(q)
+    assert ran[0] == "first"
+    backend.synchronize(q)  # reported once
+    backend.destroy_queue(side)
+    backend.destroy_queue(q)
+
+
+def test_host_functions_are_refused_while_capturing(backend):
+    # Captured, a host function would become a graph node that every replay calls again.
+    if not backend.supports_graph_capture():
+        pytest.skip(f"{backend.name} has no graph capture")
+    q = backend.create_queue("capturing")
+    backend.begin_capture(q)
+    try:
+        with pytest.raises(RuntimeError, match="while it is capturing a graph"):
+            backend.launch_host_func(q, lambda: None)
+    finally:
+        try:
+            backend.end_capture_graph(q)
+        except RuntimeError:
+            pass  # an empty capture may be refused; the point was the launch above
+    backend.destroy_queue(q)
+
+
 def test_host_function_errors_are_sticky_on_threaded_queues():
     b = CPUBackend(threaded=True)
     q = b.create_queue("hf")

@@ -289,8 +289,18 @@ def test_host_loop_matches_ctypes_reference(rng):
 
 
 @pytest.mark.cuda
-def test_real_gpu_batched_copy_h2d_and_d2h(rng, device_backend):
+def test_real_gpu_batched_copy_h2d_and_d2h(rng, device_backend, monkeypatch):
+    from cuda.bindings import driver as cu
+
+    from vtnumba.memory.copy_engine import cuda_batch_api_available
+
     be = device_backend
+    # The batch must go through cuMemcpyBatchAsync itself: the per-descriptor fallback would
+    # pass this test too, and hide a broken batch call.
+    assert cuda_batch_api_available(), "the driver and cuda.bindings have no cuMemcpyBatchAsync (driver >= 12.8)"
+    singles = []
+    real_single = cu.cuMemcpyAsync
+    monkeypatch.setattr(cu, "cuMemcpyAsync", lambda *a: singles.append(a) or real_single(*a))
     q = be.create_queue()
     host = be.alloc_pinned(4096)
     host.array[:] = rng.integers(0, 256, 4096, dtype=np.uint8)
@@ -304,6 +314,7 @@ def test_real_gpu_batched_copy_h2d_and_d2h(rng, device_backend):
     batched_copy((dev.ptr + so).astype(np.uint64), (back.ptr + so).astype(np.uint64), sz, q, be)
     be.synchronize(q)
     np.testing.assert_array_equal(back.array, host.array)
+    assert not singles, f"{len(singles)} descriptors fell back to cuMemcpyAsync"
 
 
 def test_live_address_is_address_of_and_is_live_in_one_call(rng):

