@@ -692,6 +692,10 @@ assert not dest.views_dead
 del typed
 gc.collect()
 assert dest.views_dead, "the last derived array died but the buffer was never declared free"
+# An empty view reads nothing and holds nothing.
+empty = LoadDestination(DeviceMemoryAtAMadeUpAddress(), 0, 0)
+no_rows = object()  # (a zero-size device array needs a context to make)
+assert _gpu_view(empty, no_rows, 0, 0) is no_rows and empty.views_pointer is None
 print("ok")
 '''
 

@@ -298,6 +298,8 @@ def _owner_died(ref) -> None:
 def _gpu_view(dest: LoadDestination, arr, offset: int, nbytes: int):
     """``arr`` (a device array on ``dest``'s bytes at ``offset``) re-made on ``dest``'s views
     pointer, so that it and everything derived from it hold a reference there."""
+    if nbytes == 0 or not dest.ptr:
+        return arr  # an empty view reads no bytes: nothing to keep in use
     from numba import cuda
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
     from numba.cuda.cudadrv.driver import AutoFreePointer
