@@ -164,6 +164,26 @@ def test_time_on_queue_holds_the_queue_until_a_sample_is_queued():
         calls = slice(1 + 4 * k, 1 + 4 * k + 4)
         assert min(ran[calls]) >= queued[calls][-1], (k, ran, queued)
     assert st.median_s < 0.002, f"the sample ({st.median_s * 1e3:.2f} ms per call) includes the launches"
+    # A call that raises while the queue is held lets the queue go: later work is not stuck
+    # behind the gate until its deadline.
+    backend = CPUBackend(threaded=True)
+    q = backend.create_queue("t")
+    calls = []
+
+    def fails_on_the_third_call():
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("boom")
+
+    try:
+        with pytest.raises(ValueError, match="boom"):
+            timing.time_on_queue(backend, q, fails_on_the_third_call, repeat=3, inner=2, warmup=1)
+        t0 = time.perf_counter()
+        backend.synchronize(q)
+        assert time.perf_counter() - t0 < 5
+    finally:
+        backend.destroy_queue(q)
+        backend.close()
 
 
 def test_bad_norm_shape():

@@ -408,7 +408,7 @@ def run(args) -> dict:
     if target == "cuda":
         notes.append("on a GPU the saves are D2H and the loads H2D copies into and out of the pinned region; "
                      "'memcpy same buffers' is then the driver's copy between the same device buffer and region "
-                     "slot (one cuMemcpyAsync + cuStreamSynchronize, straight to the driver): the ceiling a batched copy "
-                 "can reach")
+                     "slot (one cuMemcpyAsync + cuStreamSynchronize, straight to the driver): the ceiling a "
+                     "batched copy can reach")
     return schema.suite("ec", target, 1, results, ratios, {"memcpy GB/s": big_memcpy}, notes)
 
