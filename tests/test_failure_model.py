@@ -116,6 +116,17 @@ def test_bench_a_stopped_rank_ends_the_job_after_the_timeout():
     assert "the barrier after bench memory" in out and "timed out after 3 s" in out, out
 
 
+@pytest.mark.parametrize("suite, ranks", [("peer", 3), ("tpsp", 2)])
+def test_bench_a_stopped_rank_ends_a_multi_rank_suite_after_the_timeout(suite, ranks):
+    # In a suite every rank runs, a peer that stopped must find the others in waits with a
+    # deadline -- not inside a blocking MPI call (the communicators are made before the suite
+    # starts; rank 0's copy ceiling reaches the others by an all-gather with a deadline).
+    proc, elapsed, out = _run_cmd([MPIEXEC, "-n", str(ranks), sys.executable, "-m", "vtnumba", "bench", suite,
+                                   "--quick", "--timeout", "3", "--inject", f"stop:0:{suite}"])
+    assert proc.returncode != 0 and elapsed < 2 * 3 + 20, (elapsed, out)
+    assert "timed out after 3 s" in out, out
+
+
 def test_bench_refuses_a_bad_inject_spec_and_timeout():
     proc, _, out = _run_cmd([sys.executable, "-m", "vtnumba", "bench", "memory", "--timeout", "nan"])
     assert proc.returncode == 2 and "'nan' is not a positive, finite number of seconds" in out, out

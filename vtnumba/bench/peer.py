@@ -93,7 +93,10 @@ def traffic_factor(case: str, impl: str, n: int) -> int:
 
 def _copy_ceiling(group, backend, on_device: bool) -> tuple[float, str]:
     """(copy traffic GB/s, what was copied), measured on rank 0 while the others wait; same on every rank."""
+    import pickle
+
     from vtnumba.dist import barrier
+    from vtnumba.dist.comm import allgather_bytes
 
     value = None
     if group.rank == 0:
@@ -102,7 +105,9 @@ def _copy_ceiling(group, backend, on_device: bool) -> tuple[float, str]:
             value = (rate.traffic_gbs, f"device copy traffic GB/s ({rate.nbytes / MIB:.0f} MiB, {rate.impl})")
         else:
             value = (2 * memcpy_bandwidth_gbs(64 * MIB, repeat=5), "memcpy traffic GB/s (64 MiB, rank 0 alone)")
-    value = group.cpu_comm.bcast(value, root=0)
+    # Rank 0's figure to every rank, with a deadline (a plain bcast would wait forever for a
+    # rank 0 that stopped): an all-gather of which only rank 0's entry is used.
+    value = pickle.loads(allgather_bytes(pickle.dumps(value), group)[0])
     barrier(group)
     return value
 

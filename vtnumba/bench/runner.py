@@ -277,6 +277,16 @@ def run_suite(name: str, args, comm, *, target: str | None = None) -> dict | Non
     previous = set_progress(progress)
     t0 = time.perf_counter()
     result = None
+    owns_dist = False
+    if name in MULTI_RANK:
+        from vtnumba import dist
+
+        # The groups first, while every rank is known to be here: creating a communicator is
+        # a blocking MPI call with no deadline, so a rank that stopped later in the suite must
+        # find the others in waits that can end (--timeout), not inside MPI_Comm_split.
+        if not dist.is_initialized():
+            dist.init_distributed()
+            owns_dist = True
     hook = _inject_hook(args, name, rank)
     try:
         if hook is not None:
@@ -292,6 +302,8 @@ def run_suite(name: str, args, comm, *, target: str | None = None) -> dict | Non
 
     wait_request(comm.Ibarrier(), None, f"the barrier after bench {name}",
                  getattr(args, "timeout", None) or BARRIER_TIMEOUT_S)
+    if owns_dist:
+        dist.destroy_distributed()
     if rank == 0 and result is not None:
         validate_suite(result)
         took = time.perf_counter() - t0
