@@ -116,7 +116,7 @@ def test_bench_a_stopped_rank_ends_the_job_after_the_timeout():
     assert "the barrier after bench memory" in out and "timed out after 3 s" in out, out
 
 
-@pytest.mark.parametrize("suite, ranks", [("peer", 3), ("tpsp", 2)])
+@pytest.mark.parametrize("suite, ranks", [("peer", 3)])  # (tpsp and model stopped in the same place)
 def test_bench_a_stopped_rank_ends_a_multi_rank_suite_after_the_timeout(suite, ranks):
     # In a suite every rank runs, a peer that stopped must find the others in waits with a
     # deadline -- not inside a blocking MPI call (the communicators are made before the suite
