@@ -6,9 +6,11 @@
   the backend (a GPU's memory cannot be read in place; copies work on every backend);
 * :class:`Holder` -- keeps a queue "still running", so events recorded behind it stay
   incomplete.  On threaded cpu queues that is real: a host function waits at a gate on
-  the queue's thread.  Synchronous backends (seed cpu, the simulator) finish every
-  operation before returning, so there the holder *emulates* a lagging GPU stream:
-  ``query_event`` answers False for events recorded on the held queue until release.
+  the queue's thread.  On a real GPU it is real too: the stream waits on a flag word
+  (``wait_value32``) that release raises from another queue.  Synchronous backends (seed
+  cpu, the simulator) finish every operation before returning, so there the holder
+  *emulates* a lagging GPU stream: ``query_event`` answers False for events recorded on
+  the held queue until release.
 """
 
 import threading
@@ -47,10 +49,16 @@ class Holder:
     def __init__(self, backend):
         self.backend = backend
         self.threaded = getattr(backend, "threaded", False)
+        # A real GPU's streams run on their own: hold them on a flag word in device memory.
+        self.on_device = not self.threaded and backend.capabilities.async_queues
         self._gates: list[threading.Event] = []
         self._held: set[int] = set()        # queue ids (emulated mode)
         self._pending: set[int] = set()     # event ids recorded on held queues (emulated mode)
-        if not self.threaded:
+        if self.on_device:
+            self._word = backend.asarray(np.zeros(1, np.uint32))
+            self._opener = backend.create_queue("test-gate")
+            self._epoch = 1  # what held queues wait for; raised by release
+        elif not self.threaded:
             real_record, real_query = backend.record_event, backend._query_event
 
             def record_event(e, q):
@@ -67,7 +75,9 @@ class Holder:
             backend._query_event = query
 
     def hold(self, q) -> None:
-        if self.threaded:
+        if self.on_device:
+            self.backend.wait_value32(q, self._word, 0, self._epoch, timeout_s=60)
+        elif self.threaded:
             gate = threading.Event()
             self._gates.append(gate)
             self.backend.launch_host_func(q, lambda: gate.wait(10.0), name="test-gate")
@@ -75,6 +85,9 @@ class Holder:
             self._held.add(q.id)
 
     def release(self) -> None:
+        if self.on_device:
+            self.backend.write_value32(self._opener, self._word, 0, self._epoch)
+            self._epoch += 1
         for gate in self._gates:
             gate.set()
         self._gates.clear()
@@ -84,6 +97,8 @@ class Holder:
 
     def close(self) -> None:
         self.release()
-        if not self.threaded:
+        if self.on_device:
+            self.backend.destroy_queue(self._opener)
+        elif not self.threaded:
             for name in ("record_event", "_query_event"):
                 self.backend.__dict__.pop(name, None)
