@@ -25,6 +25,21 @@ def threaded():
     b.close()
 
 
+@pytest.fixture(params=["cpu-threaded", pytest.param("gpu", marks=pytest.mark.cuda)])
+def queues_backend(request):
+    """Queues that run on their own: threaded cpu queues here, and a real GPU's streams where
+    there is one -- there the waits are cuStreamWaitValue32 across processes, and a failure
+    must release them through CUDA IPC memory."""
+    if request.param == "gpu":
+        from vtnumba.backend.cuda import CUDABackend
+
+        b = CUDABackend()
+    else:
+        b = CPUBackend(threaded=True)
+    yield b
+    b.close()
+
+
 def test_a_ring_of_queued_waits_and_signals(group, threaded):
     """Rank r's queue waits for rank r-1's flag, then does its work, then signals rank r+1."""
     def body():
@@ -65,11 +80,11 @@ def test_handshake_returns_every_ranks_meta(group, threaded):
     collectively(body)
 
 
-def test_a_peer_that_fails_releases_everyone_and_everyone_raises(group, threaded):
+def test_a_peer_that_fails_releases_everyone_and_everyone_raises(group, queues_backend):
     """Rank 0 gives up without ever signalling; every other rank's queue was waiting for it."""
     def body():
-        flags = QueueFlags(group, NAMES, threaded, timeout_s=30)
-        q = threaded.create_queue("victim")
+        flags = QueueFlags(group, NAMES, queues_backend, timeout_s=30)
+        q = queues_backend.create_queue("victim")
         try:
             flags.handshake((1,))
             t0 = time.perf_counter()
@@ -85,16 +100,16 @@ def test_a_peer_that_fails_releases_everyone_and_everyone_raises(group, threaded
             if group.rank == 0:
                 assert all(v == RELEASED for v in own.values())
         finally:
-            threaded.destroy_queue(q)
+            queues_backend.destroy_queue(q)
             flags.close()
 
     collectively(body)
 
 
-def test_a_peer_that_never_signals_is_named_after_the_deadline(group, threaded):
+def test_a_peer_that_never_signals_is_named_after_the_deadline(group, queues_backend):
     def body():
-        flags = QueueFlags(group, NAMES, threaded, timeout_s=0.5)
-        q = threaded.create_queue("stuck")
+        flags = QueueFlags(group, NAMES, queues_backend, timeout_s=0.5)
+        q = queues_backend.create_queue("stuck")
         try:
             flags.handshake((1,))
             last = group.size - 1
@@ -103,7 +118,7 @@ def test_a_peer_that_never_signals_is_named_after_the_deadline(group, threaded):
                 with pytest.raises(QueueFlagsError, match=rf"'done' from rank {last}: 0 \(waited for 3\)"):
                     flags.finish([q])
         finally:
-            threaded.destroy_queue(q)
+            queues_backend.destroy_queue(q)
             COMM.Barrier()  # the last rank may not close (collective) before the others gave up
             flags.close()
 
