@@ -116,6 +116,17 @@ class _FakeStuckGPU:
         self.words[index] = value
 
 
+def test_only_a_real_gpu_array_is_gpu_memory(device_backend):
+    # What CUDABackend accepts as a flag word on a GPU: host and simulated arrays have no
+    # device address to hand the driver.
+    from vtnumba.backend.arrays import is_device_array, is_gpu_array
+
+    word = device_backend.asarray(np.zeros(1, np.uint32))
+    assert is_device_array(word)
+    assert is_gpu_array(word) == (not device_backend.capabilities.simulator)
+    assert not is_gpu_array(np.zeros(1, np.uint32))
+
+
 def test_gpu_stream_waits_get_their_deadline_from_the_host():
     # A GPU stream's wait (cuStreamWaitValue32) cannot time out, so CUDABackend.synchronize polls
     # the stream and keeps each wait's deadline itself: a wait past its deadline with its word

@@ -677,10 +677,11 @@ class DeviceMemoryAtAMadeUpAddress:
 
 
 dest = LoadDestination(DeviceMemoryAtAMadeUpAddress(), BASE, 8192)
-a = _gpu_view(dest, dest.memory.view(np.float16, (2, 1024), 0), 0, 4096)
-b = _gpu_view(dest, dest.memory.view(np.float16, (2, 1024), 4096), 4096, 4096)
+f16 = np.dtype(np.float16)
+a = _gpu_view(dest, f16, (2, 1024), 0, 4096)
+b = _gpu_view(dest, f16, (2, 1024), 4096, 4096)
 assert a.device_ctypes_pointer.value == BASE and b.device_ctypes_pointer.value == BASE + 4096
-assert a.shape == b.shape == (2, 1024) and a.dtype == np.float16
+assert a.shape == b.shape == (2, 1024) and a.dtype == np.float16 and a.strides == (2048, 2)
 row = a[1]                           # a slice outlives the view it was cut from
 typed = b.view(np.int16).reshape(-1)  # and so does a re-typed, reshaped one
 del a, b
@@ -693,9 +694,14 @@ del typed
 gc.collect()
 assert dest.views_dead, "the last derived array died but the buffer was never declared free"
 # An empty view reads nothing and holds nothing.
-empty = LoadDestination(DeviceMemoryAtAMadeUpAddress(), 0, 0)
-no_rows = object()  # (a zero-size device array needs a context to make)
-assert _gpu_view(empty, no_rows, 0, 0) is no_rows and empty.views_pointer is None
+class NoRows:  # (a zero-size device array needs a context to make)
+    def view(self, dtype, shape, offset):
+        return ("the memory's own empty view", shape)
+
+
+empty = LoadDestination(NoRows(), 0, 0)
+assert _gpu_view(empty, f16, (0, 1024), 0, 0) == ("the memory's own empty view", (0, 1024))
+assert empty.views_pointer is None
 print("ok")
 '''
 

@@ -148,6 +148,15 @@ def is_device_array(obj) -> bool:
     return isinstance(obj, DeviceNDArray)
 
 
+def is_gpu_array(obj) -> bool:
+    """Is ``obj`` a real GPU's numba ``DeviceNDArray`` (not a simulated one)?"""
+    if not type(obj).__module__.startswith("numba.cuda.cudadrv"):
+        return False
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    return isinstance(obj, DeviceNDArray)
+
+
 def array_kind(name: str, arr) -> str:
     """:data:`HOST` for a numpy array, :data:`DEVICE` for a numba device array; TypeError otherwise."""
     if isinstance(arr, np.ndarray):
@@ -273,6 +282,6 @@ def check_array(name: str, arr, *, ndim: int, dtypes: Iterable, shape: tuple | N
 
 __all__ = [
     "HOST", "DEVICE", "cdiv", "is_int", "check_int", "check_nbytes", "check_seconds", "check_eps", "check_shape",
-    "simulator_active", "is_simulated_array", "is_device_array", "array_kind", "common_kind", "host_view",
-    "to_host", "wrap_host_memory", "is_c_contiguous", "address_of", "empty", "check_array",
+    "simulator_active", "is_simulated_array", "is_device_array", "is_gpu_array", "array_kind", "common_kind",
+    "host_view", "to_host", "wrap_host_memory", "is_c_contiguous", "address_of", "empty", "check_array",
 ]

@@ -50,7 +50,7 @@ from vtnumba.backend.arrays import (
     address_of,
     host_view,
     is_device_array,
-    is_simulated_array,
+    is_gpu_array,
     simulator_active,
     wrap_host_memory,
 )
@@ -109,6 +109,7 @@ class _CUDAQueue(Queue):
         self.error: BaseException | None = None  # raised by a host function; re-raised by synchronize
         #: Real GPU: the flag waits queued here and not yet seen passed, as
         #: ``(flags, index, value, deadline)`` -- what synchronize watches (see _wait_out_flag_waits).
+        #: Only ever appended to, or replaced by a new list: events keep (list, length) views of it.
         self.flag_waits: list[tuple] = []
 
 
@@ -136,7 +137,9 @@ class _CUDAEvent(Event):
     def __init__(self, backend, blocking, native):
         super().__init__(backend, blocking)
         self.native = native  # a numba Event on a real GPU; None in the simulator
-        self.flag_waits: list[tuple] = []  # real GPU: its queue's flag waits when it was recorded
+        # Real GPU: its queue's flag-wait list and that list's length when it was recorded (the
+        # waits it fires after) -- kept, not copied: recording events is on the hot path.
+        self.flag_waits: tuple = ([], 0)
         self.mark = EventMark()
         self.mark.fire()
 
@@ -300,7 +303,7 @@ class CUDABackend(Backend):
             with trace.span("synchronize", "host", "host", queue=q.name):
                 if q.flag_waits:
                     self._wait_out_flag_waits(lambda: self._stream_idle(q), q.flag_waits, f"queue {q.name}")
-                    q.flag_waits.clear()
+                    q.flag_waits = []
                 q.stream.synchronize()
         self._raise_queue_error(q)
 
@@ -480,7 +483,7 @@ class CUDABackend(Backend):
         # On a GPU the word's address goes to the driver (or a kernel) as a *device* pointer: a
         # numpy or simulator array's host address there is invalid -- at best an error, at worst
         # an illegal access that kills the process's CUDA context.
-        if not self.simulator and (not is_device_array(flags) or is_simulated_array(flags)):
+        if not self.simulator and not is_gpu_array(flags):
             raise TypeError(f"flags must be GPU memory (a numba device array: backend.empty, a Buffer's view, "
                             f"peer memory) on {self.name}, got {type(flags).__module__}.{type(flags).__name__}")
         return super()._check_flag(flags, index, value)
@@ -513,7 +516,7 @@ class CUDABackend(Backend):
         # Kept for synchronize, which polls instead of blocking while waits are pending.  (A
         # queue that is never synchronized forgets the ones an idle stream has passed.)
         if len(q.flag_waits) >= 256 and self._stream_idle(q):
-            q.flag_waits.clear()
+            q.flag_waits = []
         q.flag_waits.append((flags, index, value, time.monotonic() + timeout_s))
         if self._memops_ok:
             (err,) = cu.cuStreamWaitValue32(q.handle, cu.CUdeviceptr(address_of(flags) + 4 * index), value,
@@ -550,13 +553,14 @@ class CUDABackend(Backend):
             e.mark = mark
             return
         e.native.record(q.stream)
-        e.flag_waits = list(q.flag_waits)  # the event fires only after these waits passed
+        e.flag_waits = (q.flag_waits, len(q.flag_waits))  # the event fires only after these waits passed
 
     def _synchronize_event(self, e) -> None:
         if not self.simulator:
-            if e.flag_waits:
-                self._wait_out_flag_waits(lambda: bool(e.native.query()), e.flag_waits, "an event")
-                e.flag_waits = []
+            waits, count = e.flag_waits
+            if count:
+                self._wait_out_flag_waits(lambda: bool(e.native.query()), waits[:count], "an event")
+                e.flag_waits = ([], 0)
             e.native.synchronize()
 
     def _query_event(self, e) -> bool:

@@ -167,7 +167,7 @@ class LoadDestinations:
             if self._simulator:
                 arr = wrap_host_memory(arr)  # kernels in the simulator take it in place
             return arr
-        return _gpu_view(dest, dest.memory.view(dtype, shape, offset), offset, nbytes)
+        return _gpu_view(dest, dtype, tuple(shape), offset, nbytes)
 
     def seal(self, dest: LoadDestination) -> None:
         """All views are handed out: from now on only they keep the buffer in use."""
@@ -295,11 +295,15 @@ def _owner_died(ref) -> None:
         entry[1].views_dead = True
 
 
-def _gpu_view(dest: LoadDestination, arr, offset: int, nbytes: int):
-    """``arr`` (a device array on ``dest``'s bytes at ``offset``) re-made on ``dest``'s views
-    pointer, so that it and everything derived from it hold a reference there."""
+def _gpu_view(dest: LoadDestination, dtype: np.dtype, shape: tuple, offset: int, nbytes: int):
+    """A C-contiguous ``shape`` array of ``dtype`` on ``dest``'s bytes at ``offset``, made on
+    ``dest``'s views pointer, so that it and everything derived from it hold a reference there.
+    (Built directly from the pointer: one device array per view, no slice/view/reshape chain.)"""
     if nbytes == 0 or not dest.ptr:
-        return arr  # an empty view reads no bytes: nothing to keep in use
+        return dest.memory.view(dtype, shape, offset)  # an empty view reads no bytes: nothing to keep in use
+    if offset + nbytes > dest.capacity:
+        raise ValueError(f"a view of {nbytes} bytes at offset {offset} does not fit the {dest.capacity}-byte "
+                         "load buffer")
     from numba import cuda
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
     from numba.cuda.cudadrv.driver import AutoFreePointer
@@ -313,7 +317,11 @@ def _gpu_view(dest: LoadDestination, arr, offset: int, nbytes: int):
         dest.views_pointer = AutoFreePointer(cuda.current_context(), cu.CUdeviceptr(dest.ptr), dest.capacity,
                                              finalizer=functools.partial(_views_died, dest, keep))
     owned = dest.views_pointer.view(offset, offset + nbytes)  # an OwnedPointer: one reference
-    return DeviceNDArray(arr.shape, arr.strides, arr.dtype, gpu_data=owned)
+    strides, step = [], dtype.itemsize
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return DeviceNDArray(shape, tuple(reversed(strides)), dtype, gpu_data=owned)
 
 
 def _views_died(dest: LoadDestination, _allocation) -> None:
