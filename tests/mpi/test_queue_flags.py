@@ -6,6 +6,7 @@ work behind it) and numba's simulator; the last test runs the GPU fallback's fla
 in the simulator, rank against rank.
 """
 
+import re
 import time
 
 import numpy as np
@@ -13,6 +14,8 @@ import pytest
 from mpi_helpers import COMM, collectively, group  # noqa: F401  (group is a fixture)
 
 from vtnumba.backend import CPUBackend
+from vtnumba.backend.atomics import store_release
+from vtnumba.backend.polling import poll_until
 from vtnumba.dist import RELEASED, PeerBuffers, QueueFlags, QueueFlagsError, list_segments
 
 NAMES = ("ready", "done")
@@ -101,6 +104,38 @@ def test_a_peer_that_fails_releases_everyone_and_everyone_raises(group, queues_b
                 assert all(v == RELEASED for v in own.values())
         finally:
             queues_backend.destroy_queue(q)
+            flags.close()
+
+    collectively(body)
+
+
+def test_a_rank_failing_because_of_a_peer_does_not_take_the_blame(group, threaded):
+    """Rank 0's abort has reached rank 1's area but not yet the others' (a failing rank stamps
+    the areas one after the other).  Rank 1 gives up because of it; whoever then finds rank
+    1's stamp must also find rank 0's -- relayed by rank 1 -- and name rank 0."""
+    def body():
+        flags = QueueFlags(group, NAMES, threaded, timeout_s=30)
+        q = threaded.create_queue("victim")
+        try:
+            flags.handshake((1,))
+            epoch = flags.call_epoch
+            if group.rank == 0:
+                if group.size > 1:  # the first of the stamps fail() writes, and no other yet
+                    store_release(flags.host._areas[1], flags.host._abort_at + 0, epoch)
+            else:
+                if group.rank == 1:
+                    flags.wait(q, "ready", 1, sources=0)  # held back until rank 1 gives up
+                else:  # wait until rank 1 has given up, so rank 0's own stamp cannot be what we see
+                    poll_until(lambda: flags.host.abort_stamp(1) == epoch, 10, lambda w: "rank 1's abort")
+                with pytest.raises(QueueFlagsError) as failed:
+                    flags.finish([q])
+            COMM.Barrier()  # (no assertion before it: a rank that skipped it would leave the others here)
+            if group.rank == 0:
+                flags.fail([q])  # the rest of rank 0's failure: every area stamped, every word released
+            else:
+                assert re.search(r": rank 0(, \d+)* aborted during the exchange", str(failed.value)), failed.value
+        finally:
+            threaded.destroy_queue(q)
             flags.close()
 
     collectively(body)

@@ -193,7 +193,18 @@ class QueueFlags:
         # A stamp equal to this call's epoch means that peer failed *this* call; a larger one
         # means it finished this call and failed a later one -- our result is still whole.
         e = self.call_epoch
-        return [r for r in range(self.group.size) if r != self.group.rank and self.host.abort_stamp(r) == e]
+
+        def scan() -> list[int]:
+            return [r for r in range(self.group.size) if r != self.group.rank and self.host.abort_stamp(r) == e]
+
+        aborted = scan()
+        if not aborted:
+            return aborted
+        # One pass reads the stamps one after the other, so it can miss the rank that failed
+        # first and see only a peer that aborted *because of it* (stamped between our two
+        # reads).  Such a peer relayed the first failure's stamp before its own (finish), so
+        # a second pass sees it and the message names the rank that failed first.
+        return scan()
 
     def finish(self, queues, *, what: str = "the exchange") -> None:
         """Wait until every queue in ``queues`` has done its queued work -- polling with a
@@ -215,6 +226,8 @@ class QueueFlags:
             # what they computed is garbage -- that must fail, not return.
             aborted = self._aborted_peers()
             if aborted:
+                for r in aborted:  # before our own stamp (fail, below): so peers blame them, not us
+                    self.host.relay_abort(r)
                 who = ", ".join(str(r) for r in aborted)
                 failure = (f"rank {self.group.rank} of group {self.group.name!r}: rank {who} aborted during {what} "
                            "(it raised an error or timed out; see its message)")

@@ -229,8 +229,23 @@ class PeerSignals:
         """
         if self._pb.closed:
             return
-        stamp = ABORT_FOREVER if epoch is None else int(epoch)
-        slot = self._abort_at + self.group.rank
+        self._stamp_abort(self.group.rank, ABORT_FOREVER if epoch is None else int(epoch))
+
+    def relay_abort(self, rank: int) -> None:
+        """Pass on the news that ``rank`` gave up: copy its abort stamp, as this rank sees it,
+        into every peer's area.
+
+        Call it *before* this rank's own :meth:`abort` when it gives up *because* ``rank`` did.
+        The failing rank stamps the peers' areas one after the other, so a third rank can find
+        our stamp before the original one reaches its area, and blame us for the failure; with
+        the original stamp relayed first (release order), whoever sees our stamp sees it too.
+        """
+        self._check_open()
+        r = self._rank(rank, "rank")
+        self._stamp_abort(r, self.abort_stamp(r))
+
+    def _stamp_abort(self, rank: int, stamp: int) -> None:
+        slot = self._abort_at + rank
         for r in range(self.group.size):
             if stamp > load_acquire(self._areas[r], slot):  # stamps only grow
                 store_release(self._areas[r], slot, stamp)
