@@ -132,6 +132,37 @@ def test_bench_refuses_a_bad_inject_spec_and_timeout():
     assert proc.returncode == 2 and "'nan' is not a positive, finite number of seconds" in out, out
 
 
+_STUCK_ON_THE_WAY_OUT = '''
+import time
+
+from vtnumba.dist import failures
+
+failures.EXIT_GRACE_S = 0.5
+
+def main():
+    raise RuntimeError("boom")
+
+if {stuck}:  # a stand-in for an MPI or driver call that never returns while the rank reports
+    failures.report = lambda exc: time.sleep(3600)
+code = failures.run_collectively(main, timeout_s=1)
+time.sleep(2)  # a rank whose peers all agreed to leave goes on: the watchdog must be off
+print("left with", code)
+'''
+
+
+@pytest.mark.parametrize("stuck", [True, False])
+def test_a_failing_rank_leaves_even_when_stuck_on_its_way_out(tmp_path, stuck):
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK_ON_THE_WAY_OUT.format(stuck=stuck))
+    proc, elapsed, out = _run_cmd([sys.executable, str(script)], timeout=60)
+    if stuck:  # the watchdog: every thread's stack (where it was stuck), then _exit(1)
+        assert proc.returncode == 1 and elapsed < 20, (elapsed, out)
+        assert "Timeout (0:00:01.500000)!" in out and "in <lambda>" in out and "left with" not in out, out
+    else:
+        assert proc.returncode == 0 and "left with 1" in out and "Timeout" not in out, out
+        assert "[rank 0] failed while running: RuntimeError: boom" in out, out
+
+
 _LESSON = '''"""A lesson whose rank 1 fails ({how}) while rank 0 waits for it."""
 import os
 import signal

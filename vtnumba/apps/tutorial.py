@@ -455,6 +455,8 @@ def _end_together_on_failure(timeout_s: float) -> None:
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):
+        if isinstance(exc, Exception):
+            failures.arm_exit_watchdog(timeout_s)  # from here on, nothing may keep this rank alive
         if not getattr(exc, "caused_by_peer", False):
             previous(exc_type, exc, tb)  # the traceback first: it is what the reader needs
         if isinstance(exc, Exception):

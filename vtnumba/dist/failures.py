@@ -21,7 +21,11 @@ they all failed, or gave up after the report -- it returns and the program exits
 (``MPI_Finalize`` completes).  If some rank never arrives (stopped, or stuck where no watch
 runs), it leaves *without* ``MPI_Finalize`` (``os._exit``): ``mpiexec`` then sees a rank
 gone and ends the whole job -- what ``MPI_Abort`` would do, but only when agreement was
-impossible.
+impossible.  A *watchdog* makes even that certain: from the moment a rank starts failing,
+a timer of :mod:`faulthandler` (a C thread, which needs neither the GIL nor a working MPI)
+prints every thread's stack and ends the process if it is still there
+``timeout_s + EXIT_GRACE_S`` later -- so a failing rank that got stuck anywhere on its way
+out (in a driver or MPI call) still leaves, and says where it was stuck.
 
 :func:`run_collectively` wraps a program's ``main`` with both; ``docs/failure_model``
 lists what each program does when a rank raises, is killed or stops.
@@ -29,6 +33,7 @@ lists what each program does when a rank raises, is killed or stops.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import threading
@@ -40,6 +45,7 @@ from vtnumba.backend import polling
 from vtnumba.dist.comm import DEFAULT, resolve_timeout
 
 _TAG = 31990  # below MPI_TAG_UB's guaranteed minimum (32767)
+EXIT_GRACE_S = 10.0  # how long past its exit barrier's deadline a failing rank may take to leave
 
 
 class PeerFailed(RuntimeError):
@@ -161,6 +167,13 @@ def report(exc: BaseException) -> str:
     return f"[rank {rank}] {what}"
 
 
+def arm_exit_watchdog(timeout_s: float = DEFAULT) -> None:
+    """Make sure this process ends: unless :func:`exit_after_failure` sees every rank agree
+    first, dump every thread's stack to stderr and ``_exit(1)`` in ``timeout_s +``
+    :data:`EXIT_GRACE_S` seconds.  Call it first thing when a rank starts failing."""
+    faulthandler.dump_traceback_later(resolve_timeout(timeout_s) + EXIT_GRACE_S, exit=True)
+
+
 def exit_after_failure(timeout_s: float = DEFAULT, code: int = 1) -> int:
     """Leave after a failure so that the job ends (see the module docstring).  Returns ``code``
     when every rank agreed to leave; otherwise does not return (``os._exit``)."""
@@ -169,9 +182,13 @@ def exit_after_failure(timeout_s: float = DEFAULT, code: int = 1) -> int:
     if board is not None:
         polling.remove_watch(board.check)  # we are leaving anyway: peers' notes change nothing
     timeout_s = resolve_timeout(timeout_s)
+    arm_exit_watchdog(timeout_s)  # (again: the barrier's own deadline starts now)
     req = comm.Ibarrier()
     try:
         polling.poll_until(req.Test, timeout_s, lambda waited: "exit barrier")
+        # Every rank arrived, so MPI_Finalize will complete: the program leaves normally
+        # (and a caller that goes on -- a test -- must not be killed later).
+        faulthandler.cancel_dump_traceback_later()
         return code
     except polling.WaitTimeout:
         print(f"[rank {comm.Get_rank()}] a rank did not leave within {timeout_s:g} s (stopped or hung); ending the "
@@ -187,9 +204,10 @@ def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
     try:
         return int(main() or 0)
     except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 - every failure must reach the peers
+        arm_exit_watchdog(timeout_s)  # from here on, nothing may keep this process alive
         print(report(exc), file=sys.stderr, flush=True)
         return exit_after_failure(timeout_s)
 
 
-__all__ = ["PeerFailed", "FailureBoard", "phase", "current_phase", "install", "uninstall", "report",
-           "exit_after_failure", "run_collectively"]
+__all__ = ["EXIT_GRACE_S", "PeerFailed", "FailureBoard", "phase", "current_phase", "install", "uninstall", "report",
+           "arm_exit_watchdog", "exit_after_failure", "run_collectively"]
