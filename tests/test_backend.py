@@ -155,6 +155,33 @@ def test_elapsed_ms_non_negative_and_ordered(backend):
     backend.free(buf)
 
 
+def test_an_event_without_timing_orders_work_but_cannot_be_timed(backend):
+    q, other = backend.create_queue(), backend.create_queue()
+    fast, timed = backend.create_event(timing=False), backend.create_event()
+    assert fast.timing is False and timed.timing is True
+    buf = backend.alloc(1 << 12)
+    host = np.empty(1 << 12, np.uint8)
+    backend.memset(q, buf, 7)
+    backend.record_event(fast, q)
+    backend.record_event(timed, q)
+    backend.queue_wait_event(other, fast)  # it still orders: the copy sees the memset
+    backend.copy(other, host, buf, host.nbytes)
+    backend.synchronize(other)
+    backend.synchronize_event(fast)
+    assert backend.query_event(fast) and np.all(host == 7)
+    for args in ((fast, timed), (timed, fast)):
+        name = "start" if args[0] is fast else "end"
+        with pytest.raises(RuntimeError, match=rf"elapsed_ms: event {name} \(#{fast.id}\) was created with "
+                                               "timing=False"):
+            backend.elapsed_ms(*args)
+    assert backend.elapsed_ms(timed, timed) == 0.0
+    for e in (fast, timed):
+        backend.destroy_event(e)
+    backend.free(buf)
+    for x in (q, other):
+        backend.destroy_queue(x)
+
+
 def test_queue_errors_are_sticky_until_synchronize():
     b = CPUBackend(threaded=True)
     q = b.create_queue()

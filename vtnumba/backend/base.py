@@ -208,11 +208,17 @@ class Event:
     ``synchronize_event`` instead of spinning); vtnumba keeps it on the event, but no backend
     acts on it: cpu events always sleep on a ``threading.Event``, and numba-cuda creates its
     events without the flag, so ``synchronize_event`` on a GPU spins as CUDA's default does.
+
+    ``timing`` is the inverse of ``cudaEventDisableTiming``: an event that only orders work
+    and tells the host when it got there (most events: the allocator's, the peer flags')
+    needs no timestamp, and on a GPU one without it is cheaper to record and to wait for.
+    Only events created with ``timing=True`` can be passed to :meth:`Backend.elapsed_ms`.
     """
 
-    def __init__(self, backend: "Backend", blocking: bool = False):
+    def __init__(self, backend: "Backend", blocking: bool = False, timing: bool = True):
         self.backend = backend
         self.blocking = blocking
+        self.timing = timing
         self.id = next(_ids)
         self.destroyed = False
         self.recorded = False  # an event never recorded counts as complete (CUDA semantics)
@@ -542,9 +548,13 @@ class Backend(abc.ABC):
         return index, value
 
     # ------------------------------------------------------------------ events
-    def create_event(self, blocking: bool = False) -> Event:
-        """A new event.  Until it is first recorded it counts as complete, as in CUDA."""
-        ev = self._create_event(bool(blocking))
+    def create_event(self, blocking: bool = False, timing: bool = True) -> Event:
+        """A new event.  Until it is first recorded it counts as complete, as in CUDA.
+
+        ``timing=False`` (``cudaEventDisableTiming``): the event orders and signals only --
+        cheaper on a GPU -- and :meth:`elapsed_ms` refuses it.
+        """
+        ev = self._create_event(bool(blocking), bool(timing))
         with self._lock:
             self._events.add(ev.id)
         return ev
@@ -591,6 +601,9 @@ class Backend(abc.ABC):
         self._check_event(start, "start")
         self._check_event(end, "end")
         for name, ev in (("start", start), ("end", end)):
+            if not ev.timing:
+                raise RuntimeError(f"elapsed_ms: event {name} (#{ev.id}) was created with timing=False: it has no "
+                                   "timestamp (create_event(timing=True) for events you time)")
             if not ev.recorded:
                 raise RuntimeError(f"elapsed_ms: event {name} (#{ev.id}) was never recorded")
         return self._elapsed_ms(start, end)
@@ -740,7 +753,7 @@ class Backend(abc.ABC):
     def _wait_value32(self, q: Queue, flags, index: int, value: int, timeout_s: float) -> None: ...
 
     @abc.abstractmethod
-    def _create_event(self, blocking: bool) -> Event: ...
+    def _create_event(self, blocking: bool, timing: bool) -> Event: ...
 
     @abc.abstractmethod
     def _destroy_event(self, e: Event) -> None: ...

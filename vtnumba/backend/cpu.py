@@ -65,8 +65,8 @@ def wait_flag_word(flags: np.ndarray, index: int, value: int, timeout_s: float, 
 
 
 class _CPUEvent(Event):
-    def __init__(self, backend, blocking):
-        super().__init__(backend, blocking)
+    def __init__(self, backend, blocking, timing):
+        super().__init__(backend, blocking, timing)
         self.mark = EventMark()
         self.mark.fire()  # never recorded = complete, as in CUDA
 
@@ -232,8 +232,8 @@ class CPUBackend(Backend):
               {"index": index, "value": value})
 
     # ---------------------------------------------------------------- events
-    def _create_event(self, blocking) -> Event:
-        return _CPUEvent(self, blocking)
+    def _create_event(self, blocking, timing) -> Event:
+        return _CPUEvent(self, blocking, timing)
 
     def _destroy_event(self, e) -> None:
         pass

@@ -134,8 +134,8 @@ _HOST_FN_ADDRESS = ctypes.cast(_host_func_trampoline, ctypes.c_void_p).value
 
 
 class _CUDAEvent(Event):
-    def __init__(self, backend, blocking, native):
-        super().__init__(backend, blocking)
+    def __init__(self, backend, blocking, timing, native):
+        super().__init__(backend, blocking, timing)
         self.native = native  # a numba Event on a real GPU; None in the simulator
         # Real GPU: its queue's flag-wait list and that list's length when it was recorded (the
         # waits it fires after) -- kept, not copied: recording events is on the hot path.
@@ -539,9 +539,9 @@ class CUDABackend(Backend):
         return True
 
     # ---------------------------------------------------------------- events
-    def _create_event(self, blocking) -> Event:
-        native = None if self.simulator else _cuda().event(timing=True)
-        return _CUDAEvent(self, blocking, native)
+    def _create_event(self, blocking, timing) -> Event:
+        native = None if self.simulator else _cuda().event(timing=timing)
+        return _CUDAEvent(self, blocking, timing, native)
 
     def _destroy_event(self, e) -> None:
         e.native = None

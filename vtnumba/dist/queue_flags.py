@@ -274,7 +274,7 @@ class QueueFlags:
         for q in queues:
             ev = self._events.get(q.id)
             if ev is None:
-                ev = self._events[q.id] = be.create_event()
+                ev = self._events[q.id] = be.create_event(timing=False)
             be.record_event(ev, q)
             events.append(ev)
         return events
@@ -344,7 +344,7 @@ class QueueFlags:
         be.write_value32(q, area, slot, RELEASED)
         ev = self._events.get(q.id)
         if ev is None:
-            ev = self._events[q.id] = be.create_event()
+            ev = self._events[q.id] = be.create_event(timing=False)
         be.record_event(ev, q)
         poll_until(lambda: be.query_event(ev), self.timeout_s,
                    lambda waited: f"rank {self.group.rank}: releasing flag word {slot} did not finish within "

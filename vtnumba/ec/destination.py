@@ -208,7 +208,7 @@ class LoadDestinations:
                 continue
             if dest.release_event is None:
                 # record_stream's rule: wait for what the compute queue has queued *now*.
-                dest.release_event = self.backend.create_event()
+                dest.release_event = self.backend.create_event(timing=False)
                 self.backend.record_event(dest.release_event, self.compute_queue)
             if self.backend.query_event(dest.release_event):
                 self._free(dest)

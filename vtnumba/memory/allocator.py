@@ -284,7 +284,7 @@ class CachingAllocator:
                 return
             events = []
             for q in queues:
-                ev = self.backend.create_event()
+                ev = self.backend.create_event(timing=False)  # orders only: never timed
                 self.backend.record_event(ev, q)
                 events.append(ev)
             self._c["events_recorded"] += len(events)

@@ -169,7 +169,7 @@ class HazardChecker:
             for qid, q in uses.queues.items():
                 if q.destroyed:  # destroy_queue drained it: its uses are complete
                     continue
-                ev = backend.create_event()
+                ev = backend.create_event(timing=False)  # orders only: never timed
                 backend.record_event(ev, q)
                 recorded.append((q, ev, qid in uses.covered))
             if recorded:
