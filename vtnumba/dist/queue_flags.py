@@ -202,7 +202,7 @@ class QueueFlags:
             return aborted
         # One pass reads the stamps one after the other, so it can miss the rank that failed
         # first and see only a peer that aborted *because of it* (stamped between our two
-        # reads).  Such a peer relayed the first failure's stamp before its own (finish), so
+        # reads).  Such a peer relayed the first failure's stamp before its own (fail), so
         # a second pass sees it and the message names the rank that failed first.
         return scan()
 
@@ -226,8 +226,6 @@ class QueueFlags:
             # what they computed is garbage -- that must fail, not return.
             aborted = self._aborted_peers()
             if aborted:
-                for r in aborted:  # before our own stamp (fail, below): so peers blame them, not us
-                    self.host.relay_abort(r)
                 who = ", ".join(str(r) for r in aborted)
                 failure = (f"rank {self.group.rank} of group {self.group.name!r}: rank {who} aborted during {what} "
                            "(it raised an error or timed out; see its message)")
@@ -282,8 +280,10 @@ class QueueFlags:
     def fail(self, queues=()) -> None:
         """This rank gives up: stamp the abort, release every wait, drain ``queues``.
 
-        The order matters.  (1) The abort stamp comes first, so a peer whose wait on us gets
-        released always finds the stamp and fails instead of returning garbage.  (2) Our own
+        The order matters.  (0) The aborts of peers that gave up on this call before us are
+        relayed, so nobody blames us for their failure.  (1) The abort stamp comes first, so a
+        peer whose wait on us gets released always finds the stamp and fails instead of
+        returning garbage.  (2) Our own
         area is released, so our queues' waits pass and they run to their end.  (3) We wait
         (bounded) for our queues to drain: until then they may still write epochs into the
         peers' areas.  (4) Only then are our words in the peers' areas released -- no later
@@ -291,8 +291,15 @@ class QueueFlags:
         """
         if self._pb.closed:
             return
-        self.host.abort(self._failure_epoch())
         me, n = self.group.rank, self.group.size
+        epoch = self._failure_epoch()
+        # Peers that already gave up on this call are passed on before our own stamp (see
+        # PeerSignals.relay_abort): whoever finds our stamp then finds theirs too, and names
+        # the rank that failed first instead of us, who may only have reacted to it.
+        for r in range(n):
+            if r != me and self.host.abort_stamp(r) == epoch:
+                self.host.relay_abort(r)
+        self.host.abort(epoch)
         self._release_words(me, range(len(self.names) * n))
         self._drain(queues)
         for r in range(n):
