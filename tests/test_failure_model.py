@@ -40,8 +40,13 @@ def _job(cmd: list, env: dict, timeout: float = 120):
     """Run an MPI job as a user would (no stdin); (process, seconds, output); it left nothing in /dev/shm."""
     before = _vtnumba_files()
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
-                          stdin=subprocess.DEVNULL)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:  # the job did not end: show all it printed (where it hung)
+        said = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                       for x in (exc.stdout, exc.stderr))
+        pytest.fail(f"the job did not end within {timeout:g} s: {' '.join(map(str, cmd))}\n{said}", pytrace=False)
     elapsed = time.monotonic() - t0
     assert _vtnumba_files() <= before, f"left in /dev/shm: {_vtnumba_files() - before}"
     return proc, elapsed, proc.stdout + proc.stderr
