@@ -86,6 +86,7 @@ def test_a_stopped_rank_ends_the_job_after_the_timeout(ranks, inject):
     assert elapsed < 2 * 3 + 15, f"took {elapsed:.1f} s"
     assert "timed out after 3 s" in out, out
     assert "did not leave within 3 s (stopped or hung); ending the job without MPI_Finalize" in out, out
+    assert f"rank {bad} is stopped (SIGSTOP): ended it (SIGKILL)" in out, out  # not left to mpiexec
     if inject.endswith("tpsp"):
         assert f"from rank {bad}" in out  # the fused op's flags say whom it waited for
 
@@ -135,6 +136,40 @@ def test_bench_a_stopped_rank_ends_a_multi_rank_suite_after_the_timeout(suite, r
 def test_bench_refuses_a_bad_inject_spec_and_timeout():
     proc, _, out = _run_cmd([sys.executable, "-m", "vtnumba", "bench", "memory", "--timeout", "nan"])
     assert proc.returncode == 2 and "'nan' is not a positive, finite number of seconds" in out, out
+
+
+def test_only_stopped_peers_on_this_machine_are_ended():
+    """end_stopped_peers, on real processes: a stopped one is killed; a running one, one whose
+    pid now names another process (start time differs) and one on another host are not."""
+    import signal
+    import socket
+    from types import SimpleNamespace
+
+    from vtnumba.dist.failures import _start_time, end_stopped_peers
+
+    kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(4)]
+    try:
+        for k in (kids[0], kids[2], kids[3]):
+            k.send_signal(signal.SIGSTOP)
+        here = socket.gethostname()
+        deadline = time.monotonic() + 10
+        while not all(open(f"/proc/{k.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
+                      for k in (kids[0], kids[2], kids[3])):
+            assert time.monotonic() < deadline, "the children did not stop"
+            time.sleep(0.01)
+        me = (here, os.getpid(), _start_time(os.getpid()))
+        procs = [me, *[(here, k.pid, _start_time(k.pid)) for k in kids]]
+        procs[3] = (here, kids[2].pid, procs[3][2] + 1)  # "pid reused": not the process seen at start-up
+        procs[4] = ("elsewhere", kids[3].pid, procs[4][2])  # another machine's pid
+        board = SimpleNamespace(rank=0, processes=procs)
+        assert end_stopped_peers(board) == [1]
+        assert kids[0].wait(timeout=10) == -signal.SIGKILL
+        assert all(k.poll() is None for k in kids[1:])
+        assert end_stopped_peers(board) == []  # the ended one is gone; the others are still not ours to end
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
 
 
 _STUCK_ON_THE_WAY_OUT = '''
@@ -199,7 +234,7 @@ def test_a_tutorial_ends_when_one_rank_fails(tmp_path, how, wait, limit):
     if how == "raise":
         assert "[rank 1] failed while running: ValueError: boom on rank 1" in out, out
     else:
-        assert "timed out after 3 s" in out, out
+        assert "timed out after 3 s" in out and "rank 1 is stopped (SIGSTOP): ended it (SIGKILL)" in out, out
 
 
 @pytest.fixture

@@ -25,7 +25,9 @@ impossible.  A *watchdog* makes even that certain: from the moment a rank starts
 a timer of :mod:`faulthandler` (a C thread, which needs neither the GIL nor a working MPI)
 prints every thread's stack and ends the process if it is still there
 ``timeout_s + EXIT_GRACE_S`` later -- so a failing rank that got stuck anywhere on its way
-out (in a driver or MPI call) still leaves, and says where it was stuck.
+out (in a driver or MPI call) still leaves, and says where it was stuck.  And before it
+leaves that way, it ends the peers on its machine that are *stopped* (:func:`end_stopped_peers`):
+nothing else would.
 
 :func:`run_collectively` wraps a program's ``main`` with both; ``docs/failure_model``
 lists what each program does when a rank raises, is killed or stops.
@@ -35,6 +37,8 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
+import socket
 import sys
 import threading
 from contextlib import contextmanager
@@ -101,6 +105,9 @@ class FailureBoard:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.failed_peer: PeerFailed | None = None  #: the first peer failure seen (kept, so later checks raise it again)
+        #: Every rank's (host, pid, process start time): who to end if a peer is stopped (see
+        #: :func:`end_stopped_peers`).  Gathered now, while every rank is known to be alive.
+        self.processes: list = self.comm.allgather((socket.gethostname(), os.getpid(), _start_time(os.getpid())))
 
     def post(self, text: str) -> None:
         """Tell every other rank.  Non-blocking and fire-and-forget: a note is small, so MPI sends
@@ -167,6 +174,53 @@ def report(exc: BaseException) -> str:
     return f"[rank {rank}] {what}"
 
 
+def _start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot, /proc/<pid>/stat field 22), or
+    None if there is no such process: with the pid, it names one process even if pids are reused."""
+    state = _proc_stat(pid)
+    return None if state is None else int(state[19])
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (field 3, the state, first), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:  # gone, or no /proc (not Linux)
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def end_stopped_peers(board: FailureBoard | None = None) -> list[int]:
+    """SIGKILL the peers on this machine that are *stopped* (SIGSTOP, state ``T``); returns their ranks.
+
+    The exit protocol's last step.  ``mpiexec`` ends a job whose rank left without
+    ``MPI_Finalize`` by killing the other ranks -- but our fault tests twice saw a job wait
+    forever after that, its only other rank stopped; and a stopped process can neither hear
+    a failure report nor leave by itself.  So the rank that leaves ends it first, as
+    ``MPI_Abort`` would.  Only stopped peers, only on this
+    machine, and only the very process seen at start-up (pid *and* start time): a peer that
+    is merely slow or being traced by a debugger (state ``t``) is left to ``mpiexec``.
+    """
+    board = board if board is not None else _board
+    if board is None:
+        return []
+    here = socket.gethostname()
+    ended = []
+    for r, (host, pid, started) in enumerate(board.processes):
+        if r == board.rank or host != here or started is None:
+            continue
+        state = _proc_stat(pid)
+        if state is None or state[0] != "T" or int(state[19]) != started:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+            ended.append(r)
+        except OSError:  # it went away meanwhile
+            pass
+    return ended
+
+
 def arm_exit_watchdog(timeout_s: float = DEFAULT) -> None:
     """Make sure this process ends: unless :func:`exit_after_failure` sees every rank agree
     first, dump every thread's stack to stderr and ``_exit(1)`` in ``timeout_s +``
@@ -193,6 +247,9 @@ def exit_after_failure(timeout_s: float = DEFAULT, code: int = 1) -> int:
     except polling.WaitTimeout:
         print(f"[rank {comm.Get_rank()}] a rank did not leave within {timeout_s:g} s (stopped or hung); ending the "
               "job without MPI_Finalize", file=sys.stderr, flush=True)
+        for r in end_stopped_peers(board):
+            print(f"[rank {comm.Get_rank()}] rank {r} is stopped (SIGSTOP): ended it (SIGKILL)", file=sys.stderr,
+                  flush=True)
         sys.stdout.flush()
         os._exit(code)
 
@@ -210,4 +267,4 @@ def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
 
 
 __all__ = ["EXIT_GRACE_S", "PeerFailed", "FailureBoard", "phase", "current_phase", "install", "uninstall", "report",
-           "arm_exit_watchdog", "exit_after_failure", "run_collectively"]
+           "end_stopped_peers", "arm_exit_watchdog", "exit_after_failure", "run_collectively"]
