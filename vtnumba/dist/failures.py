@@ -178,7 +178,7 @@ def _start_time(pid: int) -> int | None:
     """The start time of process ``pid`` (clock ticks since boot, /proc/<pid>/stat field 22), or
     None if there is no such process: with the pid, it names one process even if pids are reused."""
     state = _proc_stat(pid)
-    return None if state is None else int(state[19])
+    return int(state[19]) if state is not None and len(state) >= 20 and state[19].isdigit() else None
 
 
 def _proc_stat(pid: int) -> list[str] | None:
@@ -211,7 +211,7 @@ def end_stopped_peers(board: FailureBoard | None = None) -> list[int]:
         if r == board.rank or host != here or started is None:
             continue
         state = _proc_stat(pid)
-        if state is None or state[0] != "T" or int(state[19]) != started:
+        if state is None or len(state) < 20 or state[0] != "T" or state[19] != str(started):
             continue
         try:
             os.kill(pid, signal.SIGKILL)
@@ -245,13 +245,15 @@ def exit_after_failure(timeout_s: float = DEFAULT, code: int = 1) -> int:
         faulthandler.cancel_dump_traceback_later()
         return code
     except polling.WaitTimeout:
-        print(f"[rank {comm.Get_rank()}] a rank did not leave within {timeout_s:g} s (stopped or hung); ending the "
-              "job without MPI_Finalize", file=sys.stderr, flush=True)
-        for r in end_stopped_peers(board):
-            print(f"[rank {comm.Get_rank()}] rank {r} is stopped (SIGSTOP): ended it (SIGKILL)", file=sys.stderr,
-                  flush=True)
-        sys.stdout.flush()
-        os._exit(code)
+        try:  # (whatever goes wrong while saying so -- a closed stderr -- this rank still leaves)
+            print(f"[rank {comm.Get_rank()}] a rank did not leave within {timeout_s:g} s (stopped or hung); ending "
+                  "the job without MPI_Finalize", file=sys.stderr, flush=True)
+            for r in end_stopped_peers(board):
+                print(f"[rank {comm.Get_rank()}] rank {r} is stopped (SIGSTOP): ended it (SIGKILL)", file=sys.stderr,
+                      flush=True)
+            sys.stdout.flush()
+        finally:
+            os._exit(code)
 
 
 def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
