@@ -145,7 +145,7 @@ def test_only_stopped_peers_on_this_machine_are_ended():
     import socket
     from types import SimpleNamespace
 
-    from vtnumba.dist.failures import _start_time, end_stopped_peers
+    from vtnumba.dist.failures import _state_and_start, end_stopped_peers
 
     kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(4)]
     try:
@@ -153,12 +153,11 @@ def test_only_stopped_peers_on_this_machine_are_ended():
             k.send_signal(signal.SIGSTOP)
         here = socket.gethostname()
         deadline = time.monotonic() + 10
-        while not all(open(f"/proc/{k.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
-                      for k in (kids[0], kids[2], kids[3])):
+        while not all(_state_and_start(k.pid)[0] == "T" for k in (kids[0], kids[2], kids[3])):
             assert time.monotonic() < deadline, "the children did not stop"
             time.sleep(0.01)
-        me = (here, os.getpid(), _start_time(os.getpid()))
-        procs = [me, *[(here, k.pid, _start_time(k.pid)) for k in kids]]
+        me = (here, os.getpid(), _state_and_start(os.getpid())[1])
+        procs = [me, *[(here, k.pid, _state_and_start(k.pid)[1]) for k in kids]]
         procs[3] = (here, kids[2].pid, procs[3][2] + 1)  # "pid reused": not the process seen at start-up
         procs[4] = ("elsewhere", kids[3].pid, procs[4][2])  # another machine's pid
         board = SimpleNamespace(rank=0, processes=procs)

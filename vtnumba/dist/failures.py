@@ -107,7 +107,8 @@ class FailureBoard:
         self.failed_peer: PeerFailed | None = None  #: the first peer failure seen (kept, so later checks raise it again)
         #: Every rank's (host, pid, process start time): who to end if a peer is stopped (see
         #: :func:`end_stopped_peers`).  Gathered now, while every rank is known to be alive.
-        self.processes: list = self.comm.allgather((socket.gethostname(), os.getpid(), _start_time(os.getpid())))
+        mine = _state_and_start(os.getpid())
+        self.processes: list = self.comm.allgather((socket.gethostname(), os.getpid(), mine and mine[1]))
 
     def post(self, text: str) -> None:
         """Tell every other rank.  Non-blocking and fire-and-forget: a note is small, so MPI sends
@@ -174,21 +175,19 @@ def report(exc: BaseException) -> str:
     return f"[rank {rank}] {what}"
 
 
-def _start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` (clock ticks since boot, /proc/<pid>/stat field 22), or
-    None if there is no such process: with the pid, it names one process even if pids are reused."""
-    state = _proc_stat(pid)
-    return int(state[19]) if state is not None and len(state) >= 20 and state[19].isdigit() else None
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat's fields after the command name (field 3, the state, first), or None."""
+def _state_and_start(pid: int) -> tuple[str, int] | None:
+    """Process ``pid``'s state letter (``T``: stopped) and start time (clock ticks since boot) from
+    /proc/<pid>/stat, fields 3 and 22 -- or None if there is no such process (or no /proc).
+    The start time and the pid together name one process, even if pids are reused."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
-    except OSError:  # gone, or no /proc (not Linux)
+    except OSError:
         return None
-    return text[text.rindex(")") + 2:].split()
+    fields = text[text.rindex(")") + 2:].split()  # after the command name, which may hold anything
+    if len(fields) < 20 or not fields[19].isdigit():
+        return None
+    return fields[0], int(fields[19])
 
 
 def end_stopped_peers(board: FailureBoard | None = None) -> list[int]:
@@ -198,9 +197,9 @@ def end_stopped_peers(board: FailureBoard | None = None) -> list[int]:
     ``MPI_Finalize`` by killing the other ranks -- but our fault tests twice saw a job wait
     forever after that, its only other rank stopped; and a stopped process can neither hear
     a failure report nor leave by itself.  So the rank that leaves ends it first, as
-    ``MPI_Abort`` would.  Only stopped peers, only on this
-    machine, and only the very process seen at start-up (pid *and* start time): a peer that
-    is merely slow or being traced by a debugger (state ``t``) is left to ``mpiexec``.
+    ``MPI_Abort`` would.  Only stopped peers, only on this machine, and only the very
+    process seen at start-up (pid *and* start time): a peer that is merely slow or being
+    traced by a debugger (state ``t``) is left to ``mpiexec``.
     """
     board = board if board is not None else _board
     if board is None:
@@ -210,8 +209,7 @@ def end_stopped_peers(board: FailureBoard | None = None) -> list[int]:
     for r, (host, pid, started) in enumerate(board.processes):
         if r == board.rank or host != here or started is None:
             continue
-        state = _proc_stat(pid)
-        if state is None or len(state) < 20 or state[0] != "T" or state[19] != str(started):
+        if _state_and_start(pid) != ("T", started):
             continue
         try:
             os.kill(pid, signal.SIGKILL)
