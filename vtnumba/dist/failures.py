@@ -105,9 +105,9 @@ class FailureBoard:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.failed_peer: PeerFailed | None = None  #: the first peer failure seen (kept, so later checks raise it again)
+        mine = _state_and_start(os.getpid())
         #: Every rank's (host, pid, process start time): who to end if a peer is stopped (see
         #: :func:`end_stopped_peers`).  Gathered now, while every rank is known to be alive.
-        mine = _state_and_start(os.getpid())
         self.processes: list = self.comm.allgather((socket.gethostname(), os.getpid(), mine and mine[1]))
 
     def post(self, text: str) -> None:
