@@ -37,17 +37,16 @@ def test_wide_ok_needs_aligned_starts_and_rows():
 
 _PTX_SCRIPT = """
 import json
-from numba import cuda
 from vtnumba.kernels import matmul_cuda, norm_cuda, peer_cuda
-from vtnumba.kernels.ptx import _device_functions_for
-want = {"wide", "warptile", "dbuf", "fused_add_norm", "peer_reduce_norm", "gather_rows"}
-ops = ("ld.global.v4.f32", "ld.global.v4.u16", "ld.shared.v4.f32", "st.global.v4.f32", "ld.local", "st.local")
+from vtnumba.kernels.ptx import compile_kernel_ptx
+want = {"regtile", "wide", "warptile", "dbuf", "fused_add_norm", "peer_reduce_norm", "gather_rows"}
+ops = ("ld.global.v4.f32", "ld.global.v4.u16", "ld.shared.v4.f32", "st.global.v4.f32", "ld.local", "st.local",
+       "fma.rn.f32", ".maxntid 256,", ".minnctapersm 2")
 out = {}
 for mod in (matmul_cuda, norm_cuda, peer_cuda):
     for name, kernel, sig in mod.PTX_SIGNATURES:
         if name in want and ("float16" not in sig or name == "wide"):  # one float16 rung: the loaders are shared
-            with _device_functions_for((9, 0)):
-                ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+            ptx = compile_kernel_ptx(kernel, sig, (9, 0))
             out[name + ("-f16" if "float16" in sig else "")] = {op: ptx.count(op) for op in ops}
 print(json.dumps(out))
 """
@@ -61,9 +60,16 @@ def test_the_ptx_has_128_bit_accesses_and_no_local_memory():
                           timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout)
-    for rung in ("wide", "warptile", "dbuf"):
+    for rung in ("wide", "warptile", "dbuf", "wide-f16"):
         c = counts[rung]
-        assert c["ld.global.v4.f32"] >= 2 and c["ld.shared.v4.f32"] >= 4 and c["st.global.v4.f32"] >= 1, (rung, c)
+        if rung != "wide-f16":
+            assert c["ld.global.v4.f32"] >= 2 and c["st.global.v4.f32"] >= 1, (rung, c)
+        # The k-step unrolled by hand (matmul_cuda._tile_products): all 8 k of a tile written
+        # out -- 8 x 64 multiply-adds, 8 x 4 wide shared loads -- where a loop would have one k's.
+        assert c["fma.rn.f32"] >= 8 * 64 and c["ld.shared.v4.f32"] >= 8 * 4, (rung, c)
+        # Launch bounds of two 256-thread blocks per SM: ptxas must fit a thread in 128 registers.
+        assert c[".maxntid 256,"] == 1 and c[".minnctapersm 2"] == 1, (rung, c)
+    assert counts["regtile"]["fma.rn.f32"] == 64  # rung 3 keeps its loop: the unrolling is rung 4's step
     assert counts["wide-f16"]["ld.global.v4.u16"] >= 2  # 4 halves = one 64-bit load
     for name in ("fused_add_norm", "peer_reduce_norm", "gather_rows"):
         assert counts[name]["ld.global.v4.f32"] >= 1 and counts[name]["st.global.v4.f32"] >= 1, (name, counts[name])

@@ -152,24 +152,25 @@ lesson.perf_plot("host_matmul.png", "The host path across sizes (rank 0): vtnumb
 # still be *compiled*: ``cuda.compile_ptx`` runs numba's real front end and NVVM without a
 # GPU.  Counting instructions in each rung's PTX shows what it buys: the float
 # multiply-adds (``fma``) per load from shared memory go from 0.5 (``smem``: two shared
-# loads per multiply-add) to 4 (``regtile``: 8 + 8 loads feed an 8 x 8 outer product).
-# The counts are of the code, not of what runs (loops are unrolled by different amounts);
-# the ratio is the point.  This needs the real ``numba.cuda`` (not the simulator) and NVVM
-# from ``pip install numba-cuda[cu13]``; only rank 0 compiles, and the lesson prints the
-# reason if it cannot.  The rungs are whatever ``matmul_cuda.PTX_SIGNATURES`` lists, so a
+# loads per multiply-add) to 4 (``regtile``: 8 + 8 loads feed an 8 x 8 outer product), and
+# to 16 from ``wide`` on (each shared load moves 4 floats).  ``wide`` and above also write
+# their k-step out 8 times instead of looping over it -- numba has no ``#pragma unroll`` --
+# which is why their code holds 512 multiply-adds where ``regtile``'s holds 64.  The counts
+# are of the code, not of what runs; the ratio is the point.  This needs the real
+# ``numba.cuda`` (not the simulator) and NVVM from ``pip install numba-cuda[cu13]``; only
+# rank 0 compiles, and the lesson prints the reason if it cannot.  The rungs are whatever ``matmul_cuda.PTX_SIGNATURES`` lists, so a
 # new rung shows up here by itself.
 if target != "cudasim" and rank == 0:
     try:
-        from numba import cuda
-
         from vtnumba.kernels import matmul_cuda
+        from vtnumba.kernels.ptx import compile_kernel_ptx
 
         counts, failed = {}, {}
         for name, kernel, sig in matmul_cuda.PTX_SIGNATURES:
             if "float16" in sig or name in counts or name in failed:
                 continue
             try:
-                ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(8, 0))
+                ptx = compile_kernel_ptx(kernel, sig, (8, 0))  # as launched: with the kernel's own options
             except Exception as exc:  # noqa: BLE001 - one rung that cannot compile here does not stop the others
                 failed[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:90]}"
                 continue

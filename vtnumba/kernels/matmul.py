@@ -45,7 +45,7 @@ LADDER = {
     "naive": "one thread per output element, operands read straight from global memory",
     "smem": "16 x 16 tiles of A and B staged in shared memory, reused by the whole block",
     "regtile": "128 x 128 block tile, 8 x 8 outputs per thread in registers (outer products)",
-    "wide": "128-bit loads and stores (4 floats per instruction) from global and shared memory",
+    "wide": "128-bit loads and stores (4 floats per instruction) and the k-step unrolled: fewer instructions per FMA",
     "warptile": "each warp owns a 64 x 32 sub-tile: a third less shared-memory traffic per FMA",
     "dbuf": "two shared buffers: the next tile's global loads overlap this tile's math",
 }

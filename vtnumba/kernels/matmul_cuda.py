@@ -18,10 +18,12 @@ kernels 1, 3, 5, 6, 10 and 11 these follow), and each docstring states its one i
    multiply-adds (an outer product): 4 multiply-adds per shared load instead of 0.5, which
    is what moves a kernel from the shared-memory roof toward the FMA roof (Boehm's "2D
    blocktiling").
-4. :func:`matmul_wide_kernel` -- the same tiles, every access 128 bits wide: one
-   instruction moves 4 floats from global memory, from shared memory and into c.  numba-cuda
-   has no ``float4``; :mod:`vtnumba.kernels._wide_cuda` builds the access from LLVM IR and
-   the launcher checks the alignment it needs.
+4. :func:`matmul_wide_kernel` -- the same tiles with fewer instructions per multiply-add:
+   every access 128 bits wide (one instruction moves 4 floats from global memory, from
+   shared memory and into c), and the k-step unrolled by hand, so no loop counter or
+   address arithmetic sits between the multiply-adds.  numba-cuda has no ``float4``;
+   :mod:`vtnumba.kernels._wide_cuda` builds the access from LLVM IR and the launcher checks
+   the alignment it needs.
 5. :func:`matmul_warptile_kernel` -- each warp owns a 64 x 32 sub-tile instead of a 16 x 128
    strip, so a warp's shared-memory loads fetch a third fewer bytes per multiply-add.
 6. :func:`matmul_dbuf_kernel` -- two shared buffers: tile ``t + 1``'s global loads are issued
@@ -29,9 +31,9 @@ kernels 1, 3, 5, 6, 10 and 11 these follow), and each docstring states its one i
    (Asynchronous ``cp.async``/TMA copies would go further; numba-cuda does not expose them.)
 
 ``vtnumba bench kernels --ptxas`` prints each kernel's registers, shared memory and spills
-(no GPU needed): rungs 3-6 use 124-153 registers, no spills; 4-6 fit two 256-thread blocks
-per SM (<= 128 registers), regtile one.  :data:`vtnumba.kernels.matmul.LADDER` lists the
-rungs in order with a one-line description each.
+(no GPU needed): rungs 3-6 use 122-153 registers, no spills; 4-6 declare launch bounds of
+two 256-thread blocks per SM, which holds ptxas to 128 registers (regtile fits one block).
+:data:`vtnumba.kernels.matmul.LADDER` lists the rungs in order with a one-line description each.
 
 **One contract for all six**, so TPSP's epilogue (rows to different destinations) needs
 no extra kernel.  With ``B`` either ``b`` ([K, N], ``trans_b=0``) or ``b.T`` (``b`` is
@@ -55,7 +57,7 @@ from __future__ import annotations
 
 from numba import cuda, float32
 
-from vtnumba.backend.arrays import cdiv
+from vtnumba.backend.arrays import cdiv, simulator_active
 from vtnumba.kernels._wide_cuda import SMEM_ALIGN, VEC, load4, quad, store4, store_quad, wide_ok
 
 # ---------------------------------------------------------------------------- tile sizes
@@ -240,6 +242,11 @@ def matmul_regtile_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias):
 
 
 # ---------------------------------------------------------------------------- 4. wide (128-bit) accesses
+# Rungs 4-6 are compiled for two 256-thread blocks per SM: the launch bounds (.maxntid 256,
+# .minnctapersm 2 in the PTX) make ptxas fit a thread in 65536 / 512 = 128 registers.  Without
+# them the unrolled k-step below takes ~167, and an SM would hold a single block -- 8 warps to
+# hide every latency.  (The simulator's cuda.jit takes no launch bounds; it needs none.)
+_TWO_BLOCKS_PER_SM = {} if simulator_active() else {"launch_bounds": (_NTHREADS, 2)}
 # Rungs 4-6 share regtile's block tile (BM x BN x BK = 128 x 128 x 8, 256 threads, 8 x 8 outputs
 # per thread) so that each changes one thing.  Their shared tiles are k-major with rows of
 # _SPAD = 132 floats: 528 bytes, a multiple of 16, so every quad of 4 floats is 16-byte aligned
@@ -323,16 +330,63 @@ def _store_c(c, bias, acc, m_valid, has_bias, i, u, j, v0, wide_c):
     store_quad(c, i, j, n, wide_c, x0, x1, x2, x3)
 
 
-@cuda.jit
-def matmul_wide_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wide_b, wide_c):
-    """regtile with 128-bit accesses: 4 floats per load/store instruction, from global and shared memory.
+@cuda.jit(device=True, inline="always")
+def _k_products(acc, As, Bs, kk, r0, r1, c0, c1):
+    """One k of the tile: ``acc[u, v] += A[row u, kk] * B[kk, col v]`` for a thread's 8 x 8 outputs.
 
-    **The one idea.**  regtile spends its issue slots on loads: per k a thread issues 16
-    scalar shared loads for 64 multiply-adds, and 8 scalar global loads per tile.  Here every
-    access moves a quad of 4 consecutive floats with one instruction (``ld.global.v4.f32``,
-    ``ld.shared.v4.f32``, ``st.global.v4.f32``): 4 shared loads per k, 2 global loads per
-    tile, and 16-byte stores of c.  numba-cuda has no float4 view of an array, so the quads
-    come from :mod:`vtnumba.kernels._wide_cuda` (an LLVM-level ``<4 x float>`` access).
+    The thread's rows are the quads at ``r0`` and ``r1`` of the k-major ``As``, its columns the
+    quads at ``c0`` and ``c1`` of ``Bs``: 4 shared loads of 128 bits feed 64 multiply-adds.
+    """
+    af = cuda.local.array(TM, float32)  # constant-indexed after inlining -> registers
+    bf = cuda.local.array(TN, float32)
+    af[0], af[1], af[2], af[3] = load4(As, kk, r0)
+    af[4], af[5], af[6], af[7] = load4(As, kk, r1)
+    bf[0], bf[1], bf[2], bf[3] = load4(Bs, kk, c0)
+    bf[4], bf[5], bf[6], bf[7] = load4(Bs, kk, c1)
+    for u in range(TM):
+        for v in range(TN):
+            acc[u, v] += af[u] * bf[v]
+
+
+@cuda.jit(device=True, inline="always")
+def _tile_products(acc, As, Bs, r0, r1, c0, c1):
+    """All ``BK`` = 8 k of a staged tile pair, unrolled by hand: one :func:`_k_products` per k.
+
+    **Why by hand.**  numba has no ``#pragma unroll``, and NVVM leaves the loop that
+    ``for kk in range(BK)`` becomes a loop (numba's range loop counts down a 64-bit number of
+    turns left): in the sm_90 SASS, 8 turns of 94 instructions, 64 of them FFMA.  Written
+    out, the tile is one straight run of 512 FFMA and 32 ``LDS.128`` at constant offsets
+    from a few registers: 91% of the instructions between the two barriers are multiply-adds
+    instead of 68% (the PTX through ``ptxas``, then ``nvdisasm``; no GPU needed).
+    ``inline="always"`` inlines at numba's IR level, so the local arrays become registers
+    exactly as if the body were written out 8 times.
+    """
+    _k_products(acc, As, Bs, 0, r0, r1, c0, c1)
+    _k_products(acc, As, Bs, 1, r0, r1, c0, c1)
+    _k_products(acc, As, Bs, 2, r0, r1, c0, c1)
+    _k_products(acc, As, Bs, 3, r0, r1, c0, c1)
+    _k_products(acc, As, Bs, 4, r0, r1, c0, c1)
+    _k_products(acc, As, Bs, 5, r0, r1, c0, c1)
+    _k_products(acc, As, Bs, 6, r0, r1, c0, c1)
+    _k_products(acc, As, Bs, 7, r0, r1, c0, c1)
+
+
+assert BK == 8  # _tile_products writes out one call per k
+
+
+@cuda.jit(**_TWO_BLOCKS_PER_SM)
+def matmul_wide_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wide_b, wide_c):
+    """regtile with fewer instructions per multiply-add: 128-bit accesses and an unrolled k-step.
+
+    **The one idea.**  regtile spends its issue slots on everything but math: per k a thread
+    issues 16 scalar shared loads for 64 multiply-adds, 8 scalar global loads per tile, and
+    the loop over k adds its counter and address arithmetic.  Here every access moves a quad
+    of 4 consecutive floats with one instruction (``ld.global.v4.f32``, ``ld.shared.v4.f32``,
+    ``st.global.v4.f32``): 4 shared loads per k, 2 global loads per tile, and 16-byte stores
+    of c; and the 8 k of a tile are written out (:func:`_tile_products`), so what is left
+    between two barriers is multiply-adds and their loads.  numba-cuda has no float4 view of
+    an array, so the quads come from :mod:`vtnumba.kernels._wide_cuda` (an LLVM-level
+    ``<4 x float>`` access).
 
     **What that changes in the layout.**  A thread's 8 x 8 outputs are no longer strided by
     16 but two 4 x 4 blocks per direction: rows ``4*ty + {0..3}`` and ``64 + 4*ty + {0..3}``,
@@ -351,8 +405,6 @@ def matmul_wide_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wi
     As = cuda.shared.array((BK, _SPAD), float32, alignment=SMEM_ALIGN)  # As[kk, m] = A[row0 + m, k0 + kk]
     Bs = cuda.shared.array((BK, _SPAD), float32, alignment=SMEM_ALIGN)  # Bs[kk, n] = B[k0 + kk, col0 + n]
     acc = cuda.local.array((TM, TN), float32)  # constant-indexed after unrolling -> registers
-    af = cuda.local.array(TM, float32)
-    bf = cuda.local.array(TN, float32)
 
     tx = cuda.threadIdx.x
     ty = cuda.threadIdx.y
@@ -369,16 +421,8 @@ def matmul_wide_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wi
         a0, a1, a2, a3, b0, b1, b2, b3 = _stage_tiles(a, b, m0, m_valid, trans_b, row0, col0, k0, tid, wide_a, wide_b)
         _store_tiles(As, Bs, trans_b, tid, a0, a1, a2, a3, b0, b1, b2, b3)
         cuda.syncthreads()  # tiles complete before anyone computes from them
-
-        for kk in range(BK):
-            af[0], af[1], af[2], af[3] = load4(As, kk, 4 * ty)
-            af[4], af[5], af[6], af[7] = load4(As, kk, _HALF + 4 * ty)
-            bf[0], bf[1], bf[2], bf[3] = load4(Bs, kk, 4 * tx)
-            bf[4], bf[5], bf[6], bf[7] = load4(Bs, kk, _HALF + 4 * tx)
-            # The same outer product as regtile: 4 shared loads now feed 64 multiply-adds.
-            for u in range(TM):
-                for v in range(TN):
-                    acc[u, v] += af[u] * bf[v]
+        # The same outer products as regtile, 4 shared loads now feeding 64 multiply-adds per k.
+        _tile_products(acc, As, Bs, 4 * ty, _HALF + 4 * ty, 4 * tx, _HALF + 4 * tx)
         cuda.syncthreads()  # everyone done reading before the next k-step overwrites
 
     for u in range(TM):
@@ -397,7 +441,7 @@ WN = BN // WARPS_N  # 32
 assert (BM // WM) * WARPS_N * 32 == _NTHREADS and 8 * VEC * 2 == WM and 4 * VEC * 2 == WN
 
 
-@cuda.jit
+@cuda.jit(**_TWO_BLOCKS_PER_SM)
 def matmul_warptile_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wide_b, wide_c):
     """wide, with each warp owning a square-ish 64 x 32 sub-tile of the block's 128 x 128 tile.
 
@@ -419,8 +463,6 @@ def matmul_warptile_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a
     As = cuda.shared.array((BK, _SPAD), float32, alignment=SMEM_ALIGN)
     Bs = cuda.shared.array((BK, _SPAD), float32, alignment=SMEM_ALIGN)
     acc = cuda.local.array((TM, TN), float32)
-    af = cuda.local.array(TM, float32)
-    bf = cuda.local.array(TN, float32)
 
     tid = cuda.threadIdx.x  # a 1-D block of 256: the warp is tid // 32
     warp = tid // 32
@@ -439,15 +481,7 @@ def matmul_warptile_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a
         a0, a1, a2, a3, b0, b1, b2, b3 = _stage_tiles(a, b, m0, m_valid, trans_b, row0, col0, k0, tid, wide_a, wide_b)
         _store_tiles(As, Bs, trans_b, tid, a0, a1, a2, a3, b0, b1, b2, b3)
         cuda.syncthreads()
-
-        for kk in range(BK):
-            af[0], af[1], af[2], af[3] = load4(As, kk, wrow)
-            af[4], af[5], af[6], af[7] = load4(As, kk, wrow + WM // 2)
-            bf[0], bf[1], bf[2], bf[3] = load4(Bs, kk, wcol)
-            bf[4], bf[5], bf[6], bf[7] = load4(Bs, kk, wcol + WN // 2)
-            for u in range(TM):
-                for v in range(TN):
-                    acc[u, v] += af[u] * bf[v]
+        _tile_products(acc, As, Bs, wrow, wrow + WM // 2, wcol, wcol + WN // 2)
         cuda.syncthreads()
 
     for u in range(TM):
@@ -458,7 +492,7 @@ def matmul_warptile_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a
 
 
 # ---------------------------------------------------------------------------- 6. double buffering
-@cuda.jit
+@cuda.jit(**_TWO_BLOCKS_PER_SM)
 def matmul_dbuf_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wide_b, wide_c):
     """warptile with two shared buffers: the next tile's global loads are in flight during this tile's math.
 
@@ -484,8 +518,6 @@ def matmul_dbuf_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wi
     As = cuda.shared.array((2, BK, _SPAD), float32, alignment=SMEM_ALIGN)  # As[buf, kk, m]
     Bs = cuda.shared.array((2, BK, _SPAD), float32, alignment=SMEM_ALIGN)
     acc = cuda.local.array((TM, TN), float32)
-    af = cuda.local.array(TM, float32)
-    bf = cuda.local.array(TN, float32)
 
     tid = cuda.threadIdx.x
     warp = tid // 32
@@ -513,14 +545,7 @@ def matmul_dbuf_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wi
             # stores after the math, so the warp does not wait for them here.
             a0, a1, a2, a3, b0, b1, b2, b3 = _stage_tiles(a, b, m0, m_valid, trans_b, row0, col0, k0 + BK, tid,
                                                           wide_a, wide_b)
-        for kk in range(BK):
-            af[0], af[1], af[2], af[3] = load4(As, buf, kk, wrow)
-            af[4], af[5], af[6], af[7] = load4(As, buf, kk, wrow + WM // 2)
-            bf[0], bf[1], bf[2], bf[3] = load4(Bs, buf, kk, wcol)
-            bf[4], bf[5], bf[6], bf[7] = load4(Bs, buf, kk, wcol + WN // 2)
-            for u in range(TM):
-                for v in range(TN):
-                    acc[u, v] += af[u] * bf[v]
+        _tile_products(acc, As[buf], Bs[buf], wrow, wrow + WM // 2, wcol, wcol + WN // 2)
         if more:
             _store_tiles(As[1 - buf], Bs[1 - buf], trans_b, tid, a0, a1, a2, a3, b0, b1, b2, b3)
         # One barrier: tile t+1 complete before step t+1 reads it, and buffer `buf` free to be

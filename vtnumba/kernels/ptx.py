@@ -87,10 +87,25 @@ def _device_functions_for(cc):
         dispatcher.get_current_device = real
 
 
-def compile_all(ccs=((8, 0), (9, 0))) -> list[dict]:
-    """Compile every kernel signature for every cc; one result dict per (kernel, signature, cc)."""
+def compile_kernel_ptx(kernel, sig: str, cc: tuple[int, int]) -> str:
+    """The PTX of one ``@cuda.jit`` kernel for ``sig`` and ``cc``, compiled as its launches are.
+
+    ``cuda.compile_ptx`` compiles the Python function afresh and knows nothing of the options
+    given to the decorator; the ones that change the PTX are passed on here -- the launch
+    bounds (``.maxntid``/``.minnctapersm``, which set the registers ptxas may use) and
+    ``fastmath``.
+    """
     from numba import cuda
 
+    opts = kernel.targetoptions
+    with _device_functions_for(cc):
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, launch_bounds=opts.get("launch_bounds"),
+                                  fastmath=opts.get("fastmath", False))
+    return ptx
+
+
+def compile_all(ccs=((8, 0), (9, 0))) -> list[dict]:
+    """Compile every kernel signature for every cc; one result dict per (kernel, signature, cc)."""
     from vtnumba.backend.arrays import simulator_active
 
     if simulator_active():
@@ -100,8 +115,7 @@ def compile_all(ccs=((8, 0), (9, 0))) -> list[dict]:
         for cc in ccs:
             entry = {"name": name, "sig": sig, "cc": f"{cc[0]}.{cc[1]}", "ok": False}
             try:
-                with _device_functions_for(cc):
-                    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc)
+                ptx = compile_kernel_ptx(kernel, sig, cc)
                 entry.update(ok=".entry" in ptx, ptx=ptx)
             except Exception as exc:  # noqa: BLE001 - reported, the caller decides
                 entry["error"] = f"{type(exc).__name__}: {exc}"
