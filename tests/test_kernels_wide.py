@@ -36,7 +36,7 @@ def test_wide_ok_needs_aligned_starts_and_rows():
 
 
 _PTX_SCRIPT = """
-import json
+import json, re
 from vtnumba.kernels import matmul_cuda, norm_cuda, peer_cuda
 from vtnumba.kernels.ptx import compile_kernel_ptx
 want = {"regtile", "wide", "warptile", "dbuf", "fused_add_norm", "peer_reduce_norm", "gather_rows"}
@@ -47,7 +47,11 @@ for mod in (matmul_cuda, norm_cuda, peer_cuda):
     for name, kernel, sig in mod.PTX_SIGNATURES:
         if name in want and ("float16" not in sig or name == "wide"):  # one float16 rung: the loaders are shared
             ptx = compile_kernel_ptx(kernel, sig, (9, 0))
-            out[name + ("-f16" if "float16" in sig else "")] = {op: ptx.count(op) for op in ops}
+            counts = {op: ptx.count(op) for op in ops}
+            body = ptx[ptx.index(".entry"):]
+            math = re.search(r"^\\s*(add|sub|mul|fma)\\.(rn\\.)?f32", body, re.M)
+            counts["v4 loads before math"] = body[:math.start() if math else len(body)].count("ld.global.v4.f32")
+            out[name + ("-f16" if "float16" in sig else "")] = counts
 print(json.dumps(out))
 """
 
@@ -73,6 +77,12 @@ def test_the_ptx_has_128_bit_accesses_and_no_local_memory():
     assert counts["wide-f16"]["ld.global.v4.u16"] >= 2  # 4 halves = one 64-bit load
     for name in ("fused_add_norm", "peer_reduce_norm", "gather_rows"):
         assert counts[name]["ld.global.v4.f32"] >= 1 and counts[name]["st.global.v4.f32"] >= 1, (name, counts[name])
+    # Loads first (norm_cuda's docstring): the first arithmetic comes after the wide loads of
+    # the thread's 8 cached quads of y (or source 0) and its 8 of the residual, so all of them
+    # are in flight together.  Written quad by quad, an add followed every quad's two loads
+    # (2 wide loads before the first add).
+    for name in ("fused_add_norm", "peer_reduce_norm"):
+        assert counts[name]["v4 loads before math"] >= 2 * 8, (name, counts[name])
     spilled = {k: v for k, v in counts.items() if v["ld.local"] or v["st.local"]}
     assert not spilled, f"kernels with local-memory traffic: {spilled}"
 

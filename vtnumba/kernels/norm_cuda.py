@@ -22,10 +22,18 @@ latency.  :func:`fused_add_norm_kernel` does three things for that:
    (and LayerNorm's variance pass) reads registers, not memory.  With 256 threads that is
    every row up to ``256 * 4 * CACHE_QUADS`` = 8192 elements; longer rows stream the rest
    through: stored in pass 1 and re-read (from L2, it was just written) in pass 2.
-2. **Loads first, stores after.**  A thread issues all its loads of ``y``/``bias``/
-   ``residual`` before its first store.  Interleaved, the compiler could not move a load
-   above the previous store -- ``new_residual`` may *be* ``residual`` -- and each load's
-   latency would be paid one after the other; batched, they are all in flight at once.
+2. **Loads first, arithmetic and stores after.**  A thread issues all its loads of ``y``
+   and ``residual`` before it uses any of them (:func:`load_cached`, into two register
+   arrays), and before its first store.  A GPU issues a warp's instructions in order, and
+   the first one that needs a loaded value waits for it: with ``z = y + residual`` written
+   quad by quad, that add waited out a whole memory latency before the next quad's loads
+   were even issued (in the sm_90 SASS, an ``FADD`` of the loaded registers sat between
+   every quad's ``LDG.128`` and the next).  Nor could the compiler move a load above an
+   earlier store -- ``new_residual`` may *be* ``residual``.  Batched, every load of the row
+   is in flight at once, and the row pays one latency.  The residual's quads need registers
+   of their own until they are added: 112 per thread instead of 84 (ptxas, sm_90), so an SM
+   holds two 256-thread blocks instead of three -- 16 warps with 8 wide loads each in
+   flight, instead of 24 with 2.
 3. **128-bit accesses** (:mod:`vtnumba.kernels._wide_cuda`): one instruction per quad,
    when the launcher has checked alignment (``wide``); otherwise the same quads element by
    element.
@@ -104,6 +112,46 @@ def keep_quad(zc, j, z0, z1, z2, z3):
     zc[VEC * j + 1] = z1
     zc[VEC * j + 2] = z2
     zc[VEC * j + 3] = z3
+
+
+@cuda.jit(device=True)
+def load_cached(x, r, xc, wide):
+    """Load this thread's cached quads of row ``r`` of ``x`` into ``xc`` (quad ``j`` at
+    ``xc[4j:4j+4]``; zeros past the row's end).  Loads only: nothing here uses a loaded value,
+    so the warp issues every one of them without waiting for the first."""
+    h = x.shape[1]
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for j in range(CACHE_QUADS):
+        c = VEC * (t + j * nt)
+        if c < h:
+            x0, x1, x2, x3 = quad(x, r, c, h, wide)
+            keep_quad(xc, j, x0, x1, x2, x3)
+
+
+@cuda.jit(device=True)
+def add_cached(zc, h, bias, has_bias, xc, has_x, wide):
+    """``zc (+ bias) (+ xc)`` for this thread's cached quads of a row of ``h`` elements, in that
+    order (the host reference's).  ``xc`` is already loaded (:func:`load_cached`); ``bias`` is
+    one vector shared by every row, so its loads hit the caches."""
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for j in range(CACHE_QUADS):
+        c = VEC * (t + j * nt)
+        if c < h:
+            z0, z1, z2, z3 = zc[VEC * j], zc[VEC * j + 1], zc[VEC * j + 2], zc[VEC * j + 3]
+            if has_bias:
+                b0, b1, b2, b3 = vquad(bias, c, h, wide)
+                z0 += b0
+                z1 += b1
+                z2 += b2
+                z3 += b3
+            if has_x:
+                z0 += xc[VEC * j]
+                z1 += xc[VEC * j + 1]
+                z2 += xc[VEC * j + 2]
+                z3 += xc[VEC * j + 3]
+            keep_quad(zc, j, z0, z1, z2, z3)
 
 
 @cuda.jit(device=True)
@@ -233,12 +281,14 @@ def fused_add_norm_kernel(y, bias, has_bias, residual, has_residual, weight, nor
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
     zc = cuda.local.array(CACHE_FLOATS, float32)  # constant-indexed after unrolling -> registers
-    # Pass 1a: every load of the cached part, no store in between (all in flight together).
-    for j in range(CACHE_QUADS):
-        c = VEC * (t + j * nt)
-        if c < h:
-            z0, z1, z2, z3 = add_quad(y, bias, has_bias, residual, has_residual, r, c, wide)
-            keep_quad(zc, j, z0, z1, z2, z3)
+    rc = cuda.local.array(CACHE_FLOATS, float32)  # the residual's quads, until they are added
+    # Pass 1a: every load of the cached part of y and residual, nothing in between that uses
+    # one (all in flight together) ...
+    load_cached(y, r, zc, wide)
+    if has_residual:
+        load_cached(residual, r, rc, wide)
+    # ... then the adds.
+    add_cached(zc, h, bias, has_bias, rc, has_residual, wide)
     # Pass 1b: z is the new residual stream; sum for the statistics.
     partial = store_cached(zc, new_residual, r, is_layer, wide)
     # Rows longer than the cache: the rest goes straight through (re-read in finish_row).

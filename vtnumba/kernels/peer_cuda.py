@@ -7,9 +7,12 @@ arrays.  Contracts (host twins in :mod:`vtnumba.kernels.peer`):
   sources' row r (+ bias) (+ residual[r])``, ``new_residual[r] = z``, ``out[r] =
   norm(z)``.  Pass 1 differs from :func:`vtnumba.kernels.norm_cuda.fused_add_norm_kernel`
   only in summing several sources; everything that makes that kernel run at bandwidth
-  (row cached in registers, all loads before the first store, 128-bit accesses) holds
-  here too, and the reduction and normalisation are the shared
-  :func:`~vtnumba.kernels.norm_cuda.finish_row`.
+  (row cached in registers, each operand's loads all issued before the first add, all
+  loads before the first store, 128-bit accesses) holds here too, and the reduction and
+  normalisation are the shared :func:`~vtnumba.kernels.norm_cuda.finish_row`.  Holding a
+  source's quads until they are added costs registers: ptxas (sm_90) gives it 168, one
+  256-thread block per SM (capping it at 128 spills); each warp then keeps 8 wide loads in
+  flight, not one.
 * :func:`gather_rows_kernel` -- ``dest[row_offset + i] = src[i]`` for every destination;
   :func:`sum_sources_kernel` -- the elementwise sum for more sources than one launch takes.
 
@@ -39,13 +42,14 @@ from __future__ import annotations
 from numba import cuda, float32
 
 from vtnumba.backend.arrays import cdiv
-from vtnumba.kernels._wide_cuda import VEC, quad, store_quad, vquad, wide_ok
+from vtnumba.kernels._wide_cuda import VEC, quad, store_quad, wide_ok
 from vtnumba.kernels.norm_cuda import (
     CACHE_FLOATS,
     CACHE_QUADS,
+    add_cached,
     add_quad,
     finish_row,
-    keep_quad,
+    load_cached,
     store_cached,
     threads_for_row,
 )
@@ -102,19 +106,12 @@ def _reduce_quad(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, bias, has_bias, residual,
 
 
 @cuda.jit(device=True)
-def _add_cached(zc, src, r, wide):
-    """``zc += src[r]``'s quads of this thread (the cached part of the row)."""
-    h = src.shape[1]
-    t = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    for j in range(CACHE_QUADS):
-        c = VEC * (t + j * nt)
-        if c < h:
-            s0, s1, s2, s3 = quad(src, r, c, h, wide)
-            zc[VEC * j] += s0
-            zc[VEC * j + 1] += s1
-            zc[VEC * j + 2] += s2
-            zc[VEC * j + 3] += s3
+def _add_cached(zc, xc, src, r, bias, wide):
+    """``zc += src[r]``'s quads of this thread (the cached part of the row): every load first,
+    into ``xc``, then the adds (see norm_cuda's "loads first").  ``bias`` only gives
+    :func:`add_cached` an argument of the right type: it is not added here."""
+    load_cached(src, r, xc, wide)
+    add_cached(zc, src.shape[1], bias, 0, xc, 1, wide)
 
 
 @cuda.jit
@@ -131,36 +128,29 @@ def peer_reduce_norm_kernel(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, bias, has_bias
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
     zc = cuda.local.array(CACHE_FLOATS, float32)
+    xc = cuda.local.array(CACHE_FLOATS, float32)  # one source's quads, loaded before they are added
     for r in range(r0 + cuda.blockIdx.x, r1, cuda.gridDim.x):  # uniform in the block: syncs stay legal
         # Pass 1a, source by source (a short loop per source keeps every loop unrolled, and zc in
-        # registers); all loads before the first store.  The sum runs in the host reference's order.
-        for j in range(CACHE_QUADS):
-            c = VEC * (t + j * nt)
-            if c < h:
-                z0, z1, z2, z3 = quad(s0, r, c, h, wide)
-                if has_bias:
-                    b0, b1, b2, b3 = vquad(bias, c, h, wide)
-                    z0 += b0
-                    z1 += b1
-                    z2 += b2
-                    z3 += b3
-                if has_residual:
-                    z0, z1, z2, z3 = _acc(z0, z1, z2, z3, residual, r, c, h, wide)
-                keep_quad(zc, j, z0, z1, z2, z3)
+        # registers): each source's loads all issued before the first add that needs one of
+        # them, and all loads before the first store.  The sum runs in the host reference's order.
+        load_cached(s0, r, zc, wide)
+        if has_residual:
+            load_cached(residual, r, xc, wide)
+        add_cached(zc, h, bias, has_bias, xc, has_residual, wide)
         if nsrc > 1:
-            _add_cached(zc, s1, r, wide)
+            _add_cached(zc, xc, s1, r, bias, wide)
         if nsrc > 2:
-            _add_cached(zc, s2, r, wide)
+            _add_cached(zc, xc, s2, r, bias, wide)
         if nsrc > 3:
-            _add_cached(zc, s3, r, wide)
+            _add_cached(zc, xc, s3, r, bias, wide)
         if nsrc > 4:
-            _add_cached(zc, s4, r, wide)
+            _add_cached(zc, xc, s4, r, bias, wide)
         if nsrc > 5:
-            _add_cached(zc, s5, r, wide)
+            _add_cached(zc, xc, s5, r, bias, wide)
         if nsrc > 6:
-            _add_cached(zc, s6, r, wide)
+            _add_cached(zc, xc, s6, r, bias, wide)
         if nsrc > 7:
-            _add_cached(zc, s7, r, wide)
+            _add_cached(zc, xc, s7, r, bias, wide)
         partial = store_cached(zc, new_residual, r, is_layer, wide)
         for c in range(VEC * (t + CACHE_QUADS * nt), h, VEC * nt):
             z0, z1, z2, z3 = _reduce_quad(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, bias, has_bias, residual, has_residual,
