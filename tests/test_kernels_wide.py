@@ -51,6 +51,8 @@ for mod in (matmul_cuda, norm_cuda, peer_cuda):
             body = ptx[ptx.index(".entry"):]
             math = re.search(r"^\\s*(add|sub|mul|fma)\\.(rn\\.)?f32", body, re.M)
             counts["v4 loads before math"] = body[:math.start() if math else len(body)].count("ld.global.v4.f32")
+            barrier = body.find("bar.sync")
+            counts["v4 loads before bar.sync"] = body[:barrier if barrier >= 0 else len(body)].count("ld.global.v4.f32")
             out[name + ("-f16" if "float16" in sig else "")] = counts
 print(json.dumps(out))
 """
@@ -83,6 +85,9 @@ def test_the_ptx_has_128_bit_accesses_and_no_local_memory():
     # (2 wide loads before the first add).
     for name in ("fused_add_norm", "peer_reduce_norm"):
         assert counts[name]["v4 loads before math"] >= 2 * 8, (name, counts[name])
+    # ... and weight's cached quads are loaded before the reduction's first barrier (finish_row),
+    # with y's, the residual's and bias's: 4 x 8 wide loads at least (27 when weight's came after).
+    assert counts["fused_add_norm"]["v4 loads before bar.sync"] >= 4 * 8, counts["fused_add_norm"]
     spilled = {k: v for k, v in counts.items() if v["ld.local"] or v["st.local"]}
     assert not spilled, f"kernels with local-memory traffic: {spilled}"
 

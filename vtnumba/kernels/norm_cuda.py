@@ -30,10 +30,11 @@ latency.  :func:`fused_add_norm_kernel` does three things for that:
    were even issued (in the sm_90 SASS, an ``FADD`` of the loaded registers sat between
    every quad's ``LDG.128`` and the next).  Nor could the compiler move a load above an
    earlier store -- ``new_residual`` may *be* ``residual``.  Batched, every load of the row
-   is in flight at once, and the row pays one latency.  The residual's quads need registers
-   of their own until they are added: 112 per thread instead of 84 (ptxas, sm_90), so an SM
-   holds two 256-thread blocks instead of three -- 16 warps with 8 wide loads each in
-   flight, instead of 24 with 2.
+   is in flight at once, and the row pays one latency.  The same register array then takes
+   ``weight``'s quads, loaded before the reduction (:func:`finish_row`), so they arrive
+   while the block waits at its barriers.  The price is registers: 123 per thread instead
+   of 84 (ptxas, sm_90), so an SM holds two 256-thread blocks instead of three -- 16 warps
+   with 8 wide loads each in flight, instead of 24 with 2.
 3. **128-bit accesses** (:mod:`vtnumba.kernels._wide_cuda`): one instruction per quad,
    when the launcher has checked alignment (``wide``); otherwise the same quads element by
    element.
@@ -186,11 +187,13 @@ def _dev2(z, mean, ok):
 
 
 @cuda.jit(device=True)
-def finish_row(zc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, out, new_residual, wide):
+def finish_row(zc, wc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, out, new_residual, wide):
     """Reduce ``partial`` over the block and normalise row ``r`` into ``out[r]``.
 
     Expects pass 1 done: the thread's first CACHE_QUADS quads of ``z`` in ``zc`` (and stored
-    in ``new_residual[r]``), any further quads stored in ``new_residual[r]`` only.
+    in ``new_residual[r]``), any further quads stored in ``new_residual[r]`` only.  ``wc`` is
+    a register array of ``zc``'s size that pass 1 no longer needs: it receives ``weight``'s
+    quads before the reduction, so those loads travel while the block waits at its barriers.
     """
     h = out.shape[1]
     t = cuda.threadIdx.x
@@ -198,6 +201,11 @@ def finish_row(zc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, 
     first_streamed = VEC * (t + CACHE_QUADS * nt)  # this thread's first quad beyond the cache
     inv_h = float32(1.0) / float32(h)
     eps32 = float32(eps)  # keep every operation float32 (a float64 eps would promote them)
+    for j in range(CACHE_QUADS):  # loads only (see "loads first" in the module docstring)
+        c = VEC * (t + j * nt)
+        if c < h:
+            w0, w1, w2, w3 = vquad(weight, c, h, wide)
+            keep_quad(wc, j, w0, w1, w2, w3)
     total = block_sum(partial)
     mean = float32(0.0)  # RMSNorm: out = (z - 0) * inv * weight
     if is_layer:
@@ -215,15 +223,14 @@ def finish_row(zc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, 
         inv = float32(1.0) / float32(math.sqrt(var + eps32))
     else:
         inv = float32(1.0) / float32(math.sqrt(total * inv_h + eps32))
-    # Pass 2, cached quads: normalise in registers (loads of weight/norm_bias only) ...
+    # Pass 2, cached quads: normalise in registers (weight's quads are in wc; norm_bias is loaded here) ...
     for j in range(CACHE_QUADS):
         c = VEC * (t + j * nt)
         if c < h:
-            w0, w1, w2, w3 = vquad(weight, c, h, wide)
-            o0 = (zc[VEC * j] - mean) * inv * w0
-            o1 = (zc[VEC * j + 1] - mean) * inv * w1
-            o2 = (zc[VEC * j + 2] - mean) * inv * w2
-            o3 = (zc[VEC * j + 3] - mean) * inv * w3
+            o0 = (zc[VEC * j] - mean) * inv * wc[VEC * j]
+            o1 = (zc[VEC * j + 1] - mean) * inv * wc[VEC * j + 1]
+            o2 = (zc[VEC * j + 2] - mean) * inv * wc[VEC * j + 2]
+            o3 = (zc[VEC * j + 3] - mean) * inv * wc[VEC * j + 3]
             if has_norm_bias:
                 b0, b1, b2, b3 = vquad(norm_bias, c, h, wide)
                 o0 += b0
@@ -299,7 +306,7 @@ def fused_add_norm_kernel(y, bias, has_bias, residual, has_residual, weight, nor
             partial += (z0 + z1) + (z2 + z3)
         else:
             partial += (z0 * z0 + z1 * z1) + (z2 * z2 + z3 * z3)
-    finish_row(zc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, out, new_residual, wide)
+    finish_row(zc, rc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, out, new_residual, wide)
 
 
 def launch_add_norm_rows(y, bias, residual, weight, norm_bias, eps, is_layer, out, new_residual, r0, r1,

@@ -160,7 +160,7 @@ def peer_reduce_norm_kernel(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, bias, has_bias
                 partial += (z0 + z1) + (z2 + z3)
             else:
                 partial += (z0 * z0 + z1 * z1) + (z2 * z2 + z3 * z3)
-        finish_row(zc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, out, new_residual, wide)
+        finish_row(zc, xc, r, partial, weight, norm_bias, has_norm_bias, eps, is_layer, out, new_residual, wide)
         # The next row's block reduction reuses the shared scratch: no thread may start it
         # while another still reads this row's total.
         cuda.syncthreads()
