@@ -131,6 +131,18 @@ def load_cached(x, r, xc, wide):
 
 
 @cuda.jit(device=True)
+def plus_bias(z0, z1, z2, z3, bias, has_bias, c, h, wide):
+    """``z + bias[c:c+4]`` when ``has_bias``, else ``z`` (zeros past the row's end)."""
+    if has_bias:
+        b0, b1, b2, b3 = vquad(bias, c, h, wide)
+        z0 += b0
+        z1 += b1
+        z2 += b2
+        z3 += b3
+    return z0, z1, z2, z3
+
+
+@cuda.jit(device=True)
 def add_cached(zc, h, bias, has_bias, xc, has_x, wide):
     """``zc (+ bias) (+ xc)`` for this thread's cached quads of a row of ``h`` elements, in that
     order (the host reference's).  ``xc`` is already loaded (:func:`load_cached`); ``bias`` is
@@ -140,13 +152,8 @@ def add_cached(zc, h, bias, has_bias, xc, has_x, wide):
     for j in range(CACHE_QUADS):
         c = VEC * (t + j * nt)
         if c < h:
-            z0, z1, z2, z3 = zc[VEC * j], zc[VEC * j + 1], zc[VEC * j + 2], zc[VEC * j + 3]
-            if has_bias:
-                b0, b1, b2, b3 = vquad(bias, c, h, wide)
-                z0 += b0
-                z1 += b1
-                z2 += b2
-                z3 += b3
+            z0, z1, z2, z3 = plus_bias(zc[VEC * j], zc[VEC * j + 1], zc[VEC * j + 2], zc[VEC * j + 3],
+                                       bias, has_bias, c, h, wide)
             if has_x:
                 z0 += xc[VEC * j]
                 z1 += xc[VEC * j + 1]
@@ -231,12 +238,7 @@ def finish_row(zc, wc, r, partial, weight, norm_bias, has_norm_bias, eps, is_lay
             o1 = (zc[VEC * j + 1] - mean) * inv * wc[VEC * j + 1]
             o2 = (zc[VEC * j + 2] - mean) * inv * wc[VEC * j + 2]
             o3 = (zc[VEC * j + 3] - mean) * inv * wc[VEC * j + 3]
-            if has_norm_bias:
-                b0, b1, b2, b3 = vquad(norm_bias, c, h, wide)
-                o0 += b0
-                o1 += b1
-                o2 += b2
-                o3 += b3
+            o0, o1, o2, o3 = plus_bias(o0, o1, o2, o3, norm_bias, has_norm_bias, c, h, wide)
             keep_quad(zc, j, o0, o1, o2, o3)
     # ... then store them (stores last, as in pass 1).
     for j in range(CACHE_QUADS):
@@ -250,12 +252,7 @@ def finish_row(zc, wc, r, partial, weight, norm_bias, has_norm_bias, eps, is_lay
         o1 = (z1 - mean) * inv * w1
         o2 = (z2 - mean) * inv * w2
         o3 = (z3 - mean) * inv * w3
-        if has_norm_bias:
-            b0, b1, b2, b3 = vquad(norm_bias, c, h, wide)
-            o0 += b0
-            o1 += b1
-            o2 += b2
-            o3 += b3
+        o0, o1, o2, o3 = plus_bias(o0, o1, o2, o3, norm_bias, has_norm_bias, c, h, wide)
         store_quad(out, r, c, h, wide, o0, o1, o2, o3)
 
 
@@ -263,13 +260,8 @@ def finish_row(zc, wc, r, partial, weight, norm_bias, has_norm_bias, eps, is_lay
 def add_quad(y, bias, has_bias, residual, has_residual, r, c, wide):
     """``y[r, c:c+4] (+ bias[c:c+4]) (+ residual[r, c:c+4])`` as four float32 (zeros past the row)."""
     h = y.shape[1]
-    z0, z1, z2, z3 = quad(y, r, c, h, wide)
-    if has_bias:
-        b0, b1, b2, b3 = vquad(bias, c, h, wide)
-        z0 += b0
-        z1 += b1
-        z2 += b2
-        z3 += b3
+    y0, y1, y2, y3 = quad(y, r, c, h, wide)
+    z0, z1, z2, z3 = plus_bias(y0, y1, y2, y3, bias, has_bias, c, h, wide)
     if has_residual:
         s0, s1, s2, s3 = quad(residual, r, c, h, wide)
         z0 += s0
