@@ -158,8 +158,8 @@ lesson.perf_plot("host_matmul.png", "The host path across sizes (rank 0): vtnumb
 # which is why their code holds 512 multiply-adds where ``regtile``'s holds 64.  The counts
 # are of the code, not of what runs; the ratio is the point.  This needs the real
 # ``numba.cuda`` (not the simulator) and NVVM from ``pip install numba-cuda[cu13]``; only
-# rank 0 compiles, and the lesson prints the reason if it cannot.  The rungs are whatever ``matmul_cuda.PTX_SIGNATURES`` lists, so a
-# new rung shows up here by itself.
+# rank 0 compiles, and the lesson prints the reason if it cannot.  The rungs are whatever
+# ``matmul_cuda.PTX_SIGNATURES`` lists, so a new rung shows up here by itself.
 if target != "cudasim" and rank == 0:
     try:
         from vtnumba.kernels import matmul_cuda
