@@ -69,6 +69,35 @@ def test_init_with_an_explicit_comm_and_destroy_frees_everything():
         dist.init_distributed(comm="world")
 
 
+def test_distributed_frees_only_what_it_created():
+    dist.destroy_distributed()
+    with dist.distributed() as g:  # alone: creates the groups and frees them after the block
+        assert dist.is_initialized() and dist.get_tp_group() is g
+    assert not dist.is_initialized() and g.freed
+
+    outer = dist.init_distributed()  # inside a program that set them up: uses them, frees nothing
+    with dist.distributed(tp_size=1) as g:
+        assert g is outer
+    assert dist.is_initialized() and not outer.freed
+    with pytest.raises(ValueError, match=r"already initialised with tp_size=1"), dist.distributed(tp_size=2):
+        pass
+    assert dist.get_tp_group() is outer
+    dist.destroy_distributed()
+
+
+def test_distributed_leaves_the_groups_when_its_block_raises():
+    # A failing rank must still report over the failure board (which destroy_distributed closes),
+    # and cannot free communicators collectively with peers that are elsewhere.
+    dist.destroy_distributed()
+    with pytest.raises(RuntimeError, match="the body failed"), dist.distributed() as g:
+        raise RuntimeError("the body failed")
+    assert dist.is_initialized() and not g.freed
+    from vtnumba.dist import failures
+
+    assert failures._board is not None
+    dist.destroy_distributed()
+
+
 def test_unknown_group_name_lists_known_ones(world):
     with pytest.raises(KeyError, match=r"no process group named 'pp'; known groups: \['tp', 'world'\]"):
         dist.get_group("pp")

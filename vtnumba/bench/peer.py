@@ -173,27 +173,26 @@ def run(args) -> dict:
     sizes = getattr(args, "sizes", None) or (QUICK_SIZES_MIB if quick else FULL_SIZES_MIB)
     repeat = getattr(args, "repeat", None) or (5 if quick else 15)
 
-    owns_dist = not dist.is_initialized()
-    group = dist.init_distributed()
-    n = group.size
-    backend = default_backend()
-    results, ratios, notes = [], {}, []
-    if n == 1:
-        notes.append("ran on 1 rank: there is nothing to exchange, so busbw is reported as algbw; "
-                     "run under mpiexec -n 2 for meaningful numbers")
-    if target == "cuda":
-        notes.append("mpi4py baseline stages through host memory (the pip mpich is not CUDA-aware)")
-    on_device = target == "cuda"
+    # The groups are freed at the end only if this call created them (run alone, not from the runner).
+    with dist.distributed() as group:
+        n = group.size
+        backend = default_backend()
+        results, ratios, notes = [], {}, []
+        if n == 1:
+            notes.append("ran on 1 rank: there is nothing to exchange, so busbw is reported as algbw; "
+                         "run under mpiexec -n 2 for meaningful numbers")
+        if target == "cuda":
+            notes.append("mpi4py baseline stages through host memory (the pip mpich is not CUDA-aware)")
+        on_device = target == "cuda"
 
-    def to_target(a: np.ndarray):
-        if not on_device:
-            return a
-        from numba import cuda
+        def to_target(a: np.ndarray):
+            if not on_device:
+                return a
+            from numba import cuda
 
-        return cuda.to_device(a)
+            return cuda.to_device(a)
 
-    per_pair: dict[str, list[float]] = {}
-    try:
+        per_pair: dict[str, list[float]] = {}
         ceiling_gbs, ceiling_name = _copy_ceiling(group, backend, on_device)
         for size_mib in sizes:
             S, times = _measure_size(group, backend, size_mib, repeat, to_target, on_device)
@@ -219,9 +218,6 @@ def run(args) -> dict:
                             traffic_factor(case, impl, n) * algbw / ceiling_gbs
         for key, values in per_pair.items():
             ratios[key] = float(np.exp(np.mean(np.log(values))))
-    finally:
-        if owns_dist:
-            dist.destroy_distributed()
     baselines = {"memcpy GB/s (1 rank)": memcpy_bandwidth_gbs(64 * MIB, repeat=5), ceiling_name: ceiling_gbs}
     notes.append(f"float32 rows of H={H}; S = total bytes of the reduce-scatter input / all-gather output "
                  "per rank; busbw = S/t*(n-1)/n (nccl-tests); t = slowest rank per call, median over rounds")

@@ -30,6 +30,7 @@ import platform
 import re
 import sys
 import time
+from contextlib import nullcontext
 
 from vtnumba.bench.schema import (
     axis_label,
@@ -277,33 +278,27 @@ def run_suite(name: str, args, comm, *, target: str | None = None) -> dict | Non
     previous = set_progress(progress)
     t0 = time.perf_counter()
     result = None
-    owns_dist = False
-    if name in MULTI_RANK:
-        from vtnumba import dist
-
-        # The groups first, while every rank is known to be here: creating a communicator is
-        # a blocking MPI call with no deadline, so a rank that stopped later in the suite must
-        # find the others in waits that can end (--timeout), not inside MPI_Comm_split.
-        if not dist.is_initialized():
-            dist.init_distributed()
-            owns_dist = True
-    hook = _inject_hook(args, name, rank)
-    try:
-        if hook is not None:
-            hook(name)
-        if name in MULTI_RANK or rank == 0:
-            result = module.run(sargs)
-    finally:
-        progress.close()
-        set_progress(previous)
-    # A sleeping barrier: ranks idle during a single-process suite must not spin on a core
-    # the measured code needs (a plain MPI Barrier busy-polls).
+    # A multi-rank suite's groups first, while every rank is known to be here: creating a
+    # communicator is a blocking MPI call with no deadline, so a rank that stopped later in
+    # the suite must find the others in waits that can end (--timeout), not inside
+    # MPI_Comm_split.  (Freed at the end if this call created them.)
     from vtnumba.dist.comm import wait_request
+    from vtnumba.dist.groups import distributed
 
-    wait_request(comm.Ibarrier(), None, f"the barrier after bench {name}",
-                 getattr(args, "timeout", None) or BARRIER_TIMEOUT_S)
-    if owns_dist:
-        dist.destroy_distributed()
+    with distributed() if name in MULTI_RANK else nullcontext():
+        hook = _inject_hook(args, name, rank)
+        try:
+            if hook is not None:
+                hook(name)
+            if name in MULTI_RANK or rank == 0:
+                result = module.run(sargs)
+        finally:
+            progress.close()
+            set_progress(previous)
+        # A sleeping barrier: ranks idle during a single-process suite must not spin on a core
+        # the measured code needs (a plain MPI Barrier busy-polls).
+        wait_request(comm.Ibarrier(), None, f"the barrier after bench {name}",
+                     getattr(args, "timeout", None) or BARRIER_TIMEOUT_S)
     if rank == 0 and result is not None:
         validate_suite(result)
         took = time.perf_counter() - t0

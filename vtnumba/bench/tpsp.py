@@ -192,11 +192,17 @@ def _list(ts: list[int]) -> str:
 
 def run(args) -> dict:
     """Measure every ``T`` on every rank of the group; returns the suite result (see the module docstring)."""
-    from vtnumba.dist import get_tp_group, init_distributed, is_initialized
+    from vtnumba.dist import distributed
+
+    # The groups are freed at the end only if this call created them (run alone, not from the runner).
+    with distributed() as group:
+        return _run_on(group, args)
+
+
+def _run_on(group, args) -> dict:
     from vtnumba.target import current_target
     from vtnumba.tpsp import get_tpsp_backend
 
-    group = init_distributed() if not is_initialized() else get_tp_group()
     tp, rank = group.size, group.rank
     if tp < 2:
         raise RuntimeError("bench tpsp needs at least 2 ranks: run it under mpiexec -n 2")

@@ -2,7 +2,8 @@
 
 Reading order (each module is one concept):
 
-* :mod:`~vtnumba.dist.groups`       -- ``init_distributed``, named groups, ``get_tp_group``;
+* :mod:`~vtnumba.dist.groups`       -- ``init_distributed`` (or ``with distributed()``), named groups,
+  ``get_tp_group``;
 * :mod:`~vtnumba.dist.comm`         -- ``all_ranks_ready`` (vLLM TPSP's agreement), ``barrier``
   with a timeout, ``allgather_bytes``, ``allreduce_max``, ``agree_errors``;
 * :mod:`~vtnumba.dist.shm`          -- POSIX shared-memory segments (cpu / cudasim peer memory);
@@ -32,6 +33,7 @@ from vtnumba.dist.groups import (
     GroupNotFoundError,
     ProcessGroup,
     destroy_distributed,
+    distributed,
     get_group,
     get_tp_group,
     get_world_group,
@@ -45,7 +47,8 @@ from vtnumba.dist.shm import ShmSegment, list_segments
 from vtnumba.dist.signals import DEFAULT_NAMES, PeerSignals
 
 __all__ = [
-    "ProcessGroup", "GroupNotFoundError", "init_distributed", "destroy_distributed", "is_initialized",
+    "ProcessGroup", "GroupNotFoundError", "init_distributed", "destroy_distributed", "distributed",
+    "is_initialized",
     "new_group", "get_group", "get_tp_group", "get_world_group",
     "DEFAULT_TIMEOUT_S", "set_default_timeout", "all_ranks_ready", "barrier", "allgather_bytes", "allreduce_max",
     "agree_errors",

@@ -19,6 +19,8 @@ spans nodes cannot use peer buffers; callers fall back to MPI collectives.
 ``init_distributed(tp_size)`` splits the world into consecutive tensor-parallel groups of
 ``tp_size`` ranks (ranks 0..tp-1, tp..2tp-1, ...) and registers this rank's as ``"tp"``; the
 whole world is registered as ``"world"``.  ``new_group(name, ranks)`` adds any other group.
+``with distributed(tp_size) as tp:`` does the same for one block of code, and frees the groups
+after it only if it was the one that created them.
 Creation is collective over the world: arguments are first compared across ranks, so a
 mismatch (or bad input on one rank) raises the same error on every rank instead of hanging.
 
@@ -31,6 +33,8 @@ from __future__ import annotations
 import numbers
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mpi4py import MPI
@@ -212,6 +216,29 @@ def destroy_distributed() -> None:
         for g in reversed([g for g in state.groups.values() if g is not None and g is not state.world]):
             g._free()
         state.world._free()
+
+
+@contextmanager
+def distributed(tp_size: int | None = None, comm: MPI.Comm | None = None) -> Iterator[ProcessGroup]:
+    """``with distributed() as tp:`` -- :func:`init_distributed` for the block, undone after it
+    only if this call did the setting up.
+
+    A program or a benchmark suite that may run on its own *or* inside a larger program needs
+    exactly this: on its own it creates the groups and frees them at the end; inside a program
+    that already initialised them it uses that setup (same rules as ``init_distributed``: a
+    different ``tp_size`` raises ValueError) and leaves it in place for its owner.  Collective,
+    like both calls it stands for.
+
+    When the block raises, the groups stay: freeing communicators is collective, and a rank
+    that failed cannot count on its peers being there to free them too -- it reports the
+    failure (over the failure board, which ``destroy_distributed`` would close) and leaves
+    through :func:`vtnumba.dist.run_collectively`'s exit protocol instead.
+    """
+    created = not is_initialized()
+    group = init_distributed(tp_size, comm)
+    yield group  # (an exception raised in the block comes out here and skips what follows)
+    if created:
+        destroy_distributed()
 
 
 def is_initialized() -> bool:
