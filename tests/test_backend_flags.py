@@ -100,6 +100,73 @@ def test_a_wait_on_a_flag_that_never_comes_times_out_naming_the_word(backend):
     backend.destroy_queue(q)
 
 
+def test_release_flag_word_frees_a_queue_that_waits_for_a_flag_that_never_comes(backend):
+    # What a failing TPSP call and a GPU wait past its deadline both do: store the awaited value
+    # from the backend's own queue, so the waiting queue drains.
+    flags = _flags(backend)
+    if backend.capabilities.async_queues:
+        out = backend.asarray(np.zeros(1, np.uint32))
+        q = backend.create_queue("waiter")
+        backend.wait_value32(q, flags, 1, 5, timeout_s=60)
+        backend.write_value32(q, out, 0, 42)
+        time.sleep(0.1)
+        assert backend.to_host(out)[0] == 0, "work after the wait ran before the flag arrived"
+        t0 = time.perf_counter()
+        backend.release_flag_word(flags, 1, 5, timeout_s=5)
+        backend.synchronize(q)  # the wait passed (the word reached 5): no error, no 60 s wait
+        assert time.perf_counter() - t0 < 5
+        assert backend.to_host(out)[0] == 42
+        backend.destroy_queue(q)
+    else:
+        backend.release_flag_word(flags, 1, 5)  # a synchronous queue's wait would block the caller itself
+    assert backend.to_host(flags).tolist() == [0, 5, 0, 0]
+    with pytest.raises(ValueError, match=r"index=4 is out of range"):
+        backend.release_flag_word(flags, 4, 1)
+    with pytest.raises(TypeError, match="1-D uint32"):
+        backend.release_flag_word(backend.asarray(np.zeros(4, np.int64)), 0, 1)
+    with pytest.raises(ValueError, match=r"timeout_s=-1(\.0)? must be a positive"):
+        backend.release_flag_word(flags, 0, 1, timeout_s=-1)
+    assert backend.to_host(flags).tolist() == [0, 5, 0, 0], "a refused call stored something"
+
+
+def test_release_flag_word_gives_up_when_its_own_queue_is_held_up():
+    # The release is waited for with a deadline, never in a blocking call: on a GPU its stream may
+    # share a hardware queue with the stuck one.  Here the backend's side queue is held up by hand.
+    backend = CPUBackend(threaded=True)
+    gate = threading.Event()
+    try:
+        flags = _flags(backend)
+        backend.submit(backend._flag_side_queue(), lambda _stream: gate.wait(10), "held up")
+        t0 = time.perf_counter()
+        with pytest.raises(WaitTimeout, match=r"storing 3 into flag word 2 did not finish within 0\.\d+ s"):
+            backend.release_flag_word(flags, 2, 3, timeout_s=0.2)
+        assert time.perf_counter() - t0 < 3
+        gate.set()
+        backend.synchronize()
+        assert flags.tolist() == [0, 0, 3, 0]  # it was queued, so it lands once the queue moves
+    finally:
+        gate.set()
+        backend.close()
+
+
+def test_queue_flags_report_a_release_that_timed_out_as_their_own_error():
+    # QueueFlags releases device words through the backend (the path only a GPU takes) and
+    # names the rank when that release cannot finish.
+    from types import SimpleNamespace
+
+    from vtnumba.dist.queue_flags import QueueFlags, QueueFlagsError
+
+    class HeldUp:
+        def release_flag_word(self, flags, index, value, *, timeout_s):
+            raise WaitTimeout(f"storing {value} into flag word {index} did not finish within {timeout_s} s")
+
+    qf = object.__new__(QueueFlags)  # only what _release_device_word reads
+    qf.backend, qf.timeout_s, qf.group = HeldUp(), 0.5, SimpleNamespace(rank=1)
+    with pytest.raises(QueueFlagsError, match=r"rank 1: releasing flag word 6: storing \d+ into flag word 6 did not "
+                                              r"finish within 0.5 s"):
+        qf._release_device_word(None, 6)
+
+
 class _FakeStuckGPU:
     """Stands in for CUDABackend's device side in the deadline logic: flag words in a dict; a
     "release" stores the awaited value, as the real one does from a queue of its own."""
@@ -111,7 +178,7 @@ class _FakeStuckGPU:
         self.reads += 1
         return self.words[index]
 
-    def _release_flag_wait(self, flags, index, value):
+    def release_flag_word(self, flags, index, value):
         self.released.append((index, value))
         self.words[index] = value
 

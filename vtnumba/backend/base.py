@@ -270,6 +270,7 @@ class Backend(abc.ABC):
         self._events: set[int] = set()
         self._capturing: dict[int, Any] = {}
         self._default_graph: GraphHandle | None = None
+        self._side_queue: Queue | None = None  # see _flag_side_queue
 
     # ------------------------------------------------------------------ description
     @property
@@ -538,6 +539,51 @@ class Backend(abc.ABC):
         index, value = self._check_flag(flags, index, value)
         timeout_s = check_seconds("timeout_s", timeout_s)
         self._wait_value32(q, flags, index, value, timeout_s)
+
+    def release_flag_word(self, flags, index: int, value: int, *, timeout_s: float = 10.0) -> None:
+        """Store ``value`` into ``flags[index]`` now, from a queue nothing waits on; return once it is stored.
+
+        This is how a wait that will never be satisfied -- its peer died, its deadline passed --
+        is ended: a GPU stream's :meth:`wait_value32` cannot be cancelled, only satisfied.  Two
+        rules make it safe on a stuck device:
+
+        * the store goes through a queue of the backend's own (non-blocking on a GPU, so not
+          ordered behind the stuck stream), never through one that may itself be waiting;
+        * it is waited for by polling an event with a deadline, never in a blocking driver
+          call: streams share a few hardware queues, and if the GPU scheduled this one behind
+          a stuck one the call must still end -- RuntimeError after ``timeout_s``.
+
+        Used by the backend's own flag-wait deadlines and by :mod:`vtnumba.dist.queue_flags`
+        when a call fails.  The work queued behind a released wait runs on whatever the flag
+        guarded: whoever releases it must make sure its results are not used.
+        """
+        index, value = self._check_flag(flags, index, value)
+        timeout_s = check_seconds("timeout_s", timeout_s)
+        q = self._flag_side_queue()
+        self._write_value32(q, flags, index, value)
+        self._finish_side_queue(q, timeout_s, f"storing {value} into flag word {index}")
+
+    def _flag_side_queue(self) -> Queue:
+        """The backend's queue for reading and storing flag words past a stuck stream (made on
+        first use, kept for the backend's life; releases are rare and on failure paths)."""
+        with self._lock:  # (re-entrant: create_queue takes it too)
+            if self._side_queue is None or self._side_queue.destroyed:
+                self._side_queue = self.create_queue("flag-side")
+            return self._side_queue
+
+    def _finish_side_queue(self, q: Queue, timeout_s: float, what: str) -> None:
+        """Wait for what was just queued on the side queue ``q``, polling with a deadline."""
+        from vtnumba.backend.polling import poll_until
+
+        ev = self.create_event(timing=False)  # one per call: two threads may release at once
+        try:
+            self.record_event(ev, q)
+            poll_until(lambda: self.query_event(ev), timeout_s,
+                       lambda waited: f"{self.name}: {what} did not finish within {waited:.3g} s (its queue is held "
+                                      "up behind a stuck one)")
+        finally:
+            self.destroy_event(ev)
+        self.synchronize(q)  # done: returns at once, and raises the queue's error if the store failed
 
     def _check_flag(self, flags, index, value) -> tuple[int, int]:
         if getattr(flags, "ndim", None) != 1 or np.dtype(getattr(flags, "dtype", None)) != np.uint32:

@@ -172,6 +172,7 @@ class CUDABackend(Backend):
             cuda.select_device(device.index)
         self._queues_by_id: dict[int, _CUDAQueue] = {}
         self._memops_ok = True  # stream memory operations; False once the driver refused one
+        self._flag_readback = None  # a pinned word that _read_flag_word copies a flag word into
 
     @property
     def name(self) -> str:
@@ -334,8 +335,8 @@ class CUDABackend(Backend):
     # has flag waits that are not known to have passed, synchronizing it *polls* the stream
     # and keeps each wait's deadline (wait_value32's timeout_s) on the host.  A wait past its
     # deadline is released the only way a GPU wait can end -- by storing the awaited value
-    # into the word, from a queue of its own -- and the synchronize raises an error naming
-    # the word.  (The work queued behind the wait then runs on whatever the flag guarded:
+    # into the word, from a queue of its own (Backend.release_flag_word) -- and the synchronize
+    # raises an error naming the word.  (The work queued behind the wait then runs on whatever the flag guarded:
     # the error says the results are not to be used.  vtnumba.dist.queue_flags releases its
     # peers' waits the same way when a call fails.)
     def _stream_idle(self, q) -> bool:
@@ -347,36 +348,20 @@ class CUDABackend(Backend):
         _check_cu(err, f"cuStreamQuery(queue {q.name})")
         return True
 
-    def _flag_queue(self):
-        """A non-blocking queue of the backend's own for reading and releasing stuck flag words:
-        never one that may itself be waiting."""
-        q = getattr(self, "_flag_release_queue", None)
-        if q is None:
-            q = self._flag_release_queue = self._create_queue("flag-release")
-            q.word = _cuda().pinned_array(1, np.uint32)  # where a word is read back to
-        return q
-
-    def _finish_flag_queue(self, q, what: str) -> None:
-        # Polled with a deadline, not cuStreamSynchronize: streams share a few hardware queues,
-        # and one sharing with the stuck stream would hold this one up too.
-        from vtnumba.backend.polling import poll_until
-
-        poll_until(lambda: self._stream_idle(q), 10.0, lambda waited: f"{what} did not finish within {waited:.3g} s "
-                   "(its stream is held up behind a stuck one)")
-
     def _read_flag_word(self, flags, index: int) -> int:
+        """The word's value now, read past a stuck stream: a copy on the side queue into a
+        pinned word, waited for by polling (see :meth:`Backend.release_flag_word`)."""
         from cuda.bindings import driver as cu
 
-        q = self._flag_queue()
-        (err,) = cu.cuMemcpyDtoHAsync(q.word.ctypes.data, address_of(flags) + 4 * index, 4, q.handle)
+        q = self._flag_side_queue()
+        with self._lock:
+            if self._flag_readback is None:
+                self._flag_readback = _cuda().pinned_array(1, np.uint32)
+            word = self._flag_readback
+        (err,) = cu.cuMemcpyDtoHAsync(word.ctypes.data, address_of(flags) + 4 * index, 4, q.handle)
         _check_cu(err, "cuMemcpyDtoHAsync(flag word)")
-        self._finish_flag_queue(q, f"reading flag word {index}")
-        return int(q.word[0])
-
-    def _release_flag_wait(self, flags, index: int, value: int) -> None:
-        q = self._flag_queue()
-        self._write_value32(q, flags, index, value)
-        self._finish_flag_queue(q, f"releasing flag word {index}")
+        self._finish_side_queue(q, 10.0, f"reading flag word {index}")
+        return int(word[0])
 
     def _wait_out_flag_waits(self, done, waits: list, who: str) -> None:
         """Poll ``done()`` until it is True; release (and report) every wait of ``waits`` whose
@@ -397,7 +382,7 @@ class CUDABackend(Backend):
                 seen = self._read_flag_word(flags, index)
                 if flag_reached(seen, value):
                     continue  # it arrived: the stream is busy with later work, not stuck
-                self._release_flag_wait(flags, index, value)
+                self.release_flag_word(flags, index, value)
                 released.append(f"flag word {index} to reach {value}; it is {seen}")
             backoff(polls, time.perf_counter() - start)
         if released:

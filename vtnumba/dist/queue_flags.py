@@ -115,16 +115,17 @@ class QueueFlags:
         if host is not None:
             host.fill(0)
             return
-        # Device memory: zero it on the queue that later releases waits (made now, before any
-        # stream can be stuck), and wait for it.  Not numba's plain copy_to_device: that is a
-        # legacy-stream copy from pageable memory, which may return before the bytes land --
-        # and neither the peers' flag writes nor our own non-blocking streams are ordered
-        # after it, so a late zero could wipe out a flag.
+        # Device memory: zero it on a queue of our own, and wait for it.  Not numba's plain
+        # copy_to_device: that is a legacy-stream copy from pageable memory, which may return
+        # before the bytes land -- and neither the peers' flag writes nor our own non-blocking
+        # streams are ordered after it, so a late zero could wipe out a flag.
         be = self.backend
-        self._release_queue = be.create_queue("queue-flags-release")
-        zeros = np.zeros(local.shape, np.uint32)
-        be.copy(self._release_queue, local, zeros, zeros.nbytes)
-        be.synchronize(self._release_queue)
+        q = be.create_queue("queue-flags-zero")
+        try:
+            zeros = np.zeros(local.shape, np.uint32)
+            be.copy(q, local, zeros, zeros.nbytes)
+        finally:
+            be.destroy_queue(q)  # waits for the copy
 
     # ------------------------------------------------------------------ helpers
     def _slot(self, name: str, source: int) -> int:
@@ -340,24 +341,12 @@ class QueueFlags:
                 self._release_device_word(area, slot)
 
     def _release_device_word(self, area, slot: int) -> None:
-        # A blocked stream cannot be asked to do it: use a queue of its own (non-blocking on a
-        # GPU, so not ordered behind the stuck ones), and wait for just that write -- polling
-        # with the deadline, never blocking in the driver: if the GPU scheduled that queue
-        # behind a stuck one (streams share a few hardware queues), this must still end.
-        be = self.backend
-        q = getattr(self, "_release_queue", None)
-        if q is None:
-            q = self._release_queue = be.create_queue("queue-flags-release")
-        be.write_value32(q, area, slot, RELEASED)
-        ev = self._events.get(q.id)
-        if ev is None:
-            ev = self._events[q.id] = be.create_event(timing=False)
-        be.record_event(ev, q)
-        poll_until(lambda: be.query_event(ev), self.timeout_s,
-                   lambda waited: f"rank {self.group.rank}: releasing flag word {slot} did not finish within "
-                                  f"{waited:.3g} s (its queue is held up behind a blocked stream)",
-                   error=QueueFlagsError)
-        be.synchronize(q)
+        # A blocked stream cannot be asked to do it: the backend stores the word from a queue
+        # of its own, polling with the deadline (see Backend.release_flag_word).
+        try:
+            self.backend.release_flag_word(area, slot, RELEASED, timeout_s=self.timeout_s)
+        except WaitTimeout as exc:
+            raise QueueFlagsError(f"rank {self.group.rank}: releasing flag word {slot}: {exc}") from None
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:
@@ -374,10 +363,6 @@ class QueueFlags:
         for ev in self._events.values():
             self.backend.destroy_event(ev)
         self._events = {}
-        q = getattr(self, "_release_queue", None)
-        if q is not None:
-            self._release_queue = None
-            self.backend.destroy_queue(q)
         self._areas = []
         try:
             self._pb.close()
