@@ -314,5 +314,5 @@ def get_world_group() -> ProcessGroup:
     return get_group("world")
 
 
-__all__ = ["ProcessGroup", "GroupNotFoundError", "init_distributed", "destroy_distributed", "is_initialized",
-           "new_group", "get_group", "get_tp_group", "get_world_group"]
+__all__ = ["ProcessGroup", "GroupNotFoundError", "init_distributed", "destroy_distributed", "distributed",
+           "is_initialized", "new_group", "get_group", "get_tp_group", "get_world_group"]
