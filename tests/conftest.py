@@ -122,6 +122,31 @@ def device_backend(device_backend_factory):
 
 
 @pytest.fixture
+def dev(device_backend):
+    """``dev(host)``: a copy of ``host`` in the device target's memory (None stays None)."""
+    return lambda a: None if a is None else device_backend.asarray(a)
+
+
+@pytest.fixture
+def host(device_backend):
+    """``host(arr)``: a device array's contents as numpy (a view in the simulator, a copy on a GPU)."""
+    return device_backend.to_host
+
+
+@pytest.fixture(scope="module")
+def fast_barriers():
+    """A shorter GIL switch interval for a module's tests: barrier-heavy kernels run 3-4x faster
+    in the simulator, where every GPU thread is a Python thread.  (A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("fast_barriers")``.)"""
+    import sys
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5e-4)
+    yield
+    sys.setswitchinterval(old)
+
+
+@pytest.fixture
 def rng(request):
     """A fresh random generator seeded from the test's id: different data for every test, the
     same data in every run (so a failure can be reproduced; ``hash()`` would change per run)."""

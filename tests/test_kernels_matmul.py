@@ -7,8 +7,6 @@ inputs, poisons the output with NaN first (so an element the kernel forgets to w
 up), and compares with float64 numpy.
 """
 
-import sys
-
 import numpy as np
 import pytest
 
@@ -19,25 +17,7 @@ from vtnumba.kernels.matmul import LADDER
 TOL = {np.float32: 1e-5, np.float16: 1e-2}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_barriers():
-    # Barrier-heavy simulated kernels run 3-4x faster with a shorter GIL switch interval.
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(old)
-
-
-@pytest.fixture
-def dev(device_backend):
-    """``dev(host)``: a copy of ``host`` in the device target's memory (None stays None)."""
-    return lambda a: None if a is None else device_backend.asarray(a)
-
-
-@pytest.fixture
-def host(device_backend):
-    """``host(arr)``: a device array's contents as numpy (a view in the simulator, a copy on a GPU)."""
-    return device_backend.to_host
+pytestmark = pytest.mark.usefixtures("fast_barriers")  # (tests/conftest.py)
 
 
 def rel_err(out, ref):

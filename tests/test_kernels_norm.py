@@ -5,8 +5,6 @@ tests/conftest.py): inputs go in with ``device_backend.asarray``, NaN-poisoned o
 and results come back with ``device_backend.to_host``.
 """
 
-import sys
-
 import numpy as np
 import pytest
 
@@ -16,24 +14,7 @@ from vtnumba.kernels import add_norm_rows_host, fused_add_layer_norm, fused_add_
 EPS = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_barriers():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(old)
-
-
-@pytest.fixture
-def dev(device_backend):
-    """``dev(host)``: a copy of ``host`` in the device target's memory (None stays None)."""
-    return lambda a: None if a is None else device_backend.asarray(a)
-
-
-@pytest.fixture
-def host(device_backend):
-    """``host(arr)``: a device array's contents as numpy (a view in the simulator, a copy on a GPU)."""
-    return device_backend.to_host
+pytestmark = pytest.mark.usefixtures("fast_barriers")  # (tests/conftest.py)
 
 
 def nans(shape):
