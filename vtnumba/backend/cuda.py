@@ -335,10 +335,10 @@ class CUDABackend(Backend):
     # has flag waits that are not known to have passed, synchronizing it *polls* the stream
     # and keeps each wait's deadline (wait_value32's timeout_s) on the host.  A wait past its
     # deadline is released the only way a GPU wait can end -- by storing the awaited value
-    # into the word, from a queue of its own (Backend.release_flag_word) -- and the synchronize
-    # raises an error naming the word.  (The work queued behind the wait then runs on whatever the flag guarded:
-    # the error says the results are not to be used.  vtnumba.dist.queue_flags releases its
-    # peers' waits the same way when a call fails.)
+    # into the word, from a queue of its own (Backend.release_flag_word) -- and the
+    # synchronize raises an error naming the word.  (The work queued behind the wait then
+    # runs on whatever the flag guarded: the error says the results are not to be used.
+    # vtnumba.dist.queue_flags releases its peers' waits the same way when a call fails.)
     def _stream_idle(self, q) -> bool:
         from cuda.bindings import driver as cu
 
