@@ -535,6 +535,39 @@ def test_loads_are_sorted_by_first_block_and_coalesce_across_hashes(backend, env
     np.testing.assert_array_equal(host_of(cache["late"]).view(np.int8).reshape(2, -1), env.region.blocks[7:9])
 
 
+def test_a_step_of_random_loads_gets_its_bytes_and_one_descriptor_per_run(backend, env_factory, rng):
+    """Entries of random sizes on random blocks (some neighbours in the region, some not, in
+    any order): each view holds its own blocks, and the step's descriptors are the runs of
+    its ids laid end to end in first-block order -- a run crossing entries counted once."""
+    env = env_factory(backend)
+    env.region.blocks[:] = rng.integers(-100, 100, size=env.region.blocks.shape, dtype=np.int8)
+    for _ in range(3):
+        perm = rng.permutation(env.region.num_blocks)
+        cut = np.sort(rng.choice(np.arange(1, 20), size=3, replace=False))  # four entries, 20 blocks in all
+        parts = np.split(np.sort(perm[:20]) if rng.random() < 0.5 else perm[:20], cut)
+        loads = {f"h{j}": (j, ids.tolist()) for j, ids in enumerate(parts)}
+        before = env.worker.stats["load"]["descriptors"]
+        cache = {}
+        env.worker.start_load_caches(cache, ECConnectorMetadata(loads=loads))
+        complete(env.worker)
+        for h, (_, ids) in loads.items():
+            np.testing.assert_array_equal(host_of(cache[h]).view(np.int8).reshape(len(ids), -1),
+                                          env.region.blocks[ids])
+        ordered = np.concatenate(sorted(parts, key=lambda ids: ids[0]))
+        assert env.worker.stats["load"]["descriptors"] - before == len(coalesce_runs(ordered.tolist())[0])
+
+
+def test_a_bad_block_id_in_a_later_entry_names_that_entry_and_loads_nothing(backend, env_factory):
+    env = env_factory(backend)
+    cache = {}
+    with pytest.raises(ValueError, match=r"loads\['second'\] contains block id 40, outside the region's 0..31"):
+        env.worker.start_load_caches(cache, ECConnectorMetadata(loads={"second": (1, [6, 40]), "first": (0, [2, 3])}))
+    assert cache == {} and env.worker.inflight() == (0, 0)
+    assert env.worker.build_connector_worker_meta() is None  # nothing to report, nothing held
+    env.worker.start_load_caches(cache, ECConnectorMetadata(loads={"first": (0, [2, 3])}))  # still usable
+    assert complete(env.worker).completed_loads == [0]
+
+
 def test_save_descriptors_equal_block_runs(backend, env_factory, rng):
     env = env_factory(backend)
     out = rng.standard_normal((5, env.hidden)).astype(np.float32)

@@ -53,7 +53,6 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from math import prod
 
 import numpy as np
 
@@ -158,16 +157,27 @@ class LoadDestinations:
             raise TypeError(f"load buffer {type(arr).__name__} is not host-addressable")
         return view
 
-    def view(self, dest: LoadDestination, dtype, shape, offset: int):
-        """A typed array on the target aliasing ``dest``'s bytes ``offset .. offset+size``."""
+    def views(self, dest: LoadDestination, dtype, hidden: int, row_counts: list) -> list:
+        """Typed ``[rows, hidden]`` arrays on the target, one per count in ``row_counts``, lying one
+        after another from ``dest``'s first byte (a step's entries, in the order they were copied)."""
         dtype = np.dtype(dtype)
-        nbytes = prod(shape) * dtype.itemsize
+        row_bytes = hidden * dtype.itemsize
         if self._host:
-            arr = dest._owner_array[offset:offset + nbytes].view(dtype).reshape(shape)
-            if self._simulator:
-                arr = wrap_host_memory(arr)  # kernels in the simulator take it in place
-            return arr
-        return _gpu_view(dest, dtype, tuple(shape), offset, nbytes)
+            # One typed [rows, hidden] array of the whole step, then a row slice per entry: one
+            # numpy call per entry instead of three (slice, view, reshape) -- this runs every step.
+            total = sum(row_counts)
+            rows = dest._owner_array[:total * row_bytes].view(dtype).reshape(total, hidden)
+            out, r = [], 0
+            for k in row_counts:
+                arr = rows[r:r + k]
+                out.append(wrap_host_memory(arr) if self._simulator else arr)  # in place in the simulator
+                r += k
+            return out
+        out, offset = [], 0
+        for k in row_counts:
+            out.append(_gpu_view(dest, dtype, (k, hidden), offset, k * row_bytes))
+            offset += k * row_bytes
+        return out
 
     def seal(self, dest: LoadDestination) -> None:
         """All views are handed out: from now on only they keep the buffer in use."""

@@ -462,12 +462,7 @@ class ECWorker:
         # Per-hash views of the contiguous buffer, as [rows, hidden] in the model dtype --
         # cut now, while this step's objects are still in the CPU's caches (a copy of a few
         # MiB evicts them), and handed out once the copy has been issued without an error.
-        views, offset = [], 0
-        view, dtype, hidden = self._destinations.view, self.dtype, self.hidden_size
-        for mm_hash, _, ids in items:
-            rows = ids.size
-            views.append(view(dest, dtype, (rows, hidden), offset))
-            offset += rows * block_size
+        views = self._destinations.views(dest, self.dtype, self.hidden_size, [it[2].size for it in items])
         self._destinations.seal(dest)
         start = end = None
         try:
