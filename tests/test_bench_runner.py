@@ -98,6 +98,24 @@ def test_value_bounds_follow_the_metric():
     assert schema.value_bounds(count) == (3.0, 3.0)
 
 
+def test_thread_round_trip_times_a_real_hand_off(monkeypatch):
+    st = timing.thread_round_trip(rounds=20, repeat=3)
+    assert st.samples == 3 and 0 < st.p10_s <= st.median_s <= st.p90_s < 1.0
+    # The helper thread answers each message: a batch takes at least its rounds of a slowed echo.
+    real_put = timing.queue.SimpleQueue.put
+
+    class SlowQueue(timing.queue.SimpleQueue):
+        def put(self, item, *a, **k):
+            time.sleep(0.002)
+            real_put(self, item, *a, **k)
+
+    monkeypatch.setattr(timing.queue, "SimpleQueue", SlowQueue)
+    assert timing.thread_round_trip(rounds=5, repeat=1).median_s >= 0.004  # two slowed puts per round trip
+    for bad in ({"rounds": 0}, {"repeat": 0}, {"rounds": 1.5}):
+        with pytest.raises(ValueError, match="expected positive ints"):
+            timing.thread_round_trip(**bad)
+
+
 def test_schema_checks_the_optional_fields():
     res = _suite()
     schema.validate_suite(res)

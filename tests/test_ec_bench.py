@@ -27,6 +27,9 @@ def test_quick_run_follows_the_schema():
     desc = [r for r in res["results"] if r["case"] == "ec descriptors/entry"]
     assert [r["value"] for r in desc] == [1.0, 1.0]  # contiguous entries: one run, one descriptor
     assert "save 64 KiB / memcpy same buffers" in res["ratios"]
+    # ... and beside them, what they stand on: a hand-off to another thread and back.
+    hand_off = [r for r in res["results"] if r["case"] == "thread hand-off"]
+    assert len(hand_off) == (res["target"] == "cpu") and all(0 < r["value"] < 1e6 for r in hand_off)
     # The fixed cost per step (ec step minus the same copy), per size and direction, in microseconds.
     fixed = {(r["impl"], r["size"]): r for r in res["results"] if r["case"] == "ec fixed cost per step"}
     assert set(fixed) == {(f"ec {d}", n) for d in ("save", "load") for n in (4096, 65536)}

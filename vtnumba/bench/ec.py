@@ -22,6 +22,9 @@ copies, fed one entry at a time.
   direction, so what a step costs in Python is paid once for all of them; the baseline is
   one ``np.copyto`` of the step's bytes between the same buffers.
 
+* **thread hand-off** (cpu target): one message to another thread and back, the cost the
+  pipelined rows' threaded queues pay at every crossing (:func:`~vtnumba.bench.timing.thread_round_trip`).
+
 Entries rotate through four slots of a region sized for them, so every save writes blocks
 another entry just left (as under eviction).  The ``fragmented`` case lays an entry out in
 runs of 8 blocks with gaps between, to show what the descriptor count costs.  The
@@ -36,7 +39,7 @@ import time
 import numpy as np
 
 from vtnumba.bench import schema
-from vtnumba.bench.timing import Stats, memcpy_bandwidth_gbs, stats_from_times
+from vtnumba.bench.timing import Stats, memcpy_bandwidth_gbs, stats_from_times, thread_round_trip
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
@@ -385,6 +388,10 @@ def run(args) -> dict:
                                           frag / r[impl].median_s / 1e9, r[impl]))
             results.append(schema.row("ec descriptors/entry fragmented", "ec save", frag, "bytes", "descriptors",
                                       r["descriptors"], stats_from_times([0.0])))
+        if threaded is not None:
+            # What the pipelined rows stand on: handing work to a queue's thread and hearing back.
+            rt = thread_round_trip()
+            results.append(schema.row("thread hand-off", "round trip", 1, "message", "us", rt.median_s * 1e6, rt))
     finally:
         if threaded is not None:
             threaded.close()
@@ -405,6 +412,12 @@ def run(args) -> dict:
     notes.append(f"ec save/load = one entry on {backend.name}, waited for: descriptor building, the batched copy, "
                  "its events and the completion report; 'pipelined' = 8 steps back to back on threaded cpu "
                  f"queues with up to {SLOTS - 2} copies in flight (the copies overlap the next step's Python work)")
+    if threaded is not None:
+        notes.append("'thread hand-off' = one message to another thread and back (queue.SimpleQueue, as a threaded "
+                     "queue takes each operation): a pipelined step crosses threads several times (to the copy "
+                     "queue, to the compute queue, back to the host) and its threads share the GIL, so where this "
+                     "is large next to the copy -- a virtual machine, few cores -- pipelined steps are slower than "
+                     "waited-for ones")
     if target == "cuda":
         notes.append("on a GPU the saves are D2H and the loads H2D copies into and out of the pinned region; "
                      "'memcpy same buffers' is then the driver's copy between the same device buffer and region "

@@ -19,6 +19,7 @@ than a couple of seconds.
 
 from __future__ import annotations
 
+import queue
 import sys
 import threading
 import time
@@ -185,6 +186,40 @@ def memcpy_bandwidth_gbs(nbytes: int = 64 << 20, repeat: int = 10) -> float:
     dst = np.empty_like(src)
     st = measure(lambda: np.copyto(dst, src), repeat=repeat, warmup=2)
     return nbytes / st.median_s / 1e9
+
+
+def thread_round_trip(rounds: int = 200, repeat: int = 5) -> Stats:
+    """One message handed to another thread and its answer back, through a ``queue.SimpleQueue``
+    -- the hand-off a threaded cpu queue makes for every operation given to it (and the
+    ``Event`` it sets wakes the waiting thread the same way).  The figure is the mean round
+    trip of each batch of ``rounds``, over ``repeat`` batches after one of warm-up.
+
+    It is the floor under any step that waits for work run on a queue's thread: two
+    wake-ups of a sleeping thread, which cost a few microseconds on one machine and a
+    hundred on another (a virtual machine often pays most of it in the hypervisor).
+    """
+    if type(rounds) is not int or rounds < 1 or type(repeat) is not int or repeat < 1:
+        raise ValueError(f"rounds={rounds!r}, repeat={repeat!r}; expected positive ints")
+    ask, answer = queue.SimpleQueue(), queue.SimpleQueue()
+
+    def echo() -> None:
+        while (item := ask.get()) is not None:
+            answer.put(item)
+
+    helper = threading.Thread(target=echo, name="vtnumba-round-trip", daemon=True)
+    helper.start()
+    try:
+        times = []
+        for _ in range(repeat + 1):
+            t0 = time.perf_counter()
+            for i in range(rounds):
+                ask.put(i)
+                answer.get()
+            times.append((time.perf_counter() - t0) / rounds)
+    finally:
+        ask.put(None)
+        helper.join()
+    return stats_from_times(times[1:])
 
 
 def time_on_queue(backend, q, fn: Callable[[], object], *, repeat: int = 10, inner: int = 1, warmup: int = 2,
