@@ -195,8 +195,9 @@ def thread_round_trip(rounds: int = 200, repeat: int = 5) -> Stats:
     trip of each batch of ``rounds``, over ``repeat`` batches after one of warm-up.
 
     It is the floor under any step that waits for work run on a queue's thread: two
-    wake-ups of a sleeping thread, which cost a few microseconds on one machine and a
-    hundred on another (a virtual machine often pays most of it in the hypervisor).
+    wake-ups of a sleeping thread.  What they cost depends on the machine far more than on
+    the code -- over a hundred microseconds on the 2-core virtual machine this was written
+    on -- which is why it is measured in the same run as the rows it explains.
     """
     if type(rounds) is not int or rounds < 1 or type(repeat) is not int or repeat < 1:
         raise ValueError(f"rounds={rounds!r}, repeat={repeat!r}; expected positive ints")
