@@ -156,7 +156,11 @@ class CUDABackend(Backend):
             raise ValueError(f"device={device} must be a CUDA device for CUDABackend")
         super().__init__(device)
         self.simulator = simulator_active()
-        if not self.simulator:
+        if self.simulator:
+            from vtnumba.backend.simulator_fixes import make_shared_arrays_thread_safe
+
+            make_shared_arrays_thread_safe()  # one shared array per block, whatever the thread timing
+        else:
             from vtnumba.backend.cuda_stack import check_cuda_stack
 
             check_cuda_stack()  # refuse numba's deprecated numba.cuda before it fails obscurely later
