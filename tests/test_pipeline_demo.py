@@ -111,7 +111,10 @@ def test_pipeline_demo_stopped_consumer_ends_within_the_timeout(weights):
 
 def test_pipeline_demo_killed_producer_leaves_nothing(weights):
     before = vtnumba_shm()
-    proc = vt("demo", "--target", "cpu", "--timeout", "3", "--inject", "kill:0:shared", timeout=120)
+    # The kill ends the job at once; --timeout only bounds the consumer's wait for the region's
+    # handle, which starts before the producer reaches 'shared'.  3 s lost that race once on a
+    # loaded machine (the consumer gave up first, and the job ended the other way).
+    proc = vt("demo", "--target", "cpu", "--timeout", "15", "--inject", "kill:0:shared", timeout=120)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "KILLED BY SIGNAL: 9" in out or "Killed (signal 9)" in out, out  # MPICH ends the others at once
