@@ -133,19 +133,6 @@ def host(device_backend):
     return device_backend.to_host
 
 
-@pytest.fixture(scope="module")
-def fast_barriers():
-    """A shorter GIL switch interval for a module's tests: barrier-heavy kernels run 3-4x faster
-    in the simulator, where every GPU thread is a Python thread.  (A module opts in with
-    ``pytestmark = pytest.mark.usefixtures("fast_barriers")``.)"""
-    import sys
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(old)
-
-
 @pytest.fixture
 def rng(request):
     """A fresh random generator seeded from the test's id: different data for every test, the

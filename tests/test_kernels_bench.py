@@ -1,7 +1,6 @@
 """The kernels benchmark runs end to end and returns the documented schema."""
 
 import argparse
-import sys
 import time
 
 import pytest
@@ -34,15 +33,10 @@ def test_quick_run_follows_schema():
 
 
 def _run_device_part(device_backend):
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    try:
-        results, ratios, baselines, notes = [], {}, {}, []
-        # --device-matmul-sizes reaches the ladder: 8, not the simulator's default 16 (one block either way).
-        cfg = bench._settings(argparse.Namespace(quick=True, sizes=None, norm_shape=None, device_matmul_sizes=[8]))
-        bench.bench_device(cfg, device_backend, results, ratios, baselines, notes, simulator=True)
-    finally:
-        sys.setswitchinterval(old)
+    results, ratios, baselines, notes = [], {}, {}, []
+    # --device-matmul-sizes reaches the ladder: 8, not the simulator's default 16 (one block either way).
+    cfg = bench._settings(argparse.Namespace(quick=True, sizes=None, norm_shape=None, device_matmul_sizes=[8]))
+    bench.bench_device(cfg, device_backend, results, ratios, baselines, notes, simulator=True)
     return results, ratios, baselines, notes
 
 

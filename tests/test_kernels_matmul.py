@@ -17,9 +17,6 @@ from vtnumba.kernels.matmul import LADDER
 TOL = {np.float32: 1e-5, np.float16: 1e-2}
 
 
-pytestmark = pytest.mark.usefixtures("fast_barriers")  # (tests/conftest.py)
-
-
 def rel_err(out, ref):
     ref = np.asarray(ref, dtype=np.float64)
     return np.linalg.norm(np.asarray(out, dtype=np.float64) - ref) / np.linalg.norm(ref)

@@ -14,9 +14,6 @@ from vtnumba.kernels import add_norm_rows_host, fused_add_layer_norm, fused_add_
 EPS = 1e-5
 
 
-pytestmark = pytest.mark.usefixtures("fast_barriers")  # (tests/conftest.py)
-
-
 def nans(shape):
     return np.full(shape, np.nan, np.float32)
 

@@ -16,9 +16,6 @@ EPS = 1e-5
 SENTINEL = np.float32(-3.5)
 
 
-pytestmark = pytest.mark.usefixtures("fast_barriers")  # (tests/conftest.py)
-
-
 @pytest.fixture(params=["host", "device"])
 def where(request):
     """``(wrap, unwrap)`` for one kind of array: numpy as it is, or the device target's arrays."""

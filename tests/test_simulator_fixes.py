@@ -1,12 +1,16 @@
-"""vtnumba.backend.simulator_fixes: one shared array per block and call site in numba's simulator,
-whatever the thread timing."""
+"""vtnumba.backend.simulator_fixes: numba's simulator with one shared array per block and call
+site whatever the thread timing, a barrier that counts arrivals instead of polling, and
+device-function calls without per-call locks -- kernels must see exactly what they saw before."""
 
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 from numba import cuda, float32
+
+from vtnumba.kernels.norm_cuda import block_sum  # a device function of another module
 
 pytestmark = pytest.mark.simulator_only
 
@@ -89,3 +93,170 @@ def test_a_block_reduction_sees_every_thread(device_backend, tiny_switch_interva
     for _ in range(20):
         _block_total[1, 32](x, out)
         assert device_backend.to_host(out)[0] == 528.0  # 1 + 2 + ... + 32
+
+
+# --- the barrier --------------------------------------------------------------------------
+
+
+@cuda.jit
+def _block_sums(x, out):
+    # Three tree reductions in a row (norm_cuda.block_sum: a barrier after every halving
+    # step): a barrier that let a thread through early would mix steps and calls.
+    t = cuda.threadIdx.x
+    for k in range(3):
+        out[k, t] = block_sum(x[t] * float32(k + 1))
+
+
+def test_tree_reductions_see_finished_steps(device_backend):
+    rng = np.random.default_rng(7)
+    for threads in (64, 128):
+        x = rng.integers(-50, 50, threads).astype(np.float32)  # integers: every sum is exact
+        out = device_backend.asarray(np.full((3, threads), np.nan, np.float32))
+        for _ in range(3):
+            _block_sums[1, threads](device_backend.asarray(x), out)
+            want = np.outer([1, 2, 3], np.full(threads, x.sum())).astype(np.float32)
+            np.testing.assert_array_equal(device_backend.to_host(out), want)
+
+
+@cuda.jit
+def _sum_of_the_first(x, out, active):
+    # Threads past `active` finish before the barrier: as in numba (and on a GPU, where an
+    # exited thread no longer takes part), the barrier then waits only for the others.
+    buf = cuda.shared.array(64, float32)
+    t = cuda.threadIdx.x
+    if t >= active:
+        return
+    buf[t] = x[t]
+    cuda.syncthreads()
+    if t == 0:
+        s = float32(0.0)
+        for i in range(active):
+            s += buf[i]
+        out[0] = s
+
+
+@pytest.mark.parametrize("active", [1, 17, 64])
+def test_threads_that_finish_early_do_not_hold_the_barrier(device_backend, active):
+    x = np.arange(1, 65, dtype=np.float32)
+    out = device_backend.asarray(np.full(1, np.nan, np.float32))
+    _sum_of_the_first[1, 64](device_backend.asarray(x), out, active)
+    assert device_backend.to_host(out)[0] == x[:active].sum()
+
+
+@cuda.jit
+def _votes(x, out):
+    t = cuda.threadIdx.x
+    count = cuda.syncthreads_count(x[t] > 0)
+    every = cuda.syncthreads_and(x[t] > 0)
+    some = cuda.syncthreads_or(x[t] > 0)
+    if t == 0:
+        out[0], out[1], out[2] = count, every, some
+
+
+def test_block_votes_count_every_thread(device_backend):
+    out = device_backend.asarray(np.full(3, -1, np.int32))
+    for x, want in ((np.arange(-10, 22), [21, 0, 1]), (np.ones(32), [32, 1, 1]), (np.zeros(32), [0, 0, 0])):
+        _votes[1, 32](device_backend.asarray(x.astype(np.float32)), out)
+        assert device_backend.to_host(out).tolist() == want
+
+
+@cuda.jit
+def _fails_in_one_thread(out, bad):
+    t = cuda.threadIdx.x
+    if t == bad:
+        raise ValueError("failed on purpose")
+    cuda.syncthreads()  # where the other threads wait when `bad` fails
+    out[t] = block_sum(float32(1.0))
+
+
+def _launch_in_a_thread(launch, limit_s=60.0):
+    """Run ``launch()`` on a thread of its own; its exception, or a failure if it hangs."""
+    caught = []
+
+    def run():
+        try:
+            launch()
+        except BaseException as e:  # noqa: BLE001 -- handed to the test
+            caught.append(e)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(limit_s)
+    assert not worker.is_alive(), "the launch hangs"
+    return caught[0] if caught else None
+
+
+def test_a_failing_thread_fails_the_launch_and_frees_the_others(device_backend):
+    import vtnumba.kernels.norm_cuda as norm_cuda
+
+    out = device_backend.asarray(np.zeros(32, np.float32))
+    err = _launch_in_a_thread(lambda: _fails_in_one_thread[1, 32](out, 5))
+    assert isinstance(err, ValueError) and "tid=[5, 0, 0]" in str(err) and "failed on purpose" in str(err), err
+    # The launch raises at once, as numba's does; the block's other threads end soon after
+    # (told to abort at the barrier), none left waiting for a barrier that will never open.
+    from numba.cuda.simulator.kernel import BlockThread
+
+    deadline = time.monotonic() + 20
+    while any(isinstance(t, BlockThread) for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t for t in threading.enumerate() if isinstance(t, BlockThread)]
+    # The launch is over: modules have the real cuda back, and the next launch runs whole.
+    assert norm_cuda.cuda is cuda
+    assert _launch_in_a_thread(lambda: _fails_in_one_thread[1, 32](out, -1)) is None
+    assert (device_backend.to_host(out) == 32).all()
+
+
+@cuda.jit
+def _one_slow_thread(out):
+    t = cuda.threadIdx.x
+    if t == 0:
+        time.sleep(0.5)  # plain Python in the simulator: the GIL is free meanwhile
+    cuda.syncthreads()
+    out[t] = t
+
+
+def test_the_launching_thread_sleeps_while_the_block_waits(device_backend):
+    # numba's BlockManager polls the block's threads in a loop that never sleeps: about 0.5 s
+    # of CPU here, while 31 threads wait at the barrier for the sleeping one.
+    out = device_backend.asarray(np.full(32, -1, np.int32))
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    _one_slow_thread[1, 32](out)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    assert wall >= 0.5 and cpu < 0.2, (cpu, wall)
+    assert device_backend.to_host(out).tolist() == list(range(32))
+
+
+# --- device-function calls ----------------------------------------------------------------
+
+
+def test_device_functions_swap_their_module_once_per_launch(device_backend, monkeypatch):
+    # numba swaps a device function's module globals on every call, under two locks: here
+    # 1 swap for the launch + 64 threads x 3 calls.  With the fix, the launch's swap is the
+    # only one that goes through numba's swapped_cuda_module.
+    from numba.cuda.simulator import kernel
+
+    import vtnumba.kernels.norm_cuda as norm_cuda
+
+    swaps = []
+    original = kernel.swapped_cuda_module
+
+    def counted(fn, fake_cuda_module):
+        swaps.append(fn.__name__)
+        return original(fn, fake_cuda_module)
+
+    monkeypatch.setattr(kernel, "swapped_cuda_module", counted)
+    x = np.ones(64, np.float32)
+    out = device_backend.asarray(np.zeros((3, 64), np.float32))
+    _block_sums[1, 64](device_backend.asarray(x), out)
+    assert swaps == ["_block_sums"]
+    np.testing.assert_array_equal(device_backend.to_host(out), np.outer([64, 128, 192], np.ones(64)))
+    assert norm_cuda.cuda is cuda  # restored when the launch ended
+
+
+def test_a_simulator_it_does_not_know_is_left_alone():
+    from vtnumba.backend.simulator_fixes import _apply_once
+
+    def install():
+        raise AssertionError("installed into a simulator it does not recognise")
+
+    assert _apply_once("a fix for another simulator", lambda: False, install) is False

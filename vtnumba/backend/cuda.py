@@ -157,9 +157,9 @@ class CUDABackend(Backend):
         super().__init__(device)
         self.simulator = simulator_active()
         if self.simulator:
-            from vtnumba.backend.simulator_fixes import make_shared_arrays_thread_safe
+            from vtnumba.backend.simulator_fixes import apply_simulator_fixes
 
-            make_shared_arrays_thread_safe()  # one shared array per block, whatever the thread timing
+            apply_simulator_fixes()  # shared arrays, barriers, device calls: see simulator_fixes
         else:
             from vtnumba.backend.cuda_stack import check_cuda_stack
 
