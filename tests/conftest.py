@@ -133,6 +133,42 @@ def host(device_backend):
     return device_backend.to_host
 
 
+@pytest.fixture(scope="session")
+def kernel_ptx():
+    """Every ``@cuda.jit`` kernel's PTX for sm_80 and sm_90, compiled once per test run (it
+    takes a minute): ``{"results": [...], "unlisted": [...]}`` as ``python -m
+    vtnumba.kernels.ptx`` reports them, PTX text included, and each process's exit code and
+    stderr under ``"processes"``.
+
+    compile_ptx needs the real numba.cuda, and this process runs with the simulator on, so
+    it runs in subprocesses with NUMBA_ENABLE_CUDASIM=0 -- one per architecture, both at
+    once: NVVM is single-threaded, and the other core would sit idle."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    procs = [subprocess.Popen([sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", cc, "--keep-ptx"], env=env,
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cc in ("80", "90")]
+    report = {"results": [], "unlisted": set(), "processes": []}
+    try:
+        for cc, proc in zip(("80", "90"), procs):
+            out, err = proc.communicate(timeout=240)
+            report["processes"].append({"cc": cc, "returncode": proc.returncode, "stderr": err, "output": bool(out)})
+            if out:
+                one = json.loads(out)
+                report["results"] += one["results"]
+                report["unlisted"].update(one["unlisted"])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return report
+
+
 @pytest.fixture
 def rng(request):
     """A fresh random generator seeded from the test's id: different data for every test, the

@@ -1,44 +1,24 @@
 """Every @cuda.jit kernel compiles to PTX for sm_80 and sm_90 (no GPU needed).
 
 The simulator type-checks nothing, so this is what catches a kernel that would fail on a
-GPU.  compile_ptx needs the real numba.cuda, and this test process runs with the simulator
-on (tests/conftest.py), so one subprocess with NUMBA_ENABLE_CUDASIM=0 compiles them all.
-NVVM comes from pip with the test extra ``numba-cuda[cu13]``.
+GPU.  The ``kernel_ptx`` fixture (tests/conftest.py) compiles them all once per run, in
+subprocesses with the real numba.cuda; test_kernels_wide reads the same PTX.  NVVM comes from
+pip with the test extra ``numba-cuda[cu13]``.
 """
 
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 EXPECTED = {"naive", "smem", "regtile", "fused_add_norm", "peer_reduce_norm", "sum_sources", "gather_rows",
-            "wide", "warptile", "dbuf", "copy_rows", "add_rows", "accumulate_rows", "activation", "add_bias", "attention", "write_flag", "wait_flag"}
+            "wide", "warptile", "dbuf", "copy_rows", "add_rows", "accumulate_rows", "activation", "add_bias",
+            "attention", "write_flag", "wait_flag"}
 
 
-def test_every_kernel_compiles_for_sm80_and_sm90():
-    # One process per architecture, both at once: NVVM is single-threaded, and the suite's
-    # other core would sit idle.
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    procs = [subprocess.Popen([sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", cc, *extra], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cc, extra in (("80", []), ("90", ["--keep-ptx"]))]
-    results, unlisted = [], set()
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=240)
-            assert out, f"no output; stderr:\n{err[-3000:]}"
-            report = json.loads(out)
-            results += report["results"]
-            unlisted.update(report["unlisted"])
-            assert proc.returncode == 0 or not all(e["ok"] for e in report["results"]), err[-3000:]
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+def test_every_kernel_compiles_for_sm80_and_sm90(kernel_ptx):
+    results, unlisted = kernel_ptx["results"], kernel_ptx["unlisted"]
+    for proc in kernel_ptx["processes"]:
+        assert proc["output"], f"cc {proc['cc']}: no output; stderr:\n{proc['stderr'][-3000:]}"
+        # A process that failed for another reason than a kernel's compile error says why here.
+        assert proc["returncode"] == 0 or not all(e["ok"] for e in results), proc["stderr"][-3000:]
     failed = [f"{e['name']} {e['sig']} cc{e['cc']}: {e.get('error')}" for e in results if not e["ok"]]
     assert not failed, "\n".join(failed)
     assert not unlisted, f"kernels without a PTX signature: {sorted(unlisted)}"
