@@ -169,6 +169,21 @@ def _fails_in_one_thread(out, bad):
     out[t] = block_sum(float32(1.0))
 
 
+def _all_simulator_threads_idle(limit_s=20.0) -> bool:
+    """Whether, within ``limit_s``, every simulator thread alive waits in the pool for work."""
+    from numba.cuda.simulator.kernel import BlockThread
+
+    from vtnumba.backend import simulator_fixes
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        busy = [t for t in threading.enumerate()
+                if isinstance(t, BlockThread) and not any(t is idle for idle in simulator_fixes._pool._idle)]
+        if not busy or time.monotonic() > deadline:
+            return not busy
+        time.sleep(0.01)
+
+
 def _launch_in_a_thread(launch, limit_s=60.0):
     """Run ``launch()`` on a thread of its own; its exception, or a failure if it hangs."""
     caught = []
@@ -192,14 +207,10 @@ def test_a_failing_thread_fails_the_launch_and_frees_the_others(device_backend):
     out = device_backend.asarray(np.zeros(32, np.float32))
     err = _launch_in_a_thread(lambda: _fails_in_one_thread[1, 32](out, 5))
     assert isinstance(err, ValueError) and "tid=[5, 0, 0]" in str(err) and "failed on purpose" in str(err), err
-    # The launch raises at once, as numba's does; the block's other threads end soon after
-    # (told to abort at the barrier), none left waiting for a barrier that will never open.
-    from numba.cuda.simulator.kernel import BlockThread
-
-    deadline = time.monotonic() + 20
-    while any(isinstance(t, BlockThread) for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not [t for t in threading.enumerate() if isinstance(t, BlockThread)]
+    # The launch raises at once, as numba's does; the block's other threads finish soon after
+    # (told to abort at the barrier), none left waiting for a barrier that will never open:
+    # every simulator thread still alive is an idle one, back in the pool.
+    assert _all_simulator_threads_idle()
     # The launch is over: modules have the real cuda back, and the next launch runs whole.
     assert norm_cuda.cuda is cuda
     assert _launch_in_a_thread(lambda: _fails_in_one_thread[1, 32](out, -1)) is None
@@ -224,6 +235,61 @@ def test_the_launching_thread_sleeps_while_the_block_waits(device_backend):
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     assert wall >= 0.5 and cpu < 0.2, (cpu, wall)
     assert device_backend.to_host(out).tolist() == list(range(32))
+
+
+# --- reused threads -----------------------------------------------------------------------
+
+_threads_seen = []
+
+
+@cuda.jit
+def _record_threads(out):
+    # Plain Python in the simulator: which simulator thread ran this GPU thread.
+    _threads_seen.append((cuda.blockIdx.x, cuda.threadIdx.x, threading.current_thread()))
+    cuda.syncthreads()
+    out[cuda.grid(1)] = cuda.blockIdx.x * 100 + cuda.threadIdx.x
+
+
+def test_later_blocks_run_on_the_threads_of_earlier_ones(device_backend):
+    # numba starts a new Python thread for every GPU thread of every block (430 us each on
+    # a 2-core machine); the pool hands each block the threads the last one finished with.
+    _threads_seen.clear()
+    out = device_backend.asarray(np.full(96, -1, np.int64))
+    _record_threads[3, 32](out)
+    assert device_backend.to_host(out).tolist() == [b * 100 + t for b in range(3) for t in range(32)]
+    seen = {(b, t) for b, t, _ in _threads_seen}
+    assert len(_threads_seen) == 96 and seen == {(b, t) for b in range(3) for t in range(32)}
+    # Each GPU thread saw its own indices on the thread that ran it, and 32 threads ran them all.
+    assert len({id(thread) for _, _, thread in _threads_seen}) == 32
+    _threads_seen.clear()
+
+
+def _launch_in_a_forked_child(q):
+    from vtnumba.backend.cuda import CUDABackend
+
+    backend = CUDABackend()
+    out = backend.asarray(np.zeros((3, 64), np.float32))
+    _block_sums[1, 64](backend.asarray(np.ones(64, np.float32)), out)
+    q.put("ok" if (backend.to_host(out)[:, 0] == [64, 128, 192]).all() else "wrong sums")
+
+
+def test_a_forked_child_starts_its_own_threads(device_backend):
+    # After fork the child has none of the parent's idle threads, only their objects: a pool
+    # that handed those out would hang the child's first launch.
+    import multiprocessing
+
+    _block_sums[1, 64](device_backend.asarray(np.ones(64, np.float32)),
+                       device_backend.asarray(np.zeros((3, 64), np.float32)))  # the pool has threads now
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_launch_in_a_forked_child, args=(q,))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the child's launch hangs")
+    assert child.exitcode == 0 and q.get(timeout=5) == "ok"
 
 
 # --- device-function calls ----------------------------------------------------------------

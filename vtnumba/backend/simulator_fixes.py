@@ -1,6 +1,6 @@
 """Fixes to numba's CUDA simulator, applied when a :class:`~vtnumba.backend.cuda.CUDABackend` runs in it.
 
-The simulator runs every thread of a block as a Python thread.  Three of its mechanisms
+The simulator runs every thread of a block as a Python thread.  Four of its mechanisms
 behave badly when 256 such threads share one interpreter; each fix below replaces one of
 them and keeps what a kernel sees the same.
 
@@ -29,7 +29,16 @@ them and keeps what a kernel sees the same.
    numba's: a finished thread no longer counts, and a thread's exception aborts the others at
    their next barrier and is raised by the launch.
 
-3. **Device-function calls** (:func:`make_device_calls_lock_free`, a speed fix).  Inside a
+3. **Threads** (:func:`make_block_threads_reusable`, a speed fix).  numba starts a new Python
+   thread for every GPU thread of every block, and starting one costs more than most kernels'
+   work: 430 us a thread (start and join) on a 2-core machine, against 40-55 us to wake a
+   waiting one.  The replacement keeps the threads of finished blocks in a pool, each
+   waiting on a lock of its own, and binds the next block's GPU threads to them (block and
+   thread index, the fields numba's ``BlockThread`` has); new threads are started only when
+   the pool has too few (a bigger block, or threads of a failed block still running).  A
+   forked child starts with an empty pool; debug launches keep numba's fresh threads.
+
+4. **Device-function calls** (:func:`make_device_calls_lock_free`, a speed fix).  Inside a
    kernel, a ``@cuda.jit(device=True)`` function must see the simulator's fake ``cuda`` module
    in its module's globals.  numba swaps the globals on *every call*, counting the callers
    under two locks (one for all modules, one per module) and restoring the real module when
@@ -40,21 +49,23 @@ them and keeps what a kernel sees the same.
    module up in a dict.  (What other host threads see during a launch is unchanged in
    kind: numba already swaps the kernel's own module for the whole launch.)
 
-Measured on a 2-core machine, one launch of a 36 x 32 x 132 matmul, three runs each at
-Python's default thread switch interval: the warp-tiled rung (two blocks of 256 threads,
-8 barriers and ~60 device calls a thread) took 4.1-4.8 s with numba's mechanisms and
-2.6-3.2 s with the fixes; the shared-memory rung (27 blocks of 256 threads) 9.1-10.3 s and
-4.4-5.7 s.  A kernel without barriers or device calls (the naive rung) runs as before,
-3.5-4.8 s: there the time is the kernel's own Python.  vtnumba's kernel tests
-(``test_kernels_matmul``, ``_norm``, ``_peer``, ``_bench``) took 258 s before and 82 s after.
+Measured on a 2-core machine, three runs each, alternating with numba's own mechanisms, at
+Python's default thread switch interval.  One launch of a 36 x 32 x 132 matmul: the
+warp-tiled rung (two blocks of 256 threads, 8 barriers and ~60 device calls a thread)
+4.3-4.8 s with numba's mechanisms, 2.5-3.3 s with the fixes; the shared-memory rung (27
+blocks of 256 threads) 10.4-10.6 s and 3.0-3.4 s; the naive rung (no barriers) 3.3-5.7 s
+and 2.2-2.8 s.  A kernel that only stores its index, 27 blocks of 256: 2,100-3,900 GPU
+threads a second before, 9,200-13,900 after; with one barrier, 920-1,560 and 7,100-7,700.
+vtnumba's serial test stage went from 617 s to 398 s.
 
-:func:`apply_simulator_fixes` applies all three.  Each fix is applied once per process, and
+:func:`apply_simulator_fixes` applies all four.  Each fix is applied once per process, and
 only to a simulator whose internals it recognises; otherwise it leaves numba alone and says
 so by returning False.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -125,7 +136,8 @@ def make_shared_arrays_thread_safe() -> bool:
 
 
 def _event_driven_block_thread(BlockThread):
-    """numba's ``BlockThread`` with a counting barrier (fix 2 of the module docstring)."""
+    """numba's ``BlockThread`` with a counting barrier (fix 2 of the module docstring): a
+    new thread for one simulated GPU thread, ``go()`` starts it."""
 
     class EventDrivenBlockThread(BlockThread):
         def run(self):
@@ -133,6 +145,11 @@ def _event_driven_block_thread(BlockThread):
                 super().run()  # numba's run: the kernel, its exception kept in self.exception
             finally:
                 self._manager.thread_finished(self)
+
+        go = BlockThread.start
+
+        def retire(self):
+            """Called by the block, under its lock, when this thread has finished."""
 
         def syncthreads(self):
             if self.abort:
@@ -148,6 +165,11 @@ def _event_driven_block_thread(BlockThread):
     return EventDrivenBlockThread
 
 
+def _new_threads(self, target, grid_point, points):
+    """One new thread per simulated GPU thread of the block (numba's way)."""
+    return [self._thread_class(target, self, grid_point, p, self._debug) for p in points]
+
+
 def _event_driven_run(self, grid_point, *args):
     """``BlockManager.run`` without the polling loop: start the block's threads, then sleep
     until all have finished or one has failed, and raise that one's exception."""
@@ -156,23 +178,22 @@ def _event_driven_run(self, grid_point, *args):
     # for a lock all the others want too (what a shared threading.Condition would cost).
     self._barrier = threading.Lock()
     self._waiters = []
-    self._live = 0
-    self._failed = None
+    self._failure = None  # (exception, traceback) of the first thread that failed
     self._done = threading.Event()
 
     def target():
         self._f(*args)
 
     points = list(np.ndindex(*self._block_dim))
-    self._threads = [self._thread_class(target, self, grid_point, p, self._debug) for p in points]
-    self._live = len(self._threads)  # before any starts: an early finisher must not end the block
+    self._live = len(points)  # before any starts: an early finisher must not end the block
+    self._threads = self.threads_for(target, grid_point, points)
     for t in self._threads:
-        t.start()
+        t.go()
     self._done.wait()
-    if self._failed is not None:
+    if self._failure is not None:
         # As numba does: raise at once, without joining the others (a spinning thread would
         # never end); they were told to abort at their next barrier.
-        exc, tb = self._failed.exception
+        exc, tb = self._failure
         raise exc.with_traceback(tb)
 
 
@@ -186,7 +207,7 @@ def _release_locked(self) -> None:
 def _arrive_and_wait(self, wake) -> None:
     """Wait at the barrier; ``wake`` is the caller's own lock, held while it runs."""
     with self._barrier:
-        if self._failed is not None:
+        if self._failure is not None:
             # The block has failed since this thread last checked its abort flag: nobody
             # will open the barrier again, so don't wait (the caller raises the abort).
             return
@@ -200,9 +221,13 @@ def _arrive_and_wait(self, wake) -> None:
 def _thread_finished(self, thread) -> None:
     with self._barrier:
         self._live -= 1
-        if thread.exception is not None:
-            if self._failed is None:
-                self._failed = thread
+        failure = thread.exception
+        # Before `done` is set: a launcher woken by it finds a reusable thread back in its
+        # pool (fix 3), and the thread's fields may be rebound from then on.
+        thread.retire()
+        if failure is not None:
+            if self._failure is None:
+                self._failure = failure
                 for t in self._threads:
                     t.abort = True
                 self._release_locked()  # waiters wake, see the abort flag and raise
@@ -230,6 +255,7 @@ def make_barriers_event_driven() -> bool:
     def install():
         manager = kernel.BlockManager
         manager._thread_class = _event_driven_block_thread(kernel.BlockThread)
+        manager.threads_for = _new_threads
         manager.run = _event_driven_run
         manager._release_locked = _release_locked
         manager.arrive_and_wait = _arrive_and_wait
@@ -238,7 +264,124 @@ def make_barriers_event_driven() -> bool:
     return _apply_once("barriers", recognised, install)
 
 
-# --- 3. device-function calls -------------------------------------------------------------
+# --- 3. reused threads --------------------------------------------------------------------
+
+
+class _ThreadPool:
+    """Idle simulator threads, each waiting on a lock of its own for its next GPU thread."""
+
+    def __init__(self, thread_class):
+        self._thread_class = thread_class
+        self._start_afresh()
+        os.register_at_fork(after_in_child=self._start_afresh)
+
+    def _start_afresh(self) -> None:
+        # Also what a forked child does: it has none of these threads, only their objects,
+        # and the lock may have been held by a thread that is not there.
+        self._idle = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> list:
+        with self._lock:
+            taken = self._idle[-n:] if n else []
+            del self._idle[len(self._idle) - len(taken):]
+        # Threads still busy elsewhere (a failed block's, which run on to their next
+        # barrier) are not here: new ones stand in for them.
+        while len(taken) < n:
+            thread = self._thread_class(self)
+            thread.start()
+            taken.append(thread)
+        return taken
+
+    def give_back(self, thread) -> None:
+        with self._lock:
+            self._idle.append(thread)
+
+
+def _reusable_block_thread(BlockThread, Dim3):
+    """A simulator thread that runs one GPU thread after another (fix 3 of the module docstring)."""
+    EventDrivenBlockThread = _event_driven_block_thread(BlockThread)
+
+    class ReusableBlockThread(EventDrivenBlockThread):
+        def __init__(self, pool):
+            threading.Thread.__init__(self, daemon=True)  # its GPU thread comes with bind()
+            self._pool = pool
+            self._go = threading.Lock()
+            self._go.acquire()
+
+        def bind(self, manager, target, block_idx, thread_idx):
+            """Make this the GPU thread ``thread_idx`` of block ``block_idx`` -- the fields
+            numba's BlockThread.__init__ sets -- ready for go()."""
+            bx, by, _ = manager._block_dim
+            self._manager = manager
+            self._target, self._args, self._kwargs = target, (), {}  # what Thread.run calls
+            self.blockIdx, self.threadIdx = Dim3(*block_idx), Dim3(*thread_idx)
+            self.thread_id = thread_idx[0] + bx * (thread_idx[1] + by * thread_idx[2])
+            self.abort, self.exception, self.debug = False, None, False
+
+        def go(self):
+            self._go.release()
+
+        def retire(self):
+            self.exception = None  # the block has taken it; drop the traceback's frames
+            if self._pool is not None:
+                self._pool.give_back(self)
+
+        def run(self):
+            while True:
+                self._go.acquire()
+                manager = self._manager
+                try:
+                    # numba's BlockThread.run: the GPU thread, its exception kept in
+                    # self.exception (Thread.run drops _target afterwards).
+                    BlockThread.run(self)
+                except BaseException:
+                    self._pool = None  # numba's threads die of these: not reused either
+                    raise
+                finally:
+                    # Nothing of this launch stays reachable from an idle thread; and once
+                    # thread_finished has put it back in the pool it may be rebound at once.
+                    self._manager = None
+                    manager.thread_finished(self)
+
+    return ReusableBlockThread
+
+
+_pool: _ThreadPool | None = None
+
+
+def _pooled_threads(self, target, grid_point, points):
+    """The block's GPU threads on idle simulator threads (new ones where there are too few)."""
+    if self._debug:  # numba's debug threads set numpy error state for their lifetime
+        return _new_threads(self, target, grid_point, points)
+    threads = _pool.take(len(points))
+    for thread, point in zip(threads, points):
+        thread.bind(self, target, grid_point, point)
+    return threads
+
+
+def make_block_threads_reusable() -> bool:
+    """Run a block's GPU threads on simulator threads kept from earlier blocks instead of new
+    ones (fix 3 of the module docstring); needs fix 2, applied first.  Idempotent; True when
+    in place, False when the simulator is not the one it was written for."""
+    from numba.cuda.simulator import kernel
+    from numba.cuda.simulator.kernelapi import Dim3
+
+    make_barriers_event_driven()
+
+    def recognised():
+        # Needs the counting barrier; bind() sets what threading.Thread.run reads.
+        return "barriers" in _applied and {"_target", "_args", "_kwargs"} <= set(threading.Thread.run.__code__.co_names)
+
+    def install():
+        global _pool
+        _pool = _ThreadPool(_reusable_block_thread(kernel.BlockThread, Dim3))
+        kernel.BlockManager.threads_for = _pooled_threads
+
+    return _apply_once("reused threads", recognised, install)
+
+
+# --- 4. device-function calls -------------------------------------------------------------
 
 # Modules whose globals this launch has swapped: id(globals) -> (globals, names swapped).
 _swapped: dict[int, tuple[dict, list[str]]] = {}
@@ -308,6 +451,7 @@ def make_device_calls_lock_free() -> bool:
 
 
 def apply_simulator_fixes() -> bool:
-    """Apply the three fixes of the module docstring; True when all are in place."""
-    results = [make_shared_arrays_thread_safe(), make_barriers_event_driven(), make_device_calls_lock_free()]
+    """Apply the four fixes of the module docstring; True when all are in place."""
+    results = [make_shared_arrays_thread_safe(), make_barriers_event_driven(), make_block_threads_reusable(),
+               make_device_calls_lock_free()]
     return all(results)
