@@ -136,9 +136,10 @@ def host(device_backend):
 @pytest.fixture(scope="session")
 def kernel_ptx():
     """Every ``@cuda.jit`` kernel's PTX for sm_80 and sm_90, compiled once per test run (it
-    takes a minute): ``{"results": [...], "unlisted": [...]}`` as ``python -m
-    vtnumba.kernels.ptx`` reports them, PTX text included, and each process's exit code and
-    stderr under ``"processes"``.
+    takes a minute): ``"results"``, one entry per kernel, signature and architecture as
+    ``python -m vtnumba.kernels.ptx`` reports them, PTX text included; ``"unlisted"``, the
+    set of kernels without a PTX signature; ``"processes"``, each compile process's exit
+    code and stderr.
 
     compile_ptx needs the real numba.cuda, and this process runs with the simulator on, so
     it runs in subprocesses with NUMBA_ENABLE_CUDASIM=0 -- one per architecture, both at

@@ -159,7 +159,7 @@ class CUDABackend(Backend):
         if self.simulator:
             from vtnumba.backend.simulator_fixes import apply_simulator_fixes
 
-            apply_simulator_fixes()  # shared arrays, barriers, device calls: see simulator_fixes
+            apply_simulator_fixes()  # shared arrays, barriers, threads, device calls: see simulator_fixes
         else:
             from vtnumba.backend.cuda_stack import check_cuda_stack
 
