@@ -298,9 +298,9 @@ class _ThreadPool:
             self._idle.append(thread)
 
 
-def _reusable_block_thread(BlockThread, Dim3):
-    """A simulator thread that runs one GPU thread after another (fix 3 of the module docstring)."""
-    EventDrivenBlockThread = _event_driven_block_thread(BlockThread)
+def _reusable_block_thread(EventDrivenBlockThread, BlockThread, Dim3):
+    """A simulator thread that runs one GPU thread after another (fix 3 of the module docstring):
+    fix 2's thread class, made to wait for its next binding instead of ending."""
 
     class ReusableBlockThread(EventDrivenBlockThread):
         def __init__(self, pool):
@@ -375,7 +375,7 @@ def make_block_threads_reusable() -> bool:
 
     def install():
         global _pool
-        _pool = _ThreadPool(_reusable_block_thread(kernel.BlockThread, Dim3))
+        _pool = _ThreadPool(_reusable_block_thread(kernel.BlockManager._thread_class, kernel.BlockThread, Dim3))
         kernel.BlockManager.threads_for = _pooled_threads
 
     return _apply_once("reused threads", recognised, install)
