@@ -12,7 +12,6 @@ import math
 import os
 import threading
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,11 +38,10 @@ from vtnumba.models import (
     shard_layer,
 )
 
-from minilm_weights import minilm_dir, needs_the_target
+from minilm_weights import minilm_dir, minilm_reference, needs_the_target
 
 pytestmark = needs_the_target()  # the encoder computes on the run's target
 
-REFERENCE = Path(__file__).resolve().parent / "data" / "minilm_reference.npz"
 TOL = 1e-5
 
 
@@ -58,15 +56,7 @@ def weights():
 
 @pytest.fixture(scope="module")
 def ref():
-    assert REFERENCE.is_file(), f"the repository must carry its reference data: {REFERENCE} is missing"
-    d = np.load(REFERENCE, allow_pickle=False)
-    n = d["attention_mask"].sum(axis=1)
-    return {
-        "texts": [str(t) for t in d["texts"]],
-        "ids": [d["input_ids"][i, : n[i]] for i in range(n.size)],
-        "hidden": [d["last_hidden_state"][i, : n[i]] for i in range(n.size)],
-        "emb": d["sentence_embeddings"],
-    }
+    return minilm_reference()
 
 
 @pytest.fixture(scope="module")

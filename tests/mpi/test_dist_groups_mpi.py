@@ -6,29 +6,14 @@ Every check is made collective (results are allgathered before asserting), so a 
 on one rank fails the test on every rank instead of leaving a peer blocked.
 """
 
-import traceback
 
 import pytest
-from mpi4py import MPI
 
+from mpi_helpers import COMM, collectively
 from vtnumba import dist
 from vtnumba.dist.peer_buffers import PeerAccessError
 
-COMM = MPI.COMM_WORLD
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120)]
-
-
-def collectively(fn):
-    """Run ``fn`` on every rank; if it fails anywhere, fail everywhere with every rank's story."""
-    try:
-        fn()
-        err = None
-    except BaseException as exc:  # noqa: BLE001
-        err = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    errs = COMM.allgather(err)
-    bad = [f"--- rank {r}:\n{e}" for r, e in enumerate(errs) if e]
-    if bad:
-        pytest.fail("\n".join(bad), pytrace=False)
 
 
 def same_error_everywhere(exc_type, fn) -> str:

@@ -8,35 +8,20 @@ test everywhere instead of leaving a peer blocked; every wait has a short timeou
 
 import os
 import time
-import traceback
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from conftest import ON_GPU
+from mpi_helpers import COMM, collectively
 from vtnumba import dist
 from vtnumba.backend.arrays import to_host
 from vtnumba.backend.cpu import CPUBackend
 from vtnumba.dist import shm
 from vtnumba.dist.peer_buffers import PeerAccessError
 
-COMM = MPI.COMM_WORLD
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(180)]
 TIMEOUT = 20.0
-
-
-def collectively(fn):
-    """Run ``fn`` on every rank; if it fails anywhere, fail everywhere with every rank's story."""
-    try:
-        fn()
-        err = None
-    except BaseException as exc:  # noqa: BLE001
-        err = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    errs = COMM.allgather(err)
-    bad = [f"--- rank {r}:\n{e}" for r, e in enumerate(errs) if e]
-    if bad:
-        pytest.fail("\n".join(bad), pytrace=False)
 
 
 def errors_everywhere(fn) -> list[str]:

@@ -9,7 +9,6 @@ failing rank never leaves the others waiting.
 """
 
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,12 +17,11 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 MPI = pytest.importorskip("mpi4py.MPI")
 
-from minilm_weights import minilm_dir, needs_the_target
+from minilm_weights import minilm_dir, minilm_reference, needs_the_target
 from vtnumba.backend import CPUBackend
 from vtnumba.dist.comm import wait_request
 from vtnumba.models import MiniLMEncoder, TPSPReduceNorm, load_minilm_weights
 
-REFERENCE = Path(__file__).resolve().parents[1] / "data" / "minilm_reference.npz"
 TOL = 1e-5
 COMM = MPI.COMM_WORLD
 pytestmark = needs_the_target()  # the encoder computes on the run's target
@@ -47,15 +45,7 @@ def weights():
 
 @pytest.fixture(scope="module")
 def ref():
-    assert REFERENCE.is_file(), f"the repository must carry its reference data: {REFERENCE} is missing"
-    d = np.load(REFERENCE, allow_pickle=False)
-    n = d["attention_mask"].sum(axis=1)
-    return {
-        "texts": [str(t) for t in d["texts"]],
-        "ids": [d["input_ids"][i, : n[i]] for i in range(n.size)],
-        "hidden": [d["last_hidden_state"][i, : n[i]] for i in range(n.size)],
-        "emb": d["sentence_embeddings"],
-    }
+    return minilm_reference()
 
 
 def _errors(enc, ref):
