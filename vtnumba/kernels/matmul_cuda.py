@@ -507,9 +507,17 @@ def matmul_dbuf_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wi
 
     **What numba-cuda does not offer.**  Ampere and Hopper can copy global -> shared without
     registers and asynchronously (``cp.async``, TMA); numba-cuda exposes neither (no
-    ``memcpy_async``/pipeline API), and emitting ``cp.async`` through an inline-PTX
-    intrinsic could not be verified on this project's GPU-less test machine, so the staging
-    goes through registers (8 extra per thread), as in pre-Ampere CUTLASS.
+    ``memcpy_async``/pipeline API), so the staging goes through registers (8 extra per
+    thread), as in pre-Ampere CUTLASS.  An ``@intrinsic`` could emit it: NVVM does not know
+    LLVM's ``llvm.nvvm.cp.async.*`` intrinsics (they come out of the PTX as unresolved
+    calls), but an ``ir.InlineAsm`` with side effects, ``cp.async.cg.shared.global [$0],
+    [$1], 16;`` on a 32-bit shared address and a global one, plus ``cp.async.commit_group`` /
+    ``cp.async.wait_group N``, compiles and passes ``ptxas`` for sm_80 and sm_90 (checked
+    without a GPU).  What keeps it out of this ladder is the layout: ``cp.async`` copies 16
+    contiguous bytes as they lie in global memory, while these tiles are k-major -- A (and B
+    when ``trans_b``) is transposed on its way into shared memory, which only a trip through
+    registers can do.  An asynchronous rung needs ``[m][k]`` tiles and an inner loop that
+    reads a quad of k at a time, a different kernel whose speed only a GPU can judge.
 
     Hazard: the loads for ``t + 1`` and the stores into the other buffer sit in ``if`` on a
     value every thread shares (``k0 + BK < K``), and the barrier is outside them: a
