@@ -41,11 +41,11 @@ DEVICE_CASES = [
 ]
 
 
-WIDE_RUNGS = ("wide", "warptile", "dbuf")  # rungs 4-6: 128-bit accesses where the arrays allow
+WIDE_RUNGS = ("wide", "warptile", "dbuf", "async")  # rungs 4-7: 128-bit accesses where the arrays allow
 
 
 def _ladder_cases():
-    # Rungs 4-6 have their own float32 tests below (both access paths, several k-steps); here
+    # Rungs 4-7 have their own float32 tests below (both access paths, several k-steps); here
     # they take the float16 cases (scalar path; test_wide_rungs_row_range_and_padding runs
     # their 64-bit float16 loads).
     return [pytest.param(variant, *case, id=f"{variant}-{case[0]}x{case[1]}x{case[2]}-{case[4].__name__}")
@@ -82,13 +82,13 @@ def test_regtile_with_several_blocks(dev, host, rng, M, K, N, trans):
     assert np.isfinite(out).all() and rel_err(out, ref) <= 1e-5
 
 
-# ---------------------------------------------------------------------------- rungs 4-6 (wide accesses)
+# ---------------------------------------------------------------------------- rungs 4-7 (wide accesses)
 
 def test_ladder_order_and_descriptions():
     # Tutorial 04 and the benchmark list the rungs from LADDER; every rung has a kernel.
     from vtnumba.kernels.matmul_cuda import KERNELS, WIDE_VARIANTS
 
-    assert VARIANTS == ("naive", "smem", "regtile", "wide", "warptile", "dbuf")
+    assert VARIANTS == ("naive", "smem", "regtile", "wide", "warptile", "dbuf", "async")
     assert set(KERNELS) == set(VARIANTS) and set(WIDE_VARIANTS) == set(WIDE_RUNGS)
     assert all(isinstance(LADDER[v], str) and LADDER[v] for v in VARIANTS)
 
@@ -104,7 +104,8 @@ def launch_rows(variant, a, b, bias, c, m0, m_valid, trans):
 
 # (M, K, N, trans, bias, wide): 37 x 29 x 53 has no dimension divisible by 4 (the scalar path);
 # the others have all of them (the 128-bit path), both B layouts, and N = 132 two block
-# columns; K = 29 and 32 are several k-steps, so the double buffer swaps more than once.
+# columns; K = 29 and 32 are several k-steps, so the double buffer swaps more than once (and
+# the async rung's three stages all fill, and wrap around, for K = 32).
 WIDE_CASES = [(37, 29, 53, False, True, False), (36, 32, 52, True, True, True), (36, 32, 132, False, False, True)]
 
 
@@ -153,7 +154,7 @@ def test_wide_rungs_fall_back_on_misaligned_views(dev, host, rng):
     d_a, d_c = flat_a[1:].reshape(M, K), flat_c[1:].reshape(M, N)
     d_b = dev(b)
     assert wide_flags(d_a, d_b, d_c) == (0, 1, 0)
-    matmul(d_a, d_b, out=d_c, variant="dbuf")  # the flags are computed once for all three rungs
+    matmul(d_a, d_b, out=d_c, variant="dbuf")  # the flags are computed once for all four rungs
     out = host(flat_c)[1:].reshape(M, N)
     assert rel_err(out, a.astype(np.float64) @ b) <= 1e-5
 
@@ -181,9 +182,9 @@ def test_float16_against_unrounded_data(dev, host, rng):
     assert rel_err(host(d_out), a32.astype(np.float64) @ b32) <= 1e-2
 
 
-# Rungs 4-6 share their epilogue code; "dbuf" stands for them here (the raw row-range contract
-# of all three is tested in test_wide_rungs_row_range_and_padding).
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("wide", "warptile")])
+# Rungs 4-7 share their epilogue code; "dbuf" stands for them here (the raw row-range contract
+# of all four is tested in test_wide_rungs_row_range_and_padding).
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("wide", "warptile", "async")])
 def test_rows_to_destinations_on_the_device(dev, host, rng, variant):
     # M=7 rows over 4 destinations of R=3: dest 2 gets one real row + 2 zero rows, dest 3 only zeros.
     M, K, N, R = 7, 5, 9, 3

@@ -9,7 +9,7 @@ pip with the test extra ``numba-cuda[cu13]``.
 import re
 
 EXPECTED = {"naive", "smem", "regtile", "fused_add_norm", "peer_reduce_norm", "sum_sources", "gather_rows",
-            "wide", "warptile", "dbuf", "copy_rows", "add_rows", "accumulate_rows", "activation", "add_bias",
+            "wide", "warptile", "dbuf", "async", "copy_rows", "add_rows", "accumulate_rows", "activation", "add_bias",
             "attention", "write_flag", "wait_flag"}
 
 

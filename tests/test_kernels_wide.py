@@ -31,8 +31,9 @@ def test_wide_ok_needs_aligned_starts_and_rows():
 
 # The instructions counted in each kernel's sm_90 PTX.
 _OPS = ("ld.global.v4.f32", "ld.global.v4.u16", "ld.shared.v4.f32", "st.global.v4.f32", "ld.local", "st.local",
-        "fma.rn.f32", ".maxntid 256,", ".minnctapersm 2")
-_KERNELS = {"regtile", "wide", "warptile", "dbuf", "fused_add_norm", "peer_reduce_norm", "gather_rows"}
+        "fma.rn.f32", ".maxntid 256,", ".minnctapersm 2",
+        "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 1;", "cp.async.wait_all")
+_KERNELS = {"regtile", "wide", "warptile", "dbuf", "async", "fused_add_norm", "peer_reduce_norm", "gather_rows"}
 
 
 def _ptx_counts(entries) -> dict:
@@ -62,10 +63,10 @@ def test_the_ptx_has_128_bit_accesses_and_no_local_memory(kernel_ptx):
     assert all(e["ok"] for e in kernel_ptx["results"]), "a kernel does not compile: see test_kernels_ptx"
     counts = _ptx_counts(kernel_ptx["results"])
     assert set(counts) == _KERNELS | {"wide-f16"}, sorted(counts)
-    for rung in ("wide", "warptile", "dbuf"):
+    for rung in ("wide", "warptile", "dbuf", "async"):  # (async: b.T's quads still come through registers)
         c = counts[rung]
         assert c["ld.global.v4.f32"] >= 2 and c["st.global.v4.f32"] >= 1, (rung, c)
-    for rung in ("wide", "warptile", "dbuf", "wide-f16"):
+    for rung in ("wide", "warptile", "dbuf", "async", "wide-f16"):
         c = counts[rung]
         # The k-step unrolled by hand (matmul_cuda._tile_products): all 8 k of a tile written
         # out -- 8 x 64 multiply-adds, 8 x 4 wide shared loads -- where a loop would have one k's.
@@ -73,6 +74,13 @@ def test_the_ptx_has_128_bit_accesses_and_no_local_memory(kernel_ptx):
         # Launch bounds of two 256-thread blocks per SM: ptxas must fit a thread in 128 registers.
         assert c[".maxntid 256,"] == 1 and c[".minnctapersm 2"] == 1, (rung, c)
     assert counts["regtile"]["fma.rn.f32"] == 64  # rung 3 keeps its loop: the unrolling is rung 4's step
+    # Rung 7's copies are cp.async (A's quad and B's, in the prologue and in the loop), each
+    # k-step waits with one group left in flight, and nothing is in flight when the block ends;
+    # no other rung has any.
+    c = counts["async"]
+    assert c["cp.async.cg.shared.global"] >= 2 and c["cp.async.commit_group"] >= 2, c
+    assert c["cp.async.wait_group 1;"] == 1 and c["cp.async.wait_all"] == 1, c
+    assert not any(counts[r]["cp.async.cg.shared.global"] for r in ("regtile", "wide", "warptile", "dbuf"))
     assert counts["wide-f16"]["ld.global.v4.u16"] >= 2  # 4 halves = one 64-bit load
     for name in ("fused_add_norm", "peer_reduce_norm", "gather_rows"):
         assert counts[name]["ld.global.v4.f32"] >= 1 and counts[name]["st.global.v4.f32"] >= 1, (name, counts[name])

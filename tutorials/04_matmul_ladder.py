@@ -143,7 +143,9 @@ lesson.perf_plot("host_matmul.png", "The host path across sizes (rank 0): vtnumb
 # operand from global memory (``2 K`` loads per ``K`` multiply-adds); ``smem`` stages a
 # tile of A and B in shared memory, so each global element is loaded once per block; and
 # ``regtile`` has each thread keep an 8 x 8 block of outputs in registers, so 16 shared
-# loads feed 64 multiply-adds.  Every bound is checked, so any M, N, K works.
+# loads feed 64 multiply-adds.  The rungs after it -- ``wide``, ``warptile``, ``dbuf`` and
+# ``async`` -- each state their one idea in their docstring.  Every bound is checked, so
+# any M, N, K works.
 #
 # .. vt-source:: vtnumba.kernels.matmul_cuda
 #    :cuda-kernels:

@@ -13,7 +13,7 @@ On a real GPU (``cuda`` target) additionally, all timed with CUDA events on one 
 row with the fraction of its ceiling measured in the same run:
 
 * each step of the matmul ladder (:data:`vtnumba.kernels.matmul.LADDER`: naive, smem,
-  regtile, wide, warptile, dbuf) in GFLOP/s and as a fraction of cuBLAS SGEMM (through
+  regtile, wide, warptile, dbuf, async) in GFLOP/s and as a fraction of cuBLAS SGEMM (through
   CuPy, or torch if CuPy is absent) run on the same queue;
 * the memory-bound kernels -- fused RMSNorm and LayerNorm, the peer reduce + RMSNorm of two
   sources, the gather copy -- as a fraction of the device's copy bandwidth: a warmed-up

@@ -7,9 +7,10 @@ reference, numba device arrays run the kernel -- and accept an optional ``queue`
 queue order (see :mod:`vtnumba.kernels._common`).
 
 * :mod:`~vtnumba.kernels.matmul` -- ``matmul``, ``linear``, ``linear_rows_to``; the CUDA
-  ladder of six rungs (``variant=``; ``matmul.LADDER`` lists them in order): naive ->
+  ladder of seven rungs (``variant=``; ``matmul.LADDER`` lists them in order): naive ->
   shared-memory tiles -> register tiling -> 128-bit accesses (wide) -> warp tiles ->
-  double-buffered shared tiles, in :mod:`~vtnumba.kernels.matmul_cuda`;
+  double-buffered shared tiles -> asynchronous (``cp.async``) copies, in
+  :mod:`~vtnumba.kernels.matmul_cuda`;
 * :mod:`~vtnumba.kernels.norm` -- fused residual add + RMSNorm / LayerNorm
   (CUDA: :mod:`~vtnumba.kernels.norm_cuda`);
 * :mod:`~vtnumba.kernels.peer` -- TPSP's peer reduce fused with the norm, and the gather copy
@@ -26,7 +27,7 @@ queue order (see :mod:`vtnumba.kernels._common`).
 Importing this package never imports ``numba.cuda``: the ``*_cuda`` modules load on the first
 device array, and the ``@cuda.jit`` kernels themselves (``vtnumba.kernels.matmul_naive_kernel``,
 ``...matmul_smem_kernel``, ``...matmul_regtile_kernel``, ``...matmul_wide_kernel``, ``...matmul_warptile_kernel``,
-``...matmul_dbuf_kernel``, ``...fused_add_norm_kernel``,
+``...matmul_dbuf_kernel``, ``...matmul_async_kernel``, ``...fused_add_norm_kernel``,
 ``...peer_reduce_norm_kernel``, ``...sum_sources_kernel``, ``...gather_rows_kernel``,
 ``...copy_rows_kernel``, ``...add_rows_kernel``, ``...accumulate_rows_kernel``,
 ``...activation_kernel``, ``...add_bias_kernel``, ``...attention_kernel``) are attributes loaded
@@ -64,7 +65,8 @@ __all__ = [
 _LAZY_KERNELS = {
     "matmul_naive_kernel": "matmul_cuda", "matmul_smem_kernel": "matmul_cuda",
     "matmul_regtile_kernel": "matmul_cuda", "matmul_wide_kernel": "matmul_cuda",
-    "matmul_warptile_kernel": "matmul_cuda", "matmul_dbuf_kernel": "matmul_cuda", "fused_add_norm_kernel": "norm_cuda",
+    "matmul_warptile_kernel": "matmul_cuda", "matmul_dbuf_kernel": "matmul_cuda",
+    "matmul_async_kernel": "matmul_cuda", "fused_add_norm_kernel": "norm_cuda",
     "peer_reduce_norm_kernel": "peer_cuda", "sum_sources_kernel": "peer_cuda", "gather_rows_kernel": "peer_cuda",
     "copy_rows_kernel": "reduce_cuda", "add_rows_kernel": "reduce_cuda", "accumulate_rows_kernel": "reduce_cuda",
     "activation_kernel": "activation_cuda", "add_bias_kernel": "activation_cuda", "attention_kernel": "attention_cuda",

@@ -30,7 +30,7 @@ took the wide path for a misaligned array fails in the simulator with the addres
 of passing there and crashing on a GPU.
 
 The bounds-checked helpers :func:`quad`, :func:`vquad` and :func:`store_quad` build on them:
-the kernels (matmul rungs ``wide``/``warptile``/``dbuf``, the fused norms, the peer copies)
+the kernels (matmul rungs ``wide``/``warptile``/``dbuf``/``async``, the fused norms, the peer copies)
 call these.
 """
 

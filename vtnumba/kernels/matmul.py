@@ -18,8 +18,8 @@ Inputs are float32, or float16 with float32 accumulation; the output is always f
 reference :func:`matmul_rows_host` -- numpy's BLAS, as the design asks ("do not hand-write
 what numpy does"); device arrays run one step of the CUDA ladder in
 :mod:`vtnumba.kernels.matmul_cuda`, chosen by ``variant`` -- one of :data:`VARIANTS`, in
-ladder order ``"naive"`` | ``"smem"`` | ``"regtile"`` | ``"wide"`` | ``"warptile"`` | ``"dbuf"``,
-each described in one line by :data:`LADDER`; :data:`DEFAULT_VARIANT` when not given.  The
+ladder order ``"naive"`` | ``"smem"`` | ``"regtile"`` | ``"wide"`` | ``"warptile"`` | ``"dbuf"`` |
+``"async"``, each described in one line by :data:`LADDER`; :data:`DEFAULT_VARIANT` when not given.  The
 ladder's docstring explains each step.
 
 **One launch per destination** in :func:`linear_rows_to`: a CUDA launch takes a fixed list
@@ -48,6 +48,7 @@ LADDER = {
     "wide": "128-bit loads and stores (4 floats per instruction) and the k-step unrolled: fewer instructions per FMA",
     "warptile": "each warp owns a 64 x 32 sub-tile: a third less shared-memory traffic per FMA",
     "dbuf": "two shared buffers: the next tile's global loads overlap this tile's math",
+    "async": "cp.async copies global -> shared without registers, three tiles in flight",
 }
 VARIANTS = tuple(LADDER)
 #: The variant used when none is named, on a GPU.  ``regtile`` is the fastest rung *measured* on a

@@ -1,4 +1,5 @@
-"""The CUDA matmul ladder: naive -> shared tiles -> register tiles -> wide loads -> warp tiles -> double buffering.
+"""The CUDA matmul ladder: naive -> shared tiles -> register tiles -> wide loads -> warp tiles -> double
+buffering -> asynchronous copies.
 
 This module imports ``numba.cuda``, so :mod:`vtnumba.kernels.matmul` loads it only when a
 device array is seen.  Read the kernels in order; each fixes the main cost of the one
@@ -28,14 +29,18 @@ kernels 1, 3, 5, 6, 10 and 11 these follow), and each docstring states its one i
    strip, so a warp's shared-memory loads fetch a third fewer bytes per multiply-add.
 6. :func:`matmul_dbuf_kernel` -- two shared buffers: tile ``t + 1``'s global loads are issued
    before tile ``t``'s math, so their latency is hidden, with one barrier per k-step.
-   (Asynchronous ``cp.async``/TMA copies would go further; numba-cuda does not expose them.)
+7. :func:`matmul_async_kernel` -- the staging leaves the registers: ``cp.async`` copies
+   global -> shared while the thread computes, three tiles in flight.  numba-cuda does not
+   expose it; :mod:`vtnumba.kernels._async_copy_cuda` emits it as inline PTX.
 
 ``vtnumba bench kernels --ptxas`` prints each kernel's registers, shared memory and spills
-(no GPU needed): rungs 3-6 use 122-153 registers, no spills; 4-6 declare launch bounds of
+(no GPU needed): rungs 3-6 use 122-153 registers, no spills; 4-7 declare launch bounds of
 two 256-thread blocks per SM, which holds ptxas to 128 registers (regtile fits one block).
+Rung 7 spills about 110 bytes there: loop-invariant addresses and bounds, reloaded (from L1)
+where the copies are issued; the multiply-adds between two barriers touch no local memory.
 :data:`vtnumba.kernels.matmul.LADDER` lists the rungs in order with a one-line description each.
 
-**One contract for all six**, so TPSP's epilogue (rows to different destinations) needs
+**One contract for all seven**, so TPSP's epilogue (rows to different destinations) needs
 no extra kernel.  With ``B`` either ``b`` ([K, N], ``trans_b=0``) or ``b.T`` (``b`` is
 ``[N, K]``, the nn.Linear weight layout, ``trans_b=1``)::
 
@@ -45,7 +50,7 @@ no extra kernel.  With ``B`` either ``b`` ([K, N], ``trans_b=0``) or ``b.T`` (``
 A plain matmul is ``m0 = 0, m_valid = M``.  Inputs may be float32 or float16; every load
 is converted to float32 and all accumulation is float32; ``c`` is float32.  ``bias``
 must always be an array (numba kernels take no None): when ``has_bias == 0`` the caller
-passes any float32 vector and the kernel never reads it.  Rungs 4-6 take three more
+passes any float32 vector and the kernel never reads it.  Rungs 4-7 take three more
 flags, computed by :func:`launch_matmul_rows` (:func:`wide_flags`): whether ``a``, ``b``
 and ``c`` may be accessed 4 elements at a time.
 
@@ -58,6 +63,7 @@ from __future__ import annotations
 from numba import cuda, float32
 
 from vtnumba.backend.arrays import cdiv, simulator_active
+from vtnumba.kernels._async_copy_cuda import commit_copies, copy_quad_to_shared, wait_all_copies, wait_copies
 from vtnumba.kernels._wide_cuda import SMEM_ALIGN, VEC, load4, quad, store4, store_quad, wide_ok
 
 # ---------------------------------------------------------------------------- tile sizes
@@ -242,12 +248,12 @@ def matmul_regtile_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias):
 
 
 # ---------------------------------------------------------------------------- 4. wide (128-bit) accesses
-# Rungs 4-6 are compiled for two 256-thread blocks per SM: the launch bounds (.maxntid 256,
+# Rungs 4-7 are compiled for two 256-thread blocks per SM: the launch bounds (.maxntid 256,
 # .minnctapersm 2 in the PTX) make ptxas fit a thread in 65536 / 512 = 128 registers.  Without
 # them the unrolled k-step below takes ~167, and an SM would hold a single block -- 8 warps to
 # hide every latency.  (The simulator's cuda.jit takes no launch bounds; it needs none.)
 _TWO_BLOCKS_PER_SM = {} if simulator_active() else {"launch_bounds": (_NTHREADS, 2)}
-# Rungs 4-6 share regtile's block tile (BM x BN x BK = 128 x 128 x 8, 256 threads, 8 x 8 outputs
+# Rungs 4-7 share regtile's block tile (BM x BN x BK = 128 x 128 x 8, 256 threads, 8 x 8 outputs
 # per thread) so that each changes one thing.  Their shared tiles are k-major with rows of
 # _SPAD = 132 floats: 528 bytes, a multiple of 16, so every quad of 4 floats is 16-byte aligned
 # for load4/store4; and 132 = 4 (mod 32), which spreads the transposed stores over the banks
@@ -568,11 +574,196 @@ def matmul_dbuf_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wi
             _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + wcol + WN // 2, 4, wide_c)
 
 
+# ---------------------------------------------------------------------------- 7. asynchronous copies
+# Rung 7's tiles.  A is kept as it lies in global memory, row-major [m][k] -- cp.async copies
+# 16 contiguous bytes, it cannot transpose -- with rows of _APITCH = 12 floats (48 bytes: a
+# multiple of 16 for cp.async and load4, and rows 4 apart land 64 bytes apart in the banks,
+# so the two A quads a quarter-warp reads never collide).  B keeps the k-major tiles of
+# rungs 4-6.  STAGES tiles are in flight at once: 3 x (6 KiB + 4.1 KiB) = 30.4 KiB per block.
+STAGES = 3
+_APITCH = BK + 4
+_IN_FLIGHT = STAGES - 2  # groups a thread may leave running when it needs the oldest one
+
+
+@cuda.jit(device=True)
+def _issue_tiles(As, Bs, a, b, m0, m_valid, trans_b, row0, col0, k0, tid, wide_a, wide_b):
+    """Start filling one stage with this k-step's tiles: one quad of A and one of B per thread.
+
+    Aligned quads go by ``cp.async`` (:func:`copy_quad_to_shared`) and are not waited for
+    here; quads outside the matrices are zeros, stored at once.  What cannot be copied as it
+    lies -- B when ``trans_b`` (it must be transposed into the k-major tile), and operands
+    without the wide flag -- is loaded into registers and returned, for
+    :func:`_store_staged` to write after this k-step's math, as dbuf does.
+    """
+    K = a.shape[1]
+    n = b.shape[0] if trans_b else b.shape[1]
+    zero = float32(0.0)
+    m = tid // 2
+    kq = (tid % 2) * 4
+    a0, a1, a2, a3 = zero, zero, zero, zero
+    if row0 + m < m_valid and k0 + kq < K:
+        if wide_a:
+            copy_quad_to_shared(As, m, kq, a, m0 + row0 + m, k0 + kq)
+        else:
+            a0, a1, a2, a3 = quad(a, m0 + row0 + m, k0 + kq, K, 0)
+    elif wide_a:
+        store4(As, m, kq, zero, zero, zero, zero)
+    b0, b1, b2, b3 = zero, zero, zero, zero
+    if trans_b:
+        if col0 + m < n:
+            b0, b1, b2, b3 = quad(b, col0 + m, k0 + kq, K, wide_b)
+        return a0, a1, a2, a3, b0, b1, b2, b3
+    kk = tid // 32
+    nq = (tid % 32) * 4
+    if k0 + kk < K and col0 + nq < n:
+        if wide_b:
+            copy_quad_to_shared(Bs, kk, nq, b, k0 + kk, col0 + nq)
+        else:
+            b0, b1, b2, b3 = quad(b, k0 + kk, col0 + nq, n, 0)
+    elif wide_b:
+        store4(Bs, kk, nq, zero, zero, zero, zero)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@cuda.jit(device=True)
+def _store_staged(As, Bs, trans_b, tid, wide_a, wide_b, a0, a1, a2, a3, b0, b1, b2, b3):
+    """Write the quads :func:`_issue_tiles` returned (those ``cp.async`` did not take)."""
+    m = tid // 2
+    kq = (tid % 2) * 4
+    if not wide_a:
+        store4(As, m, kq, a0, a1, a2, a3)  # A's tile is [m][k]: the quad runs along a row
+    if trans_b:  # into the k-major tile: four scalar stores down a column, as _store_tiles does
+        Bs[kq, m] = b0
+        Bs[kq + 1, m] = b1
+        Bs[kq + 2, m] = b2
+        Bs[kq + 3, m] = b3
+    elif not wide_b:
+        store4(Bs, tid // 32, (tid % 32) * 4, b0, b1, b2, b3)
+
+
+@cuda.jit(device=True, inline="always")
+def _k_of_quad(acc, af, Bs, kk, j, c0, c1):
+    """k = ``kk + j``: ``acc[u, v] += af[u, j] * B[k, col v]`` (A's values already in registers)."""
+    bf = cuda.local.array(TN, float32)
+    bf[0], bf[1], bf[2], bf[3] = load4(Bs, kk + j, c0)
+    bf[4], bf[5], bf[6], bf[7] = load4(Bs, kk + j, c1)
+    for u in range(TM):
+        for v in range(TN):
+            acc[u, v] += af[u, j] * bf[v]
+
+
+@cuda.jit(device=True, inline="always")
+def _k_quad_products(acc, As, Bs, kk, r0, r1, c0, c1):
+    """Four k of the tile, ``kk .. kk + 3``, from the row-major A tile: one 128-bit load of 4 k
+    per row of the thread (8), then B's two quads per k -- 16 shared loads for 256
+    multiply-adds, as in rungs 4-6 (which load two quads of rows per k from a k-major tile),
+    and the same order of additions."""
+    af = cuda.local.array((TM, VEC), float32)
+    af[0, 0], af[0, 1], af[0, 2], af[0, 3] = load4(As, r0, kk)
+    af[1, 0], af[1, 1], af[1, 2], af[1, 3] = load4(As, r0 + 1, kk)
+    af[2, 0], af[2, 1], af[2, 2], af[2, 3] = load4(As, r0 + 2, kk)
+    af[3, 0], af[3, 1], af[3, 2], af[3, 3] = load4(As, r0 + 3, kk)
+    af[4, 0], af[4, 1], af[4, 2], af[4, 3] = load4(As, r1, kk)
+    af[5, 0], af[5, 1], af[5, 2], af[5, 3] = load4(As, r1 + 1, kk)
+    af[6, 0], af[6, 1], af[6, 2], af[6, 3] = load4(As, r1 + 2, kk)
+    af[7, 0], af[7, 1], af[7, 2], af[7, 3] = load4(As, r1 + 3, kk)
+    _k_of_quad(acc, af, Bs, kk, 0, c0, c1)
+    _k_of_quad(acc, af, Bs, kk, 1, c0, c1)
+    _k_of_quad(acc, af, Bs, kk, 2, c0, c1)
+    _k_of_quad(acc, af, Bs, kk, 3, c0, c1)
+
+
+assert BK == 2 * VEC and TM == 8  # the kernel below: two k-quads per tile; _k_quad_products: 8 rows
+
+
+@cuda.jit(**_TWO_BLOCKS_PER_SM)
+def matmul_async_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wide_b, wide_c):
+    """warptile fed by asynchronous copies: ``STAGES`` = 3 tiles in flight, none through registers.
+
+    **The one idea.**  dbuf hides a tile's global loads behind one tile of math, but every
+    float still passes through a register on its way to shared memory, and the thread that
+    loaded it must wait for it before the store.  Here the memory system does the staging:
+    ``cp.async`` (:mod:`vtnumba.kernels._async_copy_cuda`) copies a quad from global into
+    shared memory while the thread goes on, so a thread issues tile ``t + 2``'s copies and
+    computes tile ``t`` at once, and the copies have two tiles of math to arrive in.  Each
+    k-step is: wait for my copies of tile ``t`` (``wait_group 1``: the newest group, tile
+    ``t + 1``, may still be running) -> barrier (everyone's copies of tile ``t`` are in, and
+    everyone has finished tile ``t - 1``, whose stage is free again) -> issue tile ``t + 2``
+    into that stage -> compute tile ``t``.  One barrier per k-step, as in dbuf.
+
+    **What it costs in the layout.**  ``cp.async`` moves 16 bytes as they lie, so A's tile is
+    row-major here (``As[m, k]``), not k-major; the math then reads a quad of 4 k per row
+    (:func:`_k_quad_products`), where rungs 4-6 read two quads of rows per k.  B keeps its
+    k-major tile: for ``b`` as ``[K, N]`` its quads already run along n and go by
+    ``cp.async`` too; ``b.T`` (``trans_b``, the nn.Linear layout) must be transposed and
+    still goes through registers, stored after the math as in dbuf.  Float16 inputs are
+    widened to float32 on the way (synchronously: ``cp.async`` cannot convert), and operands
+    without the wide flag are loaded element by element, as in every rung.
+
+    **Hazards.**  A thread's wait covers its own copies only: reading another thread's quads
+    needs the barrier after everyone's wait.  Every thread commits a group every k-step, even
+    an empty one, so "the newest group" means the same tile for all of them.  The simulator
+    writes a copy into shared memory only when its thread waits, so a missing wait or barrier
+    fails the tests there too.
+    """
+    As = cuda.shared.array((STAGES, BM, _APITCH), float32, alignment=SMEM_ALIGN)  # As[s, m, kk]
+    Bs = cuda.shared.array((STAGES, BK, _SPAD), float32, alignment=SMEM_ALIGN)  # Bs[s, kk, n]
+    acc = cuda.local.array((TM, TN), float32)
+
+    tid = cuda.threadIdx.x
+    warp = tid // 32
+    lane = tid % 32
+    wrow = (warp // WARPS_N) * WM + 4 * (lane // 4)
+    wcol = (warp % WARPS_N) * WN + 4 * (lane % 4)
+    row0 = cuda.blockIdx.y * BM
+    col0 = cuda.blockIdx.x * BN
+    K = a.shape[1]
+    tiles = (K + BK - 1) // BK
+
+    for u in range(TM):
+        for v in range(TN):
+            acc[u, v] = float32(0.0)
+
+    # Prologue: tiles 0 .. STAGES-2 into their stages, one group each.
+    for s in range(STAGES - 1):
+        if s < tiles:
+            a0, a1, a2, a3, b0, b1, b2, b3 = _issue_tiles(As[s], Bs[s], a, b, m0, m_valid, trans_b, row0, col0,
+                                                          s * BK, tid, wide_a, wide_b)
+            _store_staged(As[s], Bs[s], trans_b, tid, wide_a, wide_b, a0, a1, a2, a3, b0, b1, b2, b3)
+        commit_copies()
+
+    for t in range(tiles):
+        wait_copies(_IN_FLIGHT)  # my copies of tile t have landed
+        cuda.syncthreads()  # everyone's have; and everyone is done with tile t-1's stage
+        ahead = t + STAGES - 1  # the tile to start now, into the stage tile t-1 used
+        more = ahead < tiles  # the same for every thread
+        s = ahead % STAGES
+        if more:
+            a0, a1, a2, a3, b0, b1, b2, b3 = _issue_tiles(As[s], Bs[s], a, b, m0, m_valid, trans_b, row0, col0,
+                                                          ahead * BK, tid, wide_a, wide_b)
+        commit_copies()  # (empty near the end: the group count stays in step with the tiles)
+        cur = t % STAGES
+        _k_quad_products(acc, As[cur], Bs[cur], 0, wrow, wrow + WM // 2, wcol, wcol + WN // 2)
+        _k_quad_products(acc, As[cur], Bs[cur], VEC, wrow, wrow + WM // 2, wcol, wcol + WN // 2)
+        if more:
+            # The register-held quads, after the math (their loads had it to arrive in); their
+            # stage is read only after the next barrier.
+            _store_staged(As[s], Bs[s], trans_b, tid, wide_a, wide_b, a0, a1, a2, a3, b0, b1, b2, b3)
+    wait_all_copies()  # nothing may still be writing shared memory when the block ends
+
+    for u in range(TM):
+        i = row0 + wrow + (u // 4) * (WM // 2) + u % 4
+        if i < c.shape[0]:
+            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + wcol, 0, wide_c)
+            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + wcol + WN // 2, 4, wide_c)
+
+
 # ---------------------------------------------------------------------------- launching
 KERNELS = {"naive": matmul_naive_kernel, "smem": matmul_smem_kernel, "regtile": matmul_regtile_kernel,
-           "wide": matmul_wide_kernel, "warptile": matmul_warptile_kernel, "dbuf": matmul_dbuf_kernel}
+           "wide": matmul_wide_kernel, "warptile": matmul_warptile_kernel, "dbuf": matmul_dbuf_kernel,
+           "async": matmul_async_kernel}
 # The rungs that take the wide-access flags (wide_a, wide_b, wide_c) after the common arguments.
-WIDE_VARIANTS = ("wide", "warptile", "dbuf")
+WIDE_VARIANTS = ("wide", "warptile", "dbuf", "async")
 
 
 def launch_config(variant: str, rows: int, n: int) -> tuple[tuple[int, int], tuple[int, ...]]:
@@ -583,7 +774,7 @@ def launch_config(variant: str, rows: int, n: int) -> tuple[tuple[int, int], tup
         return (cdiv(n, TILE), cdiv(rows, TILE)), (TILE, TILE)
     if variant in ("regtile", "wide"):
         return (cdiv(n, BN), cdiv(rows, BM)), (THREADS_X, THREADS_Y)
-    if variant in ("warptile", "dbuf"):
+    if variant in ("warptile", "dbuf", "async"):
         return (cdiv(n, BN), cdiv(rows, BM)), (_NTHREADS,)  # 1-D: warps are tid // 32
     raise ValueError(f"variant={variant!r} is not a matmul variant; expected one of {', '.join(KERNELS)}")
 
