@@ -11,8 +11,11 @@ from numba import cuda, float32
 
 from vtnumba.backend.cuda import SIM_LAUNCH_LOCK
 from vtnumba.kernels._async_copy_cuda import commit_copies, copy_quad_to_shared, wait_all_copies, wait_copies
+from vtnumba.kernels._wide_cuda import SMEM_ALIGN
 
 ROWS, COLS = 8, 16  # 32 quads: one per thread of a one-warp block
+# Shared arrays that cp.async writes must be 16-byte aligned (SMEM_ALIGN; None in the
+# simulator, which refuses the argument and checks offsets instead).
 
 
 def _launch(kernel, *args):
@@ -25,7 +28,7 @@ def _launch(kernel, *args):
 def _copy_and_read_a_neighbours_quad(src, out):
     """Each thread copies its quad into shared memory, then writes out the quad of the *next*
     thread: visible only after every thread's wait and the barrier."""
-    sh = cuda.shared.array((ROWS, COLS), float32)
+    sh = cuda.shared.array((ROWS, COLS), float32, alignment=SMEM_ALIGN)
     t = cuda.threadIdx.x
     copy_quad_to_shared(sh, t // 4, 4 * (t % 4), src, t // 4, 4 * (t % 4))
     commit_copies()
@@ -49,7 +52,7 @@ def test_copies_reach_every_thread_after_wait_and_barrier(dev, host, rng, dtype)
 def _read_before_and_after_waits(src, early, middle, late):
     """Two groups (the thread's quad of src, then 1 + it); reads before any wait, after
     ``wait_copies(1)`` (the older group in), and after ``wait_all_copies``."""
-    sh = cuda.shared.array((2, ROWS, COLS), float32)
+    sh = cuda.shared.array((2, ROWS, COLS), float32, alignment=SMEM_ALIGN)
     t = cuda.threadIdx.x
     r, c = t // 4, 4 * (t % 4)
     for q in range(4):
@@ -82,7 +85,7 @@ def test_the_simulator_lands_a_copy_only_when_its_thread_waits(dev, host, rng):
 
 @cuda.jit
 def _copy_from(src, col, out):
-    sh = cuda.shared.array((ROWS, COLS), float32)
+    sh = cuda.shared.array((ROWS, COLS), float32, alignment=SMEM_ALIGN)
     copy_quad_to_shared(sh, 0, 0, src, 0, col)
     commit_copies()
     wait_all_copies()
