@@ -52,6 +52,23 @@ from vtnumba.kernels._wide_cuda import VEC, _sim_check
 
 #: Bytes one :func:`copy_quad_to_shared` moves for float32 (the only size ``cp.async.cg`` takes).
 COPY_BYTES = 16
+#: ``cp.async`` came with Ampere: older GPUs have no such instruction (ptxas refuses the kernel).
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def async_copies_supported() -> tuple[bool, str]:
+    """(whether kernels using these copies can run on the current device, and why not).
+
+    Always true in the simulator; on a GPU, compute capability 8.0 or newer."""
+    if simulator_active():
+        return True, ""
+    from numba import cuda
+
+    cc = tuple(cuda.get_current_device().compute_capability)
+    if cc >= MIN_COMPUTE_CAPABILITY:
+        return True, ""
+    return False, (f"cp.async needs compute capability {MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} "
+                   f"or newer; this GPU is {cc[0]}.{cc[1]}")
 
 
 # ---------------------------------------------------------------------------- real GPU: intrinsics
@@ -184,4 +201,5 @@ else:
     copy_quad_to_shared, commit_copies, wait_copies, wait_all_copies = _make_intrinsics()
 
 
-__all__ = ["COPY_BYTES", "copy_quad_to_shared", "commit_copies", "wait_copies", "wait_all_copies"]
+__all__ = ["COPY_BYTES", "MIN_COMPUTE_CAPABILITY", "async_copies_supported", "copy_quad_to_shared", "commit_copies",
+           "wait_copies", "wait_all_copies"]

@@ -31,7 +31,8 @@ kernels 1, 3, 5, 6, 10 and 11 these follow), and each docstring states its one i
    before tile ``t``'s math, so their latency is hidden, with one barrier per k-step.
 7. :func:`matmul_async_kernel` -- the staging leaves the registers: ``cp.async`` copies
    global -> shared while the thread computes, three tiles in flight.  numba-cuda does not
-   expose it; :mod:`vtnumba.kernels._async_copy_cuda` emits it as inline PTX.
+   expose it; :mod:`vtnumba.kernels._async_copy_cuda` emits it as inline PTX.  It needs an
+   Ampere or newer GPU (compute capability 8.0); on an older one the launcher refuses it.
 
 ``vtnumba bench kernels --ptxas`` prints each kernel's registers, shared memory and spills
 (no GPU needed): rungs 3-6 use 122-153 registers, no spills; 4-7 declare launch bounds of
@@ -63,7 +64,13 @@ from __future__ import annotations
 from numba import cuda, float32
 
 from vtnumba.backend.arrays import cdiv, simulator_active
-from vtnumba.kernels._async_copy_cuda import commit_copies, copy_quad_to_shared, wait_all_copies, wait_copies
+from vtnumba.kernels._async_copy_cuda import (
+    async_copies_supported,
+    commit_copies,
+    copy_quad_to_shared,
+    wait_all_copies,
+    wait_copies,
+)
 from vtnumba.kernels._wide_cuda import SMEM_ALIGN, VEC, load4, quad, store4, store_quad, wide_ok
 
 # ---------------------------------------------------------------------------- tile sizes
@@ -513,17 +520,10 @@ def matmul_dbuf_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wi
 
     **What numba-cuda does not offer.**  Ampere and Hopper can copy global -> shared without
     registers and asynchronously (``cp.async``, TMA); numba-cuda exposes neither (no
-    ``memcpy_async``/pipeline API), so the staging goes through registers (8 extra per
-    thread), as in pre-Ampere CUTLASS.  An ``@intrinsic`` could emit it: NVVM does not know
-    LLVM's ``llvm.nvvm.cp.async.*`` intrinsics (they come out of the PTX as unresolved
-    calls), but an ``ir.InlineAsm`` with side effects, ``cp.async.cg.shared.global [$0],
-    [$1], 16;`` on a 32-bit shared address and a global one, plus ``cp.async.commit_group`` /
-    ``cp.async.wait_group N``, compiles and passes ``ptxas`` for sm_80 and sm_90 (checked
-    without a GPU).  What keeps it out of this ladder is the layout: ``cp.async`` copies 16
-    contiguous bytes as they lie in global memory, while these tiles are k-major -- A (and B
-    when ``trans_b``) is transposed on its way into shared memory, which only a trip through
-    registers can do.  An asynchronous rung needs ``[m][k]`` tiles and an inner loop that
-    reads a quad of k at a time, a different kernel whose speed only a GPU can judge.
+    ``memcpy_async``/pipeline API), so here the staging goes through registers (8 extra per
+    thread), as in pre-Ampere CUTLASS.  The next rung, :func:`matmul_async_kernel`, emits
+    ``cp.async`` as inline PTX -- and pays for it with a row-major A tile, because
+    ``cp.async`` copies 16 bytes as they lie and cannot fill these k-major (transposed) tiles.
 
     Hazard: the loads for ``t + 1`` and the stores into the other buffer sit in ``if`` on a
     value every thread shares (``k0 + BK < K``), and the barrier is outside them: a
@@ -790,6 +790,11 @@ def launch_matmul_rows(variant: str, a, b, bias, c, m0: int, m_valid: int, trans
     rows, n = c.shape
     if rows == 0 or n == 0:
         return
+    if variant == "async":
+        ok, why = async_copies_supported()
+        if not ok:
+            raise RuntimeError(f"variant='async' cannot run here: {why}; use another rung (variant='dbuf' needs "
+                               "no cp.async)")
     grid, block = launch_config(variant, rows, n)
     has_bias = bias is not None
     # Kernels take no None: hand an unused float32 vector (row 0 of c) when there is no bias.
