@@ -454,6 +454,25 @@ WN = BN // WARPS_N  # 32
 assert (BM // WM) * WARPS_N * 32 == _NTHREADS and 8 * VEC * 2 == WM and 4 * VEC * 2 == WN
 
 
+@cuda.jit(device=True)
+def _warp_tile_origin(tid):
+    """(row, column) in the block tile of thread ``tid``'s first output, in the warp-tiled layout above."""
+    warp = tid // 32
+    lane = tid % 32
+    return (warp // WARPS_N) * WM + 4 * (lane // 4), (warp % WARPS_N) * WN + 4 * (lane % 4)
+
+
+@cuda.jit(device=True, inline="always")
+def _store_warp_tile(c, bias, acc, m_valid, has_bias, i0, j0, wide_c):
+    """Write a thread's 8 x 8 outputs (+ bias) from ``c[i0, j0]``: rows ``i0 + {0..3}`` and
+    ``+ WM / 2``, columns ``j0 + {0..3}`` and ``+ WN / 2``; padding rows get zeros."""
+    for u in range(TM):
+        i = i0 + (u // 4) * (WM // 2) + u % 4
+        if i < c.shape[0]:
+            _store_c(c, bias, acc, m_valid, has_bias, i, u, j0, 0, wide_c)
+            _store_c(c, bias, acc, m_valid, has_bias, i, u, j0 + WN // 2, 4, wide_c)
+
+
 @cuda.jit(**_TWO_BLOCKS_PER_SM)
 def matmul_warptile_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wide_b, wide_c):
     """wide, with each warp owning a square-ish 64 x 32 sub-tile of the block's 128 x 128 tile.
@@ -478,10 +497,7 @@ def matmul_warptile_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a
     acc = cuda.local.array((TM, TN), float32)
 
     tid = cuda.threadIdx.x  # a 1-D block of 256: the warp is tid // 32
-    warp = tid // 32
-    lane = tid % 32
-    wrow = (warp // WARPS_N) * WM + 4 * (lane // 4)  # first of the thread's rows in the tile
-    wcol = (warp % WARPS_N) * WN + 4 * (lane % 4)  # first of its columns
+    wrow, wcol = _warp_tile_origin(tid)
     row0 = cuda.blockIdx.y * BM
     col0 = cuda.blockIdx.x * BN
     K = a.shape[1]
@@ -497,11 +513,7 @@ def matmul_warptile_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a
         _tile_products(acc, As, Bs, wrow, wrow + WM // 2, wcol, wcol + WN // 2)
         cuda.syncthreads()
 
-    for u in range(TM):
-        i = row0 + wrow + (u // 4) * (WM // 2) + u % 4
-        if i < c.shape[0]:
-            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + wcol, 0, wide_c)
-            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + wcol + WN // 2, 4, wide_c)
+    _store_warp_tile(c, bias, acc, m_valid, has_bias, row0 + wrow, col0 + wcol, wide_c)
 
 
 # ---------------------------------------------------------------------------- 6. double buffering
@@ -534,10 +546,7 @@ def matmul_dbuf_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wi
     acc = cuda.local.array((TM, TN), float32)
 
     tid = cuda.threadIdx.x
-    warp = tid // 32
-    lane = tid % 32
-    wrow = (warp // WARPS_N) * WM + 4 * (lane // 4)
-    wcol = (warp % WARPS_N) * WN + 4 * (lane % 4)
+    wrow, wcol = _warp_tile_origin(tid)
     row0 = cuda.blockIdx.y * BM
     col0 = cuda.blockIdx.x * BN
     K = a.shape[1]
@@ -567,11 +576,7 @@ def matmul_dbuf_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, wi
         cuda.syncthreads()
         buf = 1 - buf
 
-    for u in range(TM):
-        i = row0 + wrow + (u // 4) * (WM // 2) + u % 4
-        if i < c.shape[0]:
-            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + wcol, 0, wide_c)
-            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + wcol + WN // 2, 4, wide_c)
+    _store_warp_tile(c, bias, acc, m_valid, has_bias, row0 + wrow, col0 + wcol, wide_c)
 
 
 # ---------------------------------------------------------------------------- 7. asynchronous copies
@@ -711,10 +716,7 @@ def matmul_async_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, w
     acc = cuda.local.array((TM, TN), float32)
 
     tid = cuda.threadIdx.x
-    warp = tid // 32
-    lane = tid % 32
-    wrow = (warp // WARPS_N) * WM + 4 * (lane // 4)
-    wcol = (warp % WARPS_N) * WN + 4 * (lane % 4)
+    wrow, wcol = _warp_tile_origin(tid)
     row0 = cuda.blockIdx.y * BM
     col0 = cuda.blockIdx.x * BN
     K = a.shape[1]
@@ -751,11 +753,7 @@ def matmul_async_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, w
             _store_staged(As[s], Bs[s], trans_b, tid, wide_a, wide_b, a0, a1, a2, a3, b0, b1, b2, b3)
     wait_all_copies()  # nothing may still be writing shared memory when the block ends
 
-    for u in range(TM):
-        i = row0 + wrow + (u // 4) * (WM // 2) + u % 4
-        if i < c.shape[0]:
-            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + wcol, 0, wide_c)
-            _store_c(c, bias, acc, m_valid, has_bias, i, u, col0 + wcol + WN // 2, 4, wide_c)
+    _store_warp_tile(c, bias, acc, m_valid, has_bias, row0 + wrow, col0 + wcol, wide_c)
 
 
 # ---------------------------------------------------------------------------- launching
