@@ -116,13 +116,17 @@ def _make_intrinsics():
 
         return types.void(dst, i, j, src, r, k), codegen
 
-    @intrinsic
-    def commit_copies(typingctx):
-        def codegen(context, builder, sig, args):
-            asm(builder, "cp.async.commit_group;")
-            return context.get_dummy_value()
+    def instruction(text: str):
+        """An intrinsic without arguments that is the one PTX instruction ``text``."""
+        @intrinsic
+        def emit(typingctx):
+            def codegen(context, builder, sig, args):
+                asm(builder, text)
+                return context.get_dummy_value()
 
-        return types.void(), codegen
+            return types.void(), codegen
+
+        return emit
 
     @intrinsic
     def wait_copies(typingctx, newest_in_flight):
@@ -136,14 +140,8 @@ def _make_intrinsics():
 
         return types.void(newest_in_flight), codegen
 
-    @intrinsic
-    def wait_all_copies(typingctx):
-        def codegen(context, builder, sig, args):
-            asm(builder, "cp.async.wait_all;")
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
+    commit_copies = instruction("cp.async.commit_group;")
+    wait_all_copies = instruction("cp.async.wait_all;")
     return copy_quad_to_shared, commit_copies, wait_copies, wait_all_copies
 
 
