@@ -154,6 +154,23 @@ def test_wide_rungs_row_range_and_padding(dev, host, rng, variant):
     assert rel_err(out[:m_valid], ref[:m_valid]) <= 1e-5
 
 
+@pytest.mark.parametrize("variant", WIDE_RUNGS)
+def test_wide_rungs_float16_with_b_as_k_by_n(dev, host, rng, variant):
+    # float16 inputs on the 64-bit path with b as [K, N] (the row-range test above takes b.T):
+    # the async rung's copy widens these quads through registers instead of cp.async.
+    from vtnumba.kernels.matmul_cuda import wide_flags
+
+    M, K, N = 36, 40, 20
+    a, b = make(rng, (M, K), np.float16), make(rng, (K, N), np.float16)
+    d_a, d_b, d_c = dev(a), dev(b), dev(nan_out((M, N)))
+    assert wide_flags(d_a, d_b, d_c) == (1, 1, 1)
+    matmul(d_a, d_b, out=d_c, variant=variant)
+    ref = nan_out((M, N))
+    matmul_rows_host(a, b, None, ref, 0, M, False)
+    out = host(d_c)
+    assert np.isfinite(out).all() and rel_err(out, ref) <= 1e-5
+
+
 def test_wide_rungs_fall_back_on_misaligned_views(dev, host, rng):
     # Views that start one float past an aligned address: the launcher must see it and take
     # the scalar path (a 128-bit access there would stop a GPU with "misaligned address").

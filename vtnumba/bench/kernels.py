@@ -250,6 +250,7 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
         fused_add_rms_norm,
         gather_rows,
         matmul,
+        matmul_cuda,
         peer_reduce_norm,
     )
 
@@ -307,6 +308,8 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
         # --device-matmul-sizes asks for the aim's size in a quick run (scripts/gpu_check.sh).
         mm_sizes = cfg.get("device_mm_sizes") or ([16] if simulator else ([1024] if cfg["quick"] else [2048, 4096]))
         handle = None if simulator else stream_handle(q)
+        unavailable = matmul_cuda.unavailable_rungs()  # e.g. async before Ampere: said once, then skipped
+        notes += [f"matmul {variant}: not run ({why})" for variant, why in unavailable.items()]
         for n in mm_sizes:
             if dead is not None:
                 break
@@ -331,6 +334,8 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
             for variant in VARIANTS:  # ladder order: one row per rung
                 if variant == "naive" and n > 2048:
                     continue  # seconds of naive matmul per size add nothing to the ladder's story
+                if variant in unavailable:
+                    continue
                 try:
                     st = timed(lambda: matmul(a, b, out=c, queue=q, variant=variant))
                     got = np.stack([c[int(i)].copy_to_host() for i in check_rows]).astype(np.float64)

@@ -35,10 +35,15 @@ to both).
 
 **In the simulator** the copies are Python, and they are made to behave like the hardware
 where it matters for correctness: a copy is *not* written into shared memory when it is
-issued, but when the issuing thread waits for its group.  A kernel that reads a tile before
-waiting (or before the barrier after the wait) therefore reads stale data in the simulator
-too, and its tests fail there instead of only on a GPU.  Alignment is checked as for
-``load4`` (16 bytes: the hardware refuses anything else).
+issued, but when the issuing thread waits for its group -- the latest moment a GPU may
+land it.  A kernel that reads a tile before waiting (or before the barrier after the wait)
+therefore reads stale data in the simulator too, and its tests fail there instead of only
+on a GPU.  The opposite mistake is *not* caught: a copy issued into a stage that other
+threads may still be reading lands, on a GPU, whenever the memory system gets to it, but
+in the simulator only at the wait, after those reads.  That ordering (issue into a stage
+only after the barrier that ends everyone's reads of it) must be checked by reading the
+kernel.  Alignment is checked as for ``load4`` (16 bytes: the hardware refuses anything
+else), from the start of the array view the kernel passes.
 """
 
 from __future__ import annotations
@@ -108,7 +113,7 @@ def _make_intrinsics():
                 asm(builder, f"cp.async.cg.shared.global [$0], [$1], {COPY_BYTES};",
                     [builder.trunc(builder.ptrtoint(shared, ir.IntType(64)), ir.IntType(32)),
                      builder.ptrtoint(glob, ir.IntType(64))], [ir.IntType(32), ir.IntType(64)], "r,l")
-            else:  # float16: four halves in one 64-bit load, widened, one 128-bit shared store
+            else:  # float16: the four halves loaded (8-byte aligned), widened, one 128-bit shared store
                 halves = builder.load(builder.bitcast(sptr, ir.VectorType(ir.HalfType(), VEC).as_pointer()), align=8)
                 floats = builder.fpext(halves, ir.VectorType(ir.FloatType(), VEC))
                 builder.store(floats, builder.bitcast(dptr, floats.type.as_pointer()), align=16)

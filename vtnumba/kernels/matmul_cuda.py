@@ -709,7 +709,9 @@ def matmul_async_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, w
     needs the barrier after everyone's wait.  Every thread commits a group every k-step, even
     an empty one, so "the newest group" means the same tile for all of them.  The simulator
     writes a copy into shared memory only when its thread waits, so a missing wait or barrier
-    fails the tests there too.
+    fails the tests there too; a copy issued into a stage before everyone has finished
+    reading it would not (it lands late there), which is why the issue comes after the
+    barrier.
     """
     As = cuda.shared.array((STAGES, BM, _APITCH), float32, alignment=SMEM_ALIGN)  # As[s, m, kk]
     Bs = cuda.shared.array((STAGES, BK, _SPAD), float32, alignment=SMEM_ALIGN)  # Bs[s, kk, n]
@@ -777,6 +779,14 @@ def launch_config(variant: str, rows: int, n: int) -> tuple[tuple[int, int], tup
     raise ValueError(f"variant={variant!r} is not a matmul variant; expected one of {', '.join(KERNELS)}")
 
 
+def unavailable_rungs() -> dict[str, str]:
+    """The rungs the current device cannot run, each with the reason: ``async`` before Ampere
+    (no ``cp.async``); empty in the simulator and on compute capability 8.0 or newer.  The
+    benchmark and tutorial 04 skip these, saying why; a launch of one raises."""
+    ok, why = async_copies_supported()
+    return {} if ok else {"async": why}
+
+
 def wide_flags(a, b, c) -> tuple[int, int, int]:
     """Which operands the wide rungs may access 4 elements at a time (see :mod:`vtnumba.kernels._wide_cuda`)."""
     return int(wide_ok(a)), int(wide_ok(b)), int(wide_ok(c))
@@ -788,11 +798,10 @@ def launch_matmul_rows(variant: str, a, b, bias, c, m0: int, m_valid: int, trans
     rows, n = c.shape
     if rows == 0 or n == 0:
         return
-    if variant == "async":
-        ok, why = async_copies_supported()
-        if not ok:
-            raise RuntimeError(f"variant='async' cannot run here: {why}; use another rung (variant='dbuf' needs "
-                               "no cp.async)")
+    why = unavailable_rungs().get(variant) if variant == "async" else None
+    if why:
+        raise RuntimeError(f"variant={variant!r} cannot run here: {why}; use another rung (variant='dbuf' needs "
+                           "no cp.async)")
     grid, block = launch_config(variant, rows, n)
     has_bias = bias is not None
     # Kernels take no None: hand an unused float32 vector (row 0 of c) when there is no bias.
