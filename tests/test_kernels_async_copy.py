@@ -97,6 +97,19 @@ def test_the_simulator_lands_a_copy_only_when_its_thread_waits(dev, host, rng):
     np.testing.assert_array_equal(late, 2 * src)
 
 
+@pytest.mark.simulator_only
+def test_the_simulator_can_land_copies_at_once(dev, host, rng, monkeypatch):
+    # The other extreme a GPU allows: every copy in shared memory as soon as it is issued.
+    from vtnumba.kernels import _async_copy_cuda
+
+    monkeypatch.setattr(_async_copy_cuda, "SIMULATED_LANDING", "issue")
+    src = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+    outs = [dev(np.full((ROWS, COLS), np.nan, np.float32)) for _ in range(3)]
+    _launch(_read_before_and_after_waits, dev(src), *outs)
+    for out in outs:
+        np.testing.assert_array_equal(host(out), 2 * src)
+
+
 @cuda.jit
 def _copy_from(src, col, out):
     sh = cuda.shared.array((ROWS, COLS), float32, alignment=SMEM_ALIGN)

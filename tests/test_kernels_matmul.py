@@ -139,6 +139,25 @@ def test_wide_rungs_match_the_host_reference(dev, host, rng, variant, M, K, N, t
     assert rel_err(out, ref) <= 1e-5
 
 
+@pytest.mark.simulator_only
+@pytest.mark.parametrize("M,K,N,trans,with_bias,wide", WIDE_CASES[1:])
+def test_async_rung_when_copies_land_at_once(dev, host, rng, monkeypatch, M, K, N, trans, with_bias, wide):
+    # The simulator lands cp.async copies at the thread's wait (the latest moment) in the test
+    # above; here at issue (the earliest), which shows a copy issued into a stage that other
+    # threads are still reading.  A correct kernel is right with both.
+    from vtnumba.kernels import _async_copy_cuda
+
+    monkeypatch.setattr(_async_copy_cuda, "SIMULATED_LANDING", "issue")
+    a, b = make(rng, (M, K)), make(rng, (N, K) if trans else (K, N))
+    bias = make(rng, N) if with_bias else None
+    d_c = dev(nan_out((M, N)))
+    (linear if trans else matmul)(dev(a), dev(b), dev(bias), d_c, variant="async")
+    ref = nan_out((M, N))
+    matmul_rows_host(a, b, bias, ref, 0, M, trans)
+    out = host(d_c)
+    assert np.isfinite(out).all() and rel_err(out, ref) <= 1e-5
+
+
 @pytest.mark.parametrize("variant", WIDE_RUNGS)
 def test_wide_rungs_row_range_and_padding(dev, host, rng, variant):
     # The TPSP contract: c[i] = a[m0 + i] @ B + bias for i < m_valid, zeros after -- on the

@@ -38,12 +38,12 @@ where it matters for correctness: a copy is *not* written into shared memory whe
 issued, but when the issuing thread waits for its group -- the latest moment a GPU may
 land it.  A kernel that reads a tile before waiting (or before the barrier after the wait)
 therefore reads stale data in the simulator too, and its tests fail there instead of only
-on a GPU.  The opposite mistake is *not* caught: a copy issued into a stage that other
-threads may still be reading lands, on a GPU, whenever the memory system gets to it, but
-in the simulator only at the wait, after those reads.  That ordering (issue into a stage
-only after the barrier that ends everyone's reads of it) must be checked by reading the
-kernel.  Alignment is checked as for ``load4`` (16 bytes: the hardware refuses anything
-else), from the start of the array view the kernel passes.
+on a GPU.  The opposite mistake -- a copy issued into a stage that other threads may still
+be reading, which a GPU lands whenever the memory system gets to it -- shows with
+:data:`SIMULATED_LANDING` set to ``"issue"``: every copy lands at once, the earliest
+moment.  The tests run the async rung both ways.  Alignment is checked as for ``load4``
+(16 bytes: the hardware refuses anything else), from the start of the array view the
+kernel passes.
 """
 
 from __future__ import annotations
@@ -151,6 +151,12 @@ def _make_intrinsics():
 
 
 # ---------------------------------------------------------------------------- simulator: deferred copies
+#: When a simulated copy is written into shared memory: ``"wait"`` (the default), when its
+#: thread waits for its group -- the latest moment a GPU may land it, which exposes reads made
+#: too early; or ``"issue"``, at once -- the earliest, which exposes a copy issued into a
+#: stage that other threads are still reading.  A correct kernel gives the same result with
+#: both (the tests run the async rung both ways).
+SIMULATED_LANDING = "wait"
 _pending = threading.local()  # per simulated GPU thread: .groups (committed), .open (not yet committed)
 
 
@@ -167,12 +173,13 @@ def _land(copies) -> None:
 
 
 def _copy_quad_to_shared_sim(dst, i, j, src, r, k):
-    """Queue ``dst[i, j:j+4] = src[r, k:k+4]``; it lands when this thread waits for its group."""
+    """Queue ``dst[i, j:j+4] = src[r, k:k+4]``; it lands when this thread waits for its group
+    (or at once: :data:`SIMULATED_LANDING`)."""
     _sim_check(dst, (i, j), "copy_quad_to_shared (shared destination)")
     _sim_check(src, (r, k), "copy_quad_to_shared (global source)")
     values = tuple(np.float32(src[r, k + q]) for q in range(VEC))  # the source does not change in a kernel
-    if np.dtype(getattr(src, "dtype", np.float32)) != np.float32:
-        _land([(dst, i, j, values)])  # float16 goes through registers on a GPU: synchronous
+    if SIMULATED_LANDING == "issue" or np.dtype(getattr(src, "dtype", np.float32)) != np.float32:
+        _land([(dst, i, j, values)])  # (float16 goes through registers on a GPU: synchronous)
         return
     _state().open.append((dst, i, j, values))
 

@@ -708,10 +708,9 @@ def matmul_async_kernel(a, b, bias, c, m0, m_valid, trans_b, has_bias, wide_a, w
     **Hazards.**  A thread's wait covers its own copies only: reading another thread's quads
     needs the barrier after everyone's wait.  Every thread commits a group every k-step, even
     an empty one, so "the newest group" means the same tile for all of them.  The simulator
-    writes a copy into shared memory only when its thread waits, so a missing wait or barrier
-    fails the tests there too; a copy issued into a stage before everyone has finished
-    reading it would not (it lands late there), which is why the issue comes after the
-    barrier.
+    lands a copy either at its thread's wait or at once (the latest and the earliest moments
+    a GPU may), and the tests run both: a missing wait or barrier, or a copy issued into a
+    stage before everyone has finished reading it, fails there too.
     """
     As = cuda.shared.array((STAGES, BM, _APITCH), float32, alignment=SMEM_ALIGN)  # As[s, m, kk]
     Bs = cuda.shared.array((STAGES, BK, _SPAD), float32, alignment=SMEM_ALIGN)  # Bs[s, kk, n]
