@@ -49,6 +49,7 @@ def _skip_async_without_cp_async(request):
     """The async rung needs cp.async (compute capability 8.0): on an older GPU its tests skip."""
     params = getattr(request.node, "callspec", None)
     if params is not None and params.params.get("variant") == "async":
+        request.getfixturevalue("device_backend")  # first: without a usable GPU that skips, saying why
         from vtnumba.kernels._async_copy_cuda import async_copies_supported
 
         ok, why = async_copies_supported()

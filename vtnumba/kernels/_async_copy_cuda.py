@@ -69,7 +69,10 @@ def async_copies_supported() -> tuple[bool, str]:
         return True, ""
     from numba import cuda
 
-    cc = tuple(cuda.get_current_device().compute_capability)
+    try:
+        cc = tuple(cuda.get_current_device().compute_capability)
+    except Exception as exc:  # noqa: BLE001 - no driver, no device: the answer is "no", with the reason
+        return False, f"no usable CUDA device ({type(exc).__name__}: {' '.join(str(exc).split())})"
     if cc >= MIN_COMPUTE_CAPABILITY:
         return True, ""
     return False, (f"cp.async needs compute capability {MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} "
