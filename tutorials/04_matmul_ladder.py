@@ -233,9 +233,10 @@ if on_device:
     from vtnumba.kernels.matmul_cuda import unavailable_rungs
 
     # A rung this GPU cannot run (async before Ampere: no cp.async) is named and left out.
-    for v, why in unavailable_rungs().items():
+    left_out = unavailable_rungs()
+    for v, why in left_out.items():
         lesson.say(f"rung {v} left out on this GPU: {why}")
-    rungs = [v for v in VARIANTS if v not in unavailable_rungs()]
+    rungs = [v for v in VARIANTS if v not in left_out]
     da, db, dbias = cuda.to_device(a), cuda.to_device(b), cuda.to_device(bias)
     lesson.say(f"device ladder on [{M}x{K}] @ [{K}x{N}] + bias ({target}), rungs {', '.join(rungs)}:")
     errs = {}
