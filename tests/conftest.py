@@ -133,40 +133,83 @@ def host(device_backend):
     return device_backend.to_host
 
 
-@pytest.fixture(scope="session")
-def kernel_ptx():
-    """Every ``@cuda.jit`` kernel's PTX for sm_80 and sm_90, compiled once per test run (it
-    takes a minute): ``"results"``, one entry per kernel, signature and architecture as
-    ``python -m vtnumba.kernels.ptx`` reports them, PTX text included; ``"unlisted"``, the
-    set of kernels without a PTX signature; ``"processes"``, each compile process's exit
-    code and stderr.
+# The PTX compiles behind the ``kernel_ptx`` fixture: started when collection finds a test that
+# needs them, so they run beside the tests that come before it (see the fixture).
+_ptx_compiles: list = []
+
+
+def _start_ptx_compiles() -> list:
+    """Start (once) one ``python -m vtnumba.kernels.ptx`` process per architecture; returns
+    ``[(cc, process, stdout file, stderr file)]``.
 
     compile_ptx needs the real numba.cuda, and this process runs with the simulator on, so
-    it runs in subprocesses with NUMBA_ENABLE_CUDASIM=0 -- one per architecture, both at
-    once: NVVM is single-threaded, and the other core would sit idle."""
-    import json
+    the compiles run in subprocesses with NUMBA_ENABLE_CUDASIM=0 -- one per architecture:
+    NVVM is single-threaded.  At the lowest priority (nice 19), because they start while
+    other tests run, some of them timing how fast a stopped rank is noticed: the compiles
+    take the CPU time those tests leave idle and never slow them down.  Output goes to
+    files, not pipes: a pipe nobody reads until the fixture asks would stall the writer.
+    """
+    if _ptx_compiles:
+        return _ptx_compiles
     import subprocess
     import sys
+    import tempfile
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    procs = [subprocess.Popen([sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", cc, "--keep-ptx"], env=env,
-                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cc in ("80", "90")]
-    report = {"results": [], "unlisted": set(), "processes": []}
-    try:
-        for cc, proc in zip(("80", "90"), procs):
-            out, err = proc.communicate(timeout=240)
-            report["processes"].append({"cc": cc, "returncode": proc.returncode, "stderr": err, "output": bool(out)})
-            if out:
-                one = json.loads(out)
-                report["results"] += one["results"]
-                report["unlisted"].update(one["unlisted"])
-    finally:
-        for proc in procs:
+    for cc in ("80", "90"):
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        proc = subprocess.Popen([sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", cc, "--keep-ptx"], env=env,
+                                cwd=root, stdout=out, stderr=err, text=True, preexec_fn=lambda: os.nice(19))
+        _ptx_compiles.append((cc, proc, out, err))
+    return _ptx_compiles
+
+
+def pytest_collection_finish(session):
+    # session.items is what will run (after -k/-m deselection): start the compiles only if
+    # one of those tests uses them.
+    if any("kernel_ptx" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_ptx_compiles()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # A run stopped early (-x, Ctrl-C) may not have waited for the compiles: end them.
+    for _cc, proc, out, err in _ptx_compiles:
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
+        out.close()
+        err.close()
+    _ptx_compiles.clear()
+
+
+@pytest.fixture(scope="session")
+def kernel_ptx():
+    """Every ``@cuda.jit`` kernel's PTX for sm_80 and sm_90, compiled once per test run (it
+    takes a minute of CPU time, in the background from the end of collection:
+    :func:`_start_ptx_compiles`): ``"results"``, one entry per kernel, signature and
+    architecture as ``python -m vtnumba.kernels.ptx`` reports them, PTX text included;
+    ``"unlisted"``, the set of kernels without a PTX signature; ``"processes"``, each
+    compile process's exit code and stderr."""
+    import json
+    import subprocess
+
+    report = {"results": [], "unlisted": set(), "processes": []}
+    for cc, proc, out, err in _start_ptx_compiles():
+        try:
+            proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        text, stderr = out.read(), err.read()
+        report["processes"].append({"cc": cc, "returncode": proc.returncode, "stderr": stderr, "output": bool(text)})
+        if text:
+            one = json.loads(text)
+            report["results"] += one["results"]
+            report["unlisted"].update(one["unlisted"])
     return report
 
 
