@@ -325,7 +325,7 @@ lesson.say("done")
 #   size until BLAS is compute-bound (per rank, sharing the machine with the other rank).
 # * On ``cpu``, the PTX table and figure: ``fma per shared load`` 0.5 for ``smem`` and 4.0
 #   for ``regtile`` (``naive`` has no shared memory).  On ``cudasim``, one line per rung at
-#   16 and 32 -- labelled as simulator times, which mean nothing for a GPU.  On ``cuda``, the
+#   8 and 16 -- labelled as simulator times, which mean nothing for a GPU.  On ``cuda``, the
 #   rungs climb: each is several times faster than the one before at 2048 and up.
 # * The routed rows of ``linear_rows_to`` match ``linear()`` and the padding rows are zero.
 #
