@@ -168,7 +168,9 @@ def _start_ptx_compiles() -> list:
 
 def pytest_collection_finish(session):
     # session.items is what will run (after -k/-m deselection): start the compiles only if
-    # one of those tests uses them.
+    # one of those tests uses them (and the run is not --collect-only).
+    if session.config.option.collectonly:
+        return
     if any("kernel_ptx" in getattr(item, "fixturenames", ()) for item in session.items):
         _start_ptx_compiles()
 
