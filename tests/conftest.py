@@ -146,7 +146,8 @@ def _start_ptx_compiles() -> list:
     the compiles run in subprocesses with NUMBA_ENABLE_CUDASIM=0 -- one per architecture:
     NVVM is single-threaded.  At the lowest priority (nice 19), because they start while
     other tests run, some of them timing how fast a stopped rank is noticed: the compiles
-    take the CPU time those tests leave idle and never slow them down.  Output goes to
+    take mostly the CPU time those tests leave idle (the scheduler gives a nice-19 process
+    a few percent of a busy core), so those tests slow down little.  Output goes to
     files, not pipes: a pipe nobody reads until the fixture asks would stall the writer.
     """
     if _ptx_compiles:
@@ -161,7 +162,8 @@ def _start_ptx_compiles() -> list:
     for cc in ("80", "90"):
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         proc = subprocess.Popen([sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", cc, "--keep-ptx"], env=env,
-                                cwd=root, stdout=out, stderr=err, text=True, preexec_fn=lambda: os.nice(19))
+                                cwd=root, stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True,
+                                preexec_fn=lambda: os.nice(19))
         _ptx_compiles.append((cc, proc, out, err))
     return _ptx_compiles
 
