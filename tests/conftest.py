@@ -152,6 +152,7 @@ def _start_ptx_compiles() -> list:
     """
     if _ptx_compiles:
         return _ptx_compiles
+    import shutil
     import subprocess
     import sys
     import tempfile
@@ -159,11 +160,13 @@ def _start_ptx_compiles() -> list:
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    # Through the nice command, not preexec_fn=os.nice: Python code run between fork and exec
+    # is unsafe once the process has threads (pytest-timeout's, when a test asks first).
+    nice = [shutil.which("nice"), "-n", "19"] if shutil.which("nice") else []
     for cc in ("80", "90"):
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        proc = subprocess.Popen([sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", cc, "--keep-ptx"], env=env,
-                                cwd=root, stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True,
-                                preexec_fn=lambda: os.nice(19))
+        proc = subprocess.Popen([*nice, sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", cc, "--keep-ptx"],
+                                env=env, cwd=root, stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True)
         _ptx_compiles.append((cc, proc, out, err))
     return _ptx_compiles
 
