@@ -149,7 +149,9 @@ def _bench_host_norms(cfg, results, ratios, baselines):
         # The memcpy baseline on the same arrays, timed in the same rounds.
         "memcpy": lambda: np.copyto(out, y),
     }
-    st = _interleaved(fns, rounds=2 if cfg["quick"] else 4, repeat=max(1, cfg["repeat"] // 3))
+    # Rounds of one call each: a median over 9 interleaved rounds (about 0.2 s at --quick's
+    # 1024 x 1024) instead of 2, whose ratios swung by half between runs on a busy machine.
+    st = _interleaved(fns, rounds=9 if cfg["quick"] else 5, repeat=1 if cfg["quick"] else max(1, cfg["repeat"] // 3))
     elem = rows * h * 4
     copy_gbs = 2 * elem / st["memcpy"].median_s / 1e9  # traffic: read n + write n
     results.append(schema.row("memcpy", "numpy.copyto", rows * h, "elements", "GB/s (traffic)", copy_gbs,
