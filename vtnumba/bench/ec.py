@@ -350,7 +350,9 @@ def run(args) -> dict:
     results, ratios, notes = [], {}, []
     try:
         for n in sizes:
-            repeat = 5 if quick else (10 if n >= 16 * MiB else 30)
+            # (Entries up to a few MiB take well under a millisecond a step: even --quick can
+            # afford the samples that keep their medians, and so the aims' ratios, steady.)
+            repeat = (15 if n <= 4 * MiB else 5) if quick else (10 if n >= 16 * MiB else 30)
             pipe = threaded if (threaded is not None and n <= 16 * MiB) else None
             r = _bench_size(backend, n, repeat, False, f"c{n}", pipe)
             if r["descriptors"] != r["runs"]:
