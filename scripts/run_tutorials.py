@@ -2,13 +2,14 @@
 """Run every tutorial the way the docs tell a reader to, and keep its real output and figures.
 
 Each ``tutorials/NN_name.py`` runs under ``mpiexec -n 2 python tutorials/NN_name.py
---target cpu`` (and the ones listed in ``SIMULATOR_TOO`` also with ``--target cudasim``); a
-tutorial passes when it exits 0 within its time limit (its own checks are the
-self-checks).  The cpu run is made the way the docs build makes it
+--target cpu`` (the ones listed in ``SIMULATOR_TOO`` also with ``--target cudasim``, and the
+ones in ``MORE_RANKS`` also on the cpu target with the rank count their docstring tells a
+reader to try); a tutorial passes when it exits 0 within its time limit (its own checks are
+the self-checks).  The cpu run is made the way the docs build makes it
 (:func:`vtnumba.apps.tutorial.run_recorded`): output marked by section, figures and output
 saved under ``docs/_build/tutorials/NN_name/`` with a key made of the script's and the
 vtnumba sources' hashes, so the docs build renders this very run instead of running the
-tutorial again.  The simulator runs draw their figures into a temporary folder.
+tutorial again.  The other runs draw their figures into a temporary folder.
 
 Usage: ``python scripts/run_tutorials.py [NN_name ...]`` (default: all).
 """
@@ -30,6 +31,8 @@ TIME_LIMIT_S = 120
 SIMULATOR_TOO = {"01_devices_queues_events", "02_async_copies_pinned", "04_matmul_ladder", "05_fused_add_rmsnorm",
                  "06_peer_buffers", "07_reduce_scatter_all_gather", "10_running_on_a_gpu", "03_caching_allocator",
                  "08_tpsp", "09_encoder_cache"}
+# Tutorials whose docstring also runs them with more ranks: that rank count, cpu target.
+MORE_RANKS = {"07_reduce_scatter_all_gather": 3, "09_encoder_cache": 3}
 
 
 def main(argv: list[str]) -> int:
@@ -41,15 +44,18 @@ def main(argv: list[str]) -> int:
     failures = []
     with tempfile.TemporaryDirectory(prefix="vtnumba-tutorials-") as sim_out:
         for path in tutorials:
-            targets = ["cpu"] + (["cudasim"] if path.stem in SIMULATOR_TOO else [])
-            for target in targets:
-                out_root = OUT_ROOT if target == "cpu" else Path(sim_out)
-                run = run_recorded(path, out_root, target=target, timeout_s=TIME_LIMIT_S, save=target == "cpu")
+            runs = [("cpu", 2)] + ([("cudasim", 2)] if path.stem in SIMULATOR_TOO else [])
+            runs += [("cpu", MORE_RANKS[path.stem])] if path.stem in MORE_RANKS else []
+            for target, ranks in runs:
+                saved = target == "cpu" and ranks == 2  # the run the docs render
+                out_root = OUT_ROOT if saved else Path(sim_out) / f"{target}-{ranks}"
+                run = run_recorded(path, out_root, target=target, ranks=ranks, timeout_s=TIME_LIMIT_S, save=saved)
                 status = "ok" if run.returncode == 0 else f"FAILED (exit {run.returncode})"
                 figures = f", {len(run.figures)} figure(s)" if run.returncode == 0 else ""
-                print(f"{path.name:<40} {target:<8} {run.seconds:6.1f} s  {status}{figures}", flush=True)
+                where = target if ranks == 2 else f"{target} -n {ranks}"
+                print(f"{path.name:<40} {where:<13} {run.seconds:6.1f} s  {status}{figures}", flush=True)
                 if run.returncode != 0:
-                    failures.append(f"{path.name} [{target}]")
+                    failures.append(f"{path.name} [{where}]")
                     tail = (run.stdout + run.stderr).strip().splitlines()[-30:]
                     print("    " + "\n    ".join(tail))
     print(f"{len(failures)} failed, {len(tutorials)} tutorials; cpu output and figures in "

@@ -9,10 +9,15 @@ own a side each, the region, the scheduler's block cache with eviction and pins,
 worker's batched copies, completions that are reported only when a copy has really
 finished, and the exactly-once release of a pin.
 
+**Builds on:** :doc:`02_async_copies_pinned` (batched copies on queues, and events that say
+when they are done) and :doc:`03_caching_allocator` (the load buffers' lifetimes).
+Next: :doc:`10_running_on_a_gpu`.
+
 Run it::
 
     mpiexec -n 2 python tutorials/09_encoder_cache.py               # cpu target
     mpiexec -n 2 python tutorials/09_encoder_cache.py --target cudasim
+    mpiexec -n 3 python tutorials/09_encoder_cache.py               # two consumer ranks
 
 Key insight: the bytes never travel through MPI.  Only small control messages do ("this
 entry is ready", "pin it for me, I am reading blocks 12..40", "done, unpin it"); the
@@ -66,6 +71,20 @@ def files_named(engine_id: str) -> list[str]:
     return [f for f in os.listdir("/dev/shm") if engine_id in f]
 
 
+snapshots: list = []  # (moment, [(mm_hash, state) or None per block]) -- rank 0's view of its region
+
+
+def snap(moment: str) -> None:
+    """Record which entry holds each block of the region now, and in what state."""
+    cells = [None] * region.num_blocks
+    for name in ROWS:
+        entry = ep.cache.lookup(name)
+        if entry is not None:
+            for block in entry.block_ids:
+                cells[block] = (name, entry.state)
+    snapshots.append((moment, cells))
+
+
 # %%
 # 1. The endpoints and their region.  ``ECProducer`` creates the region -- room for 16
 # rows, less than the 25 rows of all five inputs, so something will have to be evicted --
@@ -92,8 +111,8 @@ if rank == 0:
             open_ec_shared_region(local.handle, hidden_size=HIDDEN * 2, dtype=DTYPE)
             mismatch = "not detected"
         except ValueError as exc:
-            mismatch = str(exc).split(": ", 1)[1][:70]
-    lesson.say(f"opening it with hidden_size={HIDDEN * 2}: {mismatch}...")
+            mismatch = "ValueError: " + str(exc).split(": ", 1)[1]  # (after the engine id)
+    lesson.say(f"opening it with hidden_size={HIDDEN * 2}: {mismatch}")
     ok = f"hidden_size={HIDDEN * 2}" in mismatch and region.path is None and not files_named(region.engine_id)
 else:
     ok = region.path is None
@@ -103,7 +122,9 @@ lesson.check(ok, "the region has no name in /dev/shm; a consumer with another mo
 # 2. The scheduler's block cache (the producer owns it).  Blocks are handed out lowest id
 # first, ascending, so an entry's blocks are usually one run.  An entry is *not-ready*
 # while its save is in flight, *ready* (evictable, oldest first) once saved, and *pinned*
-# while someone reads it.  ``alloc`` evicts only if that makes room -- never in vain.
+# while someone reads it.  ``alloc`` evicts only if that makes room -- never in vain:
+#
+# .. vt-source:: vtnumba.ec.embedding_cache.EmbeddingCache.alloc
 if rank == 0:
     demo = EmbeddingCache(8)
     a = demo.alloc("a", 3)
@@ -128,7 +149,11 @@ lesson.check(ok, "pinned entries stay, eviction happens only when it makes room"
 # blocks into ONE copy descriptor (three arrays: source addresses, destination addresses,
 # byte counts) and moves them all with one ``batched_copy`` on a pooled queue -- after the
 # compute queue, which produced them.  The worker checks each output first: its dtype and
-# row width must be the region's, and it must fit its blocks (else a ValueError).
+# row width must be the region's, and it must fit its blocks (else a ValueError).  Finding
+# the runs is a few numpy operations (the worker runs a compiled version of the same split,
+# checked against this one in the tests):
+#
+# .. vt-source:: vtnumba.ec.descriptors.coalesce_runs
 def encode(names: list[str]) -> dict:
     """'Run the encoder': each output in device memory, written on the compute queue."""
     outputs = {}
@@ -145,8 +170,8 @@ if rank == 0:
         ep.save({"bad": np.zeros((2, HIDDEN), np.float32)})  # float32 rows into a float16 region
         refused = "accepted!"
     except ValueError as exc:
-        refused = str(exc)[:60]
-    lesson.say(f"a float32 output for this float16 region: {refused}... (its blocks went back: "
+        refused = f"ValueError: {exc}"
+    lesson.say(f"a float32 output for this float16 region: {refused} (its blocks went back: "
                f"{ep.cache.num_free_blocks} of {region.num_blocks} free)")
     first = ["cat.jpg", "dog.png", "map.gif"]
     for name in first:
@@ -154,6 +179,7 @@ if rank == 0:
     runs = sum(len(coalesce_runs(ep.cache.lookup(n).block_ids)[0]) for n in first)
     ep.save(encode(first))
     ready = ep.wait_saves()
+    snap("3 entries saved: blocks\nhanded out in order")
     stats = ep.worker.stats["save"]
     lesson.say(f"saved {ready} in {stats['transfers']} batched copy with {stats['descriptors']} descriptors "
                f"(= {runs} block runs)")
@@ -169,6 +195,10 @@ lesson.check(ok, "one batched copy per step; the bytes are in the region; a wron
 # With threaded cpu queues we can *hold* the compute queue (a kernel still running) and
 # watch: ``build_connector_worker_meta`` says nothing, the region is untouched; open the
 # gate and the report arrives -- once.  (A worker of our own on the producer's region.)
+# What a poll does with the transfers in flight -- front first, each reported once, its
+# queue, events and descriptors recycled at that moment:
+#
+# .. vt-source:: vtnumba.ec.worker.ECWorker._collect_finished
 if rank == 0:
     tq = CPUBackend(threaded=True)
     w2 = ECWorker(region, backend=tq)
@@ -208,6 +238,7 @@ if rank == 0:
     ep.send({"ready": {n: ROWS[n] for n in first}}, what="the ready entries")
     wanted = ep.recv(what="the consumer's request")
     grants = {n: ep.grant(n) for n in wanted}
+    snap("2 pinned for rank 1's\nload: not evictable")
     lesson.say(f"rank 1 asked for {wanted}; pinned and granted blocks "
                f"{ {n: f'{ids[0]}..{ids[-1]}' for n, ids in grants.items()} }")
     ep.send(grants, what="the grants")
@@ -219,6 +250,7 @@ if rank == 0:
         ep.request_save(name, ROWS[name])
     ep.save(encode(more))
     ready = ep.wait_saves()
+    snap("released, 2 more saved:\nthe oldest evicted")
     kept = [n for n in ROWS if n in ep.cache]
     lesson.say(f"rank 1 released {released}; saved {ready}; evicted {ep.cache.stats.evictions} "
                f"entries (oldest first), the cache now holds {kept}")
@@ -231,10 +263,45 @@ elif ep.is_leader:
     ok = all(np.array_equal(to_host(a).view(np.uint16), embedding(n).view(np.uint16)) for n, a in loaded.items())
     ok &= all(loaded[n].shape == (ROWS[n], HIDDEN) and loaded[n].dtype == DTYPE for n in loaded)
     ep.send(list(loaded), what="the releases")
+    # The other consumer ranks (under mpiexec -n 3 or more) loaded the same entries in
+    # ep.load: nothing more is coming, so end their serve() -- before the check below,
+    # which every rank must reach.
+    ep.stop_followers()
 else:
-    ep.serve()  # more consumer ranks: load what rank 1 hands out, until it stops
-    ok = True
+    # More consumer ranks: load what rank 1 hands out, until it says stop.
+    mine = {}
+    served = ep.serve(lambda h, arr: mine.update({h: to_host(arr).copy()}))
+    ok = served == 2 and all(np.array_equal(a.view(np.uint16), embedding(h).view(np.uint16)) for h, a in mine.items())
 lesson.check(ok, "rank 1 loaded byte-exact copies; room was made by evicting only unpinned entries")
+
+
+def draw_blocks(plt):
+    """One row per moment, one cell per block, coloured by the entry that holds it."""
+    colours = dict(zip(ROWS, plt.get_cmap("tab10").colors))
+    fig, ax = plt.subplots(figsize=(9, 0.8 * len(snapshots) + 1.3))
+    for y, (moment, cells) in enumerate(snapshots):
+        for block, cell in enumerate(cells):
+            name, state = cell if cell else ("", "free")
+            ax.add_patch(plt.Rectangle((block, y - 0.35), 0.95, 0.7, facecolor=colours.get(name, "#eeeeee"),
+                                       edgecolor="black", linewidth=0.5, hatch="///" if state == "pinned" else None))
+            ax.text(block + 0.47, y, f"{name.split('.')[0]}\n{state}" if name else "free", ha="center",
+                    va="center", fontsize=6, bbox=dict(boxstyle="round,pad=0.15", facecolor="white", alpha=0.8,
+                                                       linewidth=0))
+    ax.set_xlim(0, len(snapshots[0][1]))
+    ax.set_ylim(len(snapshots) - 0.5, -0.5)
+    ax.set_xticks([b + 0.47 for b in range(len(snapshots[0][1]))], range(len(snapshots[0][1])), fontsize=7)
+    ax.set_yticks(range(len(snapshots)), [m for m, _ in snapshots], fontsize=7)
+    ax.set_xlabel("block id (one block = one embedding row)")
+    ax.set_title("09: the region's blocks, entry by entry (rank 0's cache)", fontsize=10)
+    return fig
+
+
+if rank == 0:
+    # (Figures are drawn on rank 0 only: the other ranks skip this.)
+    lesson.figure("region_blocks.png", "The region's 16 blocks after part 3's save, during part 5's load and after "
+                  "its second save: which entry holds each block, and its state (hatched: pinned).  The second save reuses the evicted entries' blocks, "
+                  "so an entry can end up in more than one run of blocks -- and then costs one copy descriptor "
+                  "per run.", draw_blocks)
 
 # %%
 # 6. Exactly once.  With two consumer tensor-parallel ranks, every rank loads and reports
@@ -263,3 +330,52 @@ engine_id = region.engine_id
 ep.close()
 lesson.check(not files_named(engine_id), "nothing of ours in /dev/shm")
 lesson.say("done")
+
+# %%
+# Expected output
+# ---------------
+#
+# * The region is *anonymous*: ``files in /dev/shm for it: []``; opening it with another
+#   ``hidden_size`` is refused with a ``ValueError`` naming both configs.
+# * ``alloc(c, 6) -> None (a kept: True)``, then ``alloc(c, 5) -> (0, 1, 2, 6, 7)`` with one
+#   eviction: the pinned ``b`` stays.
+# * A float32 output is refused (``has dtype float32; the region holds float16 rows``) and
+#   its blocks go back (16 of 16 free); three entries are then saved in ONE batched copy
+#   with 3 descriptors, one per block run.
+# * While the compute queue is held: ``reports=None, region untouched=True``; after it:
+#   ``completed_saves=['probe']`` once, then ``None``.
+# * Rank 1 asks for two entries, gets them pinned and granted, loads them byte-exact and
+#   releases them; the next two saves evict ``map.gif`` and ``cat.jpg``, and the cache holds
+#   ``['dog.png', 'sky.bmp', 'sea.jpg']``.
+# * The figure: the first save hands out blocks 0..14 in order; the load pins ``cat`` and
+#   ``dog`` (hatched); after the second save ``sky`` sits in ``map``'s old blocks 8..11 and
+#   ``sea`` in two runs, 0..4 (``cat``'s) and 12 -- two descriptors for one entry.
+# * ``released: [[], ['x'], []]`` with one stale report ignored; every check says ``ok``.
+#
+# Common issues
+# -------------
+#
+# * ``this lesson needs two processes``: run it under ``mpiexec -n 2`` (or more: every rank
+#   after rank 1 is another consumer rank and loads each entry too).
+# * ``ChannelTimeout: rank R gave up waiting for rank P after 30 s``: a rank stopped
+#   answering (or was stopped in a debugger for longer than the endpoints' ``timeout_s``);
+#   the message names the rank and what was awaited.  The lesson uses ``timeout_s=30``.
+# * ``has dtype ...; the region holds ...`` or ``has shape ...; expected [rows, hidden]``:
+#   the producer's outputs must be the region's dtype and row width -- the consumer reads
+#   the raw bytes back as exactly that.
+# * With ``--target cudasim`` the outputs and the loaded views are simulated device arrays
+#   (``to_host`` reads them back) and the copies run under the simulator's launch lock; the
+#   lesson prints no timings, so nothing here measures the simulator's speed.
+# * A ``vtnumba`` file left in ``/dev/shm`` is not this lesson's region, which never has a
+#   name there (:doc:`../troubleshooting` says which programs can leave one).
+#
+# Try next
+# --------
+#
+# 1. Give the region room for all 25 rows (``region_bytes=25 * BLOCK``): which evictions in
+#    part 5 disappear, and what does ``ep.cache.stats`` say?  (Part 5's check then fails:
+#    it expects two evictions -- change what it expects.)
+# 2. Pin ``map.gif`` on rank 0 before the second save (``ep.grant("map.gif")``): which entry
+#    is evicted instead -- and what happens if nothing evictable is left?
+# 3. Run ``mpi/ec_disagg.py`` under ``mpiexec -n 3`` and read its per-step report: the same
+#    pieces as here, with many steps, eviction under load and a throughput figure.
