@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 
 
 def parse_args(argv=None):
@@ -120,7 +121,7 @@ def _run(args, target, inject) -> int:
     )
     from vtnumba.dist.comm import set_default_timeout
     from vtnumba.nn import ParallelMLPStack
-    from vtnumba.tpsp import TPSPOp, get_tpsp_backend, shard_residual
+    from vtnumba.tpsp import TPSPDisabledWarning, TPSPOp, get_tpsp_backend, shard_residual
 
     set_default_timeout(args.timeout)  # every wait for another rank, in vtnumba too
     group = init_distributed()
@@ -164,10 +165,16 @@ def _run(args, target, inject) -> int:
         _fault("profile")
         backend = get_tpsp_backend("tp", timeout_s=args.timeout)
         t0 = time.perf_counter()
-        context = backend.profile(stack.ops_groups(), max_batched_tokens=T, search=args.search, config=args.chunk,
-                                  budget_s=args.budget)
+        # Why TPSP is off, if it is, is said once below (every rank would warn).
+        with warnings.catch_warnings(record=True) as disabled:
+            warnings.simplefilter("always", TPSPDisabledWarning)
+            context = backend.profile(stack.ops_groups(), max_batched_tokens=T, search=args.search,
+                                      config=args.chunk, budget_s=args.budget)
+        why_off = sorted({str(w.message).split(": ", 1)[-1] for w in disabled
+                          if issubclass(w.category, TPSPDisabledWarning)})
     say(f"profile ({'measured' if args.search else 'static'}, {time.perf_counter() - t0:.1f} s): "
-        + ("TPSP disabled, regular forward everywhere" if context is None else
+        + (f"TPSP disabled ({'; '.join(why_off) or 'no reason given'}), regular forward everywhere"
+           if context is None else
            f"TPSP from {context.profile.threshold_tokens} tokens, chunks "
            f"{ {n: h.config.chunk_tokens_per_rank for n, h in context.handles.items()} }"))
     ops = [TPSPOp(context, g.name, norm=args.norm, group=group, timeout_s=args.timeout) for g in stack.ops_groups()]
@@ -211,18 +218,25 @@ def _run(args, target, inject) -> int:
     say(f"regular forward: {t_reg * 1e3:9.2f} ms   (all-reduce of [T, H] per block, replicated residual)")
     say(f"TPSP forward:    {t_tpsp * 1e3:9.2f} ms   ({fused} fused calls, "
         f"{sum(op.regular_calls for op in ops)} regular; sharded residual)")
-    say(f"time ratio TPSP / regular: {t_tpsp / t_reg:.3f}")
-    # The same explanation the demo prints: TPSP's speed-up with its per-round range, a
-    # verdict that says whether the rounds agree, and one line on why for this target.
-    from vtnumba.apps.pipeline_demo import explain_speedup
+    if fused:
+        say(f"time ratio TPSP / regular: {t_tpsp / t_reg:.3f}")
+        # The same explanation the demo prints: TPSP's speed-up with its per-round range, a
+        # verdict that says whether the rounds agree, and one line on why for this target.
+        from vtnumba.apps.pipeline_demo import explain_speedup
 
-    for line in explain_speedup(t_reg / t_tpsp, [r / t for r, t in zip(t_regs[1:], t_tpsps[1:])], target.name,
-                                label="speed-up of TPSP (regular time / TPSP time)"):
-        say(line)
+        for line in explain_speedup(t_reg / t_tpsp, [r / t for r, t in zip(t_regs[1:], t_tpsps[1:])], target.name,
+                                    label="speed-up of TPSP (regular time / TPSP time)"):
+            say(line)
+    else:
+        # Both rows ran the regular forward (the second on a sharded residual): a ratio of
+        # the two would be noise presented as a TPSP speed-up.
+        say("no TPSP speed-up to report: no fused call ran, so both forwards above are the regular one"
+            + (" (TPSP needs 2 or more ranks: run under mpiexec -n 2)" if tp == 1 else ""))
     say(f"max |hidden difference| = {err_x:.3g}, max relative residual difference = {err_res:.3g} "
         f"(largest over ranks: {err:.3g}, tolerance {args.tol:g})")
     ok = err <= args.tol
-    say("OK: TPSP matches the regular forward" if ok else "MISMATCH: TPSP differs from the regular forward")
+    what = "TPSP" if fused else "the fallback (sharded residual, regular calls)"
+    say(f"OK: {what} matches the regular forward" if ok else f"MISMATCH: {what} differs from the regular forward")
 
     with phase("closing"):
         if context is not None:
