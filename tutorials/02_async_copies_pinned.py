@@ -60,6 +60,15 @@ lesson.say(f"pinned buffers: {pinned_in}, {pinned_out}; device buffer: {dev}")
 #
 # The d2h queue must not read the device buffer before the h2d copy finished: it waits
 # on ``t1``.  Then it copies back into the second pinned buffer.
+#
+# One thing first.  On the cpu target "device memory" is host memory, and the OS maps a
+# fresh allocation lazily: the first touch of each 4 KiB page is a page fault, a few
+# microseconds each -- 4,096 of them in 16 MiB, more than the copy itself.  Pinned buffers
+# are resident from the start (the backend touches every page when it allocates them, as
+# a GPU driver maps page-locked memory); the device buffer is set once with ``memset``, so
+# that the copy below measures the copy.  (A GPU's device memory has no such cost.)
+backend.memset(h2d_q, dev, 0, nbytes)
+backend.synchronize(h2d_q)
 rng = np.random.default_rng(100 + lesson.rank)
 data = rng.standard_normal(n).astype(np.float32)
 pinned_in.view(np.float32)[:] = data
@@ -95,6 +104,8 @@ weight = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
 backend.copy(compute_q, w_buf, weight, weight.nbytes)
 x_rows, y_rows, z_rows = (b.view(np.float32, (ROWS, H)) for b in (dev, y_buf, z_buf))
 w_dev = w_buf.view(np.float32, (H,))
+for buf in (y_buf, z_buf):  # their first touch, here, not inside the pipeline (see above)
+    backend.memset(compute_q, buf, 0, nbytes)
 fused_add_rms_norm(x_rows[:1], None, w_dev, 1e-6, out=y_rows[:1], new_residual=z_rows[:1], queue=compute_q)
 backend.synchronize(compute_q)  # a warm-up call: the first one loads (or compiles) the kernel
 copied, computed = [backend.create_event() for _ in range(CHUNKS)], [backend.create_event() for _ in range(CHUNKS)]
@@ -168,6 +179,9 @@ lesson.say("done")
 # * No overlap in the picture: the queues are synchronous (the default cpu backend, or the
 #   simulator), so each operation finishes before the next is queued.  This lesson uses
 #   ``CPUBackend(threaded=True)`` on cpu for that reason.
+# * A first copy many times slower than a memcpy on the cpu target: it is paying the page
+#   faults of memory nobody touched before (see the first section) -- touch fresh buffers
+#   once before timing anything.
 # * On a GPU a copy from *pageable* (not pinned) host memory is staged through a driver
 #   buffer and may not overlap anything; use ``alloc_pinned`` for buffers you copy often.
 # * Freeing or refilling a host buffer right after ``copy`` returns: the copy may not have

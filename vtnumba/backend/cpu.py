@@ -15,6 +15,7 @@ in which a missing ``record_stream`` or ``queue_wait_event`` shows up without a 
 
 from __future__ import annotations
 
+import mmap
 import os
 import queue as _queue
 import threading
@@ -180,6 +181,10 @@ class CPUBackend(Backend):
         # Host memory is already "pinned" from the CPU's point of view; a zero-byte request
         # still gets a real (aligned, empty) block that free_pinned accepts.
         arr = aligned_empty(nbytes)
+        # Page-locked memory is resident from the start (a GPU driver maps every page when it
+        # allocates or registers it); fresh numpy memory is mapped lazily, one page fault per
+        # 4 KiB page at its first touch -- which would otherwise land in the first copy.
+        arr[::mmap.PAGESIZE] = 0
         return Buffer(self, self.device, nbytes, arr, pinned=True, ptr=arr.ctypes.data)
 
     def _free(self, buf: Buffer) -> None:
