@@ -14,8 +14,9 @@ from vtnumba.bench.schema import suite, validate_suite
 def test_quick_run_follows_schema():
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    args = parser.parse_args(["--norm-shape", "64x256", "--device-matmul-sizes", "8"])
-    args.quick, args.sizes = True, [64]
+    # The options as `vtnumba bench kernels` parses them (the host matmul's sizes included).
+    args = parser.parse_args(["--norm-shape", "64x256", "--device-matmul-sizes", "8", "--host-matmul-sizes", "64"])
+    args.quick = True
     result = bench.run(args)
     validate_suite(result)
     assert result["suite"] == "kernels"
@@ -189,6 +190,12 @@ def test_time_on_queue_holds_the_queue_until_a_sample_is_queued():
     finally:
         backend.destroy_queue(q)
         backend.close()
+
+
+def test_bad_matmul_sizes_name_their_flag():
+    for flag in ("device_matmul_sizes", "host_matmul_sizes"):
+        with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')}: 0 is not a positive"):
+            bench._settings(argparse.Namespace(quick=True, norm_shape=None, **{flag: [64, 0]}))
 
 
 def test_bad_norm_shape():

@@ -65,8 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ptxas", action="store_true",
                         help="report registers/shared memory/spills per kernel (needs ptxas on PATH)")
     parser.add_argument("--device-matmul-sizes", type=int, nargs="+", default=None, metavar="N",
-                        help="square matmul sizes of the ladder on a GPU (default 2048 4096; 1024 with --quick); "
-                             "--sizes sets the host matmul's")
+                        help="square matmul sizes of the ladder on a GPU (default 2048 4096; 1024 with --quick)")
+    parser.add_argument("--host-matmul-sizes", type=int, nargs="+", default=None, metavar="N",
+                        help="square matmul sizes of the host matmul against numpy's BLAS (default 1024 2048; "
+                             "256 with --quick)")
 
 
 def _parse_shape(text: str) -> tuple[int, int]:
@@ -82,11 +84,13 @@ def _parse_shape(text: str) -> tuple[int, int]:
 def _settings(args) -> dict:
     quick = bool(getattr(args, "quick", False))
     shape = getattr(args, "norm_shape", None)
-    sizes = getattr(args, "sizes", None)
+    # (--sizes: the same, as the standalone ``python -m vtnumba.bench.kernels`` spells it.)
+    sizes = getattr(args, "host_matmul_sizes", None) or getattr(args, "sizes", None)
     device_sizes = getattr(args, "device_matmul_sizes", None)
-    for n in device_sizes or ():
-        if type(n) is not int or n < 1:
-            raise ValueError(f"--device-matmul-sizes: {n!r} is not a positive whole matrix size")
+    for flag, given in (("--device-matmul-sizes", device_sizes), ("--host-matmul-sizes", sizes)):
+        for n in given or ():
+            if type(n) is not int or n < 1:
+                raise ValueError(f"{flag}: {n!r} is not a positive whole matrix size")
     return {
         "device_mm_sizes": list(device_sizes) if device_sizes else None,
         "quick": quick,
