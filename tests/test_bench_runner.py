@@ -225,6 +225,11 @@ def test_outputs_default_under_out():
     assert runner.resolve_outputs(ns(suite="all", json=None, plot=None)) == \
         (os.path.join("out", "bench-all.json"), os.path.join("out", "plots"))
     assert runner.resolve_outputs(ns(suite="all", json="-", plot="figs")) == ("-", "figs")
+    # A quick look never overwrites a full run's results.
+    assert runner.resolve_outputs(ns(suite="all", json=None, plot=None, quick=True)) == \
+        (os.path.join("out", "bench-all-quick.json"), os.path.join("out", "plots-quick"))
+    assert runner.resolve_outputs(ns(suite="ec", json="mine.json", plot=runner.AUTO, quick=True)) == \
+        ("mine.json", os.path.join("out", "plots-quick"))
 
 
 def test_the_command_line_flags_accept_no_path():
@@ -245,9 +250,9 @@ def test_run_bench_writes_only_under_out(monkeypatch, tmp_path):
     assert runner.run_bench(args, {"target": "cpu"}) == 0
     assert sorted(os.listdir(tmp_path)) == ["out"]  # nothing anywhere else (durations included)
     assert (tmp_path / "out" / "bench-durations.json").exists()
-    doc = json.loads((tmp_path / "out" / "bench-fake.json").read_text())
+    doc = json.loads((tmp_path / "out" / "bench-fake-quick.json").read_text())  # (a --quick run)
     schema.validate_all(doc)
-    assert len(os.listdir(tmp_path / "out" / "plots")) == 2
+    assert len(os.listdir(tmp_path / "out" / "plots-quick")) == 2
 
 
 # ---------------------------------------------------------------------------- the real TPSP suite
@@ -261,7 +266,7 @@ def test_bench_tpsp_reports_paired_overheads_under_mpiexec(tmp_path):
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("bench tpsp: running") == 1  # rank 0 only
-    (res,) = json.loads((tmp_path / "out" / "bench-tpsp.json").read_text())["suites"]
+    (res,) = json.loads((tmp_path / "out" / "bench-tpsp-quick.json").read_text())["suites"]
     schema.validate_suite(res)
     impls = {(r["group"], r["impl"]) for r in res["paired"]}
     assert impls == {("time above the matmul (paired in each round)", "vtnumba-fused - matmul-only"),

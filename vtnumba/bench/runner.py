@@ -70,22 +70,25 @@ PROGRESS_DELAY_S = 2.0
 NOISY = 0.5
 
 
-def default_json_path(suite: str) -> str:
-    """Where ``--json`` without a path writes: ``out/bench-<suite>.json``."""
-    return os.path.join(OUT_DIR, f"bench-{suite}.json")
+def default_json_path(suite: str, quick: bool = False) -> str:
+    """Where ``--json`` without a path writes: ``out/bench-<suite>.json`` (``-quick.json`` for a
+    ``--quick`` run, so that a quick look never overwrites the results of a full run)."""
+    return os.path.join(OUT_DIR, f"bench-{suite}{'-quick' if quick else ''}.json")
 
 
-def default_plot_dir() -> str:
-    """Where ``--plot`` without a directory draws: ``out/plots``."""
-    return os.path.join(OUT_DIR, "plots")
+def default_plot_dir(quick: bool = False) -> str:
+    """Where ``--plot`` without a directory draws: ``out/plots`` (``out/plots-quick`` with ``--quick``)."""
+    return os.path.join(OUT_DIR, "plots-quick" if quick else "plots")
 
 
 def add_common_arguments(p) -> None:
     """The flags every suite takes (``--json``, ``--plot``, ``--quick``)."""
     p.add_argument("--json", metavar="PATH", nargs="?", const=AUTO, default=None,
-                   help=f"write the results as JSON to PATH ('-' for stdout; no PATH: {OUT_DIR}/bench-SUITE.json)")
+                   help=f"write the results as JSON to PATH ('-' for stdout; no PATH: {OUT_DIR}/bench-SUITE.json, "
+                        "or bench-SUITE-quick.json with --quick)")
     p.add_argument("--plot", metavar="DIR", nargs="?", const=AUTO, default=None,
-                   help=f"write perf_report-style PNG plots into DIR (no DIR: {default_plot_dir()}/)")
+                   help=f"write perf_report-style PNG plots into DIR (no DIR: {default_plot_dir()}/, or "
+                        f"{default_plot_dir(True)}/ with --quick)")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds, not minutes)")
     p.add_argument("--timeout", type=positive_seconds, default=BARRIER_TIMEOUT_S,
                    help="seconds a rank waits for the others -- also while rank 0 alone runs a single-process "
@@ -129,10 +132,11 @@ def resolve_outputs(args) -> tuple[str | None, str | None]:
     if suite == "all":
         json_path = AUTO if json_path is None else json_path
         plot_dir = AUTO if plot_dir is None else plot_dir
+    quick = bool(getattr(args, "quick", False))
     if json_path == AUTO:
-        json_path = default_json_path(suite)
+        json_path = default_json_path(suite, quick)
     if plot_dir == AUTO:
-        plot_dir = default_plot_dir()
+        plot_dir = default_plot_dir(quick)
     return json_path, plot_dir
 
 
