@@ -65,6 +65,14 @@ def test_pipeline_demo_three_ranks_hits_evictions_and_verification(weights):
     assert any(l.strip().startswith("TPSP / regular:") and "interleaved rounds" in l for l in lines), out
     assert any(l.strip().startswith("why: on the cpu target") for l in lines), out
     assert "the region is small on purpose" in out
+    # ... and the misses add up: every first request misses, a repeat misses only if evicted.
+    m = re.search(r"\((\d+) of the (\d+) requests ask for a text the first time: misses at any region size; "
+                  r"of the (\d+) repeats (\d+) hit and (\d+) missed \(evicted meanwhile\)", out)
+    assert m, out
+    first, requests, repeats, repeat_hits, repeat_misses = map(int, m.groups())
+    misses = int(stats.split("misses ")[1].split(" ")[0])
+    assert first + repeats == requests == hits + misses and repeat_hits == hits
+    assert misses == first + repeat_misses, stats
     assert vtnumba_shm() == before
 
 
@@ -140,6 +148,17 @@ def test_pipeline_demo_refuses_layouts_it_cannot_run():
     with pytest.raises(ValueError, match="at least 2 ranks"):
         plan_ranks(1, None)
     assert plan_ranks(3, None) == (2, 1) and plan_ranks(4, 3) == (3, 1)
+
+
+def test_pipeline_demo_without_tpsp_and_with_room_for_everything(weights):
+    proc = vt("demo", "--target", "cpu", "--no-tpsp", "--region-mib", "2")
+    out = proc.stdout
+    assert proc.returncode == 0 and "RESULT: PASS" in out, out + proc.stderr
+    progress = [l for l in out.splitlines() if l.startswith("[")]
+    assert "(tensor-parallel, regular forward)" in out and not any("TPSP" in l for l in progress), progress
+    # Nothing evicted: every repeat hits; only first requests miss.
+    assert "evictions 0" in out and "missed (evicted meanwhile)" in out and " 0 missed" in out, out
+    assert "small on purpose" not in out
 
 
 def test_pipeline_demo_region_too_small_is_a_clear_error(weights):

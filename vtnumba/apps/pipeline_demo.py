@@ -352,7 +352,8 @@ class _Pipeline:
             top = np.argsort(-scores)[:3]
             answers.append((q, [(self.corpus[i], float(scores[i])) for i in top]))
         w = ep.worker.stats["load"]
-        return {"answers": answers, "verified": len(texts), "bytes_loaded": w["bytes"], "load_copy_ms": w["copy_ms"],
+        return {"answers": answers, "verified": len(texts), "distinct": len(set(hashes)),
+                "bytes_loaded": w["bytes"], "load_copy_ms": w["copy_ms"],
                 "load_descriptors": w["descriptors"], "steps": step, "extra_ranks": len(ep.followers)}
 
 
@@ -409,9 +410,13 @@ def _print_report(measure: dict, prod: dict, cons: dict, args, sizes, memcpy_gbs
     print(f"encoder cache (region {prod['region_blocks']} blocks = {prod['region_mib']:.2f} MiB, one block per token):")
     print(f"   requests {prod['hits'] + prod['misses']}: hits {prod['hits']}, misses {prod['misses']} "
           f"(encoded {prod['encoded_tokens']} tokens), evictions {prod['evictions']}")
-    if args.region_mib is None:
-        print("   (the region is small on purpose -- about 40% of what the corpus needs -- so entries are evicted "
-              "and asked for again: few hits, many misses; --region-mib 2 holds everything)")
+    requests, repeats = prod["hits"] + prod["misses"], prod["hits"] + prod["misses"] - cons["distinct"]
+    # A first request misses whatever the region's size; only a repeat can hit, if its entry
+    # was not evicted meanwhile.
+    print(f"   ({cons['distinct']} of the {requests} requests ask for a text the first time: misses at any region "
+          f"size; of the {repeats} repeats {prod['hits']} hit and {repeats - prod['hits']} missed (evicted meanwhile)"
+          + (" -- the region is small on purpose, about 40% of what the corpus needs; --region-mib 2 holds "
+             "everything)" if args.region_mib is None else ")"))
     print(f"   saved {prod['bytes_saved'] / 2**20:.2f} MiB in {prod['save_descriptors']} descriptors "
           f"({save_gbs:.2f} GB/s), loaded {cons['bytes_loaded'] / 2**20:.2f} MiB per consumer rank in "
           f"{cons['load_descriptors']} descriptors ({load_gbs:.2f} GB/s); host memcpy {memcpy_gbs:.2f} GB/s")
@@ -463,19 +468,20 @@ def _run(args, world, sizes, timeout: float, inject) -> int:
     e, c = sizes
     target = current_target()
     say = _Progress(world.Get_rank() == 0)
+    tpsp = not args.no_tpsp and e > 1  # (one encoder rank has nothing to exchange)
     if world.Get_rank() == 0:
         print(f"vtnumba pipeline demo: all-MiniLM-L6-v2 on {e} encoder rank(s) (tensor-parallel, "
-              f"{'regular forward' if args.no_tpsp or e == 1 else 'TPSP'}) -> encoder cache -> {c} consumer "
+              f"{'TPSP' if tpsp else 'regular forward'}) -> encoder cache -> {c} consumer "
               f"rank(s); target {target.name}", flush=True)
-    say("loading the model (weights, tokenizer) and opening TPSP on the encoder ranks ...")
+    say(f"loading the model (weights, tokenizer){' and opening TPSP on the encoder ranks' if tpsp else ''} ...")
     p = _Pipeline(args, world.Dup(), timeout, inject)
     p.setup()
     measure = prod = cons = None
     say("creating the encoder-cache region and handing it to the consumer ...")
     with p.endpoint() as ep:
         if p.is_encoder:
-            say("measuring the encoder on the corpus, TPSP and regular forward interleaved (the first call "
-                "compiles the kernels; numba caches them on disk for the next run) ...")
+            say(f"measuring the encoder on the corpus, {'TPSP and regular forward interleaved' if tpsp else 'regular forward'}"
+                " (the first call compiles the kernels; numba caches them on disk for the next run) ...")
             measure = p.measure_encoder()
             say("serving the consumer's requests through the encoder cache ...")
             if p.rank == p.producer:
