@@ -244,7 +244,8 @@ if lesson.target == "cuda":
     lesson.check(len(msg) == 4 + IPC_HANDLE_BYTES + 16, "the handle travels as fixed-size raw bytes")
     exp.free()
 else:
-    lesson.say(f"here the handle is the segment's name, {len(name)} bytes like {name[:30]!r}...")
+    lesson.say(f"here the handle is a short string, {len(handle)} bytes like {handle[:24]!r}...: the creator's "
+               "pid and descriptor number (a peer opens /proc/<pid>/fd/<fd>) and the segment's tag")
 
 # %%
 # Teardown
