@@ -166,6 +166,14 @@ def test_trace_without_command_is_an_error():
     assert proc.returncode == 2 and "needs a command" in proc.stderr
 
 
+def test_trace_of_a_command_that_records_nothing_says_so(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "vtnumba", "trace", "--out", str(tmp_path / "t"), "--",
+                           sys.executable, "-c", "print('no vtnumba here')"], capture_output=True, text=True,
+                          env=clean_env(), timeout=60)
+    assert proc.returncode == 1 and "no vtnumba here" in proc.stdout
+    assert proc.stderr.startswith("vtnumba trace: no trace files") and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_bench_schema_validation():
     st = Stats(0.01, 0.009, 0.012, 10)
     s = suite("x", "cpu", 1, [row("c", "impl", 1024, "bytes", "GB/s", 1.5, st)], {"a / b": 2.0}, {"memcpy GB/s": 20})

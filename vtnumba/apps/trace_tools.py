@@ -353,7 +353,11 @@ def run_traced(cmd: list[str], prefix: str) -> int:
     if rc != 0:
         print(f"vtnumba trace: the command exited with {rc}", file=sys.stderr)
         return rc
-    out_json, png = finish(prefix)
+    try:
+        out_json, png = finish(prefix)
+    except FileNotFoundError as exc:  # the command ran no vtnumba code: a message, not a traceback
+        print(f"vtnumba trace: {exc}", file=sys.stderr)
+        return 1
     print(f"vtnumba trace: {len(rank_files(prefix))} rank file(s) -> {out_json} (open in https://ui.perfetto.dev) "
           f"and {png}")
     return 0
