@@ -40,7 +40,8 @@ import os
 import sys
 from collections import deque
 
-from vtnumba.apps.processes import share_cores_between_local_ranks
+from vtnumba.apps.processes import RankZeroErrorsParser, share_cores_between_local_ranks
+from vtnumba.bench.runner import positive_int
 
 share_cores_between_local_ranks()  # before numpy loads its BLAS
 
@@ -52,16 +53,6 @@ PRODUCER, CONSUMER = 0, 1
 
 
 # ----------------------------------------------------------------------------- arguments
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
 def _positive_number(text: str) -> float:
     """A positive, finite float: 'nan' and 'inf' are refused here, not deep inside the run."""
     try:
@@ -83,7 +74,7 @@ def _inject(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = RankZeroErrorsParser(  # a usage error is printed by rank 0 only
         prog="mpiexec -n 2 python mpi/ec_disagg.py",
         description="Encoder (rank 0) hands embeddings to prefill (rank 1, + extra TP ranks) through the "
                     "encoder-cache region, with eviction pressure; every load is verified.")
@@ -91,20 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="execution target (default: $VTNUMBA_TARGET or auto)")
     p.add_argument("--queues", choices=("sync", "threaded"), default=None,
                    help="cpu target: synchronous or threaded queues (default: $VTNUMBA_CPU_QUEUES or sync)")
-    p.add_argument("--entries", type=_positive_int, default=48, help="number of mm_hash entries the encoder produces")
-    p.add_argument("--max-rows", type=_positive_int, default=3000, help="rows per entry are random in 1..max-rows")
-    p.add_argument("--hidden", type=_positive_int, default=256, help="hidden size (one block = one row)")
-    p.add_argument("--dtype", default="float16", choices=("float16", "float32"), help="embedding dtype")
+    p.add_argument("--entries", type=positive_int, default=48, help="number of mm_hash entries the encoder produces (default 48)")
+    p.add_argument("--max-rows", type=positive_int, default=3000, help="rows per entry are random in 1..max-rows (default 3000)")
+    p.add_argument("--hidden", type=positive_int, default=256, help="hidden size (one block = one row) (default 256)")
+    p.add_argument("--dtype", default="float16", choices=("float16", "float32"), help="embedding dtype (default float16)")
     p.add_argument("--region-fraction", type=_positive_number, default=0.06,
-                   help="region size as a fraction of all entries' bytes (small = eviction pressure)")
+                   help="region size as a fraction of all entries' bytes (small = eviction pressure) (default 0.06)")
     p.add_argument("--region-mib", type=_positive_number, default=None,
                    help="region size in MiB (overrides the fraction)")
-    p.add_argument("--saves-per-step", type=_positive_int, default=3, help="entries the encoder tries to save per step")
-    p.add_argument("--loads-per-step", type=_positive_int, default=2, help="entries the consumer asks for per step")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--saves-per-step", type=positive_int, default=3, help="entries the encoder tries to save per step (default 3)")
+    p.add_argument("--loads-per-step", type=positive_int, default=2, help="entries the consumer asks for per step (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the entries' sizes and contents (default 0)")
     p.add_argument("--timeout", type=_positive_number, default=60.0,
                    help="seconds any wait for another rank may take before this rank gives up (default 60)")
-    p.add_argument("--max-steps", type=_positive_int, default=100000, help="safety limit on engine steps")
+    p.add_argument("--max-steps", type=positive_int, default=100000, help="safety limit on engine steps (default 100000)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     p.add_argument("--fail-at", type=int, default=None, help=argparse.SUPPRESS)         # test: consumer raises
     p.add_argument("--consumer-hidden", type=int, default=None, help=argparse.SUPPRESS)  # test: config mismatch

@@ -35,7 +35,10 @@ import warnings
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="TPSP vs. the regular tensor-parallel forward on an MLP stack "
+    from vtnumba.apps.processes import RankZeroErrorsParser
+
+    # (A usage error is printed by rank 0 only; every rank exits with status 2.)
+    p = RankZeroErrorsParser(description="TPSP vs. the regular tensor-parallel forward on an MLP stack "
                                             "(run under mpiexec -n N)")
     p.add_argument("--target", choices=("auto", "cpu", "cudasim", "cuda"), default=None,
                    help="execution target (default: $VTNUMBA_TARGET or auto)")

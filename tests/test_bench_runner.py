@@ -276,3 +276,22 @@ def test_bench_tpsp_reports_paired_overheads_under_mpiexec(tmp_path):
     assert all(r["samples"] == 3 and r["value_p10"] <= r["value"] <= r["value_p90"] for r in res["paired"])
     assert {"fused / baseline T=48", "fused / matmul T=48"} <= set(res["ratios"])
     assert any("same round" in n for n in res["notes"]) and not any("differs" in n for n in res["notes"])
+
+
+# ---------------------------------------------------------------------------- command-line errors under mpiexec
+@pytest.mark.parametrize("cmd, says", [
+    (["-m", "vtnumba", "bench", "tpsp", "--quick", "--tokens", "64", "0"], "argument --tokens: 0 must be >= 1"),
+    (["mpi/tpsp_model.py", "--timeout", "0"], "--timeout=0.0 must be a positive number of seconds"),
+    (["mpi/ec_disagg.py", "--entries", "x"], "argument --entries: 'x' is not a whole number"),
+])
+def test_a_bad_flag_is_named_once_under_mpiexec(cmd, says):
+    # Every rank parses the same command line; only rank 0 prints the usage error, and the
+    # job ends with argparse's status before any suite or MPI work starts.
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", "2", sys.executable, *cmd],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert out.count(says) == 1 and out.count("usage:") == 1, out

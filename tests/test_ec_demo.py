@@ -79,7 +79,7 @@ def test_config_mismatch_is_reported_by_both_ranks():
     ("--region-mib", "0", "'0' must be a positive, finite number"),
     ("--timeout", "nan", "'nan' must be a positive, finite number"),
     ("--entries", "0", "0 must be >= 1"),
-    ("--max-rows", "1.5", "'1.5' is not an int"),
+    ("--max-rows", "1.5", "'1.5' is not a whole number"),
     ("--inject", "explode:0:created", "expected (raise|kill|stop):RANK:"),
 ])
 def test_bad_command_line_values_are_clear_errors(flag, value, words, capsys):

@@ -64,7 +64,7 @@ class Recorder:
 
     def to_json(self) -> dict:
         """This process's trace as a Chrome trace-event document (the rank as ``pid``)."""
-        rank = self.rank if self.rank is not None else _mpi_rank()
+        rank = self.rank if self.rank is not None else world_rank()
         pid = rank if rank is not None else self.pid
         with self._lock:
             events = [dict(e, pid=pid) for e in self.events]
@@ -78,7 +78,7 @@ class Recorder:
 
     def rank_path(self) -> str:
         """``<path>.rank<R>.json``: where :meth:`flush` writes."""
-        rank = self.rank if self.rank is not None else _mpi_rank()
+        rank = self.rank if self.rank is not None else world_rank()
         base = self.path[:-5] if self.path.endswith(".json") else self.path
         return f"{base}.rank{rank if rank is not None else 0}.json"
 
@@ -91,7 +91,10 @@ class Recorder:
         return out
 
 
-def _mpi_rank() -> int | None:
+def world_rank() -> int | None:
+    """This process's rank in MPI's world: from MPI once it runs, else from the environment
+    ``mpiexec`` starts each rank with (so it is known before MPI is initialized); None outside
+    ``mpiexec``."""
     import sys
 
     if "mpi4py.MPI" in sys.modules:

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from vtnumba.apps.processes import share_cores_between_local_ranks
+from vtnumba.apps.processes import RankZeroErrorsParser, share_cores_between_local_ranks
 from vtnumba.bench.runner import positive_seconds
 from vtnumba.target import TARGETS, TargetError, select_target
 
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     # shared the cores between ranks before this runs.
     from vtnumba.bench.runner import BENCH_HELP, BENCH_SUITES, add_common_arguments, add_suite_arguments
 
-    parser = argparse.ArgumentParser(
+    parser = RankZeroErrorsParser(  # under mpiexec a usage error is printed once, not per rank
         prog="vtnumba",
         description="vtnumba: a readable inference-engine runtime (device runtime, TPSP, encoder cache). "
                     "Run multi-rank commands under 'mpiexec -n N python -m vtnumba ...'.")

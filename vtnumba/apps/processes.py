@@ -10,7 +10,10 @@ does it by itself: ``import vtnumba`` changes nothing in the process.  An explic
 ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` always wins.
 """
 
+import argparse
 import os
+
+from vtnumba.trace import world_rank
 
 
 def share_cores_between_local_ranks() -> None:
@@ -26,4 +29,18 @@ def share_cores_between_local_ranks() -> None:
         os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
 
 
-__all__ = ["share_cores_between_local_ranks"]
+class RankZeroErrorsParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors only world rank 0 prints.
+
+    Under ``mpiexec -n N`` every rank parses the same command line, so a bad flag would print
+    the same usage message N times; here the other ranks exit with the same status (2),
+    silently.  Subcommand parsers made from it behave the same (argparse makes them of the
+    parent's class)."""
+
+    def error(self, message):
+        if world_rank() not in (None, 0):
+            self.exit(2)
+        super().error(message)
+
+
+__all__ = ["RankZeroErrorsParser", "share_cores_between_local_ranks"]

@@ -470,11 +470,13 @@ def _end_together_on_failure(timeout_s: float) -> None:
 
 def start(description: str, extra_args=None) -> Lesson:
     """Parse ``--target`` / ``--out`` (plus ``extra_args(parser)``), choose the target, join MPI."""
-    parser = argparse.ArgumentParser(description=description)
+    from vtnumba.apps.processes import RankZeroErrorsParser
+
+    parser = RankZeroErrorsParser(description=description)  # a usage error is printed by rank 0 only
     parser.add_argument("--target", choices=TARGETS, default=None, help="cpu, cudasim, cuda or auto")
     parser.add_argument("--out", default=None,
-                        help=f"folder for the figures (default: ${OUT_ENV}, else out/tutorials at the repository "
-                             "root); they go into a subfolder named after the tutorial")
+                        help=f"folder for the figures (default: ${OUT_ENV}, else $VTNUMBA_OUT_DIR/tutorials, else "
+                             "out/tutorials at the repository root); they go into a subfolder named after the tutorial")
     parser.add_argument("--timeout", type=positive_seconds, default=60.0,
                         help="seconds a rank waits for the others (self-checks, and the exit after a failure) "
                              "before the lesson gives up (default: 60)")

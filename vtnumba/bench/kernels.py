@@ -64,9 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shape of the norm benchmarks (default 8192x4096; on the host 1024x1024 with --quick)")
     parser.add_argument("--ptxas", action="store_true",
                         help="report registers/shared memory/spills per kernel (needs ptxas on PATH)")
-    parser.add_argument("--device-matmul-sizes", type=int, nargs="+", default=None, metavar="N",
+    from vtnumba.bench.runner import positive_int
+
+    parser.add_argument("--device-matmul-sizes", type=positive_int, nargs="+", default=None, metavar="N",
                         help="square matmul sizes of the ladder on a GPU (default 2048 4096; 1024 with --quick)")
-    parser.add_argument("--host-matmul-sizes", type=int, nargs="+", default=None, metavar="N",
+    parser.add_argument("--host-matmul-sizes", type=positive_int, nargs="+", default=None, metavar="N",
                         help="square matmul sizes of the host matmul against numpy's BLAS (default 1024 2048; "
                              "256 with --quick)")
 

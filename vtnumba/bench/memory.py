@@ -30,7 +30,9 @@ QUICK_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB)
 
 def add_arguments(parser) -> None:
     """The suite's own flag: ``--sizes`` (block sizes in bytes)."""
-    parser.add_argument("--sizes", nargs="*", type=int, default=None,
+    from vtnumba.bench.runner import positive_int
+
+    parser.add_argument("--sizes", nargs="*", type=positive_int, default=None,
                         help="block sizes in bytes (default 512 B .. 64 MiB)")
 
 

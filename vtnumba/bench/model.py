@@ -19,8 +19,10 @@ from vtnumba.bench.timing import stats_from_times
 
 def add_arguments(parser) -> None:
     """The suite's own options (batch sizes, sentences per measurement)."""
-    parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 8 32 64)")
-    parser.add_argument("--sentences", type=int, default=None, help="sentences per measurement (default 256)")
+    from vtnumba.bench.runner import positive_int
+
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=None, help="batch sizes (default 8 32 64)")
+    parser.add_argument("--sentences", type=positive_int, default=None, help="sentences per measurement (default 256)")
 
 
 

@@ -54,7 +54,9 @@ def add_arguments(parser) -> None:
     """``--sizes``, ``--repeat`` and the suite's other options (see ``vtnumba bench peer --help``)."""
     parser.add_argument("--sizes", type=float, nargs="+", default=None,
                         help="total sizes S in MiB (default 1 2 4 8 16 32 64; --quick: 1 16)")
-    parser.add_argument("--repeat", type=int, default=None, help="timed rounds per size (default 15, quick 5)")
+    from vtnumba.bench.runner import positive_int
+
+    parser.add_argument("--repeat", type=positive_int, default=None, help="timed rounds per size (default 15, quick 5)")
 
 
 

@@ -105,6 +105,18 @@ def _inject_hook(args, name: str, rank: int):
     return parse_inject(getattr(args, "inject", None), BENCH_SUITES, rank)
 
 
+def positive_int(text: str) -> int:
+    """The argparse type of a count or size flag: a whole number >= 1, refused at parse time with
+    the flag's name (argparse adds it) instead of deep inside a suite's run."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     """The ``--timeout`` flags' argparse type: a positive, finite number of seconds."""
     value = float(text)

@@ -64,14 +64,16 @@ RATIO_GROUP = "time ratio (paired in each round)"
 
 def add_arguments(parser) -> None:
     """The suite's own flags: ``--tokens``, ``--hidden``, ``--k-total``, ``--chunk``, ``--exchange``, ``--repeat``."""
-    parser.add_argument("--tokens", type=int, nargs="+", default=None,
+    from vtnumba.bench.runner import positive_int
+
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=None,
                         help="token counts T (default 64 128 ... 4096; --quick: 64 128 ... 1024)")
-    parser.add_argument("--hidden", type=int, default=None, help="hidden size H (default 4096; quick 1024)")
-    parser.add_argument("--k-total", type=int, default=None,
+    parser.add_argument("--hidden", type=positive_int, default=None, help="hidden size H (default 4096; quick 1024)")
+    parser.add_argument("--k-total", type=positive_int, default=None,
                         help="projection input size K over all ranks (default 4096; quick 1024)")
-    parser.add_argument("--chunk", type=int, default=None, help="TPSP microchunk rows per rank (default: backend's)")
+    parser.add_argument("--chunk", type=positive_int, default=None, help="TPSP microchunk rows per rank (default: backend's)")
     parser.add_argument("--exchange", choices=("push", "pull"), default=None, help="TPSP exchange mode")
-    parser.add_argument("--repeat", type=int, default=None, help="timed rounds per T (default 11; quick 7)")
+    parser.add_argument("--repeat", type=positive_int, default=None, help="timed rounds per T (default 11; quick 7)")
 
 
 def _settings(args, tp: int, target: str) -> tuple[list[int], int, int, int]:
