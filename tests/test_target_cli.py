@@ -96,6 +96,14 @@ def test_runtime_demo_under_mpiexec():
     assert len(rows) == 2 and all(" False " in r for r in rows)
 
 
+def test_demo_options_that_would_be_ignored_are_refused():
+    proc = run_cli("demo", "runtime", "--no-tpsp", "--region-mib", "2")
+    assert proc.returncode == 2 and "demo runtime takes none of the pipeline's options (--region-mib, --no-tpsp)" \
+        in proc.stderr, proc.stderr
+    proc = run_cli("demo", "--queries")  # an empty list would silently mean "the built-in queries"
+    assert proc.returncode == 2 and "argument --queries: expected at least one argument" in proc.stderr
+
+
 def test_select_target_refuses_switch_after_choice():
     from vtnumba import target
 

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", dest="target_before_command", choices=TARGETS, default=None, help=_TARGET_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("info", help="versions, the chosen target and why, GPU, MPI rank/size")
+    p = sub.add_parser("info", help="versions, the chosen target and why, GPU, MPI (and the job's size under mpiexec)")
     _add_target(p)
     p.add_argument("--json", action="store_true", help="print the same information as JSON")
 
@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline: ranks running the encoder tensor-parallel (default: all but the last rank)")
     p.add_argument("--region-mib", type=float, default=None,
                    help="pipeline: encoder-cache region size in MiB (default: small enough to force evictions)")
-    p.add_argument("--queries", nargs="*", default=None, help="pipeline: search queries (default: built-in ones)")
+    p.add_argument("--queries", nargs="+", default=None, metavar="QUERY",
+                   help="pipeline: search queries (default: built-in ones)")
     p.add_argument("--no-tpsp", action="store_true", help="pipeline: encode with the regular forward only")
     p.add_argument("--timeout", type=float, default=None,
                    help="pipeline: seconds any wait for another rank may take before the demo gives up "
@@ -120,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         return print_info(as_json=args.json)
     if args.command == "demo":
         if args.which == "runtime":
+            # The pipeline's options mean nothing to the tour: say so instead of ignoring them.
+            given = [flag for flag, value in (("--encoder-ranks", args.encoder_ranks), ("--region-mib", args.region_mib),
+                                              ("--queries", args.queries), ("--no-tpsp", args.no_tpsp or None),
+                                              ("--timeout", args.timeout)) if value is not None]
+            if given:
+                parser.error(f"demo runtime takes none of the pipeline's options ({', '.join(given)})")
             from vtnumba.apps.runtime_tour import run_runtime_demo
             from vtnumba.dist import run_collectively
 
