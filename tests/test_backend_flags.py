@@ -5,6 +5,7 @@ operations); here they run on every host-side backend: synchronous and threaded 
 and numba's simulator.  The GPU implementation itself needs a GPU (``cuda`` marker).
 """
 
+import contextlib
 import threading
 import time
 
@@ -173,13 +174,26 @@ class _FakeStuckGPU:
 
     def __init__(self, words):
         self.words, self.released, self.reads = words, [], 0
+        self.deferring, self.undeferred = 0, []  # calls made while frees were not held back
+
+    @contextlib.contextmanager
+    def defer_frees(self):
+        self.deferring += 1
+        try:
+            yield
+        finally:
+            self.deferring -= 1
 
     def _read_flag_word(self, flags, index):
         self.reads += 1
+        if not self.deferring:
+            self.undeferred.append(("read", index))
         return self.words[index]
 
     def release_flag_word(self, flags, index, value):
         self.released.append((index, value))
+        if not self.deferring:
+            self.undeferred.append(("release", index))
         self.words[index] = value
 
 
@@ -213,6 +227,8 @@ def test_gpu_stream_waits_get_their_deadline_from_the_host():
         CUDABackend._wait_out_flag_waits(gpu, stream_idle, waits, "queue q")
     assert 0.15 < time.perf_counter() - t0 < 2
     assert gpu.released == [(3, 9)]
+    # ... with frees held back meanwhile: a cuMemFree would wait for the stuck stream for good.
+    assert gpu.undeferred == [] and gpu.deferring == 0
     # Waits that pass before their deadline cost no reads and no errors.
     gpu = _FakeStuckGPU({3: 0})
     polls = iter([False, False, True])
@@ -346,3 +362,53 @@ def test_the_check_reports_the_real_problem_for_a_module_outside_numba_cuda(monk
     assert "site.addsitedir" in info["problem"] and "/somewhere/site-packages/numba/cuda" in info["problem"]
     with pytest.raises(RuntimeError, match="pip install 'numba-cuda"):
         stack.check_cuda_stack()
+
+
+def test_defer_frees_is_a_context_manager_on_every_backend(device_backend):
+    # Host memory has nothing to defer; the device target's is numba's defer_cleanup on a GPU.
+    for backend in (CPUBackend(), device_backend):
+        with backend.defer_frees():
+            buf = backend.alloc(64)
+            backend.free(buf)  # freeing inside is allowed: only the return to the device waits
+
+
+def test_the_flag_kernels_load_before_any_stream_waits(device_backend):
+    # The fallback for drivers without stream memory operations compiles and loads both kernels
+    # up front (a first load while a stream waits could wait for the whole GPU).
+    from vtnumba.backend.cuda_flags import load_flag_kernels
+
+    load_flag_kernels()
+
+
+def test_a_queue_that_waits_for_an_event_inherits_its_flag_waits():
+    # On a GPU, queue_wait_event makes q wait for the event -- and so for the flag waits the
+    # event fires after: q's synchronize must keep those deadlines too (not block in the driver).
+    from types import SimpleNamespace
+
+    from vtnumba.backend.cuda import CUDABackend
+
+    w1, w2, w3 = (object(), 1, 1, 0.0), (object(), 2, 1, 0.0), (object(), 3, 1, 0.0)
+    gpu = SimpleNamespace(simulator=False)
+    q = SimpleNamespace(stream="s", flag_waits=[w1])
+    e = SimpleNamespace(native=SimpleNamespace(wait=lambda stream: None), flag_waits=([w1, w2, w3], 2))
+    CUDABackend._queue_wait_event(gpu, q, e)
+    assert q.flag_waits == [w1, w2]  # w1 once; w3 was queued after the event was recorded
+
+
+def test_tracing_never_waits_for_a_launch_on_a_held_queue():
+    # With tracing on, a GPU launch is timed by waiting for its end event -- which on a queue
+    # held by a flag wait (a peer's signal, a timing gate the host opens later) would never
+    # come.  There the span is the host's launch, marked as such.
+    from types import SimpleNamespace
+
+    from vtnumba import trace
+    from vtnumba.backend.cuda import CUDABackend
+
+    gpu = SimpleNamespace(simulator=False, _capturing=set())
+    q = SimpleNamespace(id=1, name="held", stream="s", flag_waits=[(None, 0, 1, 0.0)])
+    launched = []
+    with trace.recording(rank=0) as rec:
+        CUDABackend._submit(gpu, q, lambda stream: launched.append(stream), "k", {"bytes": 4})
+    assert launched == ["s"]
+    (ev,) = [e for e in rec.to_json()["traceEvents"] if e.get("ph") == "X"]
+    assert ev["name"] == "k" and ev["args"]["timing"].startswith("host launch") and ev["args"]["bytes"] == 4

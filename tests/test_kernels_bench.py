@@ -151,11 +151,27 @@ def test_time_on_queue_holds_the_queue_until_a_sample_is_queued():
     # their own like a GPU's streams; each "launch" here takes 2 ms of host time.
     from vtnumba.backend.cpu import CPUBackend
 
+    import contextlib
+
     backend = CPUBackend(threaded=True)
     q = backend.create_queue("t")
     queued, ran, host = [], [], []
+    # While the queue is held, frees are held back too (on a GPU a cuMemFree would wait for the
+    # held queue: Backend.defer_frees) -- every timed call runs inside.
+    deferring, deferred_calls = [0], []
+
+    @contextlib.contextmanager
+    def defer_frees():
+        deferring[0] += 1
+        try:
+            yield
+        finally:
+            deferring[0] -= 1
+
+    backend.defer_frees = defer_frees
 
     def slow_launch():
+        deferred_calls.append(deferring[0] > 0)
         time.sleep(0.002)
         queued.append(time.perf_counter())
         backend.launch_host_func(q, lambda: ran.append(time.perf_counter()))
@@ -166,6 +182,7 @@ def test_time_on_queue_holds_the_queue_until_a_sample_is_queued():
         backend.destroy_queue(q)
         backend.close()
     assert st.samples == 3 and len(host) == 3 and min(host) >= 0.002
+    assert deferred_calls == [False] + [True] * 12 and deferring == [0], deferred_calls  # (warm-up first)
     for k in range(3):  # after the warm-up call: sample k's four calls ran after the last was queued
         calls = slice(1 + 4 * k, 1 + 4 * k + 4)
         assert min(ran[calls]) >= queued[calls][-1], (k, ran, queued)

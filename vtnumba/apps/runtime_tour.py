@@ -70,6 +70,11 @@ def run_runtime_demo(n: int | None = None) -> int:
     start, copied, done = (backend.create_event() for _ in range(3))
     gate = threading.Event()
     can_hold = backend.capabilities.async_queues
+    # The kernel's first launch compiles and loads it -- and loading a kernel may make the
+    # driver wait for the whole GPU, which would wait for the queue held below, forever.
+    # So it runs once first, on nothing that is held.
+    _run_scale(backend, compute_q, dev.view(np.float32), 1.0)
+    backend.synchronize(compute_q)
 
     backend.record_event(start, copy_q)
     if can_hold:

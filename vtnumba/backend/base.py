@@ -34,6 +34,7 @@ the same clear message naming the argument.
 from __future__ import annotations
 
 import abc
+import contextlib
 import itertools
 import threading
 import weakref
@@ -506,6 +507,22 @@ class Backend(abc.ABC):
         self._launch_host_func(q, fn, name)
 
     # ------------------------------------------------------------------ flags in queue order
+    def defer_frees(self):
+        """A context manager: while it is open, memory this process lets go of is not handed
+        back to the device; it goes back when the last such block closes.
+
+        Wrap in it the host work that queues waits which only a *later* host action -- this
+        rank's or a peer's -- will satisfy (a flag the host raises after queuing more, a
+        peer's signal, a deadline's release).  On a GPU, freeing device memory
+        (``cuMemFree``) waits for every stream of the context to finish; if one of them is
+        held by such a wait, the free would never return and the action that would release
+        the stream would never run.  numba frees memory (and destroys events) whenever its
+        list of pending frees grows long, from inside any call that drops an array or an
+        event -- so the frees must be held back, not just avoided here.  A no-op where memory
+        is host memory.
+        """
+        return contextlib.nullcontext()
+
     def write_value32(self, q: Queue, flags, index: int, value: int) -> None:
         """Once ``q`` reaches this point, store ``value`` into the 32-bit word ``flags[index]``.
 
@@ -559,9 +576,10 @@ class Backend(abc.ABC):
         """
         index, value = self._check_flag(flags, index, value)
         timeout_s = check_seconds("timeout_s", timeout_s)
-        q = self._flag_side_queue()
-        self._write_value32(q, flags, index, value)
-        self._finish_side_queue(q, timeout_s, f"storing {value} into flag word {index}")
+        with self.defer_frees():  # a stream is stuck until this store lands: nothing may wait for it
+            q = self._flag_side_queue()
+            self._write_value32(q, flags, index, value)
+            self._finish_side_queue(q, timeout_s, f"storing {value} into flag word {index}")
 
     def _flag_side_queue(self) -> Queue:
         """The backend's queue for reading and storing flag words past a stuck stream (made on

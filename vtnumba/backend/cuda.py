@@ -37,6 +37,7 @@ arguments would be copied in and back (see the shared notes), which breaks peer 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
@@ -276,7 +277,7 @@ class CUDABackend(Backend):
             elif s_dev:
                 s.copy_to_host(d, stream=q.stream)  # D2H
             else:
-                q.stream.synchronize()  # H2H must still respect queue order
+                self._synchronize(q)  # H2H must still respect queue order (flag waits under their deadlines)
                 np.copyto(d, s)
 
     # ---------------------------------------------------------------- queues
@@ -323,7 +324,10 @@ class CUDABackend(Backend):
                         self._synchronize(q)
                     except RuntimeError as exc:
                         timed_out = timed_out or exc
-            _cuda().synchronize()
+            # The legacy default stream (numba's launches without a queue), not the whole
+            # context: cuCtxSynchronize would also wait for other backends' streams, whose
+            # flag waits nobody polls here.
+            _cuda().default_stream().synchronize()
             for q in list(self._queues_by_id.values()):  # non-blocking streams: each on its own
                 if q.stream is not None:
                     q.stream.synchronize()
@@ -352,19 +356,24 @@ class CUDABackend(Backend):
         _check_cu(err, f"cuStreamQuery(queue {q.name})")
         return True
 
+    def defer_frees(self):
+        """numba's ``defer_cleanup`` on a real GPU (see :meth:`Backend.defer_frees`)."""
+        return contextlib.nullcontext() if self.simulator else _cuda().defer_cleanup()
+
     def _read_flag_word(self, flags, index: int) -> int:
         """The word's value now, read past a stuck stream: a copy on the side queue into a
         pinned word, waited for by polling (see :meth:`Backend.release_flag_word`)."""
         from cuda.bindings import driver as cu
 
-        q = self._flag_side_queue()
-        with self._lock:
-            if self._flag_readback is None:
-                self._flag_readback = _cuda().pinned_array(1, np.uint32)
-            word = self._flag_readback
-        (err,) = cu.cuMemcpyDtoHAsync(word.ctypes.data, address_of(flags) + 4 * index, 4, q.handle)
-        _check_cu(err, "cuMemcpyDtoHAsync(flag word)")
-        self._finish_side_queue(q, 10.0, f"reading flag word {index}")
+        with self.defer_frees():  # (the stream may be stuck: no free may wait for it)
+            q = self._flag_side_queue()
+            with self._lock:
+                if self._flag_readback is None:
+                    self._flag_readback = _cuda().pinned_array(1, np.uint32)
+                word = self._flag_readback
+            (err,) = cu.cuMemcpyDtoHAsync(word.ctypes.data, address_of(flags) + 4 * index, 4, q.handle)
+            _check_cu(err, "cuMemcpyDtoHAsync(flag word)")
+            self._finish_side_queue(q, 10.0, f"reading flag word {index}")
         return int(word[0])
 
     def _wait_out_flag_waits(self, done, waits: list, who: str) -> None:
@@ -377,18 +386,21 @@ class CUDABackend(Backend):
         pending = list(waits)
         start = time.perf_counter()
         polls = 0
-        while not done():
-            polls += 1
-            now = time.monotonic()
-            for w in [w for w in pending if now >= w[3]]:
-                flags, index, value, deadline = w
-                pending.remove(w)
-                seen = self._read_flag_word(flags, index)
-                if flag_reached(seen, value):
-                    continue  # it arrived: the stream is busy with later work, not stuck
-                self.release_flag_word(flags, index, value)
-                released.append(f"flag word {index} to reach {value}; it is {seen}")
-            backoff(polls, time.perf_counter() - start)
+        # While a wait may be stuck, a free of device memory would wait for it -- and then
+        # this loop could never release it (see Backend.defer_frees).
+        with self.defer_frees():
+            while not done():
+                polls += 1
+                now = time.monotonic()
+                for w in [w for w in pending if now >= w[3]]:
+                    flags, index, value, deadline = w
+                    pending.remove(w)
+                    seen = self._read_flag_word(flags, index)
+                    if flag_reached(seen, value):
+                        continue  # it arrived: the stream is busy with later work, not stuck
+                    self.release_flag_word(flags, index, value)
+                    released.append(f"flag word {index} to reach {value}; it is {seen}")
+                backoff(polls, time.perf_counter() - start)
         if released:
             raise RuntimeError(f"{who}: timed out waiting for " + ", and for ".join(released) +
                                " -- a GPU stream's wait cannot be cancelled, so the backend stored the awaited "
@@ -428,6 +440,15 @@ class CUDABackend(Backend):
         rec = trace.RECORDER
         if rec is None:
             fn(q.stream)
+            return
+        if q.flag_waits or q.id in self._capturing:
+            # Held by a flag wait (a peer's signal, a timing gate the host opens later) or
+            # capturing a graph: waiting here for the launch to finish could block for good
+            # (or is illegal), so the span is the host's launch, and says so.
+            t0 = trace.now_ns()
+            fn(q.stream)
+            rec.add(name, "queue", f"cuda:{q.name}", t0, trace.now_ns(),
+                    dict(trace_args or {}, timing="host launch (queue held by a flag wait or capturing)"))
             return
         # With tracing on, bracket the launch with events so the span is device time.
         start, end = _cuda().event(), _cuda().event()
@@ -522,7 +543,10 @@ class CUDABackend(Backend):
         from cuda.bindings import driver as cu
 
         if err == cu.CUresult.CUDA_ERROR_NOT_SUPPORTED:
+            from vtnumba.backend.cuda_flags import load_flag_kernels
+
             self._memops_ok = False
+            load_flag_kernels()  # before a stream waits on one (see load_flag_kernels)
             return False
         _check_cu(err, what)
         return True
@@ -558,6 +582,11 @@ class CUDABackend(Backend):
     def _queue_wait_event(self, q, e) -> None:
         if not self.simulator:
             e.native.wait(q.stream)
+            # q now also waits for the flag waits the event fires after: a synchronize of q
+            # must keep their deadlines too, not block in the driver.
+            waits, count = e.flag_waits
+            known = {id(w) for w in q.flag_waits}
+            q.flag_waits.extend(w for w in waits[:count] if id(w) not in known)
 
     def _elapsed_ms(self, start, end) -> float:
         if self.simulator:

@@ -71,6 +71,20 @@ def wait_flag_kernel(flags, index, value):
         cuda.threadfence_system()
 
 
+def load_flag_kernels() -> None:
+    """Compile and load both kernels now, on a word of their own, and wait for them.
+
+    A kernel's first launch compiles it and loads it onto the GPU, and loading may make the
+    driver wait for the whole GPU -- which, once some stream is held by a wait kernel, could
+    wait for good.  So the backend calls this once, when it switches to these kernels, before
+    any stream waits on one."""
+    word = cuda.to_device(np.zeros(1, np.uint32))
+    stream = cuda.stream()
+    launch_write_flag(word, 0, 1, stream)
+    launch_wait_flag(word, 0, 1, stream)  # already reached: returns at once
+    stream.synchronize()
+
+
 def launch_write_flag(flags, index: int, value: int, stream) -> None:
     """Queue :func:`write_flag_kernel` (one thread) on ``stream``: the fallback for ``cuStreamWriteValue32``."""
     write_flag_kernel[1, 1, stream](flags, np.int64(index), np.uint32(value))
@@ -89,4 +103,5 @@ PTX_SIGNATURES = [
     ("wait_flag", wait_flag_kernel, "void(uint32[::1], int64, uint32)"),
 ]
 
-__all__ = ["write_flag_kernel", "wait_flag_kernel", "launch_write_flag", "launch_wait_flag", "PTX_SIGNATURES"]
+__all__ = ["write_flag_kernel", "wait_flag_kernel", "load_flag_kernels", "launch_write_flag", "launch_wait_flag",
+           "PTX_SIGNATURES"]

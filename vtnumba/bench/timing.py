@@ -255,34 +255,37 @@ def time_on_queue(backend, q, fn: Callable[[], object], *, repeat: int = 10, inn
     times: list[float] = []
     t_start = time.perf_counter()
     held = 0  # the gate value the queue waits for now (0: not held)
-    try:
-        while len(times) < repeat:
+    # While the queue is held, no free may wait for it: a GPU's cuMemFree would wait for the
+    # gate, which this thread opens only after fn() returned (see Backend.defer_frees).
+    with backend.defer_frees():
+        try:
+            while len(times) < repeat:
+                if gated:
+                    held = len(times) + 1
+                    backend.wait_value32(q, gate, 0, held, timeout_s=max(60.0, max_time_s))
+                backend.record_event(start, q)
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                if host_s is not None:
+                    host_s.append((time.perf_counter() - t0) / inner)
+                backend.record_event(end, q)
+                if gated:
+                    backend.write_value32(opener, gate, 0, held)  # go: everything is queued
+                    held = 0
+                times.append(backend.elapsed_ms(start, end) / 1e3 / inner)  # waits for `end`
+                if time.perf_counter() - t_start >= max_time_s:
+                    break
+        finally:
             if gated:
-                held = len(times) + 1
-                backend.wait_value32(q, gate, 0, held, timeout_s=max(60.0, max_time_s))
-            backend.record_event(start, q)
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            if host_s is not None:
-                host_s.append((time.perf_counter() - t0) / inner)
-            backend.record_event(end, q)
-            if gated:
-                backend.write_value32(opener, gate, 0, held)  # go: everything is queued
-                held = 0
-            times.append(backend.elapsed_ms(start, end) / 1e3 / inner)  # waits for `end`
-            if time.perf_counter() - t_start >= max_time_s:
-                break
-    finally:
-        if gated:
-            try:
-                if held:  # fn raised with the queue held: let it go, or it waits out the deadline
-                    backend.write_value32(opener, gate, 0, held)
-                backend.destroy_queue(opener)
-            except Exception:  # noqa: BLE001 - keep the error that got us here
-                pass
-        backend.destroy_event(start)
-        backend.destroy_event(end)
+                try:
+                    if held:  # fn raised with the queue held: let it go, or it waits out the deadline
+                        backend.write_value32(opener, gate, 0, held)
+                    backend.destroy_queue(opener)
+                except Exception:  # noqa: BLE001 - keep the error that got us here
+                    pass
+            backend.destroy_event(start)
+            backend.destroy_event(end)
     return stats_from_times(times)
 
 

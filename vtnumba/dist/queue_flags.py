@@ -301,11 +301,14 @@ class QueueFlags:
             if r != me and self.host.abort_stamp(r) == epoch:
                 self.host.relay_abort(r)
         self.host.abort(epoch)
-        self._release_words(me, range(len(self.names) * n))
-        self._drain(queues)
-        for r in range(n):
-            if r != me:
-                self._release_words(r, [self._slot(name, me) for name in self.names])
+        # Our streams (and the peers') may be stuck until the releases below land: a free of
+        # device memory meanwhile would wait for them for good (Backend.defer_frees).
+        with self.backend.defer_frees():
+            self._release_words(me, range(len(self.names) * n))
+            self._drain(queues)
+            for r in range(n):
+                if r != me:
+                    self._release_words(r, [self._slot(name, me) for name in self.names])
 
     def _drain(self, queues) -> None:
         """Let ``queues`` finish (their waits are released), polling with the deadline; never raise."""
@@ -327,9 +330,10 @@ class QueueFlags:
         and into its own source word in every peer's area, so no stream stays blocked on a flag
         (see :meth:`fail` for the order a failing rank uses)."""
         me, n = self.group.rank, self.group.size
-        for r in range(n):
-            slots = range(len(self.names) * n) if r == me else [self._slot(name, me) for name in self.names]
-            self._release_words(r, slots)
+        with self.backend.defer_frees():  # (see fail)
+            for r in range(n):
+                slots = range(len(self.names) * n) if r == me else [self._slot(name, me) for name in self.names]
+                self._release_words(r, slots)
 
     def _release_words(self, rank: int, slots) -> None:
         area = self._areas[rank]

@@ -291,9 +291,13 @@ class PeerTPSPBackend(TPSPBackend):
             limits = CallLimits(tp=h.tp, hidden_size=h.hidden_size, max_tokens=h.max_batched_tokens,
                                 chunk=cfg.chunk_tokens_per_rank, max_chunk_rows=h.max_chunk_rows,
                                 sm_limit=cfg.sm_count_target, empty=self._empty)
-            out, new_residual = run_fused(ws, self.data_backend, h.compute_queue, h.exchange_queue,
-                                          self.chunk_strategy(h), limits, x, w, bias, residual, norm_weight, eps,
-                                          norm_bias, norm=norm, out=out, new_residual=new_residual)
+            # The call queues waits on the peers' signals, which they queue as they get to
+            # them: until every rank has queued its whole call, no free may wait for the
+            # streams (a GPU's cuMemFree would -- see Backend.defer_frees).
+            with self.data_backend.defer_frees():
+                out, new_residual = run_fused(ws, self.data_backend, h.compute_queue, h.exchange_queue,
+                                              self.chunk_strategy(h), limits, x, w, bias, residual, norm_weight,
+                                              eps, norm_bias, norm=norm, out=out, new_residual=new_residual)
         except BaseException as exc:
             # Peers may be waiting on this rank (in the handshake, or in queued waits): make
             # them fail now, not after a timeout, and leave no queue blocked on a flag.
