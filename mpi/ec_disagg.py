@@ -339,7 +339,20 @@ def _main(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.inject is not None:
+        # Only now is the job's size known: refuse a fault whose rank never passes its point
+        # (rank 0 is the producer, rank 1 the consumer leader, the rest its other consumer ranks).
+        from mpi4py import MPI
+
+        from vtnumba.ec.endpoints import points_passed
+
+        size = MPI.COMM_WORLD.Get_size()
+        try:
+            args.inject.check_fires(size, lambda r: points_passed(r, PRODUCER, range(1, size)))
+        except ValueError as exc:
+            parser.error(str(exc))  # printed by rank 0; every rank exits 2
     from vtnumba.target import select_target
 
     select_target(args.target)  # before anything imports numba.cuda

@@ -70,6 +70,15 @@ def parse_args(argv=None):
             p.error(f"--{name} must be >= 1")
     if args.chunk is not None and args.chunk < 1:
         p.error("--chunk must be >= 1")
+    if args.inject is not None:
+        from mpi4py import MPI
+
+        from vtnumba.faults import FaultInjection
+
+        try:  # (every rank passes every point; the job's size bounds the rank)
+            args.inject = FaultInjection.parse(args.inject, inject_passes(args.repeat), MPI.COMM_WORLD.Get_size())
+        except ValueError as exc:
+            p.error(str(exc))
     return args
 
 
@@ -86,24 +95,13 @@ def inject_passes(repeat: int) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from vtnumba.apps.processes import share_cores_between_local_ranks
-    from vtnumba.faults import FaultInjection
     from vtnumba.target import select_target
 
     share_cores_between_local_ranks()  # before numpy loads its BLAS
     target = select_target(args.target)  # before anything imports numba.cuda
-    try:
-        if args.inject is not None:
-            from mpi4py import MPI
-
-            inject = FaultInjection.parse(args.inject, inject_passes(args.repeat), MPI.COMM_WORLD.Get_size())
-        else:
-            inject = None
-    except ValueError as exc:
-        raise SystemExit(f"tpsp_model.py: error: {exc}") from None
-
     from vtnumba.dist import run_collectively
 
-    return run_collectively(lambda: _run(args, target, inject), timeout_s=args.timeout)
+    return run_collectively(lambda: _run(args, target, args.inject), timeout_s=args.timeout)
 
 
 def _run(args, target, inject) -> int:

@@ -91,6 +91,20 @@ def test_bad_command_line_values_are_clear_errors(flag, value, words, capsys):
     assert f"argument {flag}: " in err and words in err, err
 
 
+@pytest.mark.parametrize("spec, words", [
+    ("kill:1:saving@2", "rank 1 is the consumer leader, which never passes 'saving'"),
+    ("stop:0:loading", "rank 0 is the producer, which never passes 'loading'"),
+    ("raise:3:opened", "rank 3 does not exist; the job has ranks 0..2"),
+])
+def test_a_fault_that_could_never_fire_is_refused_once_under_mpiexec(spec, words):
+    # Only the job knows its size and so which rank is what: the check runs after parsing,
+    # yet still before any rank waits for another -- rank 0 says it once, every rank exits 2.
+    p = _run(3, *SMALL, "--inject", spec, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.count(words) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "OK" not in p.stdout
+
+
 def _demo_module():
     import importlib.util
 

@@ -91,6 +91,15 @@ def test_a_stopped_rank_ends_the_job_after_the_timeout(ranks, inject):
         assert f"from rank {bad}" in out  # the fused op's flags say whom it waited for
 
 
+@pytest.mark.parametrize("inject, words", [
+    ("kill:3:tpsp", "rank 3 does not exist; the job has ranks 0..2"),
+    ("stop:1:tpsp@9", "a run passes 'tpsp' 2 time(s), so @9 would never fire"),  # (--repeat 2)
+])
+def test_a_fault_that_could_never_fire_is_a_usage_error_said_once(inject, words):
+    proc, _, out = _run(3, "--inject", inject)
+    assert proc.returncode == 2 and out.count(words) == 1 and "Traceback" not in out, out
+
+
 def test_ranks_started_with_different_arguments_say_so_instead_of_blaming_tpsp():
     proc, elapsed, out = _run(2, mpmd=[["--seed", "0"], ["--seed", "1"]])
     assert proc.returncode != 0 and "MISMATCH" not in out
@@ -136,6 +145,21 @@ def test_bench_a_stopped_rank_ends_a_multi_rank_suite_after_the_timeout(suite, r
 def test_bench_refuses_a_bad_inject_spec_and_timeout():
     proc, _, out = _run_cmd([sys.executable, "-m", "vtnumba", "bench", "memory", "--timeout", "nan"])
     assert proc.returncode == 2 and "'nan' is not a positive, finite number of seconds" in out, out
+
+
+@pytest.mark.parametrize("ranks, suite, inject, words", [
+    (2, "memory", "bogus", "--inject='bogus' must look like kill:1:kernels@2"),
+    (2, "memory", "stop:2:memory", "rank 2 does not exist; the job has ranks 0..1"),
+    (2, "memory", "stop:0:kernels", "this command runs memory on 2 rank(s), not 'kernels', so the fault would never fire"),
+    (1, "all", "raise:0:peer", "this command runs kernels, memory, ec on 1 rank(s), not 'peer'"),
+])
+def test_bench_refuses_a_fault_that_could_never_fire_once(ranks, suite, inject, words):
+    # Before: a rank the job lacks or a suite the command skips ran the benchmark with no fault
+    # (the fault test "passed"), and a malformed spec failed every rank inside the run.
+    proc, _, out = _run_cmd([MPIEXEC, "-n", str(ranks), sys.executable, "-m", "vtnumba", "bench", suite,
+                             "--quick", "--inject", inject])
+    assert proc.returncode == 2 and out.count(words) == 1 and "Traceback" not in out, out
+    assert "bench " + suite + ": running" not in out, out
 
 
 def test_only_stopped_peers_on_this_machine_are_ended():
@@ -276,3 +300,5 @@ def test_embed_a_killed_or_stopped_rank_ends_the_job(weights):
 def test_embed_refuses_a_bad_inject_spec():
     proc, _, out = _embed(1, "--inject", "raise:1:nowhere")
     assert proc.returncode == 2 and "--inject='raise:1:nowhere'" in out, out
+    proc, _, out = _embed(2, "--inject", "raise:2:encoding")  # a rank the job does not have: never fires
+    assert proc.returncode == 2 and out.count("rank 2 does not exist; the job has ranks 0..1") == 1, out

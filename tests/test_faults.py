@@ -36,3 +36,24 @@ def test_the_hook_fires_on_the_nth_pass_only_on_its_rank():
     hook("p")  # first pass: nothing
     with pytest.raises(RuntimeError, match="injected failure at 'p'"):
         hook("p")
+
+
+def _roles(rank):
+    return ("the producer", ("created", "saving")) if rank == 0 else ("a consumer", ("opened", "loading"))
+
+
+@pytest.mark.parametrize("text, size, words", [
+    ("kill:1:saving@2", 3, "rank 1 is a consumer, which never passes 'saving' (it passes only opened, loading), "
+                           "so the fault would never fire"),
+    ("kill:3:loading", 3, "rank 3 does not exist; the job has ranks 0..2"),
+])
+def test_a_fault_its_rank_never_reaches_is_refused(text, size, words):
+    spec = FaultInjection.parse(text, ("created", "opened", "saving", "loading"))
+    with pytest.raises(ValueError) as info:
+        spec.check_fires(size, _roles)
+    assert f"--inject={text!r}" in str(info.value) and words in str(info.value)
+
+
+def test_a_fault_its_rank_reaches_is_kept():
+    spec = FaultInjection.parse("stop:2:loading@2", ("saving", "loading"))
+    assert spec.check_fires(3, _roles) is spec

@@ -133,11 +133,21 @@ def test_pipeline_demo_killed_producer_leaves_nothing(weights):
     (["--timeout", "inf"], "--timeout=inf: expected a positive, finite number of seconds"),
     (["--region-mib", "nan"], "--region-mib=nan: expected a positive, finite number of MiB"),
     (["--inject", "bogus"], "--inject='bogus' must look like"),
+    (["--inject", "raise:0:loading"], "rank 0 is the producer, which never passes 'loading'"),
+    (["--inject", "kill:2:created"], "rank 2 does not exist; the job has ranks 0..1"),
 ])
 def test_pipeline_demo_bad_flags_are_clear_errors(flags, words):
     proc = vt("demo", "--target", "cpu", *flags, ranks=2, timeout=60)
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_pipeline_demo_refuses_a_fault_on_an_encoder_rank_without_an_endpoint():
+    # With 3 ranks, encoder ranks 0 and 1 run the model; only rank 0 owns the producer endpoint.
+    proc = vt("demo", "--target", "cpu", "--inject", "stop:1:saving", ranks=3, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("rank 1 is a rank without an endpoint, which never passes 'saving' "
+                             "(it passes none of the points)") == 1, proc.stderr
 
 
 def test_pipeline_demo_refuses_layouts_it_cannot_run():

@@ -64,6 +64,28 @@ class FaultInjection:
                              "would never fire")
         return spec
 
+    def check_fires(self, world_size: int, passes: Callable[[int], tuple[str, Iterable[str]]]) -> "FaultInjection":
+        """Refuse (ValueError naming ``--inject``) a fault its rank could never reach; returns self.
+
+        For programs whose ranks play different parts: ``passes(rank)`` says what world rank
+        ``rank`` is and which of the points it passes -- ``("the consumer leader", ("opened",
+        "loading", "loaded"))``.  Every rank can work this out for every rank, so every rank
+        refuses the same spec alike, before any of them waits for another.
+        """
+        if self.rank >= world_size:
+            raise ValueError(f"--inject={self._text()!r}: rank {self.rank} does not exist; the job has ranks "
+                             f"0..{world_size - 1}")
+        what, points = passes(self.rank)
+        points = tuple(points)
+        if self.point not in points:
+            does = f"passes only {', '.join(points)}" if points else "passes none of the points"
+            raise ValueError(f"--inject={self._text()!r}: rank {self.rank} is {what}, which never passes "
+                             f"{self.point!r} (it {does}), so the fault would never fire")
+        return self
+
+    def _text(self) -> str:
+        return f"{self.how}:{self.rank}:{self.point}" + (f"@{self.nth}" if self.nth != 1 else "")
+
     def on_point(self, rank: int) -> Callable[[str], None] | None:
         """The hook world rank ``rank`` calls at each point it passes (None unless it is the one to fail)."""
         if rank != self.rank:

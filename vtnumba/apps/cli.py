@@ -141,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         from vtnumba.faults import FaultInjection
 
         if args.inject is not None:
+            from mpi4py import MPI
+
             try:
-                FaultInjection.parse(args.inject, INJECT_POINTS)
+                FaultInjection.parse(args.inject, INJECT_POINTS, MPI.COMM_WORLD.Get_size())
             except ValueError as exc:
                 parser.error(str(exc))
         if args.timeout is not None:
@@ -150,9 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         # A rank that fails (not bad input: every rank refuses that alike) ends the others' waits.
         return run_collectively(lambda: run_embed(args), timeout_s=args.timeout if args.timeout is not None else DEFAULT)
     if args.command == "bench":
+        from mpi4py import MPI
+
         from vtnumba.apps.info import collect_info
-        from vtnumba.bench.runner import run_bench
+        from vtnumba.bench.runner import check_inject, run_bench
         from vtnumba.dist import run_collectively, set_default_timeout
+
+        try:
+            check_inject(args, MPI.COMM_WORLD.Get_size())  # every rank refuses a bad one alike
+        except ValueError as exc:
+            parser.error(str(exc))
 
         # Every wait of the suites uses the flag; a failing rank reaches the others at once.
         set_default_timeout(args.timeout)

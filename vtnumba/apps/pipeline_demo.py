@@ -82,14 +82,14 @@ def plan_ranks(world_size: int, encoder_ranks: int | None) -> tuple[int, int]:
     return e, world_size - e
 
 
-def check_options(args) -> tuple[float, object]:
+def check_options(args, world_size: int) -> tuple[float, object]:
     """(timeout in seconds, fault injection or None); ValueError naming the flag for bad values.
 
     Every rank checks the same command line, so every rank refuses it alike -- before any
     rank waits for another.
     """
     from vtnumba.dist.comm import DEFAULT_TIMEOUT_S
-    from vtnumba.ec.endpoints import FaultInjection
+    from vtnumba.ec.endpoints import FaultInjection, points_passed
 
     timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
     if not (timeout > 0 and math.isfinite(timeout)):
@@ -101,7 +101,13 @@ def check_options(args) -> tuple[float, object]:
         if args.region_mib * (1 << 20) < need:
             raise ValueError(f"--region-mib={args.region_mib}: the region must hold at least one input of "
                              f"{MAX_TOKENS} tokens ({need / 2**20:.2f} MiB)")
-    inject = FaultInjection.parse(args.inject) if args.inject else None
+    inject = None
+    if args.inject:
+        # Encoder rank 0 is the producer, the first consumer rank the leader; the other encoder
+        # ranks have no endpoint, so a fault there (at an encoder-cache point) would never fire.
+        encoders, _ = plan_ranks(world_size, args.encoder_ranks)
+        inject = FaultInjection.parse(args.inject).check_fires(
+            world_size, lambda r: points_passed(r, 0, range(encoders, world_size)))
     return timeout, inject
 
 
@@ -438,7 +444,7 @@ def run_pipeline_demo(args) -> int:
     comm = MPI.COMM_WORLD
     try:
         sizes = plan_ranks(comm.Get_size(), args.encoder_ranks)
-        timeout, inject = check_options(args)
+        timeout, inject = check_options(args, comm.Get_size())
     except ValueError as exc:
         if comm.Get_rank() == 0:
             print(f"vtnumba demo: {exc}", file=sys.stderr)

@@ -98,11 +98,29 @@ def add_common_arguments(p) -> None:
     p.add_argument("--inject", default=None, help=argparse.SUPPRESS)
 
 
-def _inject_hook(args, name: str, rank: int):
-    """The hidden ``--inject how:rank:SUITE`` test flag: this rank fails as the suite starts."""
-    from vtnumba.faults import parse_inject
+def check_inject(args, world_size: int):
+    """The hidden ``--inject how:rank:SUITE`` test flag, checked against this command and job:
+    the FaultInjection (None without the flag); ValueError naming the flag for a fault that
+    could never fire -- a rank the job lacks, or a suite this command does not run (``bench
+    memory --inject stop:0:kernels``; a multi-rank suite skipped by a 1-rank job)."""
+    from vtnumba.faults import FaultInjection
 
-    return parse_inject(getattr(args, "inject", None), BENCH_SUITES, rank)
+    text = getattr(args, "inject", None)
+    if text is None:
+        return None
+    names = ORDER if args.suite == "all" else (args.suite,)
+    runs = tuple(n for n in names if n not in MULTI_RANK or world_size >= 2)
+    spec = FaultInjection.parse(text, BENCH_SUITES, world_size)
+    if spec.point not in runs:
+        raise ValueError(f"--inject={text!r}: this command runs {', '.join(runs) or 'no suite'} "
+                         f"on {world_size} rank(s), not {spec.point!r}, so the fault would never fire")
+    return spec
+
+
+def _inject_hook(args, name: str, rank: int, world_size: int):
+    """This rank's hook for the ``--inject`` flag: it fails as the suite starts (None: no fault here)."""
+    spec = check_inject(args, world_size)
+    return spec.on_point(rank) if spec is not None else None
 
 
 def positive_int(text: str) -> int:
@@ -302,7 +320,7 @@ def run_suite(name: str, args, comm, *, target: str | None = None) -> dict | Non
     from vtnumba.dist.groups import distributed
 
     with distributed() if name in MULTI_RANK else nullcontext():
-        hook = _inject_hook(args, name, rank)
+        hook = _inject_hook(args, name, rank, size)
         try:
             if hook is not None:
                 hook(name)

@@ -86,11 +86,27 @@ from vtnumba.ec.scheduler import ECScheduler
 from vtnumba.ec.worker import ECWorker
 from vtnumba.faults import FaultInjection as _FaultInjection
 
-__all__ = ["ECProducer", "ECConsumer", "POINTS", "FaultInjection"]
+__all__ = ["ECProducer", "ECConsumer", "POINTS", "FaultInjection", "points_passed"]
 
 TAG_USER, TAG_SETUP, TAG_LOAD = 1, 2, 3  # the program's own messages, setup, leader <-> other consumer ranks
 #: The points of setup and transfer where an endpoint calls ``on_point`` (see the module docstring).
 POINTS = ("created", "opened", "shared", "saving", "loading", "loaded")
+
+
+def points_passed(rank: int, producer: int, consumers) -> tuple[str, tuple[str, ...]]:
+    """What ``rank`` is in a job with this producer and these consumer ranks, and which of the
+    :data:`POINTS` it passes -- for :meth:`FaultInjection.check_fires`, so that a demo refuses
+    ``--inject kill:1:saving`` when rank 1 is a consumer (that fault could never fire)."""
+    consumers = sorted(consumers)
+    if rank == producer:
+        return "the producer", ("created", "shared", "saving")
+    if consumers and rank == consumers[0]:
+        return "the consumer leader", ("opened", "loading", "loaded")
+    if rank in consumers:
+        return "a consumer rank (not the leader)", ("opened", "loading")
+    return "a rank without an endpoint", ()
+
+
 _BETWEEN = "the program's own work, between encoder-cache calls"  # what a failure report says then
 
 
