@@ -162,6 +162,19 @@ def test_a_range_that_runs_past_its_allocation_is_refused(backend):
         batched_copy([src.ptr], [dst.ptr + 200], [64], backend=backend)
 
 
+@pytest.mark.parametrize("copy", [batched_copy, batched_copy_reference])
+@pytest.mark.parametrize("which", ["src", "dst"])
+def test_a_range_whose_end_wraps_past_2_64_is_refused_not_copied(backend, copy, which):
+    """address + size in uint64 wraps for a huge size or a pointer of -1 (0xff..ff): a check of
+    ``end <= reach`` took the wrapped end as inside (the reference then crashed the process)."""
+    a, b = backend.alloc(64), backend.alloc(64)
+    for ptr, size in ((a.ptr, 2**64 - 1), (-1, 8), (a.ptr + 8, 2**64 - 8)):
+        src, dst = ([ptr], [b.ptr]) if which == "src" else ([b.ptr], [ptr])
+        named = which if size == 8 else "src"  # a huge size overruns both; the source is checked first
+        with pytest.raises(ValueError, match=rf"{named}_ptrs\[0\] = .*not inside any live allocation"):
+            copy(src, dst, [size], backend=backend)
+
+
 def test_a_bad_descriptor_anywhere_means_nothing_is_copied(backend, rng):
     """The check runs over the whole batch before the first byte moves (on synchronous queues
     in the same compiled call as the copy): good descriptors before a bad one copy nothing."""

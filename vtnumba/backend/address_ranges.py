@@ -103,7 +103,10 @@ class AddressRanges:
         p, n = ptrs[live], sizes[live]
         idx = np.searchsorted(starts, p, side="right").astype(np.int64) - 1  # last range starting <= p
         if starts.size:
-            ok = (idx >= 0) & (reach[np.maximum(idx, 0)] >= p + n)
+            # reach - p >= n, not reach >= p + n: p + n wraps past 2**64 for a huge size or a
+            # negative pointer (-1 arrives as 0xff..ff), and a wrapped end looks inside.
+            r = reach[np.maximum(idx, 0)]
+            ok = (idx >= 0) & (r >= p) & (r - p >= n)
         else:
             ok = np.zeros(p.size, dtype=bool)
         if ok.all():
