@@ -68,6 +68,21 @@ def test_anonymous_segment_has_no_name_anywhere(shm_clean, rng):
         _ = seg.array
 
 
+def test_a_named_segment_with_no_room_is_an_oserror_and_leaves_no_file(shm_clean, monkeypatch):
+    # A full /dev/shm: without the reservation the segment mapped fine and a peer's first
+    # write to a page with no room was a SIGBUS.  (Made to fail as a full tmpfs makes it.)
+    import errno
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    before = set(shm.list_segments())
+    with pytest.raises(OSError, match=r"could not allocate 33554432 bytes \(32 MiB\) of shared memory .*No space"):
+        shm.ShmSegment.create(32 << 20, tag="t", named=True)
+    assert set(shm.list_segments()) == before
+
+
 def test_named_segment_lifecycle_and_mode(shm_clean, rng):
     seg = shm.ShmSegment.create(4096, tag="t", named=True)
     st = os.stat(seg.path)

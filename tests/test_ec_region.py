@@ -267,6 +267,27 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
 
 
+@pytest.mark.parametrize("anonymous", [False, True])
+def test_a_region_with_no_room_is_refused_by_name_and_leaves_no_file(engine, anonymous, monkeypatch):
+    """A /dev/shm with less room than the region (a container's is often 64 MB): ftruncate and
+    mmap succeed on tmpfs whatever the room, and the first page without room killed the process
+    with SIGBUS, leaving the file.  The reservation (posix_fallocate) fails instead; it is made
+    to fail here as a full tmpfs makes it (checked by hand on an 8 MiB tmpfs: ENOSPC)."""
+    import errno
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    with pytest.raises(ECRegionError) as info:
+        create_ec_shared_region(engine_id=engine, hidden_size=256, region_bytes=32 << 20, create=True,
+                                anonymous=anonymous)
+    said = str(info.value)
+    assert f"region_bytes={32 << 20}: could not reserve" in said and "No space left on device" in said, said
+    assert ("/dev/shm has less room than that" in said) != anonymous, said
+    assert not os.path.exists(region_path(engine))
+
+
 def test_named_creator_dying_from_an_exception_leaves_no_file(engine):
     proc = _run_python(f"from vtnumba.ec import create_ec_shared_region\n"
                        f"r = create_ec_shared_region(engine_id={engine!r}, hidden_size=4, region_bytes=1024, "

@@ -65,9 +65,14 @@ def _describe_nbytes(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
-def _map(fd: int, nbytes: int, what: str) -> mmap.mmap:
+def _map(fd: int, nbytes: int, what: str, *, reserve: bool = False) -> mmap.mmap:
+    """Size a new segment and map it.  ``reserve``: allocate every page now (a file in
+    /dev/shm, whose tmpfs may be small) so that a lack of room is this OSError, not a SIGBUS
+    at the first page a peer writes that has no room."""
     try:
         os.ftruncate(fd, nbytes)
+        if reserve:
+            os.posix_fallocate(fd, 0, nbytes)
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
         raise OSError(exc.errno, f"could not allocate {_describe_nbytes(nbytes)} of shared memory for {what}: "
@@ -109,7 +114,7 @@ class ShmSegment:
         path = os.path.join(SHM_DIR, name)
         fd = create_private_file(path)  # 0600, O_EXCL, O_NOFOLLOW; unlinked at exit if still there
         try:
-            mm = _map(fd, nbytes, f"segment {path}")
+            mm = _map(fd, nbytes, f"segment {path}", reserve=True)
         except BaseException:
             os.close(fd)
             unlink_private_file(path)

@@ -286,6 +286,17 @@ class ECSharedRegion:
         self.num_blocks = num_blocks
         total = HEADER_BYTES + num_blocks * self.block_size_bytes
         os.ftruncate(self._fd, total)
+        try:
+            # Reserve the memory now: a file in a full /dev/shm (a container's is often 64 MB)
+            # would otherwise be mapped fine and then kill the process with SIGBUS at the
+            # first page that has no room -- in the touch below, or in some later save.
+            os.posix_fallocate(self._fd, 0, total)
+        except OSError as exc:
+            room = (f"{os.path.dirname(self.path)} has less room than that (a container's is often 64 MB: "
+                    "docker run --shm-size), or create the region with anonymous=True") if self.path else \
+                "this machine has less free memory than that"
+            raise ECRegionError(f"region_bytes={config.region_bytes}: could not reserve {total} bytes of shared "
+                                f"memory for {self.label}: {exc.strerror}; {room}") from None
         self._map(total)
         # Pre-fault every page now, so the first save does not pay a page fault per 4 KiB.
         if not self._prefault():
