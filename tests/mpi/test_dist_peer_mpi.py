@@ -347,6 +347,30 @@ def test_shapes_that_differ_across_ranks_fail_everywhere_and_the_channel_recover
         collectively(ok)
 
 
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf")])
+def test_a_bad_timeout_is_refused_everywhere_and_the_channel_recovers(tp, shm_unchanged, bad):
+    # A NaN timeout never compares: its wait never ended (the job hung); 0 and -1 timed out at
+    # once, spuriously.  Refused by the argument checks, on every rank alike, before any wait.
+    n, me = tp.size, tp.rank
+    be = CPUBackend()
+    with dist.PeerBuffers(4096, tp, be, timeout_s=TIMEOUT) as pb, \
+            dist.PeerSignals(tp, backend=be, timeout_s=TIMEOUT) as sig:
+        out = np.full((2, 4), np.nan, np.float32)
+        x = np.full((2 * n, 4), me + 1, np.float32)
+        for call in (lambda: dist.reduce_scatter(pb, x, out, sig, timeout_s=bad),
+                     lambda: dist.all_gather(pb, out, np.zeros((2 * n, 4), np.float32), sig, timeout_s=bad)):
+            msg = same_error_everywhere(ValueError, call)
+            assert f"timeout_s={float(bad)!r} must be a positive, finite number of seconds" in msg
+        with pytest.raises(ValueError, match="timeout_s="):
+            sig.wait("consumed", 0, timeout_s=bad)
+
+        def ok():
+            dist.reduce_scatter(pb, x, out, sig)
+            np.testing.assert_array_equal(out, np.full((2, 4), n * (n + 1) / 2, np.float32))
+
+        collectively(ok)
+
+
 def test_bench_peer_runs_under_mpi_and_follows_the_schema(tp):
     import argparse
 

@@ -54,7 +54,7 @@ import numpy as np
 from mpi4py import MPI
 
 from vtnumba import trace
-from vtnumba.backend.arrays import cdiv, host_view, is_c_contiguous, is_int, to_host
+from vtnumba.backend.arrays import cdiv, check_seconds, host_view, is_c_contiguous, is_int, to_host
 from vtnumba.dist.comm import DEFAULT, wait_request
 from vtnumba.dist.peer_buffers import PeerBuffers
 from vtnumba.dist.signals import PeerSignals
@@ -174,6 +174,8 @@ def reduce_scatter(pb, x, out, signals, *, offset: int = 0, queue=None, timeout_
     every rank calls it with the same shapes.  Returns ``out``.
     """
     def check():
+        if timeout_s is not None:
+            check_seconds("timeout_s", timeout_s)  # (NaN never compares: a wait would never end)
         T, H = _check_2d("x", x)
         if T < 1 or H < 1:
             raise ValueError(f"x has shape ({T}, {H}); expected at least one row and one column")
@@ -244,6 +246,8 @@ def all_gather(pb, x_shard, out, signals, *, offset: int = 0, queue=None, timeou
       only its peers' rows -- its own never move.  Every rank must use the same layout.
     """
     def check():
+        if timeout_s is not None:
+            check_seconds("timeout_s", timeout_s)  # (NaN never compares: a wait would never end)
         R, H = _check_2d("x_shard", x_shard)
         if R < 1 or H < 1:
             raise ValueError(f"x_shard has shape ({R}, {H}); expected at least one row and one column")

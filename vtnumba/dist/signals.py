@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtnumba.backend.arrays import is_int
+from vtnumba.backend.arrays import check_seconds, is_int
 from vtnumba.backend.atomics import load_acquire, store_release
 from vtnumba.backend.polling import poll_until
 from vtnumba.dist.comm import DEFAULT, agree_errors, allgather_bytes, resolve_timeout
@@ -184,7 +184,7 @@ class PeerSignals:
             sources = [self._rank(source, "source")]
         else:
             sources = [self._rank(s, "source") for s in source]
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else check_seconds("timeout_s", timeout_s)
         value = int(value)
         area = self._areas[me]
         base = self._slot(name, 0)
