@@ -4,6 +4,7 @@ The device target is numba's CUDA simulator, or the GPU under ``VTNUMBA_TARGET=c
 tests/conftest.py); the tests read device memory only through ``backend.copy``, so they
 hold for both."""
 
+import re
 import threading
 
 import numpy as np
@@ -360,3 +361,29 @@ def test_public_names_on_package():
     for name in ("Backend", "get_backend", "try_get_backend", "register_backend", "Device", "DeviceType",
                  "DeviceResourceOps", "alloc", "free", "create_queue", "destroy_queue", "CUDABackend"):
         assert getattr(vtnumba, name) is not None
+
+
+def test_a_closed_backend_refuses_work_instead_of_hanging(backend):
+    """After close() a threaded cpu backend's workers are gone: a copy was accepted and the
+    synchronize after it waited forever.  Every backend now refuses new work by name, and
+    teardown (free, destroy_queue, close again) still works."""
+    q = backend.create_queue("before-close")
+    buf = backend.alloc(64)
+    backend.close()
+    assert backend.closed
+    src = np.arange(64, dtype=np.uint8)
+    for what, call in (("copy", lambda: backend.copy(q, buf, src, 64)),
+                       ("synchronize", lambda: backend.synchronize(q)),
+                       ("create_queue", lambda: backend.create_queue()),
+                       ("alloc", lambda: backend.alloc(8)),
+                       ("alloc_pinned", lambda: backend.alloc_pinned(8))):
+        with pytest.raises(RuntimeError, match=rf"{re.escape(backend.name)} on .* was closed; make a new backend"):
+            call()
+    backend.free(buf)
+    backend.destroy_queue(q)
+    backend.close()  # twice: harmless
+
+
+def test_a_queue_name_must_be_a_string(backend):
+    with pytest.raises(TypeError, match="name=5 must be a str"):
+        backend.create_queue(5)

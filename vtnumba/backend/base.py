@@ -272,6 +272,7 @@ class Backend(abc.ABC):
         self._capturing: dict[int, Any] = {}
         self._default_graph: GraphHandle | None = None
         self._side_queue: Queue | None = None  # see _flag_side_queue
+        self.closed = False  #: set by :meth:`close`; a closed backend takes no more work
 
     # ------------------------------------------------------------------ description
     @property
@@ -338,6 +339,7 @@ class Backend(abc.ABC):
     # ------------------------------------------------------------------ memory
     def alloc(self, nbytes: int) -> Buffer:
         """Allocate ``nbytes`` of device memory, 64-byte aligned."""
+        self._check_open()
         nbytes = check_nbytes("nbytes", nbytes)
         buf = self._alloc(nbytes)
         with self._lock:
@@ -361,6 +363,7 @@ class Backend(abc.ABC):
 
     def alloc_pinned(self, nbytes: int) -> Buffer:
         """Page-locked host memory (0 bytes still returns a valid, freeable block)."""
+        self._check_open()
         nbytes = check_nbytes("nbytes", nbytes)
         buf = self._alloc_pinned(nbytes)
         with self._lock:
@@ -427,6 +430,9 @@ class Backend(abc.ABC):
     def create_queue(self, name: str | None = None) -> Queue:
         """A new queue: a non-blocking CUDA stream on a GPU, a host queue on cpu (a worker thread in
         threaded mode).  ``name`` labels it in traces and messages (default ``queue<id>``)."""
+        self._check_open()
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name={name!r} must be a str (a label for traces and messages) or None")
         q = self._create_queue(name)
         with self._lock:
             self._queues.add(q.id)
@@ -434,6 +440,13 @@ class Backend(abc.ABC):
 
     def destroy_queue(self, q: Queue) -> None:
         """Wait for the queue's work, then release it.  Destroying twice is an error."""
+        if self.closed and isinstance(q, Queue) and q.backend is self and not q.destroyed:
+            # Teardown after close(): its work finished there; only the release is left.
+            with self._lock:
+                self._queues.discard(q.id)
+            q.destroyed = True
+            self._destroy_queue(q)
+            return
         self._check_queue(q)
         try:
             self.synchronize(q)
@@ -745,11 +758,23 @@ class Backend(abc.ABC):
             return list(self._live_buffers.values())
 
     def close(self) -> None:
-        """Synchronize every queue (outstanding buffers stay owned by their users)."""
+        """Synchronize every queue, then take no more work: allocating, creating a queue and
+        using one raise RuntimeError from now on (outstanding buffers stay owned by their
+        users, and may still be freed).  Closing twice is harmless."""
+        if self.closed:
+            return
         self._synchronize_all()
+        self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            # (On threaded cpu queues the workers are gone: queued work would never run, and a
+            # synchronize would wait forever.)
+            raise RuntimeError(f"{self.name} on {self.device} was closed; make a new backend")
 
     # ------------------------------------------------------------------ validation helpers
     def _check_queue(self, q) -> None:
+        self._check_open()
         if not isinstance(q, Queue):
             raise TypeError(f"q must be a Queue, got {type(q).__name__}")
         if q.backend is not self:

@@ -264,6 +264,8 @@ class CPUBackend(Backend):
         return (end.mark.time_ns - start.mark.time_ns) / 1e6
 
     def close(self) -> None:
+        if self.closed:
+            return
         super().close()
         for q in list(self._all_queues.values()):
             q.stop()
