@@ -84,6 +84,35 @@ def test_oversize_and_missing_outputs_are_refused_too(be, pair, rng):
     assert len(prod.cache) == 0 and prod.cache.num_free_blocks == 16
 
 
+def test_an_output_with_fewer_rows_than_requested_is_refused(be, pair, rng):
+    """The consumer loads every requested row: a short output left the rest of its blocks as an
+    evicted entry had written them, and the load handed those bytes back as the entry's."""
+    prod, cons, _ = pair
+    prod.request_save("short", 2)
+    rows = rng.standard_normal((1, HIDDEN)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"outputs\['short'\] has 1 rows, but request_save\('short', 2\) "
+                                         r"reserved 2; .*save exactly the rows requested"):
+        prod.save({"short": _device(be, prod.compute_queue, rows)})
+    assert "short" not in prod.cache and prod.cache.num_free_blocks == 16
+    buf = be.alloc(HIDDEN * 4)  # a raw Buffer counts its rows by bytes
+    prod.request_save("raw", 2)
+    with pytest.raises(ValueError, match=r"outputs\['raw'\] has 1 rows"):
+        prod.save({"raw": buf})
+    with pytest.raises(TypeError, match="outputs must be a mapping mm_hash -> device array, got list"):
+        prod.save([rows])
+
+
+def test_a_closed_producer_hands_out_nothing(be):
+    # request_save after close() handed out blocks of an unmapped region; poll() said [].
+    prod = ECProducer(hidden_size=HIDDEN, region_bytes=16 * HIDDEN * 4, name="closed", backend=be)
+    prod.close()
+    for op, call in (("request_save", lambda: prod.request_save("h", 1)), ("grant", lambda: prod.grant("h")),
+                     ("release", lambda: prod.release("h")), ("poll", prod.poll), ("wait_saves", prod.wait_saves)):
+        with pytest.raises(RuntimeError, match=rf"ECProducer.{op}\(\) after close\(\)"):
+            call()
+    prod.close()  # twice: harmless
+
+
 def test_roles_and_misuse(be, pair):
     prod, cons, _ = pair
     assert cons.is_leader and cons.followers == [] and cons.role_name == "consumer"

@@ -73,6 +73,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from vtnumba.backend.arrays import check_int, check_seconds, is_int
+from vtnumba.backend.base import Buffer
 from vtnumba.ec.errors import PeerFailure
 from vtnumba.ec.metadata import ECWorkerMetadata
 from vtnumba.ec.region import (
@@ -233,6 +234,12 @@ class _Endpoint:
     def _before_close(self) -> None:
         pass
 
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            # (The scheduler outlives the region: without this, a closed producer would
+            # still hand out blocks of memory it has unmapped.)
+            raise RuntimeError(f"{type(self).__name__}.{op}() after close(): this endpoint has released its region")
+
     def close(self) -> None:
         """Release what this endpoint owns: drain the worker, unmap the region.  Safe to call twice."""
         if self._closed:
@@ -353,14 +360,17 @@ class ECProducer(_Endpoint):
 
     def request_save(self, mm_hash: str, num_rows: int) -> np.ndarray | None:
         """Allocate blocks for a new output (evicting if that makes room); None: cached, in flight, or no room."""
+        self._check_open("request_save")
         return self.scheduler.request_save(mm_hash, num_rows)
 
     def grant(self, mm_hash: str) -> np.ndarray | None:
         """Pin a ready entry for a consumer and return its block ids; None if it is not ready (or gone)."""
+        self._check_open("grant")
         return self.scheduler.grant_read(mm_hash)
 
     def release(self, mm_hash: str) -> None:
         """Unpin an entry the consumer has finished loading."""
+        self._check_open("release")
         self.scheduler.release_read(mm_hash)
 
     # -- the worker side
@@ -368,11 +378,14 @@ class ECProducer(_Endpoint):
         """Issue this step's scheduled saves from ``outputs`` (mm_hash -> device array) as one batched
         copy; returns the hashes sent.  Their completion comes from :meth:`poll`.
 
-        An output the region cannot hold (another dtype or row width, more rows than were
-        requested, missing) is refused with the worker's error -- after the step's other
-        saves went out, and with its blocks given back to the cache, so nothing is left
-        half-scheduled.
+        An output the region cannot hold (another dtype or row width, more or fewer rows
+        than were requested, missing) is refused with the worker's error -- after the step's
+        other saves went out, and with its blocks given back to the cache, so nothing is left
+        half-scheduled.  (Fewer rows: the consumer loads every requested row, and the missing
+        ones would be whatever an evicted entry left in their blocks.)
         """
+        if not isinstance(outputs, Mapping):
+            raise TypeError(f"outputs must be a mapping mm_hash -> device array, got {type(outputs).__name__}")
         meta = self.scheduler.build_connector_meta()
         if not meta.saves:
             return []
@@ -380,6 +393,7 @@ class ECProducer(_Endpoint):
         sent, refused = [], None
         for h in meta.saves:
             try:
+                self._check_all_rows(outputs, h, len(meta.saves[h]))
                 self.worker.save_caches(outputs, h, meta)
                 sent.append(h)
             except (ValueError, TypeError, KeyError) as exc:
@@ -392,12 +406,26 @@ class ECProducer(_Endpoint):
             raise refused
         return sent
 
+    def _check_all_rows(self, outputs: Mapping, mm_hash: str, requested: int) -> None:
+        out = outputs.get(mm_hash)
+        if isinstance(out, Buffer):
+            rows = int(out.nbytes) // self.region.block_size_bytes
+        else:
+            shape = getattr(out, "shape", None)
+            rows = int(shape[0]) if shape is not None and len(shape) == 2 else None
+        if rows is not None and rows < requested:  # (other shapes: the worker says what is wrong)
+            raise ValueError(f"save: outputs[{mm_hash!r}] has {rows} rows, but request_save({mm_hash!r}, "
+                             f"{requested}) reserved {requested}; the consumer loads all {requested}, and the "
+                             "missing rows would hold an evicted entry's bytes -- save exactly the rows requested")
+
     def poll(self) -> list[str]:
         """The saves whose copies have finished since the last poll: now ready (never blocks)."""
+        self._check_open("poll")
         return self.scheduler.update_connector_output(self.worker.build_connector_worker_meta()).ready
 
     def wait_saves(self) -> list[str]:
         """Wait for every save in flight; returns the hashes that became ready."""
+        self._check_open("wait_saves")
         self.activity = "waiting for saves to finish"
         self.worker.wait()
         self.activity = _BETWEEN
