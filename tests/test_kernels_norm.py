@@ -317,6 +317,27 @@ def test_cuda_queue_on_the_device(device_backend, dev, host, rng):
 
 
 # ---------------------------------------------------------------------------- bad input
+def test_outputs_that_overlap_without_being_in_place_are_refused(dev, rng):
+    """Only the identity was tested: two views of one buffer (out=buf[:], new_residual=buf[:])
+    or an output one row off its input passed and gave a wrong result."""
+    y, res, w = make(rng, (4, 8)), make(rng, (4, 8)), make(rng, 8)
+    for wrap in (lambda a: a, dev):
+        buf = wrap(np.empty((5, 8), np.float32))
+        yd, rd, wd = wrap(y), wrap(res), wrap(w)
+        with pytest.raises(ValueError, match=r"out and new_residual share the same memory"):
+            fused_add_rms_norm(yd, rd, wd, EPS, out=buf[:4], new_residual=buf[:4])
+        with pytest.raises(ValueError, match=r"out and new_residual share overlapping memory \(96 bytes\)"):
+            fused_add_rms_norm(yd, rd, wd, EPS, out=buf[:4], new_residual=buf[1:5])
+        shifted = wrap(np.concatenate([res, res[:1]]))  # residual's rows, then one more
+        with pytest.raises(ValueError, match=r"new_residual and residual share overlapping memory"):
+            fused_add_rms_norm(yd, shifted[:4], wd, EPS, new_residual=shifted[1:5])
+        with pytest.raises(ValueError, match=r"out and y share overlapping memory"):
+            fused_add_layer_norm(shifted[1:5], rd, wd, None, EPS, out=shifted[:4])
+        # ... while a view of the very same rows is in place, which is allowed
+        inplace = wrap(res.copy())
+        fused_add_rms_norm(yd, inplace[:], wd, EPS, new_residual=inplace)
+
+
 def test_bad_inputs_name_the_argument(dev, rng):
     y, res, w = make(rng, (4, 8)), make(rng, (4, 8)), make(rng, 8)
     with pytest.raises(ValueError, match=r"residual has shape \(4, 7\); expected \(4, 8\)"):
@@ -333,7 +354,7 @@ def test_bad_inputs_name_the_argument(dev, rng):
         fused_add_rms_norm(y, res, w, "1e-5")
     with pytest.raises(ValueError, match=r"norm_bias has shape \(3,\)"):
         fused_add_layer_norm(y, res, w, make(rng, 3), EPS)
-    with pytest.raises(ValueError, match=r"out and new_residual must be different arrays"):
+    with pytest.raises(ValueError, match=r"out and new_residual share the same memory; expected different memory"):
         same = np.empty((4, 8), np.float32)
         fused_add_rms_norm(y, res, w, EPS, out=same, new_residual=same)
     with pytest.raises(ValueError, match=r"new_residual has shape \(3, 8\)"):

@@ -251,6 +251,28 @@ def address_of(arr) -> int:
                     "device array")
 
 
+def check_not_partly_overlapping(name_a: str, a, name_b: str, b, *, same_ok: bool = True) -> None:
+    """ValueError if C-contiguous arrays ``a`` and ``b`` share some memory without being the
+    same bytes (``same_ok=False``: if they share any).
+
+    A kernel that reads row ``i`` of ``a`` and writes row ``i`` of ``b`` may work in place
+    (``b`` *is* ``a``), but a ``b`` shifted by a row overwrites rows of ``a`` that another
+    thread (or block) has not read yet -- a silent wrong result that an ``is`` test misses
+    (``out=buf[:]`` is not ``buf``).
+    """
+    a0 = address_of(a)
+    b0 = address_of(b)
+    a1 = a0 + int(a.size) * np.dtype(a.dtype).itemsize
+    b1 = b0 + int(b.size) * np.dtype(b.dtype).itemsize
+    if a0 >= b1 or b0 >= a1 or a0 == a1 or b0 == b1:
+        return  # disjoint (or one of them is empty)
+    if same_ok and (a0, a1) == (b0, b1):
+        return
+    how = "the same memory" if (a0, a1) == (b0, b1) else f"overlapping memory ({min(a1, b1) - max(a0, b0)} bytes)"
+    expected = "different memory" if not same_ok else "either the same array (in place) or separate memory"
+    raise ValueError(f"{name_a} and {name_b} share {how}; expected {expected}")
+
+
 def empty(kind: str, shape, dtype) -> Any:
     """A fresh uninitialised array of ``kind`` (used when a caller passes no ``out``)."""
     if kind == HOST:
@@ -283,5 +305,6 @@ def check_array(name: str, arr, *, ndim: int, dtypes: Iterable, shape: tuple | N
 __all__ = [
     "HOST", "DEVICE", "cdiv", "is_int", "check_int", "check_nbytes", "check_seconds", "check_eps", "check_shape",
     "simulator_active", "is_simulated_array", "is_device_array", "is_gpu_array", "array_kind", "common_kind",
-    "host_view", "to_host", "wrap_host_memory", "is_c_contiguous", "address_of", "empty", "check_array",
+    "host_view", "to_host", "wrap_host_memory", "is_c_contiguous", "address_of", "check_not_partly_overlapping",
+    "empty", "check_array",
 ]

@@ -38,6 +38,7 @@ from vtnumba.backend.arrays import (  # noqa: F401  (re-exported: the kernels' s
     cdiv,
     check_array,
     check_eps,
+    check_not_partly_overlapping,
     common_kind,
     empty,
     is_c_contiguous,

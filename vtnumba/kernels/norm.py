@@ -45,6 +45,7 @@ from vtnumba.kernels._common import (
     HOST_JIT,
     check_array,
     check_eps,
+    check_not_partly_overlapping,
     common_kind,
     drop_stale_numba_cache,
     empty,
@@ -146,8 +147,14 @@ def _fused_add_norm(name, y, residual, weight, norm_bias, eps, bias, out, new_re
         new_residual = empty(kind, (rows, h), np.float32)
     check_array("out", out, ndim=2, dtypes=_F32, shape=(rows, h))
     check_array("new_residual", new_residual, ndim=2, dtypes=_F32, shape=(rows, h))
-    if out is new_residual:
-        raise ValueError("out and new_residual must be different arrays (z is re-read after out is written)")
+    # Row i of the inputs is read before row i of the outputs is written, so an output may *be*
+    # an input (in place); out and new_residual never share memory (z is re-read after out
+    # is written), and no output may overlap an input shifted by some rows.
+    check_not_partly_overlapping("out", out, "new_residual", new_residual, same_ok=False)
+    for o_name, o in (("out", out), ("new_residual", new_residual)):
+        for i_name, i in (("y", y), ("residual", residual)):
+            if i is not None:
+                check_not_partly_overlapping(o_name, o, i_name, i)
     args = (y, bias, residual, weight, norm_bias, eps, is_layer, out, new_residual, 0, rows)
     run(kind, name, queue, backend, uses=(y, bias, residual, weight, norm_bias, out, new_residual),
         host_fn=lambda: add_norm_rows_host(*args),
