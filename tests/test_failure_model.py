@@ -302,3 +302,16 @@ def test_embed_refuses_a_bad_inject_spec():
     assert proc.returncode == 2 and "--inject='raise:1:nowhere'" in out, out
     proc, _, out = _embed(2, "--inject", "raise:2:encoding")  # a rank the job does not have: never fires
     assert proc.returncode == 2 and out.count("rank 2 does not exist; the job has ranks 0..1") == 1, out
+
+
+def test_a_huge_timeout_still_arms_the_exit_watchdog():
+    # --timeout 1e10 made faulthandler's timer overflow, and every failure report became an
+    # OverflowError traceback; the watchdog is capped instead.
+    import faulthandler
+
+    from vtnumba.dist.failures import arm_exit_watchdog
+
+    try:
+        arm_exit_watchdog(1e10)
+    finally:
+        faulthandler.cancel_dump_traceback_later()

@@ -223,7 +223,9 @@ def arm_exit_watchdog(timeout_s: float = DEFAULT) -> None:
     """Make sure this process ends: unless :func:`exit_after_failure` sees every rank agree
     first, dump every thread's stack to stderr and ``_exit(1)`` in ``timeout_s +``
     :data:`EXIT_GRACE_S` seconds.  Call it first thing when a rank starts failing."""
-    faulthandler.dump_traceback_later(resolve_timeout(timeout_s) + EXIT_GRACE_S, exit=True)
+    # (Capped at a week: faulthandler's timer overflows somewhere past 1e9 s, and a --timeout
+    # that large would then turn every failure report into an OverflowError traceback.)
+    faulthandler.dump_traceback_later(min(resolve_timeout(timeout_s) + EXIT_GRACE_S, 7 * 86400.0), exit=True)
 
 
 def exit_after_failure(timeout_s: float = DEFAULT, code: int = 1) -> int:
