@@ -35,13 +35,12 @@ against host memcpy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections import deque
 
 from vtnumba.apps.processes import RankZeroErrorsParser, share_cores_between_local_ranks
-from vtnumba.bench.runner import positive_int
+from vtnumba.bench.runner import positive_int, positive_number
 
 share_cores_between_local_ranks()  # before numpy loads its BLAS
 
@@ -53,17 +52,6 @@ PRODUCER, CONSUMER = 0, 1
 
 
 # ----------------------------------------------------------------------------- arguments
-def _positive_number(text: str) -> float:
-    """A positive, finite float: 'nan' and 'inf' are refused here, not deep inside the run."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive, finite number")
-    return value
-
-
 def _inject(text: str):
     from vtnumba.ec.endpoints import FaultInjection
 
@@ -86,14 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rows", type=positive_int, default=3000, help="rows per entry are random in 1..max-rows (default 3000)")
     p.add_argument("--hidden", type=positive_int, default=256, help="hidden size (one block = one row) (default 256)")
     p.add_argument("--dtype", default="float16", choices=("float16", "float32"), help="embedding dtype (default float16)")
-    p.add_argument("--region-fraction", type=_positive_number, default=0.06,
+    p.add_argument("--region-fraction", type=positive_number, default=0.06,
                    help="region size as a fraction of all entries' bytes (small = eviction pressure) (default 0.06)")
-    p.add_argument("--region-mib", type=_positive_number, default=None,
+    p.add_argument("--region-mib", type=positive_number, default=None,
                    help="region size in MiB (overrides the fraction)")
     p.add_argument("--saves-per-step", type=positive_int, default=3, help="entries the encoder tries to save per step (default 3)")
     p.add_argument("--loads-per-step", type=positive_int, default=2, help="entries the consumer asks for per step (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the entries' sizes and contents (default 0)")
-    p.add_argument("--timeout", type=_positive_number, default=60.0,
+    p.add_argument("--timeout", type=positive_number, default=60.0,
                    help="seconds any wait for another rank may take before this rank gives up (default 60)")
     p.add_argument("--max-steps", type=positive_int, default=100000, help="safety limit on engine steps (default 100000)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")

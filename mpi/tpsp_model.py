@@ -65,6 +65,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not (args.timeout > 0 and args.timeout < float("inf")):
         p.error(f"--timeout={args.timeout} must be a positive number of seconds")
+    # (NaN compares unequal to itself: every rank would see the others "started with different
+    # arguments"; a negative tolerance would fail a run that matches exactly.)
+    if not (0 <= args.tol < float("inf")):
+        p.error(f"--tol={args.tol} must be a finite number >= 0 (the largest accepted difference)")
+    if not (0 < args.budget < float("inf")):
+        p.error(f"--budget={args.budget} must be a positive number of seconds")
     for name in ("layers", "tokens", "hidden", "ffn", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")

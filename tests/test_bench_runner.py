@@ -283,6 +283,13 @@ def test_bench_tpsp_reports_paired_overheads_under_mpiexec(tmp_path):
     (["-m", "vtnumba", "bench", "tpsp", "--quick", "--tokens", "64", "0"], "argument --tokens: 0 must be >= 1"),
     (["mpi/tpsp_model.py", "--timeout", "0"], "--timeout=0.0 must be a positive number of seconds"),
     (["mpi/ec_disagg.py", "--entries", "x"], "argument --entries: 'x' is not a whole number"),
+    # (these failed inside the run, on every rank, with exit status 1 -- or ran with nonsense)
+    (["-m", "vtnumba", "bench", "ec", "--sizes", "1000"],
+     "argument --sizes: 1000 is not a positive multiple of the 2048-byte block (one row of 1024 x float16)"),
+    (["-m", "vtnumba", "bench", "peer", "--sizes", "-1"], "argument --sizes: '-1' must be a positive, finite number"),
+    (["-m", "vtnumba", "bench", "kernels", "--norm-shape", "abc"],
+     "argument --norm-shape: 'abc' must look like ROWSxH with positive sizes"),
+    (["mpi/tpsp_model.py", "--tol", "nan"], "--tol=nan must be a finite number >= 0"),
 ])
 def test_a_bad_flag_is_named_once_under_mpiexec(cmd, says):
     # Every rank parses the same command line; only rank 0 prints the usage error, and the
@@ -295,3 +302,20 @@ def test_a_bad_flag_is_named_once_under_mpiexec(cmd, says):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert out.count(says) == 1 and out.count("usage:") == 1, out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["bench", "ec", "--sizes"], "argument --sizes: expected at least one argument"),  # (meant: the defaults)
+    (["bench", "memory", "--sizes"], "argument --sizes: expected at least one argument"),
+    (["bench", "ec", "--entries-per-step", "0"], "argument --entries-per-step: '0' is not a whole number of entries"),
+    (["bench", "ec", "--entries-per-step", "65"], "from 1 to 64"),
+    (["bench", "peer", "--sizes", "nan"], "argument --sizes: 'nan' must be a positive, finite number"),
+    (["bench", "peer", "--sizes", "0"], "argument --sizes: '0' must be a positive, finite number"),
+    (["bench", "kernels", "--norm-shape", "0x64"], "'0x64' must look like ROWSxH with positive sizes"),
+])
+def test_the_suites_flags_are_checked_when_parsed(argv, says, capsys):
+    from vtnumba.apps.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2 and says in capsys.readouterr().err

@@ -42,3 +42,12 @@ def test_the_tokenizer_names_the_text_too():
     bad = BAD.decode("utf-8", "surrogateescape")
     assert "character 3 is a lone surrogate" in invalid_text(bad)
     assert "its bytes" not in invalid_text("x\ud800")  # a surrogate that was never a byte
+
+
+def test_a_blank_text_is_refused_before_the_model_loads():
+    # It failed after loading the model, with exit status 1, naming texts[0].
+    proc = _embed(b"a fine sentence", b"  ", mpiexec=2)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 2, err
+    assert err.count("vtnumba embed: error: TEXT argument 2 ('  ') is empty; expected a text with at least one word") \
+        == 1, err

@@ -134,6 +134,7 @@ def test_pipeline_demo_killed_producer_leaves_nothing(weights):
     (["--region-mib", "nan"], "--region-mib=nan: expected a positive, finite number of MiB"),
     (["--inject", "bogus"], "--inject='bogus' must look like"),
     (["--inject", "raise:0:loading"], "rank 0 is the producer, which never passes 'loading'"),
+    (["--queries", "fine", "  "], "--queries: query 2 ('  ') is empty; expected a text with at least one word"),
     (["--inject", "kill:2:created"], "rank 2 does not exist; the job has ranks 0..1"),
 ])
 def test_pipeline_demo_bad_flags_are_clear_errors(flags, words):

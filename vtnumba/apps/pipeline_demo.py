@@ -101,6 +101,12 @@ def check_options(args, world_size: int) -> tuple[float, object]:
         if args.region_mib * (1 << 20) < need:
             raise ValueError(f"--region-mib={args.region_mib}: the region must hold at least one input of "
                              f"{MAX_TOKENS} tokens ({need / 2**20:.2f} MiB)")
+    from vtnumba.models.minilm_tokenizer import invalid_text
+
+    for i, query in enumerate(args.queries or ()):
+        bad = invalid_text(query)
+        if bad:
+            raise ValueError(f"--queries: query {i + 1} ({query!r}) {bad}")
     inject = None
     if args.inject:
         # Encoder rank 0 is the producer, the first consumer rank the leader; the other encoder

@@ -51,11 +51,38 @@ BATCHED_MAX = 4 * MiB  # entry sizes that also get the several-entries-per-step 
 AIM = 0.8  # the fraction of memcpy a step should reach (issue 17): the 'step size for' rows solve for it
 
 
+def _entry_bytes(text: str) -> int:
+    """``--sizes``' argparse type: a whole number of the region's blocks, in bytes."""
+    import argparse
+
+    block = HIDDEN * np.dtype(DTYPE).itemsize
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes") from None
+    if value <= 0 or value % block:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive multiple of the {block}-byte block "
+                                         f"(one row of {HIDDEN} x {np.dtype(DTYPE).name})")
+    return value
+
+
+def _entries_per_step(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of entries from 1 to 64")
+    return value
+
+
 def add_arguments(parser) -> None:
     """``--sizes``: the entry sizes to measure; ``--entries-per-step``: the batched steps' entries."""
-    parser.add_argument("--sizes", nargs="*", type=int, default=None,
+    parser.add_argument("--sizes", nargs="+", type=_entry_bytes, default=None,
                         help="entry sizes in bytes (multiples of 2048; default 4 KiB .. 64 MiB)")
-    parser.add_argument("--entries-per-step", type=int, default=ENTRIES_PER_STEP,
+    parser.add_argument("--entries-per-step", type=_entries_per_step, default=ENTRIES_PER_STEP,
                         help=f"entries a batched step saves and loads together, for entries up to "
                              f"{BATCHED_MAX // MiB} MiB (default {ENTRIES_PER_STEP}; 1: no batched rows)")
 

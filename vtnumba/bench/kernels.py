@@ -60,7 +60,7 @@ EPS = 1e-5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--norm-shape``, ``--ptxas`` and the suite's other options (see ``vtnumba bench kernels --help``)."""
-    parser.add_argument("--norm-shape", default=None, metavar="ROWSxH",
+    parser.add_argument("--norm-shape", type=_norm_shape_arg, default=None, metavar="ROWSxH",
                         help="shape of the norm benchmarks (default 8192x4096; on the host 1024x1024 with --quick)")
     parser.add_argument("--ptxas", action="store_true",
                         help="report registers/shared memory/spills per kernel (needs ptxas on PATH)")
@@ -81,6 +81,15 @@ def _parse_shape(text: str) -> tuple[int, int]:
     if rows < 1 or h < 1:
         raise ValueError(f"--norm-shape={text!r} must have positive sizes")
     return rows, h
+
+
+def _norm_shape_arg(text: str) -> str:
+    """``--norm-shape``'s argparse type: checked at parse time (kept as text; _settings reads it)."""
+    try:
+        _parse_shape(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must look like ROWSxH with positive sizes, e.g. 8192x4096") from None
+    return text
 
 
 def _settings(args) -> dict:
@@ -467,9 +476,11 @@ def main(argv=None) -> int:
     """``python -m vtnumba.bench.kernels [--quick] [--json PATH]`` (the CLI wires the same run)."""
     import json
 
+    from vtnumba.bench.runner import positive_int
+
     parser = argparse.ArgumentParser(description="vtnumba kernel benchmarks")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sizes", nargs="*", type=int, default=None, help="square matmul sizes")
+    parser.add_argument("--sizes", nargs="+", type=positive_int, default=None, help="square matmul sizes")
     parser.add_argument("--json", default=None, help="write the result here")
     add_arguments(parser)
     args = parser.parse_args(argv)

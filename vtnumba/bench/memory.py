@@ -32,7 +32,7 @@ def add_arguments(parser) -> None:
     """The suite's own flag: ``--sizes`` (block sizes in bytes)."""
     from vtnumba.bench.runner import positive_int
 
-    parser.add_argument("--sizes", nargs="*", type=positive_int, default=None,
+    parser.add_argument("--sizes", nargs="+", type=positive_int, default=None,
                         help="block sizes in bytes (default 512 B .. 64 MiB)")
 
 

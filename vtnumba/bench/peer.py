@@ -52,9 +52,10 @@ H = 4096  # row width in float32 elements (16 KiB rows, a typical hidden size)
 
 def add_arguments(parser) -> None:
     """``--sizes``, ``--repeat`` and the suite's other options (see ``vtnumba bench peer --help``)."""
-    parser.add_argument("--sizes", type=float, nargs="+", default=None,
+    from vtnumba.bench.runner import positive_int, positive_number
+
+    parser.add_argument("--sizes", type=positive_number, nargs="+", default=None,
                         help="total sizes S in MiB (default 1 2 4 8 16 32 64; --quick: 1 16)")
-    from vtnumba.bench.runner import positive_int
 
     parser.add_argument("--repeat", type=positive_int, default=None, help="timed rounds per size (default 15, quick 5)")
 

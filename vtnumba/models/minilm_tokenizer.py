@@ -70,8 +70,11 @@ def invalid_text(text: str) -> str | None:
     A Python ``str`` may hold lone surrogates (``\\udc80``-``\\udcff``): that is how Python keeps
     bytes that were not valid UTF-8 -- a command-line argument in another encoding, say --
     so they can be written back unchanged.  They are not text, and the tokenizer (Rust,
-    UTF-8 only) would refuse them with an obscure TypeError.
+    UTF-8 only) would refuse them with an obscure TypeError.  A blank text is refused too:
+    it would embed as nothing but ``[CLS] [SEP]``.
     """
+    if not text.strip():
+        return "is empty; expected a text with at least one word"
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -134,10 +137,7 @@ class MiniLMTokenizer:
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids (``int64``, ``[CLS] ... [SEP]``) for each text, truncated per ``on_long``."""
-        texts = _check_texts(texts)
-        for i, t in enumerate(texts):
-            if not t.strip():
-                raise ValueError(f"texts[{i}]={t!r} is empty; expected a text with at least one word")
+        texts = _check_texts(texts)  # (every text: a str, valid UTF-8, not blank)
         encodings = self._tok.encode_batch(texts)
         out: list[np.ndarray] = []
         long_ones: list[tuple[int, int]] = []
