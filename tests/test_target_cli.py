@@ -146,3 +146,23 @@ def test_closed_pipe_is_not_a_traceback():
                           capture_output=True, text=True, timeout=120)
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr
     assert proc.stdout.startswith("python")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["bench", "memory", "--quick", "--json", "/proc/nonexistent/x.json"],
+     "--json /proc/nonexistent: cannot write there (No such file or directory)"),
+    (["bench", "memory", "--quick", "--json", "{file}/x.json"], "--json {file}: is a file, not a folder"),
+    (["bench", "memory", "--quick", "--plot", "{file}"], "--plot {file}: is a file, not a folder"),
+    (["bench", "memory", "--quick", "--json", "{dir}"], "--json {dir}: is a folder; expected a file name"),
+    (["trace", "--out", "/proc/nonexistent/p", "--", "true"], "--out /proc/nonexistent: cannot write there"),
+    (["trace", "--", "no-such-command-here"], "trace: 'no-such-command-here' is not a command found on PATH"),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_the_run(argv, says, tmp_path):
+    # Before: the benchmark (or the traced command) ran, and then the write failed with a traceback.
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    fill = {"file": str(afile), "dir": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "vtnumba", *[a.format(**fill) for a in argv]], capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and says.format(**fill) in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "bench memory: running" not in proc.stderr

@@ -282,3 +282,20 @@ def test_without_matplotlib_a_lesson_runs_and_says_it_skipped_its_figures(tmp_pa
     out = capsys.readouterr().out
     assert out.count("figures skipped: matplotlib is not installed") == 1, out
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_an_out_folder_that_cannot_be_written_is_refused_before_the_lesson(tmp_path, ranks):
+    # Before: the whole lesson ran, then saving its first figure died in a pathlib traceback.
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
+    cmd = [sys.executable, str(ROOT / "tutorials" / "01_devices_queues_events.py"), "--target", "cpu",
+           "--out", str(afile)]
+    if ranks > 1:
+        cmd = ["mpiexec", "-n", str(ranks), *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT,
+                          stdin=subprocess.DEVNULL)
+    said = f"error: --out {afile}/01_devices_queues_events: cannot write there (Not a directory)"
+    assert proc.returncode == 2 and proc.stderr.count(said) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "target=" not in proc.stdout

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from vtnumba.apps.processes import RankZeroErrorsParser, share_cores_between_local_ranks
@@ -158,8 +159,19 @@ def main(argv: list[str] | None = None) -> int:
         from vtnumba.bench.runner import check_inject, run_bench
         from vtnumba.dist import run_collectively, set_default_timeout
 
+        from vtnumba.apps.processes import check_output_folder
+        from vtnumba.bench.runner import resolve_outputs
+
+        json_path, plot_dir = resolve_outputs(args)
         try:
             check_inject(args, MPI.COMM_WORLD.Get_size())  # every rank refuses a bad one alike
+            # Where the results go must be writable before the suites run, not after them.
+            if json_path not in (None, "-"):
+                if os.path.isdir(json_path):
+                    raise ValueError(f"--json {json_path}: is a folder; expected a file name")
+                check_output_folder("--json", os.path.dirname(os.path.abspath(json_path)))
+            if plot_dir is not None:
+                check_output_folder("--plot", plot_dir)
         except ValueError as exc:
             parser.error(str(exc))
 
@@ -169,9 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "trace":
         from vtnumba.apps.trace_tools import run_traced
 
+        from vtnumba.apps.processes import check_output_folder
+
         cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
         if not cmd:
             parser.error("trace needs a command after --, e.g. vtnumba trace -- mpiexec -n 2 python mpi/tpsp_model.py")
+        if shutil.which(cmd[0]) is None:
+            parser.error(f"trace: {cmd[0]!r} is not a command found on PATH (nor an executable file)")
+        try:
+            check_output_folder("--out", os.path.dirname(os.path.abspath(args.out)))
+        except ValueError as exc:
+            parser.error(str(exc))
         return run_traced(cmd, args.out)
     parser.error(f"unknown command {args.command!r}")
     return 2

@@ -1,4 +1,4 @@
-"""Process-wide settings a program makes before it loads anything heavy: sharing the cores.
+"""Process-wide settings a program makes before it loads anything heavy, and its command line's checks.
 
 Under ``mpiexec -n N`` on one machine, every rank's OpenBLAS would otherwise start one
 thread per core, so N ranks run N x cores threads that fight for the same cores (two
@@ -8,10 +8,16 @@ program calls :func:`share_cores_between_local_ranks` first thing -- the command
 tutorial helper, the ``mpi/`` scripts and the test suite's conftest do.  The library never
 does it by itself: ``import vtnumba`` changes nothing in the process.  An explicit
 ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` always wins.
+
+Command lines under ``mpiexec``: :class:`RankZeroErrorsParser` prints a usage error once,
+and :func:`check_output_folder` refuses an output folder that cannot be written *before*
+the run, not after minutes of it.
 """
 
 import argparse
 import os
+import tempfile
+from pathlib import Path
 
 from vtnumba.trace import world_rank
 
@@ -43,4 +49,18 @@ class RankZeroErrorsParser(argparse.ArgumentParser):
         super().error(message)
 
 
-__all__ = ["RankZeroErrorsParser", "share_cores_between_local_ranks"]
+def check_output_folder(flag: str, folder) -> None:
+    """ValueError naming ``flag`` unless ``folder`` exists or can be made, and a file can be
+    written in it -- asked by trying (as root, ``os.access`` says yes to nearly anything)."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"{flag} {folder}: is a file, not a folder")
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {folder}: cannot write there ({exc.strerror or exc}); "
+                         "expected a folder this user can create files in") from None
+
+
+__all__ = ["RankZeroErrorsParser", "check_output_folder", "share_cores_between_local_ranks"]

@@ -470,7 +470,7 @@ def _end_together_on_failure(timeout_s: float) -> None:
 
 def start(description: str, extra_args=None) -> Lesson:
     """Parse ``--target`` / ``--out`` (plus ``extra_args(parser)``), choose the target, join MPI."""
-    from vtnumba.apps.processes import RankZeroErrorsParser
+    from vtnumba.apps.processes import RankZeroErrorsParser, check_output_folder
 
     parser = RankZeroErrorsParser(description=description)  # a usage error is printed by rank 0 only
     parser.add_argument("--target", choices=TARGETS, default=None, help="cpu, cudasim, cuda or auto")
@@ -483,14 +483,19 @@ def start(description: str, extra_args=None) -> Lesson:
     if extra_args:
         extra_args(parser)
     args = parser.parse_args()
+    script = sys.argv[0]
+    out_root = Path(args.out) if args.out else default_out_root(script)
+    try:  # now, not when the first figure is saved, after the lesson's work
+        check_output_folder("--out", out_root / Path(script).stem)
+    except ValueError as exc:
+        parser.error(str(exc))
     choice = select_target(args.target)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     _end_together_on_failure(args.timeout)
-    script = sys.argv[0]
     lesson = Lesson(comm, comm.Get_rank(), comm.Get_size(), choice.name, args, name=Path(script).stem,
-                    out_root=Path(args.out) if args.out else default_out_root(script))
+                    out_root=out_root)
     if lesson.rank == 0 and os.environ.get(MARKERS_ENV) == "1" and os.path.exists(script):
         with open(script) as f:
             starts = section_starts(f.read())
