@@ -371,6 +371,25 @@ def test_a_bad_timeout_is_refused_everywhere_and_the_channel_recovers(tp, shm_un
         collectively(ok)
 
 
+def test_the_mpi_baselines_take_aliased_buffers_and_name_bad_ones(tp):
+    # MPI forbids a receive buffer inside the send buffer (MPICH raised 'Buffers must not be
+    # aliased'); the baselines stage through a copy instead.  Bad arguments are named.
+    n, me = tp.size, tp.rank
+    x = np.full((2 * n, 4), me + 1, np.float32)
+    dist.mpi_reduce_scatter(x, x[:2], tp)
+    np.testing.assert_array_equal(x[:2], np.full((2, 4), n * (n + 1) / 2, np.float32))
+    buf = np.zeros((2 * n, 4), np.float32)
+    buf[2 * me:2 * me + 2] = me + 1
+    dist.mpi_all_gather(buf[2 * me:2 * me + 2], buf, tp)  # in place: the shard is inside out
+    np.testing.assert_array_equal(buf[:, 0], np.repeat(np.arange(1, n + 1, dtype=np.float32), 2))
+    with pytest.raises(ValueError, match=r"out \(shape \(2, 4\)\) must be C-contiguous"):
+        dist.mpi_reduce_scatter(x, np.empty((2, 8), np.float32)[:, ::2], tp)
+    with pytest.raises(TypeError, match="out must be a 2-D array, got list"):
+        dist.mpi_reduce_scatter(x, [[0.0] * 4] * 2, tp)
+    with pytest.raises(TypeError, match="group must be a vtnumba ProcessGroup"):
+        dist.mpi_all_gather(np.ones((2, 4), np.float32), np.empty((2 * n, 4), np.float32), None)
+
+
 def test_bench_peer_runs_under_mpi_and_follows_the_schema(tp):
     import argparse
 

@@ -56,6 +56,7 @@ from mpi4py import MPI
 from vtnumba import trace
 from vtnumba.backend.arrays import cdiv, check_seconds, host_view, is_c_contiguous, is_int, to_host
 from vtnumba.dist.comm import DEFAULT, wait_request
+from vtnumba.dist.groups import ProcessGroup
 from vtnumba.dist.peer_buffers import PeerBuffers
 from vtnumba.dist.signals import PeerSignals
 from vtnumba.kernels.reduce import sum_rows
@@ -71,8 +72,10 @@ def _already_in_buffer(pb, x, offset: int) -> bool:
 
 def _check_2d(name: str, arr) -> tuple[int, int]:
     shape = getattr(arr, "shape", None)
-    if shape is None or len(shape) != 2:
-        raise ValueError(f"{name} must be a 2-D array, got shape {shape}")
+    if shape is None:
+        raise TypeError(f"{name} must be a 2-D array, got {type(arr).__name__}")
+    if len(shape) != 2:
+        raise ValueError(f"{name} must be a 2-D array, got shape {tuple(shape)}")
     if not is_c_contiguous(arr):
         raise ValueError(f"{name} (shape {tuple(shape)}) must be C-contiguous")
     return int(shape[0]), int(shape[1])
@@ -311,6 +314,12 @@ def _back_to(dst, host: np.ndarray) -> None:
     dst.copy_to_device(host)
 
 
+def _check_group(group) -> None:
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a vtnumba ProcessGroup (init_distributed(), new_group()), "
+                        f"got {type(group).__name__}")
+
+
 def _run_mpi(group, what: str, blocking, nonblocking, timeout_s) -> None:
     with trace.span(what, "mpi", f"mpi:{group.name}"):
         if timeout_s is None:
@@ -325,10 +334,11 @@ def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT):
     ``timeout_s=None`` makes the plain blocking call (the stock baseline the benchmark
     times); a number uses the non-blocking call and raises RuntimeError after it.
     """
+    _check_group(group)
     T, H = _check_2d("x", x)
     tp = group.size
     R = cdiv(T, tp)
-    if tuple(int(s) for s in out.shape) != (R, H):
+    if _check_2d("out", out) != (R, H):
         raise ValueError(f"out has shape {tuple(out.shape)}; expected (R, H) = ({R}, {H})")
     dt = np.dtype(x.dtype)
     if dt not in [np.dtype(d) for d in _MPI_DTYPES] or np.dtype(out.dtype) != dt:
@@ -340,7 +350,9 @@ def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT):
     else:  # Reduce_scatter_block needs equal blocks: pad with zero rows
         send = np.zeros((tp * R, H), dtype=dt)
         send[:T] = xh
-    recv = host_view(out) if host_view(out) is not None else np.empty((R, H), dtype=dt)
+    recv = host_view(out)
+    if recv is None or np.shares_memory(recv, send):  # (MPI forbids a receive buffer inside the send buffer)
+        recv = np.empty((R, H), dtype=dt)
     _run_mpi(group, "mpi_reduce_scatter",
              lambda: group.comm.Reduce_scatter_block(send, recv, op=MPI.SUM),
              lambda: group.comm.Ireduce_scatter_block(send, recv, op=MPI.SUM), timeout_s)
@@ -350,6 +362,7 @@ def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT):
 
 def mpi_all_gather(x_shard, out, group, *, timeout_s: float | None = DEFAULT):
     """Same contract as :func:`all_gather`, with ``MPI_Allgather`` on ``group.comm``."""
+    _check_group(group)
     R, H = _check_2d("x_shard", x_shard)
     T, oH = _check_2d("out", out)
     tp = group.size
@@ -362,6 +375,8 @@ def mpi_all_gather(x_shard, out, group, *, timeout_s: float | None = DEFAULT):
     xh = _to_host(x_shard)
     out_h = host_view(out)
     recv = out_h if (out_h is not None and T == tp * R) else np.empty((tp * R, H), dtype=dt)
+    if np.shares_memory(xh, recv):
+        xh = xh.copy()  # the shard lives inside out (in place): MPI forbids aliased buffers
     _run_mpi(group, "mpi_all_gather",
              lambda: group.comm.Allgather(xh, recv),
              lambda: group.comm.Iallgather(xh, recv), timeout_s)
