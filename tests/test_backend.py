@@ -387,3 +387,18 @@ def test_a_closed_backend_refuses_work_instead_of_hanging(backend):
 def test_a_queue_name_must_be_a_string(backend):
     with pytest.raises(TypeError, match="name=5 must be a str"):
         backend.create_queue(5)
+
+
+def test_views_events_and_copies_refuse_what_they_cannot_do(backend):
+    buf = backend.alloc(16)
+    q = backend.create_queue("minor")
+    with pytest.raises(TypeError, match="dtype=object cannot view raw memory"):
+        buf.view(object, (1,))
+    with pytest.raises(ValueError, match=r"offset=17 is past the end of buffer #\d+ \(16 bytes\)"):
+        buf.view(np.uint8, None, 17)
+    with pytest.raises(TypeError, match=r"blocking='yes' must be True or False"):
+        backend.create_event(blocking="yes")
+    with pytest.raises(ValueError, match="dst is a read-only numpy array"):
+        backend.copy(q, np.frombuffer(b"x" * 16, np.uint8), buf, 16)
+    backend.destroy_queue(q)
+    backend.free(buf)

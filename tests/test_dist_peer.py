@@ -380,3 +380,12 @@ def test_a_collective_on_a_freed_group_is_a_clear_error():
     dist.destroy_distributed()
     with pytest.raises(RuntimeError, match="group 'tp' was freed .*destroy_distributed"):
         dist.barrier(g)
+
+
+def test_views_refuse_fractional_shapes_and_object_dtypes(group, shm_clean):
+    # (2.7,) was truncated to a 2-element view; object gave numpy's "array of references" error.
+    with dist.PeerBuffers(64, group, CPUBackend()) as pb:
+        with pytest.raises(TypeError, match=r"shape=\(2.7,\) must contain ints"):
+            pb.views(np.float32, (2.7,))
+        with pytest.raises(TypeError, match="dtype=object cannot view shared memory"):
+            pb.views(object, (1,))

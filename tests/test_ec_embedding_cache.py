@@ -288,3 +288,9 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_a_key_that_is_not_a_str_is_named():
+    cache = EmbeddingCache(4)
+    with pytest.raises(TypeError, match=r"key=\[1\] must be a str \(an mm_hash\)"):
+        cache.lookup([1])

@@ -100,6 +100,12 @@ def test_an_output_with_fewer_rows_than_requested_is_refused(be, pair, rng):
         prod.save({"raw": buf})
     with pytest.raises(TypeError, match="outputs must be a mapping mm_hash -> device array, got list"):
         prod.save([rows])
+    with pytest.raises(TypeError, match="grants must be a mapping mm_hash -> block ids"):
+        cons.load([prod.grant("x")])
+    prod.request_save("strided", 2)
+    wide = np.zeros((2, 2 * HIDDEN), np.float32)
+    with pytest.raises(ValueError, match=r"encoder_cache\['strided'\] \(shape \(2, 8\)\) must be C-contiguous"):
+        prod.save({"strided": wide[:, ::2]})
 
 
 def test_a_closed_producer_hands_out_nothing(be):

@@ -125,3 +125,11 @@ def test_errors_name_the_argument(device_backend, rng):
         add_bias(x, np.zeros(4, np.float32))
     with pytest.raises(TypeError, match="must all be numpy arrays or all device arrays"):
         activation(x, out=device_backend.empty((2, 3)))
+
+
+def test_a_kind_or_an_array_of_the_wrong_type_is_named(rng):
+    x = rng.standard_normal((2, 3)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"activation kind=\['relu'\] is not supported"):
+        activation(x, ["relu"])
+    with pytest.raises(TypeError, match=r"x must be a numpy array \(cpu\) or a numba device array .*got None"):
+        activation(None, "relu")

@@ -332,6 +332,14 @@ def test_bad_constructor_arguments():
         CachingAllocator(CPUBackend(), small_segment=1000)
     with pytest.raises(ValueError, match="small_segment=512 must be >= 1048576"):
         CachingAllocator(CPUBackend(), small_segment=512)
+    # The out-of-memory path's wait: 0 (none) or a positive, finite number of seconds.
+    for bad, exc in ((float("nan"), ValueError), (-1, ValueError), (float("inf"), ValueError), ("x", TypeError),
+                     (None, TypeError)):
+        with pytest.raises(exc, match="oom_wait_s="):
+            CachingAllocator(CPUBackend(), oom_wait_s=bad)
+        with pytest.raises(exc, match="wait_s="):
+            CachingAllocator(CPUBackend()).empty_cache(wait_s=bad)
+    assert CachingAllocator(CPUBackend(), oom_wait_s=0).oom_wait_s == 0.0
 
 
 def test_block_is_a_buffer_and_repr(backend):

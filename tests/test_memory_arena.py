@@ -87,3 +87,11 @@ def test_bad_input():
         with pytest.raises(ValueError, match=r"shape=\(3, 3\) of float32 is 36 bytes, but nbytes=32"):
             arena.alloc(32, np.float32, (3, 3))
         assert arena.used == 0
+
+
+def test_a_shape_that_is_not_ints_is_refused(backend):
+    with StepArena(backend, 4096) as arena:
+        with pytest.raises(TypeError, match=r"shape='ab' must contain ints"):
+            arena.alloc(8, np.float32, "ab")
+        with pytest.raises(TypeError, match=r"shape=\(2.5,\) must contain ints"):
+            arena.alloc(8, np.float32, (2.5,))

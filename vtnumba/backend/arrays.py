@@ -175,7 +175,9 @@ def common_kind(arrays: dict[str, Any]) -> str:
     """
     kinds = {name: array_kind(name, arr) for name, arr in arrays.items() if arr is not None}
     if not kinds:
-        raise ValueError("no arrays given")
+        # (The first argument is the one a kernel cannot do without: "x is None", not "no arrays".)
+        first = next(iter(arrays), "the input")
+        raise TypeError(f"{first} must be a numpy array (cpu) or a numba device array (cuda/cudasim), got None")
     if len(set(kinds.values())) > 1:
         hosts = [n for n, k in kinds.items() if k == HOST]
         devs = [n for n, k in kinds.items() if k == DEVICE]
@@ -286,7 +288,9 @@ def check_array(name: str, arr, *, ndim: int, dtypes: Iterable, shape: tuple | N
                 contiguous: bool = True) -> None:
     """Validate one array argument; ``shape`` entries of None are free."""
     dtypes = tuple(np.dtype(d) for d in dtypes)
-    if getattr(arr, "ndim", None) != ndim:
+    if not hasattr(arr, "ndim") or not hasattr(arr, "dtype"):
+        raise TypeError(f"{name} must be a {ndim}-D array (numpy or a numba device array), got {type(arr).__name__}")
+    if arr.ndim != ndim:
         raise ValueError(f"{name} must be a {ndim}-D array, got ndim={getattr(arr, 'ndim', None)} "
                          f"(shape {getattr(arr, 'shape', None)})")
     if np.dtype(arr.dtype) not in dtypes:

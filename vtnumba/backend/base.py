@@ -167,7 +167,11 @@ class Buffer:
         """
         self._check_live("buffer")
         dtype = np.dtype(dtype)
+        if dtype.hasobject or dtype.itemsize == 0:
+            raise TypeError(f"dtype={dtype} cannot view raw memory; expected a numeric dtype such as float32")
         offset = check_nbytes("offset", offset)
+        if offset > self.nbytes:
+            raise ValueError(f"offset={offset} is past the end of buffer #{self.id} ({self.nbytes} bytes)")
         if shape is None:
             count = (self.nbytes - offset) // dtype.itemsize
             shape = (count,)
@@ -404,6 +408,9 @@ class Backend(abc.ABC):
         src_offset = check_nbytes("src_offset", src_offset)
         d_size = self._extent("dst", dst)
         s_size = self._extent("src", src)
+        if isinstance(dst, np.ndarray) and not dst.flags.writeable:
+            raise ValueError("dst is a read-only numpy array (np.frombuffer of bytes, a broadcast view ...); "
+                             "expected memory the copy may write")
         if dst_offset + nbytes > d_size:
             raise ValueError(f"copy of nbytes={nbytes} at dst_offset={dst_offset} runs past the end of dst "
                              f"({d_size} bytes)")
@@ -631,6 +638,9 @@ class Backend(abc.ABC):
         ``timing=False`` (``cudaEventDisableTiming``): the event orders and signals only --
         cheaper on a GPU -- and :meth:`elapsed_ms` refuses it.
         """
+        for name, value in (("blocking", blocking), ("timing", timing)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{name}={value!r} must be True or False")  # ("no" would be truthy)
         ev = self._create_event(bool(blocking), bool(timing))
         with self._lock:
             self._events.add(ev.id)

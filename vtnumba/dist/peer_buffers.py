@@ -37,7 +37,7 @@ import struct
 
 import numpy as np
 
-from vtnumba.backend.arrays import address_of, is_int
+from vtnumba.backend.arrays import address_of, check_shape, is_int
 from vtnumba.backend.base import Backend, check_nbytes
 from vtnumba.dist.comm import DEFAULT, agree_errors, allgather_bytes, barrier, resolve_timeout
 from vtnumba.dist.shm import ShmSegment
@@ -314,10 +314,10 @@ class PeerBuffers:
 
     def _make_views(self, dtype, shape, offset: int) -> list:
         dtype = np.dtype(dtype)
+        if dtype.hasobject or dtype.itemsize == 0:
+            raise TypeError(f"dtype={dtype} cannot view shared memory; expected a numeric dtype such as float32")
         offset = check_nbytes("offset", offset)
-        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise ValueError(f"shape={shape} must not have negative extents")
+        shape = check_shape("shape", shape)  # (2.7 is refused, not truncated to 2)
         if offset % dtype.itemsize:
             raise ValueError(f"offset={offset} is not a multiple of {dtype.name}'s itemsize {dtype.itemsize}")
         need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

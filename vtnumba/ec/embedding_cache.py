@@ -148,6 +148,8 @@ class EmbeddingCache:
     # ------------------------------------------------------------------ queries
     def lookup(self, key: str) -> CacheEntry | None:
         """The entry for ``key`` or None (does not count as a hit or miss)."""
+        if not isinstance(key, str):
+            raise TypeError(f"key={key!r} must be a str (an mm_hash)")
         with self._lock:
             return self._entries.get(key)
 

@@ -501,6 +501,9 @@ class ECConsumer(_Endpoint):
         if not self.is_leader:
             raise RuntimeError(f"load() is for the consumer leader (rank {self.leader}); rank {self.rank} "
                                "calls serve()")
+        if not isinstance(grants, Mapping):
+            raise TypeError(f"grants must be a mapping mm_hash -> block ids (the producer's grant()), "
+                            f"got {type(grants).__name__}")
         for h, ids in grants.items():
             if self.scheduler.request_load(h, ids) is None:
                 raise ValueError(f"load: {h!r} is already being loaded")

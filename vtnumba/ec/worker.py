@@ -74,7 +74,7 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.address_ranges import register, unregister
-from vtnumba.backend.arrays import array_kind, check_int
+from vtnumba.backend.arrays import array_kind, check_int, is_c_contiguous
 from vtnumba.backend.base import Backend, Buffer, Event, Queue
 from vtnumba.ec.descriptors import BadBlockId, DescriptorBufferPool, DescriptorBuffers, prepare_descriptors
 from vtnumba.ec.destination import LoadDestination, LoadDestinations
@@ -140,6 +140,9 @@ def _check_output(src, mm_hash: str, region: ECSharedRegion, num_blocks: int) ->
         if len(shape) != 2 or shape[1] != region.hidden_size:
             raise ValueError(f"encoder_cache[{mm_hash!r}] has shape {tuple(shape)}; expected "
                              f"[rows, {region.hidden_size}] (one row of hidden_size={region.hidden_size} per block)")
+        if not is_c_contiguous(src):  # (the copy reads it by address, as one byte range)
+            raise ValueError(f"encoder_cache[{mm_hash!r}] (shape {tuple(shape)}) must be C-contiguous; save a "
+                             "contiguous copy")
         total = int(shape[0]) * block_size
     if total > num_blocks * block_size:
         raise ValueError(f"encoder_cache[{mm_hash!r}] has {total // block_size} rows ({total} bytes) but "

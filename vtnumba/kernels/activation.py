@@ -172,7 +172,7 @@ def activation(x, kind: str = "gelu", out=None, *, bias=None, queue=None, backen
     thread) and is allocated when None.  numpy arrays run the host reference, device arrays
     the CUDA kernel; with a ``queue`` the work runs in queue order.
     """
-    if kind not in CODES:
+    if not isinstance(kind, str) or kind not in CODES:
         raise ValueError(f"activation kind={kind!r} is not supported; expected one of {ACTIVATIONS}")
     kind_of = common_kind({"x": x, "bias": bias, "out": out})
     check_array("x", x, ndim=2, dtypes=_F32)

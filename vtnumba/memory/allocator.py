@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-from vtnumba.backend.arrays import cdiv
+from vtnumba.backend.arrays import cdiv, check_seconds
 from vtnumba.backend.base import Backend, Buffer, Queue, check_nbytes
 from vtnumba.memory import hazards as _hazards
 
@@ -175,6 +175,13 @@ def _is_oom(exc: BaseException) -> bool:
     return type(exc).__name__ == "CudaAPIError" and "OUT_OF_MEMORY" in str(getattr(exc, "code", exc))
 
 
+def _wait_seconds(name: str, value) -> float:
+    """A wait of 0 (do not wait) or a positive, finite number of seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return 0.0
+    return check_seconds(name, value)
+
+
 class CachingAllocator:
     """Stream-ordered caching allocator over ``backend`` (see the module docstring).
 
@@ -206,7 +213,7 @@ class CachingAllocator:
         self.backend = backend
         self.source = backend if segment_source is None else segment_source
         self.limit_bytes = limit_bytes
-        self.oom_wait_s = float(oom_wait_s)
+        self.oom_wait_s = _wait_seconds("oom_wait_s", oom_wait_s)
         self.small_segment = small_segment
         self.large_round = large_round
         self._lock = threading.RLock()
@@ -338,7 +345,7 @@ class CachingAllocator:
         ``wait_s > 0`` the call polls up to that long for them first (never forever, so a
         queue held at a gate cannot hang it).
         """
-        deadline = time.monotonic() + max(float(wait_s), 0.0)
+        deadline = time.monotonic() + _wait_seconds("wait_s", wait_s)
         with self._lock:
             self.process_events()
             while self._waiting and time.monotonic() < deadline:

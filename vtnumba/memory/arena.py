@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtnumba.backend.arrays import cdiv
+from vtnumba.backend.arrays import cdiv, check_shape
 from vtnumba.backend.base import Backend, check_nbytes
 
 ALIGN = 64  # cache line on the host; >= what any vector load on the GPU needs
@@ -68,7 +68,7 @@ class StepArena:
                                  f"{dtype.itemsize}")
             shape = (nbytes // dtype.itemsize,)
         else:
-            shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+            shape = check_shape("shape", shape)  # ("ab" or (2.5,) are errors, not int()-ed)
             need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             if need != nbytes:
                 raise ValueError(f"shape={shape} of {dtype.name} is {need} bytes, but nbytes={nbytes}")
