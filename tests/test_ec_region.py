@@ -142,6 +142,8 @@ def test_pin_memory_is_a_reported_noop_off_gpu(engine):
     (dict(engine_id="ok", hidden_size=0), ValueError, ["hidden_size=0"]),
     (dict(engine_id="ok", hidden_size=4, dtype="bfloat16"), TypeError, ["bfloat16"]),
     (dict(engine_id="ok", hidden_size=4, dtype="nonsense"), TypeError, ["nonsense"]),
+    (dict(engine_id="ok", hidden_size=4, dtype="U4"), TypeError, ["dtype=<U4 cannot hold embeddings"]),
+    (dict(engine_id="ok", hidden_size=4, dtype=[("a", "f4")]), TypeError, ["cannot hold embeddings"]),
     (dict(engine_id="ok", hidden_size=4, create=True), ValueError, ["region_bytes=None", "creator"]),
     (dict(engine_id="ok", hidden_size=4, region_bytes=-1), ValueError, ["region_bytes=-1"]),
 ])

@@ -133,3 +133,9 @@ def test_a_kind_or_an_array_of_the_wrong_type_is_named(rng):
         activation(x, ["relu"])
     with pytest.raises(TypeError, match=r"x must be a numpy array \(cpu\) or a numba device array .*got None"):
         activation(None, "relu")
+
+
+def test_a_backend_that_is_not_one_is_named(rng):
+    x = rng.standard_normal((2, 3)).astype(np.float32)
+    with pytest.raises(TypeError, match="backend must be a vtnumba Backend or None, got int"):
+        activation(x, "relu", backend=3)

@@ -114,8 +114,10 @@ def _numpy_dtype(dtype) -> np.dtype:
         dt = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"dtype={dtype!r} is not a numpy dtype; expected e.g. 'float16' or 'float32'") from None
-    if dt.hasobject or dt.itemsize == 0:
-        raise TypeError(f"dtype={dt} cannot live in shared memory; expected a fixed-size numeric dtype")
+    if dt.hasobject or dt.itemsize == 0 or dt.kind not in "biufc":
+        # (strings, structured records, datetimes: not the rows of an embedding)
+        raise TypeError(f"dtype={dt} cannot hold embeddings; expected a fixed-size numeric dtype such as "
+                        "float16 or float32")
     return dt
 
 

@@ -181,6 +181,11 @@ def run(kind: str, name: str, queue, backend, host_fn: Callable[[], None],
 
     See the module docstring for the three cases (queue / no queue / simulator).
     """
+    if backend is not None:
+        from vtnumba.backend.base import Backend
+
+        if not isinstance(backend, Backend):  # (without a queue it is not otherwise used: say so now)
+            raise TypeError(f"backend must be a vtnumba Backend or None, got {type(backend).__name__}")
     if queue is not None:
         backend = _resolve_backend(kind, queue, backend)
         # ``uses``: the arrays the work touches, for the hazard checker (see Backend.submit).
