@@ -336,7 +336,7 @@ lesson.say("done")
 #   mixed with device arrays.  vtnumba refuses it: numba would silently copy the numpy
 #   array to the device and back, which breaks peer buffers and queue order.  Use
 #   ``cuda.to_device`` (or a backend buffer's ``view``) for every argument.
-# * The simulator is slow (about 7,000 CUDA threads per second): keep shapes tiny there;
+# * The simulator is slow (about 10,000 CUDA threads per second): keep shapes tiny there;
 #   a 256 x 256 matmul would take minutes.
 # * GFLOP/s from one call on a GPU include the first-call compilation: warm up first
 #   (``measure(..., warmup=1)`` does).

@@ -282,8 +282,11 @@ lesson.say("done")
 #   returns None on every rank so all of them fall back together.
 # * Reading a peer's buffer without a barrier or a flag reads whatever is there *now*:
 #   stale data, not an error.  Every read needs an "it is ready" from the writer.
-# * A small ``/dev/shm`` (Docker's default is 64 MiB) makes ``ftruncate`` succeed and the
-#   first write fail with SIGBUS; start the container with ``--shm-size``.
+# * The peer buffers are anonymous memory (``memfd``): a small ``/dev/shm`` (Docker's default
+#   is 64 MiB) does not limit them.  Segments made *by name* live there, and are reserved
+#   when they are made (``posix_fallocate``): too little room is an ``OSError`` naming the
+#   size ("could not allocate ... of shared memory"), at once -- not a ``SIGBUS`` at the
+#   first write, which is what ``ftruncate`` alone would give.
 # * In the simulator, numpy arguments to a kernel are copied in and back, which hides a
 #   peer's writes and clobbers them afterwards; PeerBuffers hands out zero-copy simulator
 #   arrays instead -- pass those, not ``np.asarray`` of them.

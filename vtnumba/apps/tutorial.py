@@ -12,7 +12,8 @@ rest is code.  :func:`parse_script` splits a file that way; the docs extension
 
 **Figures.**  :meth:`Lesson.figure`, :meth:`Lesson.perf_plot` and :meth:`Lesson.timeline`
 write PNGs into ``<out>/<tutorial name>/`` -- ``<out>`` is ``--out``, else
-``$VTNUMBA_TUTORIAL_OUT``, else ``out/tutorials`` at the repository root (ignored by git) --
+``$VTNUMBA_TUTORIAL_OUT``, else ``$VTNUMBA_OUT_DIR/tutorials``, else ``out/tutorials`` at the
+repository root (ignored by git) --
 on rank 0 only.  matplotlib is optional (the ``docs`` extra): without it a tutorial still
 runs and says that it skipped its figures.
 
@@ -283,7 +284,8 @@ class Lesson:
     args: argparse.Namespace
     #: The tutorial's name (its file name without ``.py``): the figures' subfolder.
     name: str = "tutorial"
-    #: The folder the figures go under (``--out``, ``$VTNUMBA_TUTORIAL_OUT`` or ``out/tutorials``).
+    #: The folder the figures go under (``--out``, ``$VTNUMBA_TUTORIAL_OUT``, ``$VTNUMBA_OUT_DIR/tutorials``
+    #: or ``out/tutorials``).
     out_root: Path = field(default_factory=lambda: Path("out") / "tutorials")
     _stream: _SectionStream | None = None
     _no_figures: str | None = None
