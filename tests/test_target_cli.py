@@ -150,12 +150,13 @@ def test_closed_pipe_is_not_a_traceback():
 
 @pytest.mark.parametrize("argv, says", [
     (["bench", "memory", "--quick", "--json", "/proc/nonexistent/x.json"],
-     "--json /proc/nonexistent: cannot write there (No such file or directory)"),
+     "vtnumba bench memory: error: --json /proc/nonexistent: cannot write there (No such file or directory)"),
     (["bench", "memory", "--quick", "--json", "{file}/x.json"], "--json {file}: is a file, not a folder"),
     (["bench", "memory", "--quick", "--plot", "{file}"], "--plot {file}: is a file, not a folder"),
     (["bench", "memory", "--quick", "--json", "{dir}"], "--json {dir}: is a folder; expected a file name"),
-    (["trace", "--out", "/proc/nonexistent/p", "--", "true"], "--out /proc/nonexistent: cannot write there"),
-    (["trace", "--", "no-such-command-here"], "trace: 'no-such-command-here' is not a command found on PATH"),
+    (["trace", "--out", "/proc/nonexistent/p", "--", "true"],
+     "vtnumba trace: error: --out /proc/nonexistent: cannot write there"),
+    (["trace", "--", "no-such-command-here"], "vtnumba trace: error: 'no-such-command-here' is not a command found on PATH"),
 ])
 def test_an_output_that_cannot_be_written_is_refused_before_the_run(argv, says, tmp_path):
     # Before: the benchmark (or the traced command) ran, and then the write failed with a traceback.

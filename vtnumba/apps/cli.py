@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Run multi-rank commands under 'mpiexec -n N python -m vtnumba ...'.")
     parser.add_argument("--target", dest="target_before_command", choices=TARGETS, default=None, help=_TARGET_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.commands = sub.choices  # name -> its parser: a usage error names the command's own usage
 
     p = sub.add_parser("info", help="versions, the chosen target and why, GPU, MPI (and the job's size under mpiexec)")
     _add_target(p)
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Each suite measures vtnumba against its stock baseline in the same run. "
                                    "Multi-rank suites (peer, tpsp, model) need mpiexec -n 2 or more.")
     suites = p.add_subparsers(dest="suite", metavar="SUITE", required=True)
+    p.commands = suites.choices
     for name in BENCH_SUITES + ("all",):
         sp = suites.add_parser(name, help=BENCH_HELP[name])
         _add_target(sp)
@@ -102,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser, args) -> argparse.ArgumentParser:
+    """The parser of the command (and bench suite) ``args`` names, for its usage errors: ``vtnumba
+    bench memory: error: ...`` under that command's usage line, not the top level's."""
+    command = getattr(parser, "commands", {}).get(getattr(args, "command", None))
+    if command is None:
+        return parser
+    return getattr(command, "commands", {}).get(getattr(args, "suite", None), command)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, choose the target, run the command; returns its exit code (2 for usage errors)."""
     share_cores_between_local_ranks()  # before anything loads numpy's BLAS
@@ -116,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     except TargetError as exc:
         parser.error(str(exc))
 
+    usage_error = _command_parser(parser, args).error
     if args.command == "info":
         from vtnumba.apps.info import print_info
 
@@ -127,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                                               ("--queries", args.queries), ("--no-tpsp", args.no_tpsp or None),
                                               ("--timeout", args.timeout)) if value is not None]
             if given:
-                parser.error(f"demo runtime takes none of the pipeline's options ({', '.join(given)})")
+                usage_error(f"demo runtime takes none of the pipeline's options ({', '.join(given)})")
             from vtnumba.apps.runtime_tour import run_runtime_demo
             from vtnumba.dist import run_collectively
 
@@ -147,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 FaultInjection.parse(args.inject, INJECT_POINTS, MPI.COMM_WORLD.Get_size())
             except ValueError as exc:
-                parser.error(str(exc))
+                usage_error(str(exc))
         if args.timeout is not None:
             set_default_timeout(args.timeout)
         # A rank that fails (not bad input: every rank refuses that alike) ends the others' waits.
@@ -173,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             if plot_dir is not None:
                 check_output_folder("--plot", plot_dir)
         except ValueError as exc:
-            parser.error(str(exc))
+            usage_error(str(exc))
 
         # Every wait of the suites uses the flag; a failing rank reaches the others at once.
         set_default_timeout(args.timeout)
@@ -185,13 +197,13 @@ def main(argv: list[str] | None = None) -> int:
 
         cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
         if not cmd:
-            parser.error("trace needs a command after --, e.g. vtnumba trace -- mpiexec -n 2 python mpi/tpsp_model.py")
+            usage_error("trace needs a command after --, e.g. vtnumba trace -- mpiexec -n 2 python mpi/tpsp_model.py")
         if shutil.which(cmd[0]) is None:
-            parser.error(f"trace: {cmd[0]!r} is not a command found on PATH (nor an executable file)")
+            usage_error(f"{cmd[0]!r} is not a command found on PATH (nor an executable file)")
         try:
             check_output_folder("--out", os.path.dirname(os.path.abspath(args.out)))
         except ValueError as exc:
-            parser.error(str(exc))
+            usage_error(str(exc))
         return run_traced(cmd, args.out)
     parser.error(f"unknown command {args.command!r}")
     return 2
