@@ -125,6 +125,17 @@ def test_different_texts_on_different_ranks_are_refused(weights):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_different_batch_sizes_on_different_ranks_are_refused(weights):
+    # Each batch is one forward with collectives: a rank batching differently met the others'
+    # forwards with its own -- wrong embeddings on one rank, a timeout on another.
+    enc = MiniLMEncoder(COMM, weights=weights, timeout_s=60)
+    texts = ["short one", "a somewhat longer sentence here", "x y z"]
+    with pytest.raises(ValueError, match="passed different batch_size values"):
+        enc.encode(texts, batch_size=1 if COMM.Get_rank() else 3)
+    assert enc.encode(texts, batch_size=3).shape == (3, 384)  # and the group still works
+
+
+@pytest.mark.mpi(min_size=2)
 def test_group_size_must_match_and_divide_heads(weights):
     size = COMM.Get_size()
     with pytest.raises(ValueError, match=f"does not match the group's size {size}"):

@@ -166,6 +166,38 @@ def test_regular_forward_matches_float64(group, norm):
     collectively(body)
 
 
+def test_the_regular_forwards_refuse_calls_the_ranks_disagree_on(group):
+    """MPI cannot see that two ranks passed different shapes to one collective: the regular
+    forwards returned wrong rows (different T), or -- one rank refusing its arguments before
+    the collective -- matched the others' collective with its next call.  Now every rank says
+    what is wrong, and the next call works."""
+    me, n = group.rank, group.size
+    rng = np.random.default_rng(me)
+
+    def f(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    w, b, nw, H = f(8, 4), f(8), np.ones(8, np.float32), 8
+    T = 2 * n
+    with pytest.raises(ValueError, match=r"called it with different shapes \(rank 0: T=%d, H=8, norm=rms; rank 1: "
+                                         r"T=%d" % (T, T + 1)):
+        regular_matmul_rs_norm_ag(group, f(T + (me > 0) * me, 4), w, b, f(-(-(T + me) // n), H), nw, 1e-5)
+    if me == 1:
+        with pytest.raises(ValueError, match=r"w has shape \(8, 4\)"):
+            regular_matmul_rs_norm_ag(group, f(T, 5), w, b, f(2, H), nw, 1e-5)
+    else:
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of group .* refused their arguments"):
+            regular_matmul_rs_norm_ag(group, f(T, 4), w, b, f(2, H), nw, 1e-5)
+    with pytest.raises(ValueError, match="called it with different shapes"):
+        regular_matmul_ar_norm(group, f(4 + me, 4), w, b, f(4 + me, H), nw, 1e-5, norm="rms" if me else "layer")
+
+    def ok():
+        got, _ = regular_matmul_rs_norm_ag(group, f(T, 4), w, b, f(2, H), nw, 1e-5)
+        assert got.shape == (T, H) and np.isfinite(got).all()
+
+    collectively(ok)
+
+
 def test_threaded_host_queue_gives_the_same_result(group):
     """Matmuls on a worker thread (overlapping the exchange) must not change the result."""
     def body():

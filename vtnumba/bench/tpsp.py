@@ -160,7 +160,7 @@ def _measure(group, backend, handle, T, K, H, w, bias, norm_w, rng, repeat, devi
 
         dreg, dreg_res = cuda.device_array((T, H), np.float32), cuda.device_array((R, H), np.float32)
         regular = lambda: regular_matmul_rs_norm_ag(group, dx, dw, db, dres, dnw, EPS, out=dreg,  # noqa: E731
-                                                    new_residual=dreg_res, timeout_s=None)
+                                                    new_residual=dreg_res, timeout_s=None, agree=False)
     else:
         dx, dw, db, dres, dnw = x, w, bias, residual, norm_w
         dout, dnew = np.empty((T, H), np.float32), np.empty((R, H), np.float32)

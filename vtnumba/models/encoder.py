@@ -149,8 +149,10 @@ class MiniLMEncoder:
         self.model.close()
 
     # -- agreement ------------------------------------------------------------------------
-    def _agree(self, error: BaseException | None, token_ids: list[np.ndarray] | None) -> None:
-        """All ranks learn whether any rank failed and whether they hold the same ids."""
+    def _agree(self, error: BaseException | None, token_ids: list[np.ndarray] | None, batch_size: int = 0) -> None:
+        """All ranks learn whether any rank failed and whether they hold the same ids and
+        ``batch_size`` (batches run collectives, one forward per batch: a rank cutting the
+        texts into other batches would meet the others' forwards with its own)."""
         if self.group is None or self.tp == 1:
             if error is not None:
                 raise error
@@ -162,9 +164,10 @@ class MiniLMEncoder:
         else:
             crc = n = 0
         failed = int(error is not None)
-        # One MAX all-reduce answers three questions: did anyone fail, and are (n, crc) the same
-        # everywhere (max of x equals -max of -x only when all ranks hold the same x).
-        v = np.asarray([failed, n, -n, crc, -crc], dtype=np.int64)
+        bs = int(batch_size) if error is None else 0
+        # One MAX all-reduce answers four questions: did anyone fail, and are (n, crc, batch_size)
+        # the same everywhere (max of x equals -max of -x only when all ranks hold the same x).
+        v = np.asarray([failed, n, -n, crc, -crc, bs, -bs], dtype=np.int64)
         wait_request(self.group.cpu_comm.Iallreduce(MPI.IN_PLACE, v, op=MPI.MAX), self.group,
                      "the encoder's input agreement", self.timeout_s)
         if error is not None:
@@ -173,6 +176,9 @@ class MiniLMEncoder:
             raise RuntimeError("another rank of the tensor-parallel group rejected its input (see its error); no forward was run")
         if v[1] != -v[2] or v[3] != -v[4]:
             raise RuntimeError("the ranks of the tensor-parallel group were given different texts; every rank must pass the same ones")
+        if v[5] != -v[6]:
+            raise ValueError(f"the ranks of the tensor-parallel group passed different batch_size values (from "
+                             f"{-v[6]} to {v[5]}); every rank must pass the same one")
 
     def tokenize(self, texts: Sequence[str], batch_size: int = 64) -> list[np.ndarray]:
         """Token ids per text (collective when tp > 1: every rank must pass the same texts).
@@ -184,7 +190,7 @@ class MiniLMEncoder:
             ids, err = self.tokenizer.encode(texts), None
         except (TypeError, ValueError) as exc:
             ids, err = None, exc
-        self._agree(err, ids)
+        self._agree(err, ids, batch_size)
         return ids
 
     # -- forward --------------------------------------------------------------------------
@@ -214,7 +220,7 @@ class MiniLMEncoder:
             _check_batch_size(batch_size)
         except (TypeError, ValueError) as exc:
             ids, err = None, exc
-        self._agree(err, ids)
+        self._agree(err, ids, batch_size)
         return self._forward_ids(ids, batch_size)
 
     def _forward_ids(self, ids: list[np.ndarray], batch_size: int) -> list[np.ndarray]:

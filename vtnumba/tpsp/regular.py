@@ -23,6 +23,15 @@ arrays are staged through the host; the collectives themselves are
 :func:`vtnumba.dist.mpi_reduce_scatter` / :func:`vtnumba.dist.mpi_all_gather`, which also pad
 ``T`` up to ``tp * R`` rows.  ``timeout_s=None`` makes the plain blocking MPI calls (what a
 benchmark should time); a number bounds every wait.
+
+**The ranks agree first.**  MPI cannot tell that two ranks passed different shapes to one
+``Reduce_scatter_block``: each rank gets *some* rows and returns.  And a rank whose own
+arguments fail its checks raises before the collective, so the others' collective is
+matched with its *next* call -- wrong rows, then a hang.  So before the first collective
+every rank shares one small row -- ``[refused?, T, H, norm]`` -- in one ``Allgather``: a rank
+that refused raises its own error, the others say which ranks refused, and different shapes
+are one ValueError on every rank.  (The fused op does the same through its peer flags.)
+``agree=False`` skips it, for a benchmark that times the stock collectives alone.
 """
 
 from __future__ import annotations
@@ -52,16 +61,55 @@ def add_norm(y, residual, weight, eps, bias, norm_bias, norm: str, out, new_resi
     return fused_add_rms_norm(y, residual, weight, eps, bias=bias, out=out, new_residual=new_residual)
 
 
+_NORM_CODES = {"rms": 0, LAYER: 1}
+
+
+def _agree_on_call(group, what: str, check, timeout_s, agree: bool):
+    """Run this rank's argument checks (``check()`` -> ``(result, (T, H, norm))``), then -- over
+    ``group``, unless ``agree`` is false -- learn every rank's outcome (see the module docstring)."""
+    error = result = None
+    shape = (0, 0, "rms")
+    try:
+        result, shape = check()
+    except (ValueError, TypeError) as exc:
+        error = exc
+    if agree and group is not None and group.size > 1:
+        mine = np.array([int(error is not None), shape[0], shape[1], _NORM_CODES.get(shape[2], -1)], np.int64)
+        rows = np.empty((group.size, 4), np.int64)
+        if timeout_s is None:
+            group.comm.Allgather(mine, rows)
+        else:
+            wait_request(group.comm.Iallgather(mine, rows), group, f"{what}: every rank's arguments", timeout_s)
+        refused = [r for r in range(group.size) if rows[r, 0]]
+        if error is not None:
+            raise error
+        if refused:
+            raise ValueError(f"{what}: rank(s) {refused} of group {group.name!r} refused their arguments (their "
+                             "own errors say why); no rank ran the collectives")
+        if (rows[:, 1:] != rows[0, 1:]).any():
+            names = {v: k for k, v in _NORM_CODES.items()}
+            shown = "; ".join(f"rank {r}: T={t}, H={h}, norm={names.get(n, n)}" for r, (_, t, h, n) in enumerate(rows))
+            raise ValueError(f"{what}: the ranks of group {group.name!r} called it with different shapes ({shown}); "
+                             "every rank must pass the same T, H and norm")
+    elif error is not None:
+        raise error
+    return result
+
+
 def regular_matmul_rs_norm_ag(group, x, w, bias, residual, norm_weight, eps, norm_bias=None, *, norm="rms",
-                              out=None, new_residual=None, timeout_s: float | None = DEFAULT):
+                              out=None, new_residual=None, timeout_s: float | None = DEFAULT, agree: bool = True):
     """The unfused forward with the fused op's contract; returns ``(gathered [T, H], new_residual [R, H])``.
 
     Collective over ``group`` (a :class:`vtnumba.dist.ProcessGroup`): every rank calls it
     with the same ``T`` and ``H``.  ``out``/``new_residual`` are filled when given (else
     allocated); ``new_residual`` may be ``residual`` itself.
     """
-    shape, eps = check_call(x, w, bias, residual, norm_weight, eps, norm_bias, norm, group.size,
-                            out=out, new_residual=new_residual)
+    def check():
+        shape, checked_eps = check_call(x, w, bias, residual, norm_weight, eps, norm_bias, norm, group.size,
+                                        out=out, new_residual=new_residual)
+        return (shape, checked_eps), (shape.T, shape.H, shape.norm)
+
+    shape, eps = _agree_on_call(group, "regular_matmul_rs_norm_ag", check, timeout_s, agree)
     T, H, R = shape.T, shape.H, shape.R
     partial = linear(x, w)                                  # [T, H] partial sum of this rank's K shard
     y = _empty_like_kind(x, (R, H))
@@ -93,26 +141,29 @@ def mpi_all_reduce_(partial, group, timeout_s: float | None = DEFAULT):
 
 
 def regular_matmul_ar_norm(group, x, w, bias, residual, norm_weight, eps, norm_bias=None, *, norm="rms",
-                           out=None, new_residual=None, timeout_s: float | None = DEFAULT):
+                           out=None, new_residual=None, timeout_s: float | None = DEFAULT, agree: bool = True):
     """Tensor parallelism without sequence parallelism; returns ``(normed [T, H], new_residual [T, H])``.
 
     ``residual`` is the *full* ``[T, H]`` residual, replicated on every rank.  The partial
     ``x @ W.T`` is all-reduced, then every rank adds bias + residual and normalises all rows.
     """
-    norm = get_tpsp_norm_type(norm)
-    check_tpsp_array("x", x, (None, None))
-    T, K = (int(s) for s in x.shape)
-    check_tpsp_array("w", w, (None, K))
-    H = int(w.shape[0])
-    check_tpsp_array("residual", residual, (T, H))
-    check_tpsp_array("norm_weight", norm_weight, (H,))
-    if bias is not None:
-        check_tpsp_array("bias", bias, (H,))
-    if norm_bias is not None:
-        if norm != LAYER:
-            raise ValueError(f"norm_bias is given but norm={norm!r}: only LayerNorm has a bias")
-        check_tpsp_array("norm_bias", norm_bias, (H,))
-    eps = check_eps(eps)
+    def check():
+        kind = get_tpsp_norm_type(norm)
+        check_tpsp_array("x", x, (None, None))
+        T, K = (int(s) for s in x.shape)
+        check_tpsp_array("w", w, (None, K))
+        H = int(w.shape[0])
+        check_tpsp_array("residual", residual, (T, H))
+        check_tpsp_array("norm_weight", norm_weight, (H,))
+        if bias is not None:
+            check_tpsp_array("bias", bias, (H,))
+        if norm_bias is not None:
+            if kind != LAYER:
+                raise ValueError(f"norm_bias is given but norm={kind!r}: only LayerNorm has a bias")
+            check_tpsp_array("norm_bias", norm_bias, (H,))
+        return (kind, T, H, check_eps(eps)), (T, H, kind)
+
+    norm, T, H, eps = _agree_on_call(group, "regular_matmul_ar_norm", check, timeout_s, agree)
     partial = linear(x, w)
     if group is not None and group.size > 1:
         mpi_all_reduce_(partial, group, timeout_s)
