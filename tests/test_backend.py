@@ -402,3 +402,19 @@ def test_views_events_and_copies_refuse_what_they_cannot_do(backend):
         backend.copy(q, np.frombuffer(b"x" * 16, np.uint8), buf, 16)
     backend.destroy_queue(q)
     backend.free(buf)
+
+
+def test_a_failed_end_capture_keeps_the_graph_captured_before(backend):
+    # end_capture destroyed the kept graph first, then found the queue was not capturing:
+    # replay() afterwards said "nothing captured".  (No capture runs here; the kept graph
+    # stands in for one captured earlier.)
+    from vtnumba.backend.base import GraphHandle
+
+    q = backend.create_queue("not-capturing")
+    kept = GraphHandle(backend, object())
+    backend._default_graph = kept
+    with pytest.raises(RuntimeError, match="is not capturing"):
+        backend.end_capture(q)
+    assert backend._default_graph is kept and not kept.destroyed
+    backend._default_graph = None
+    backend.destroy_queue(q)

@@ -172,3 +172,20 @@ def test_device_params_follow_the_input(device_backend, rng):
     np.testing.assert_allclose(on_device(), lin(x), rtol=1e-5, atol=1e-5)
     lin.weight = lin.weight * 2  # a new host array drops the stale device copy
     np.testing.assert_allclose(on_device(), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_refuse_sizes_seeds_and_activations_they_cannot_use():
+    # (2.5 was truncated to 2, 0 gave a (4, 0) weight, seed=-1 numpy's SeedSequence error, and a
+    # bad act= was found only at the first forward; a list input went looking for a GPU.)
+    from vtnumba.nn import ColumnParallelLinear, ParallelMLPBlock
+
+    with pytest.raises(TypeError, match="in_features=2.5 must be an int"):
+        ColumnParallelLinear(2.5, 4, tp_size=1, tp_rank=0)
+    with pytest.raises(ValueError, match="out_features=0"):
+        ColumnParallelLinear(4, 0, tp_size=1, tp_rank=0)
+    with pytest.raises(ValueError, match="seed=-1 must be a non-negative int"):
+        ColumnParallelLinear(4, 6, tp_size=1, tp_rank=0, seed=-1)
+    with pytest.raises(ValueError, match="act='nope' is not an activation"):
+        ParallelMLPBlock(4, 8, act="nope", tp_size=1, tp_rank=0)
+    with pytest.raises(TypeError, match="x must be a numpy array .* got builtins.list"):
+        ColumnParallelLinear(4, 6, tp_size=1, tp_rank=0)([[1.0, 2.0, 3.0, 4.0]])

@@ -739,9 +739,12 @@ class Backend(abc.ABC):
 
     def end_capture(self, q: Queue) -> None:
         """vllm.cpp's single-graph API: end capture and keep the graph as the default one."""
-        if self._default_graph is not None and not self._default_graph.destroyed:
-            self.destroy_graph(self._default_graph)
-        self._default_graph = self.end_capture_graph(q)
+        # End the new capture first: if that fails (the wrong queue, a capture that broke),
+        # the graph kept from before must still be there to replay.
+        graph = self.end_capture_graph(q)
+        old, self._default_graph = self._default_graph, graph
+        if old is not None and not old.destroyed:
+            self.destroy_graph(old)
 
     def replay(self, q: Queue) -> None:
         """Replay the graph :meth:`end_capture` kept on ``q``; RuntimeError if there is none."""

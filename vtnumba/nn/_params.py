@@ -41,6 +41,9 @@ class Params:
         value = getattr(self, name)
         if value is None or is_host(like):
             return value
+        from vtnumba.backend.arrays import array_kind
+
+        array_kind("x", like)  # not numpy, and not a device array either (a list, say): TypeError naming it
         cache = self.__dict__.setdefault("_device_params", {})
         if name not in cache:
             cache[name] = _upload(value)

@@ -24,6 +24,7 @@ runs it both ways and compares.
 from __future__ import annotations
 
 from vtnumba.backend.arrays import is_int
+from vtnumba.kernels import ACTIVATIONS
 from vtnumba.nn.activation import activation
 from vtnumba.nn.linear import ColumnParallelLinear, RowParallelLinear
 from vtnumba.nn.norm import make_norm
@@ -36,6 +37,10 @@ class ParallelMLPBlock:
 
     def __init__(self, hidden_size: int, ffn_size: int, *, norm: str = "rms", act: str = "gelu", bias: bool = True,
                  tp_size=None, tp_rank=None, seed: int = 0):
+        if not isinstance(act, str) or act not in ACTIVATIONS:  # now, not at the first forward
+            raise ValueError(f"act={act!r} is not an activation; expected one of {ACTIVATIONS}")
+        if isinstance(seed, bool) or not is_int(seed) or seed < 0:
+            raise ValueError(f"seed={seed!r} must be a non-negative int")
         self.up = ColumnParallelLinear(hidden_size, ffn_size, bias=bias, tp_size=tp_size, tp_rank=tp_rank,
                                        seed=seed * 10 + 1)
         self.down = RowParallelLinear(ffn_size, hidden_size, bias=bias, tp_size=tp_size, tp_rank=tp_rank,

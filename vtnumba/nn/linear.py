@@ -76,6 +76,13 @@ def _full_bias(bias, out_features: int, seed: int) -> np.ndarray | None:
     return b
 
 
+def _features(in_features, out_features, seed) -> tuple[int, int]:
+    """The two sizes as positive ints (2.5 is refused, not truncated), and a usable seed."""
+    if isinstance(seed, bool) or not is_int(seed) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be a non-negative int")
+    return (check_int("in_features", in_features, min_value=1), check_int("out_features", out_features, min_value=1))
+
+
 class ColumnParallelLinear(Params):
     """``y_local = x @ W[out slice].T + b[out slice]``; ``x`` is the full input, replicated.
 
@@ -88,7 +95,7 @@ class ColumnParallelLinear(Params):
     def __init__(self, in_features: int, out_features: int, *, bias=True, weight=None, tp_size=None, tp_rank=None,
                  seed: int = 0):
         self.tp_size, self.tp_rank = _tp(tp_size, tp_rank)
-        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.in_features, self.out_features = _features(in_features, out_features, seed)
         lo, hi = split_range(self.out_features, self.tp_size, self.tp_rank)
         self.out_range = (lo, hi)
         full = _full_weight(weight, self.out_features, self.in_features, seed)
@@ -126,7 +133,7 @@ class RowParallelLinear(Params):
     def __init__(self, in_features: int, out_features: int, *, bias=True, weight=None, tp_size=None, tp_rank=None,
                  seed: int = 0):
         self.tp_size, self.tp_rank = _tp(tp_size, tp_rank)
-        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.in_features, self.out_features = _features(in_features, out_features, seed)
         lo, hi = split_range(self.in_features, self.tp_size, self.tp_rank)
         self.in_range = (lo, hi)
         full = _full_weight(weight, self.out_features, self.in_features, seed)
