@@ -344,3 +344,43 @@ def test_traced_two_rank_tpsp_run(tmp_path):
         assert any(t.startswith("mpi:") for t in tracks)
     assert all(e["dur"] >= 0 for e in spans)
     assert (tmp_path / "tpsp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_enable_refuses_paths_and_ranks_it_cannot_write(tmp_path):
+    # enable(None) worked until flush() failed with AttributeError; "" and "dir/" wrote hidden
+    # ".rank0.json" files.
+    for bad in (None, 3, "", str(tmp_path) + os.sep, str(tmp_path)):
+        with pytest.raises(ValueError, match="must be a file prefix"):
+            trace.enable(bad)
+    with pytest.raises(ValueError, match="rank='x' must be None"):
+        trace.enable(str(tmp_path / "t"), rank="x")
+    assert trace.RECORDER is None or trace.RECORDER.path != str(tmp_path / "t")
+
+
+def test_spans_from_before_tracing_and_non_finite_args_are_not_garbage(tmp_path):
+    import json as _json
+
+    trace.disable()
+    early = trace.span("early", "host", "host")
+    early.__enter__()  # entered while tracing is off ...
+    rec = trace.enable(str(tmp_path / "t"), rank=0)
+    try:
+        early.__exit__(None, None, None)  # ... exited while on: no start time, so no event
+        with trace.span("late", "host", "host", ratio=float("nan"), big=float("inf")):
+            pass
+        path = trace.flush()
+    finally:
+        trace.disable()
+    events = [e for e in _json.loads(open(path).read(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
+              ["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in events] == ["late"] and rec is not None
+    assert events[0]["args"] == {"ratio": "nan", "big": "inf"}
+
+
+def test_a_trace_path_that_cannot_be_written_is_said_at_start():
+    env = dict(os.environ, VTNUMBA_TRACE="/proc/nonexistent/t.json")
+    proc = subprocess.run([sys.executable, "-c", "import vtnumba.trace as t; print(t.RECORDER)"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stdout + proc.stderr
+    assert "VTNUMBA_TRACE='/proc/nonexistent/t.json' cannot be written" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr

@@ -29,7 +29,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import math
 import os
+import sys
 import threading
 import time
 
@@ -57,7 +59,10 @@ class Recorder:
         ev = {"name": name, "cat": cat, "ph": "X", "ts": start_ns / 1000.0,
               "dur": max(end_ns - start_ns, 0) / 1000.0, "tid": self.track_id(track), "track": track}
         if args:
-            ev["args"] = {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
+            # JSON scalars only; NaN and infinities as text (json.dump would write NaN, which a
+            # strict parser -- a browser's JSON.parse -- refuses).
+            ev["args"] = {k: (v if isinstance(v, (int, str, bool)) or v is None
+                              or (isinstance(v, float) and math.isfinite(v)) else str(v))
                           for k, v in args.items()}
         with self._lock:
             self.events.append(ev)
@@ -95,8 +100,6 @@ def world_rank() -> int | None:
     """This process's rank in MPI's world: from MPI once it runs, else from the environment
     ``mpiexec`` starts each rank with (so it is known before MPI is initialized); None outside
     ``mpiexec``."""
-    import sys
-
     if "mpi4py.MPI" in sys.modules:
         from mpi4py import MPI
 
@@ -115,6 +118,12 @@ now_ns = time.perf_counter_ns
 def enable(path: str, rank: int | None = None) -> Recorder:
     """Start recording; events are written to ``<path>.rank<R>.json`` by :func:`flush`."""
     global RECORDER
+    path = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(path, str) or not path or path.endswith(os.sep) or os.path.isdir(path):
+        raise ValueError(f"path={path!r} must be a file prefix such as 'out/trace' (its rank files are "
+                         "<path>.rank<R>.json), not empty and not a folder")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ValueError(f"rank={rank!r} must be None (MPI's world rank) or an int >= 0")
     RECORDER = Recorder(path, rank)
     return RECORDER
 
@@ -180,7 +189,7 @@ class span:
 
     def __exit__(self, *exc):
         rec = RECORDER
-        if rec is not None:
+        if rec is not None and self.t0:  # (t0 == 0: entered before tracing was on -- no start to draw)
             rec.add(self.name, self.cat, self.track, self.t0, now_ns(), self.args)
         return False
 
@@ -193,7 +202,19 @@ def flush() -> str | None:
 def _enable_from_env() -> None:
     path = os.environ.get("VTNUMBA_TRACE")
     if path and RECORDER is None:
-        enable(path)
+        # Say now if the trace cannot be written, not at exit (an ignored atexit traceback,
+        # exit status 0 and no trace).
+        try:
+            enable(path)
+            folder = os.path.dirname(os.path.abspath(path))
+            os.makedirs(folder, exist_ok=True)
+            if not os.access(folder, os.W_OK):
+                raise OSError(f"{folder} is not writable")
+        except (ValueError, OSError) as exc:
+            disable()
+            print(f"vtnumba: VTNUMBA_TRACE={path!r} cannot be written ({exc}); this run records no trace",
+                  file=sys.stderr)
+            return
         atexit.register(flush)
 
 
