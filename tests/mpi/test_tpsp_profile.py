@@ -101,6 +101,30 @@ def test_profile_argument_errors(group, no_leaks):
     collectively(body)
 
 
+def test_profile_arguments_are_agreed_across_ranks(group, no_leaks):
+    """A bad argument on one rank left the others waiting for it until the timeout; different
+    thresholds on two ranks sent one call down the fused path and the other down the regular
+    one (a hang).  Both are now errors on every rank, before any collective."""
+    me = group.rank
+
+    def body():
+        be = HostTPSPBackend("tp", timeout_s=20)
+        g = _groups(group)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=r"profile: failed on 1 of \d+ ranks .* rank 1: budget_s=-1 must be"):
+            be.profile(g, 16, budget_s=-1 if me == 1 else 5)
+        assert time.monotonic() - t0 < 10  # told at once, not after the timeout
+        with pytest.raises(ValueError, match=r"profile: the ranks passed different arguments"):
+            be.profile(g, 16, threshold_tokens=4 + me)
+        with pytest.raises(TypeError, match=r"search='no' must be True or False"):
+            be.profile(g, 16, search="no")
+        ctx = be.profile(g, 16)  # and the group still works
+        assert ctx is not None
+        be.close()
+
+    collectively(body)
+
+
 def test_measured_profile_picks_a_chunk_and_a_threshold_within_budget(group, no_leaks):
     def body():
         be = HostTPSPBackend("tp")

@@ -37,6 +37,7 @@ import numpy as np
 
 from vtnumba.backend.arrays import is_int, to_host
 from vtnumba.dist import all_ranks_ready, allreduce_max, barrier, get_group
+from vtnumba.dist.comm import agree_errors, allgather_bytes
 from vtnumba.tpsp.config import TPSPConfig, TPSPContext, TPSPProfile, check_ops_groups
 from vtnumba.tpsp.norm_type import get_tpsp_norm_type
 from vtnumba.tpsp.regular import regular_matmul_rs_norm_ag
@@ -250,18 +251,37 @@ def profile_tpsp(backend, ops_groups, max_batched_tokens: int, *, search: bool =
         raise ValueError("TPSP profiling requires a backend")
     if backend.closed:
         raise RuntimeError(f"{type(backend).__name__} is closed")
-    groups = check_ops_groups(ops_groups)
-    if not is_int(max_batched_tokens) or max_batched_tokens < 1:
-        raise ValueError(f"max_batched_tokens={max_batched_tokens!r} must be a positive int")
-    if threshold_tokens is not None and (not is_int(threshold_tokens)
-                                         or not 1 <= threshold_tokens <= max_batched_tokens):
-        raise ValueError(f"threshold_tokens={threshold_tokens!r} must be an int in 1..max_batched_tokens="
-                         f"{max_batched_tokens}")
-    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
-        raise ValueError(f"budget_s={budget_s!r} must be a positive number of seconds")
-    if config is not None and not isinstance(config, TPSPConfig):
-        config = TPSPConfig(config)  # an int microchunk; TPSPConfig validates it
     group = get_group(backend.group_name)
+    # Every rank checks its own arguments, then the ranks agree -- on whether all passed and on
+    # the arguments themselves -- before any collective: a rank that refused would leave the
+    # others waiting for it until the timeout, and ranks with different thresholds would take
+    # different paths at the same call (fused on one, regular on another: a hang).
+    error = None
+    try:
+        groups = check_ops_groups(ops_groups)
+        if not is_int(max_batched_tokens) or max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens={max_batched_tokens!r} must be a positive int")
+        if threshold_tokens is not None and (not is_int(threshold_tokens)
+                                             or not 1 <= threshold_tokens <= max_batched_tokens):
+            raise ValueError(f"threshold_tokens={threshold_tokens!r} must be an int in 1..max_batched_tokens="
+                             f"{max_batched_tokens}")
+        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
+            raise ValueError(f"budget_s={budget_s!r} must be a positive number of seconds")
+        for name, flag in (("search", search), ("parity_check", parity_check)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name}={flag!r} must be True or False")  # ('no' would be truthy)
+        if config is not None and not isinstance(config, TPSPConfig):
+            config = TPSPConfig(config)  # an int microchunk; TPSPConfig validates it
+    except (ValueError, TypeError) as exc:
+        error = exc
+    agree_errors(error, group, context="profile", timeout_s=backend.timeout_s)
+    mine = repr((int(max_batched_tokens), threshold_tokens, bool(search), config, float(budget_s),
+                 bool(parity_check))).encode()
+    everyone = allgather_bytes(mine, group, backend.timeout_s)
+    if any(b != mine for b in everyone):
+        shown = "; ".join(f"rank {r}: {b.decode()}" for r, b in enumerate(everyone))
+        raise ValueError("profile: the ranks passed different arguments (max_batched_tokens, threshold_tokens, "
+                         f"search, config, budget_s, parity_check) -- {shown}; every rank must pass the same ones")
     hidden = int(np.prod(groups[0].norm.weight.shape))
     started = time.monotonic()
     deadline = started + float(budget_s)
