@@ -10,6 +10,7 @@ and the real TPSP op) are in tests/mpi/test_minilm_tp.py and test_minilm_random_
 
 import math
 import os
+import re
 import threading
 import warnings
 
@@ -455,6 +456,35 @@ def test_model_files_missing_say_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match=ENV_VAR):
         find_minilm_dir()
+
+
+@pytest.mark.parametrize("broken, content, says", [
+    ("config.json", "{hidden", "config.json is not valid JSON"),
+    ("config.json", '{"model_type": "bert"}', "config.json has no 'vocab_size'; it is not a BERT config"),
+    ("sentence_bert_config.json", "[1, 2]", "sentence_bert_config.json holds a JSON list, not an object"),
+    ("model.safetensors", "not safetensors", "model.safetensors cannot be read as safetensors"),
+    ("tokenizer.json", "hello", "tokenizer.json is not a tokenizer file"),
+])
+def test_a_damaged_model_file_is_named(tmp_path, broken, content, says):
+    # A damaged download raised JSONDecodeError, KeyError, AttributeError, SafetensorError or a
+    # bare Exception from inside the libraries, naming no file.
+    import shutil
+
+    real = _model_dir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "sentence_bert_config.json"):
+        if (real / name).exists():
+            target = tmp_path / name
+            if name == "model.safetensors":
+                target.symlink_to(real / name)  # (90 MB: no copy)
+            else:
+                shutil.copy(real / name, target)
+    (tmp_path / broken).unlink(missing_ok=True)
+    (tmp_path / broken).write_text(content)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        if broken == "tokenizer.json":
+            MiniLMTokenizer(tmp_path)
+        else:
+            load_minilm_weights(tmp_path)
 
 
 def test_env_override_points_at_a_model_folder(monkeypatch):

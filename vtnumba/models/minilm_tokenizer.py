@@ -121,7 +121,10 @@ class MiniLMTokenizer:
             from tokenizers import Tokenizer
         except ImportError as exc:
             raise ImportError(f"tokenizing for MiniLM needs the 'tokenizers' package; {INSTALL_HINT}") from exc
-        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for a bad file
+            raise ValueError(f"{folder / 'tokenizer.json'} is not a tokenizer file ({exc}); re-download it") from None
         # tokenizer.json pads and truncates to a fixed 128; we pack real tokens and truncate ourselves.
         tok.no_padding()
         tok.no_truncation()

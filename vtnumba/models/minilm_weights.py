@@ -58,15 +58,16 @@ class MiniLMConfig:
     @classmethod
     def from_dir(cls, model_dir: Path) -> MiniLMConfig:
         """Read ``config.json`` (and ``sentence_bert_config.json`` if present) from ``model_dir``."""
-        raw = json.loads((model_dir / "config.json").read_text())
+        raw = _read_json(model_dir / "config.json")
         # Only the plain BERT recipe is implemented; anything else must fail loudly, not silently differ.
         for key, want in (("model_type", "bert"), ("hidden_act", "gelu"), ("position_embedding_type", "absolute")):
             got = raw.get(key, want)
             if got != want:
                 raise ValueError(f"config.json {key}={got!r} is not supported; expected {want!r}")
         st_path = model_dir / "sentence_bert_config.json"
-        max_seq = json.loads(st_path.read_text()).get("max_seq_length") if st_path.is_file() else None
-        cfg = cls(
+        max_seq = _read_json(st_path).get("max_seq_length") if st_path.is_file() else None
+        try:
+            cfg = cls(
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
             num_hidden_layers=int(raw["num_hidden_layers"]),
@@ -77,7 +78,11 @@ class MiniLMConfig:
             layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
             pad_token_id=int(raw.get("pad_token_id", 0)),
             max_seq_length=int(max_seq) if max_seq else int(raw["max_position_embeddings"]),
-        )
+            )
+        except KeyError as exc:
+            raise ValueError(f"{model_dir / 'config.json'} has no {exc.args[0]!r}; it is not a BERT config") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{model_dir / 'config.json'} has a value that is not a number ({exc})") from None
         if cfg.hidden_size % cfg.num_attention_heads:
             raise ValueError(
                 f"config.json hidden_size={cfg.hidden_size} is not a multiple of num_attention_heads={cfg.num_attention_heads}"
@@ -158,11 +163,28 @@ def _import_safetensors():
     return st_numpy
 
 
+def _read_json(path: Path) -> dict:
+    """A JSON object from ``path``; ValueError naming the file when it is not one."""
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); re-download the model files") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object; re-download the model files")
+    return raw
+
+
 def load_minilm_weights(model_dir: str | os.PathLike | None = None) -> MiniLMWeights:
     """Read ``config.json`` and ``model.safetensors`` into :class:`MiniLMWeights` (float32)."""
     folder = find_minilm_dir(model_dir)
     cfg = MiniLMConfig.from_dir(folder)
-    tensors = _import_safetensors().load_file(str(folder / "model.safetensors"))
+    try:
+        tensors = _import_safetensors().load_file(str(folder / "model.safetensors"))
+    except ImportError:
+        raise
+    except Exception as exc:  # safetensors' own error type: a truncated or foreign file
+        raise ValueError(f"{folder / 'model.safetensors'} cannot be read as safetensors ({exc}); the file is "
+                         "damaged or incomplete -- re-download it") from None
 
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
         # Some exports prefix every name with "bert."; accept both spellings.
