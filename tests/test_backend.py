@@ -342,7 +342,14 @@ def test_registry_by_type_and_device():
         with pytest.raises(ValueError, match="serves cpu devices"):
             register_backend(DeviceType.CUDA, cpu)
         with pytest.raises(ValueError, match="already registered"):
-            register_backend(DeviceType.CPU, cpu2, replace=False)
+            register_backend(DeviceType.CPU, CPUBackend(), replace=False)
+        # A backend serves the device it was made for, and only while open.
+        with pytest.raises(ValueError, match=r"serves cpu:2, not cpu:0"):
+            register_backend(DeviceType.CPU, cpu2)
+        closed = CPUBackend()
+        closed.close()
+        with pytest.raises(ValueError, match="is closed; register a new one"):
+            register_backend(DeviceType.CPU, closed)
         buf = DeviceResourceOps.alloc(CPU, 128)
         q = vtnumba.create_queue(CPU)
         assert buf.backend is cpu and q.backend is cpu
@@ -354,7 +361,8 @@ def test_registry_by_type_and_device():
         for d in registry.registered_devices():
             unregister_backend(d)
         for d, b in saved.items():
-            register_backend(d, b)
+            if not b.closed:
+                register_backend(d, b)
 
 
 def test_public_names_on_package():

@@ -40,6 +40,10 @@ def register_backend(device, backend: Backend, *, replace: bool = True) -> None:
     if key[0] is not backend.device_type:
         raise ValueError(f"backend {backend.name} serves {backend.device_type.value} devices, "
                          f"not device={device}")
+    if key[1] != backend.device.index:  # (device 1's work would silently run on device 0)
+        raise ValueError(f"backend {backend.name} serves {backend.device}, not {key[0].value}:{key[1]}")
+    if backend.closed:
+        raise ValueError(f"backend {backend.name} on {backend.device} is closed; register a new one")
     with _lock:
         if not replace and key in _registry:
             raise ValueError(f"a backend is already registered for {key[0].value}:{key[1]}")
