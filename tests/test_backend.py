@@ -50,7 +50,8 @@ def test_cpu_pinned_memory_is_resident_from_the_start():
     """Page-locked memory has no first-touch page faults (a GPU driver maps it whole): the cpu
     backend touches each page at alloc_pinned, so writing all of it later faults (almost) never
     -- counted with the kernel's minor-fault counter.  (Fresh memory faults less than once a
-    page where the kernel maps huge pages or neighbours at a fault, but hundreds of times.)"""
+    page where the kernel maps huge pages or neighbours at a fault -- with transparent huge pages
+    once per 2 MiB -- but still many times.)"""
     import resource
 
     def faults_writing(arr):
@@ -63,8 +64,10 @@ def test_cpu_pinned_memory_is_resident_from_the_start():
     pinned, plain = backend.alloc_pinned(n), backend.alloc(n)
     try:
         resident, lazy = faults_writing(pinned.array), faults_writing(plain.array)
-        assert lazy > 100, lazy  # the counter does count: lazily mapped memory faults
-        assert resident * 10 < lazy, (resident, lazy)
+        # The counter does count: lazily mapped memory faults at least once per 2 MiB (once per
+        # page, or once per huge page where the kernel backs it with transparent huge pages).
+        assert lazy >= n // (2 << 20), lazy
+        assert resident <= max(1, lazy // 8), (resident, lazy)
     finally:
         backend.free_pinned(pinned)
         backend.free(plain)
