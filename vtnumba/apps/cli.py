@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 
-from vtnumba.apps.processes import RankZeroErrorsParser, share_cores_between_local_ranks
+from vtnumba.apps.processes import RankZeroErrorsParser, check_output_folder, share_cores_between_local_ranks
 from vtnumba.bench.runner import positive_seconds
 from vtnumba.target import TARGETS, TargetError, select_target
 
@@ -168,11 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         from mpi4py import MPI
 
         from vtnumba.apps.info import collect_info
-        from vtnumba.bench.runner import check_inject, run_bench
+        from vtnumba.bench.runner import check_inject, resolve_outputs, run_bench
         from vtnumba.dist import run_collectively, set_default_timeout
-
-        from vtnumba.apps.processes import check_output_folder
-        from vtnumba.bench.runner import resolve_outputs
 
         json_path, plot_dir = resolve_outputs(args)
         try:
@@ -192,8 +189,6 @@ def main(argv: list[str] | None = None) -> int:
         return run_collectively(lambda: run_bench(args, collect_info()), timeout_s=args.timeout)
     if args.command == "trace":
         from vtnumba.apps.trace_tools import run_traced
-
-        from vtnumba.apps.processes import check_output_folder
 
         cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
         if not cmd:
