@@ -343,7 +343,7 @@ def main(argv=None) -> int:
             parser.error(str(exc))  # printed by rank 0; every rank exits 2
     from vtnumba.target import select_target
 
-    select_target(args.target)  # before anything imports numba.cuda
+    select_target(args.target, source="--target")  # before anything imports numba.cuda
     from vtnumba.dist import run_collectively
     from vtnumba.dist.comm import set_default_timeout
 

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     from vtnumba.target import select_target
 
     share_cores_between_local_ranks()  # before numpy loads its BLAS
-    target = select_target(args.target)  # before anything imports numba.cuda
+    target = select_target(args.target, source="--target")  # before anything imports numba.cuda
     from vtnumba.dist import run_collectively
 
     return run_collectively(lambda: _run(args, target, args.inject), timeout_s=args.timeout)

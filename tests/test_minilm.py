@@ -351,6 +351,8 @@ def test_shards_reassemble_the_full_layer(weights):
     (["ok", 3], TypeError, r"texts\[1\]=3"),
     (["ok", "abc\udcff\udcfe"], ValueError, r"texts\[1\]=.* is not valid UTF-8 text"),
     (None, TypeError, "sequence of str"),
+    ({"a text", "another"}, TypeError, "not a set"),
+    ({"a text": 1}, TypeError, "not a dict"),
 ])
 def test_bad_texts_are_refused(encoder, texts, exc, match):
     with pytest.raises(exc, match=match):

@@ -167,3 +167,13 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_run(argv, says, 
                           text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2 and says.format(**fill) in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "bench memory: running" not in proc.stderr
+
+
+def test_select_target_names_the_argument_its_caller_used():
+    # A Python caller passed target='tpu' and was told about a '--target' flag it never used.
+    from vtnumba import target
+
+    with pytest.raises(target.TargetError, match=r"^target='tpu' is not a target; expected one of auto"):
+        target.select_target("tpu")
+    with pytest.raises(target.TargetError, match=r"^--target='tpu' is not a target"):
+        target.select_target("tpu", source="--target")

@@ -189,3 +189,9 @@ def test_layers_refuse_sizes_seeds_and_activations_they_cannot_use():
         ParallelMLPBlock(4, 8, act="nope", tp_size=1, tp_rank=0)
     with pytest.raises(TypeError, match="x must be a numpy array .* got builtins.list"):
         ColumnParallelLinear(4, 6, tp_size=1, tp_rank=0)([[1.0, 2.0, 3.0, 4.0]])
+    # bias=1 was read as a bias array of shape () -- an error about shapes, not about the flag
+    with pytest.raises(TypeError, match="bias=1 must be True or False"):
+        ParallelMLPBlock(4, 8, bias=1, tp_size=1, tp_rank=0)
+    with pytest.raises(TypeError, match=r"bias=0\.5 must be True, False, None or an array of out_features=6"):
+        ColumnParallelLinear(4, 6, tp_size=1, tp_rank=0, bias=0.5)
+    assert ColumnParallelLinear(4, 6, tp_size=1, tp_rank=0, bias=np.arange(6.0)).bias.tolist() == list(range(6))

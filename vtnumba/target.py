@@ -113,14 +113,17 @@ def gpu_usable() -> tuple[bool, str]:
         return False, f"probing the GPU failed: {exc}"
 
 
-def select_target(name: str | None = None) -> TargetChoice:
+def select_target(name: str | None = None, *, source: str = "target") -> TargetChoice:
     """Choose the process-wide target (``name`` overrides ``VTNUMBA_TARGET``).
+
+    ``source`` is what an error calls ``name``: ``"target"`` for a Python caller, the
+    command-line flag (``"--target"``) for a program.
 
     Calling it again with the same resolved target is harmless; asking for a different one
     after kernels were set up raises, because numba cannot switch simulator mode in place.
     """
     global _choice
-    source = "--target" if name is not None else "VTNUMBA_TARGET"
+    source = source if name is not None else "VTNUMBA_TARGET"
     requested = _validate(name if name is not None else os.environ.get("VTNUMBA_TARGET", "auto"), source)
 
     if requested == "auto":

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Choose the target first: nothing below may import numba.cuda before this line.
     try:
-        select_target(_chosen_target(parser, args))
+        select_target(_chosen_target(parser, args), source="--target")
     except TargetError as exc:
         parser.error(str(exc))
 

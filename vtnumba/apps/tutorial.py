@@ -491,7 +491,7 @@ def start(description: str, extra_args=None) -> Lesson:
         check_output_folder("--out", out_root / Path(script).stem)
     except ValueError as exc:
         parser.error(str(exc))
-    choice = select_target(args.target)
+    choice = select_target(args.target, source="--target")
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD

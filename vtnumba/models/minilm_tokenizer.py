@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 
 import numpy as np
 
@@ -49,6 +49,11 @@ class TruncationWarning(UserWarning):
 def _check_texts(texts) -> list[str]:
     if isinstance(texts, (str, bytes)):
         raise TypeError(f"texts={texts!r} must be a sequence of str, not a single {type(texts).__name__}; wrap it in a list")
+    if isinstance(texts, (Set, Mapping)):
+        # A set has no order and a dict's values would be dropped for its keys: either way the
+        # embeddings could not be matched back to the texts the caller meant.
+        raise TypeError(f"texts must be a sequence of str (a list or tuple), not a {type(texts).__name__}: "
+                        "the i-th embedding belongs to the i-th text, so their order must be the caller's")
     try:
         out = list(texts)
     except TypeError:

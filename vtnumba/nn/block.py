@@ -41,6 +41,8 @@ class ParallelMLPBlock:
             raise ValueError(f"act={act!r} is not an activation; expected one of {ACTIVATIONS}")
         if isinstance(seed, bool) or not is_int(seed) or seed < 0:
             raise ValueError(f"seed={seed!r} must be a non-negative int")
+        if not isinstance(bias, bool):  # (the layers also take a bias array; a block makes its own)
+            raise TypeError(f"bias={bias!r} must be True or False (whether the block's projections have biases)")
         self.up = ColumnParallelLinear(hidden_size, ffn_size, bias=bias, tp_size=tp_size, tp_rank=tp_rank,
                                        seed=seed * 10 + 1)
         self.down = RowParallelLinear(ffn_size, hidden_size, bias=bias, tp_size=tp_size, tp_rank=tp_rank,

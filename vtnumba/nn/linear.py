@@ -70,6 +70,8 @@ def _full_bias(bias, out_features: int, seed: int) -> np.ndarray | None:
         return None
     if bias is True:
         return np.random.default_rng(seed + 1).standard_normal(out_features, dtype=np.float32) * np.float32(0.1)
+    if isinstance(bias, (int, float, np.number)):  # (a bool was handled above)
+        raise TypeError(f"bias={bias!r} must be True, False, None or an array of out_features={out_features} values")
     b = np.asarray(bias, dtype=np.float32)
     if b.shape != (out_features,):
         raise ValueError(f"bias has shape {b.shape}; expected (out_features,) = ({out_features},)")
