@@ -429,3 +429,55 @@ def test_a_failed_end_capture_keeps_the_graph_captured_before(backend):
     assert backend._default_graph is kept and not kept.destroyed
     backend._default_graph = None
     backend.destroy_queue(q)
+
+
+class _RecordingCaptureBackend(CPUBackend):
+    """A cpu backend that pretends to capture graphs, recording the primitives the base class
+    calls -- so the capture lifecycle (what synchronize, destroy_queue and close do while a
+    capture is open) is tested without the GPU that really captures."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list = []
+
+    def supports_graph_capture(self) -> bool:
+        return True
+
+    def _begin_capture(self, q):
+        self.calls.append(("begin", q.name))
+        return q.name
+
+    def _end_capture(self, q, state):
+        self.calls.append(("end", state))
+        return ("graph", state)
+
+    def _discard_capture(self, q, state):
+        self.calls.append(("discard", state))
+
+    def _destroy_graph(self, native):
+        self.calls.append(("destroy", native))
+
+
+def test_a_capture_in_progress_is_never_synchronized_and_is_discarded_on_teardown():
+    # On a GPU, a synchronize of a capturing stream fails and invalidates the capture, a
+    # destroyed queue left its capture open, and close() synchronized into the capture.
+    b = _RecordingCaptureBackend()
+    q, side = b.create_queue("cap"), b.create_queue("side")
+    b.begin_capture(q)
+    with pytest.raises(RuntimeError, match=r"synchronize\(cap\): the queue is capturing a graph"):
+        b.synchronize(q)
+    with pytest.raises(RuntimeError, match=r"synchronize\(\): queue\(s\) cap are capturing"):
+        b.synchronize()
+    b.synchronize(side)  # other queues are not affected
+    b.end_capture(q)     # kept as the default graph
+    b.synchronize(q)
+    b.synchronize()
+    b.begin_capture(side)
+    b.destroy_queue(side)  # its capture is discarded, not left open
+    assert b.calls == [("begin", "cap"), ("end", "cap"), ("begin", "side"), ("discard", "side")]
+    b.synchronize()        # nothing is capturing any more
+    b.begin_capture(q)
+    b.close()              # the open capture is discarded and the kept graph destroyed
+    assert b.calls[-3:] == [("begin", "cap"), ("discard", "cap"), ("destroy", ("graph", "cap"))]
+    b.close()              # twice: harmless, nothing destroyed twice
+    assert len(b.calls) == 7

@@ -273,7 +273,7 @@ class Backend(abc.ABC):
         self._live_buffers: dict[int, Buffer] = {}
         self._queues: set[int] = set()
         self._events: set[int] = set()
-        self._capturing: dict[int, Any] = {}
+        self._capturing: dict[int, tuple[Queue, Any]] = {}  # queue id -> (queue, the capture's state)
         self._default_graph: GraphHandle | None = None
         self._side_queue: Queue | None = None  # see _flag_side_queue
         self.closed = False  #: set by :meth:`close`; a closed backend takes no more work
@@ -455,6 +455,10 @@ class Backend(abc.ABC):
             self._destroy_queue(q)
             return
         self._check_queue(q)
+        if q.id in self._capturing:
+            # Its work was being recorded, not run: nothing to wait for, and a capture left
+            # open would keep the stream (and the graph built so far) for good.
+            self._discard_capture(q, self._capturing.pop(q.id)[1])
         try:
             self.synchronize(q)
         finally:
@@ -466,10 +470,21 @@ class Backend(abc.ABC):
     def synchronize(self, q: Queue | None = None) -> None:
         """Block until all work submitted to ``q`` (or every queue, if None) has finished."""
         if q is None:
+            if self._capturing:
+                raise RuntimeError(f"synchronize(): queue(s) {self._capturing_names()} are capturing a graph, and "
+                                   "a synchronize would break the capture; end_capture first")
             self._synchronize_all()
             return
         self._check_queue(q)
+        if q.id in self._capturing:
+            # (A capturing stream records its work instead of running it: waiting for it is
+            # an error that also invalidates the capture.)
+            raise RuntimeError(f"synchronize({q.name}): the queue is capturing a graph; its work runs when the "
+                               "graph is replayed -- end_capture first, then synchronize after replay")
         self._synchronize(q)
+
+    def _capturing_names(self) -> str:
+        return ", ".join(sorted(q.name for q, _ in self._capturing.values()))
 
     def order_after_default_stream(self, q: Queue) -> None:
         """Make later work on ``q`` wait for work already queued outside vtnumba's queues.
@@ -709,14 +724,14 @@ class Backend(abc.ABC):
                                "(only a real CUDA GPU does); check supports_graph_capture() first")
         if q.id in self._capturing:
             raise RuntimeError(f"{q} is already capturing; end_capture first")
-        self._capturing[q.id] = self._begin_capture(q)
+        self._capturing[q.id] = (q, self._begin_capture(q))
 
     def end_capture_graph(self, q: Queue) -> GraphHandle:
         """End capture on ``q`` and return a handle to the captured graph."""
         self._check_queue(q)
         if q.id not in self._capturing:
             raise RuntimeError(f"{q} is not capturing; call begin_capture first")
-        state = self._capturing.pop(q.id)
+        _, state = self._capturing.pop(q.id)
         return GraphHandle(self, self._end_capture(q, state))
 
     def replay_graph(self, q: Queue, graph: GraphHandle) -> None:
@@ -758,6 +773,10 @@ class Backend(abc.ABC):
     def _end_capture(self, q, state):  # pragma: no cover
         raise NotImplementedError
 
+    def _discard_capture(self, q, state) -> None:  # pragma: no cover - only real CUDA captures
+        """End a capture whose graph nobody will use (the queue is destroyed, the backend closed)."""
+        raise NotImplementedError
+
     def _replay(self, q, native):  # pragma: no cover
         raise NotImplementedError
 
@@ -776,6 +795,13 @@ class Backend(abc.ABC):
         users, and may still be freed).  Closing twice is harmless."""
         if self.closed:
             return
+        # Captures still open are abandoned (their graphs were never ended, so nobody holds
+        # them), and the graph end_capture kept goes too: nothing can replay it any more.
+        for q, state in list(self._capturing.values()):
+            self._discard_capture(q, state)
+        self._capturing.clear()
+        if self._default_graph is not None and not self._default_graph.destroyed:
+            self.destroy_graph(self._default_graph)
         self._synchronize_all()
         self.closed = True
 

@@ -609,8 +609,19 @@ class CUDABackend(Backend):
         err, graph = cu.cuStreamEndCapture(q.handle)
         _check_cu(err, "cuStreamEndCapture")
         err, exec_graph = cu.cuGraphInstantiate(graph, 0)
-        _check_cu(err, "cuGraphInstantiate")
+        if err != cu.CUresult.CUDA_SUCCESS:
+            cu.cuGraphDestroy(graph)  # the raise below drops the only reference to it
+            _check_cu(err, "cuGraphInstantiate")
         return graph, exec_graph
+
+    def _discard_capture(self, q, state) -> None:
+        from cuda.bindings import driver as cu
+
+        # Ending the capture takes the stream out of capture mode even if the capture broke;
+        # the graph it returns (None when it broke) has no other owner.
+        err, graph = cu.cuStreamEndCapture(q.handle)
+        if err == cu.CUresult.CUDA_SUCCESS and graph is not None and int(graph):
+            cu.cuGraphDestroy(graph)
 
     def _replay(self, q, native) -> None:
         from cuda.bindings import driver as cu
