@@ -398,3 +398,30 @@ def test_rows_to_bad_inputs(rng):
         linear_rows_to(x, w, None, [nan_out((3, 5)), nan_out((2, 5)), nan_out((3, 5))], 3)
     with pytest.raises(TypeError, match=r"dests must be a non-empty list"):
         linear_rows_to(x, w, None, [], 3)
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+def test_outputs_sharing_memory_are_refused(request, rng, on_device):
+    # A matmul cannot run in place: on a GPU a block reads x rows another block's output tile
+    # has already overwritten (np.matmul would quietly copy, so the host reference hid it), and
+    # two destinations of one call overwrite each other's rows.  Nothing is written then.
+    put = request.getfixturevalue("dev") if on_device else (lambda a: a)
+    x, w = put(make(rng, (6, 6))), put(make(rng, (6, 6)))
+    with pytest.raises(ValueError, match=r"out and a share memory \(a is an input the kernel reads"):
+        matmul(x, w, out=x)
+    with pytest.raises(ValueError, match=r"out and w share memory"):
+        linear(x, w, out=w[0:6])  # a view of w: not the same object, the same bytes
+    d0 = put(nan_out((3, 6)))
+    with pytest.raises(ValueError, match=r"dests\[0\] and dests\[1\] share memory \(dests\[1\] is another output"):
+        linear_rows_to(x, w, None, [d0, d0], 3)
+    both = put(nan_out((4, 6)))
+    with pytest.raises(ValueError, match=r"dests\[0\] and dests\[1\] share memory"):
+        linear_rows_to(x, w, None, [both[0:3], both[1:4]], 3)  # two overlapping windows of one buffer
+    with pytest.raises(ValueError, match=r"dests\[1\] and x share memory"):
+        linear_rows_to(x, w, None, [d0, x[0:3]], 3)
+    halves = put(nan_out((6, 6)))  # side by side in one buffer, not overlapping: fine
+    linear_rows_to(x, w, None, [halves[0:3], halves[3:6]], 3)
+    got = np.asarray(halves.copy_to_host() if on_device else halves, np.float64)
+    ref = np.asarray(x.copy_to_host() if on_device else x, np.float64) @ \
+        np.asarray(w.copy_to_host() if on_device else w, np.float64).T
+    assert np.allclose(got, ref, atol=1e-4)

@@ -278,6 +278,40 @@ def check_not_partly_overlapping(name_a: str, a, name_b: str, b, *, same_ok: boo
     raise ValueError(f"{name_a} and {name_b} share {how}; expected {expected}")
 
 
+def _byte_span(arr) -> tuple[int, int]:
+    start = address_of(arr)
+    return start, start + int(arr.size) * np.dtype(arr.dtype).itemsize
+
+
+def check_outputs_apart(outputs: dict[str, Any], inputs: dict[str, Any]) -> None:
+    """ValueError if an output shares memory with another output or with an input (None
+    entries are skipped).
+
+    For kernels that cannot work in place at all -- a matmul block reads rows of ``x`` that
+    another block's output tile may already have overwritten, and two destinations of one
+    call would receive each other's rows.  On the host numpy would quietly hide the first
+    (``np.matmul`` copies an overlapping input) while a GPU computes garbage, so both refuse.
+    The arrays are C-contiguous, so their byte ranges *are* their memory.
+    """
+    outs = [(n, a) for n, a in outputs.items() if a is not None]
+    others = outs + [(n, a) for n, a in inputs.items() if a is not None]
+    views = [host_view(a) for _, a in others]
+    on_host = all(v is not None for v in views)
+    spans = None if on_host else [_byte_span(a) for _, a in others]
+    for i, (name, _) in enumerate(outs):
+        for j in range(i + 1, len(others)):
+            if on_host:
+                shared = np.may_share_memory(views[i], views[j])  # bounds only: exact for contiguous arrays
+            else:
+                (a0, a1), (b0, b1) = spans[i], spans[j]
+                shared = a0 < b1 and b0 < a1
+            if shared:
+                other = others[j][0]
+                what = "another output" if j < len(outs) else "an input the kernel reads while it writes"
+                raise ValueError(f"{name} and {other} share memory ({other} is {what}); expected an array of "
+                                 f"its own for {name}")
+
+
 def empty(kind: str, shape, dtype) -> Any:
     """A fresh uninitialised array of ``kind`` (used when a caller passes no ``out``)."""
     if kind == HOST:

@@ -39,6 +39,7 @@ from vtnumba.backend.arrays import (  # noqa: F401  (re-exported: the kernels' s
     check_array,
     check_eps,
     check_not_partly_overlapping,
+    check_outputs_apart,
     common_kind,
     empty,
     is_c_contiguous,

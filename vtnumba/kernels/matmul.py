@@ -37,7 +37,7 @@ import functools
 import numpy as np
 
 from vtnumba.backend.arrays import is_int
-from vtnumba.kernels._common import HOST, check_array, common_kind, empty, run
+from vtnumba.kernels._common import HOST, check_array, check_outputs_apart, common_kind, empty, run
 
 #: The CUDA ladder in order, each step with the one idea it adds to the step before (tutorial
 #: 04 and ``vtnumba bench kernels`` list and plot the rungs in this order).
@@ -134,6 +134,7 @@ def _matmul_into(name, a_name, a, b_name, b, trans_b, bias, out, queue, backend,
     if out is None:
         out = empty(kind, (M, N), np.float32)
     check_array("out", out, ndim=2, dtypes=_OUT_DTYPES, shape=(M, N))
+    check_outputs_apart({"out": out}, {a_name: a, b_name: b, "bias": bias})
     run(kind, name if kind == HOST else f"{name}[{variant}]", queue, backend, uses=(a, b, bias, out),
         host_fn=lambda: matmul_rows_host(a, b, bias, out, 0, M, trans_b),
         launch_fn=lambda stream: _launch(variant, a, b, bias, out, 0, M, trans_b, stream),
@@ -182,6 +183,7 @@ def linear_rows_to(x, w, bias, dests, rows_per_dest: int, queue=None, backend=No
                          f"but x has M={M} rows; expected at least {M}")
     for d, dest in enumerate(dests):
         check_array(f"dests[{d}]", dest, ndim=2, dtypes=_OUT_DTYPES, shape=(R, N))
+    check_outputs_apart({f"dests[{d}]": dest for d, dest in enumerate(dests)}, {"x": x, "w": w, "bias": bias})
     dests = list(dests)
 
     def host_fn():
