@@ -174,8 +174,10 @@ destroy_distributed()
 # Each kernel launch from Python costs microseconds of
 # host time; a decoder step is hundreds of small launches.  A CUDA graph records the
 # launches made on a queue between ``begin_capture`` and ``end_capture_graph`` -- nothing
-# runs while capturing -- and ``replay_graph`` submits them all with one call, reading and
-# writing the *same addresses* each time.  Rules: warm every kernel up first (a first-call
+# runs while capturing, so there is nothing to wait for: ``synchronize`` refuses a capturing
+# queue (in the driver it would break the capture), and ``destroy_queue`` or ``close`` end an
+# open capture and drop its graph -- and ``replay_graph`` submits them all with one call,
+# reading and writing the *same addresses* each time.  Rules: warm every kernel up first (a first-call
 # compilation inside capture would synchronize, which capture forbids), and no host
 # arrays inside the captured region.  Here: a residual stream updated in place by LAYERS
 # fused add + RMSNorm launches, captured once and replayed twice, checked against the
