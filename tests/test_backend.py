@@ -244,6 +244,9 @@ def test_bad_sizes_name_the_argument(backend):
             backend.alloc(bad)
     with pytest.raises(ValueError, match="nbytes=-4"):
         backend.alloc_pinned(-4)
+    for alloc in (backend.alloc, backend.alloc_pinned):  # (numpy said "Maximum allowed dimension exceeded")
+        with pytest.raises(ValueError, match=r"nbytes=9223372036854775808 is more memory than any device has"):
+            alloc(2 ** 63)
 
 
 def test_copy_beyond_end_and_bad_memset(backend):
@@ -260,6 +263,9 @@ def test_copy_beyond_end_and_bad_memset(backend):
         backend.memset(q, b, 1, nbytes=10, offset=95)
     with pytest.raises(TypeError, match="src must be a Buffer or an array"):
         backend.copy(q, b, [1, 2, 3], 3)
+    # An offset past the end with no nbytes made a negative count: an empty memset, no error.
+    with pytest.raises(ValueError, match=r"offset=150 is past the end of buffer #\d+ \(100 bytes\)"):
+        backend.memset(q, b, 9, offset=150)
     backend.free(b)
 
 
@@ -289,6 +295,55 @@ def test_foreign_event_queue_and_buffer_refused(backend):
     ob = other.alloc(8)
     with pytest.raises(ValueError, match="belongs to"):
         backend.free(ob)
+    mine = backend.alloc(8)
+    with pytest.raises(ValueError, match=r"src=buffer #\d+ belongs to CPUBackend"):  # (numpy's copyto error)
+        backend.copy(q, mine, ob, 8)
+    with pytest.raises(ValueError, match=r"dst=buffer #\d+ belongs to CPUBackend"):
+        backend.copy(q, ob, mine, 8)
+    backend.free(mine)
+
+
+def test_freeing_an_allocator_block_with_the_backend_says_whose_it_is(backend):
+    from vtnumba.memory import CachingAllocator
+
+    alloc = CachingAllocator(backend)
+    block = alloc.allocate(64, backend.create_queue())
+    with pytest.raises(ValueError, match=r"was not made by this backend's alloc.*CachingAllocator.free\(block\)"):
+        backend.free(block)  # it said "double free" of a block nobody had freed
+    alloc.free(block)
+
+
+def test_flag_words_must_be_contiguous(backend):
+    q = backend.create_queue()
+    flags = backend.asarray(np.zeros(8, np.uint32))
+    with pytest.raises(ValueError, match=r"flags must be a contiguous uint32 array"):
+        backend.write_value32(q, flags[::2], 1, 5)
+    with pytest.raises(ValueError, match=r"flags must be a contiguous uint32 array"):
+        backend.wait_value32(q, flags[::2], 1, 5)
+    backend.synchronize(q)
+
+
+def test_default_backend_after_close_and_device_spellings():
+    from vtnumba.backend import DeviceType, default_backend
+
+    saved = registry.try_get_backend(CPU)  # (other tests hold the process's default: leave it open)
+    be = CPUBackend()
+    registry.register_backend(CPU, be)
+    try:
+        assert default_backend(CPU) is be
+        assert default_backend("cpu") is be and default_backend(DeviceType.CPU) is be
+        with pytest.raises(TypeError, match=r"device=0 must be a Device or a DeviceType"):
+            default_backend(0)  # was taken for "no device"
+        be.close()
+        fresh = default_backend(CPU)  # a closed backend refuses all work: it is replaced
+        assert fresh is not be and not fresh.closed
+        assert registry.get_backend(CPU) is fresh
+        fresh.close()
+    finally:
+        if saved is not None:
+            registry.register_backend(CPU, saved)
+        else:
+            registry.unregister_backend(CPU)
 
 
 def test_double_free_and_use_after_free(backend):

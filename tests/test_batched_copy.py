@@ -8,6 +8,7 @@ import pytest
 
 from vtnumba.backend.address_ranges import LIVE, registered
 from vtnumba.backend.cpu import CPUBackend
+from vtnumba.memory import CachingAllocator
 from vtnumba.memory.copy_engine import (
     address_of,
     batched_copy,
@@ -129,7 +130,36 @@ def test_empty_batch_and_zero_sizes_are_noops(backend):
     assert batched_copy(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64), q, backend) == 0
     # A null address is fine when its size is 0.
     assert batched_copy([0], [0], [0], q, backend) == 0
+    # Plain empty lists (np.asarray([]) is float64): a step with nothing to copy.
+    assert batched_copy([], [], [], q, backend) == 0
     backend.destroy_queue(q)
+
+
+def test_a_freed_allocator_block_is_no_longer_a_valid_target():
+    # The block stayed registered as live memory after free() and empty_cache(), whose
+    # segment went back to the backend: the copy passed the check and crashed the process.
+    be = CPUBackend()
+    q = be.create_queue()
+    src = be.alloc(4 << 20)
+    alloc = CachingAllocator(be)
+    block = alloc.allocate(4 << 20, q)
+    ptr, n = block.ptr, block.nbytes
+    batched_copy([src.ptr], [ptr], [n], backend=be)
+    alloc.free(block)
+    alloc.empty_cache()
+    with pytest.raises(ValueError, match="not inside any live allocation"):
+        batched_copy([src.ptr], [ptr], [n], backend=be)
+    be.close()
+
+
+def test_a_closed_backend_copies_nothing():
+    be = CPUBackend()  # synchronous: the copy would run inline, where no queue is checked
+    q = be.create_queue()
+    a, b = be.alloc(64), be.alloc(64)
+    be.close()
+    for queue in (q, None):
+        with pytest.raises(RuntimeError, match="was closed"):
+            batched_copy([a.ptr], [b.ptr], [8], queue, be)
 
 
 def test_overlapping_source_and_destination_within_one_descriptor(rng):

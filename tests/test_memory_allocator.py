@@ -340,6 +340,39 @@ def test_bad_constructor_arguments():
         with pytest.raises(exc, match="wait_s="):
             CachingAllocator(CPUBackend()).empty_cache(wait_s=bad)
     assert CachingAllocator(CPUBackend(), oom_wait_s=0).oom_wait_s == 0.0
+    assert CachingAllocator(CPUBackend(), oom_wait_s=np.int64(0)).oom_wait_s == 0.0  # numpy's zero too
+
+
+def test_block_views_check_their_arguments_like_buffer_views(backend):
+    # Block.view truncated shape=(2.7,) to 2, took True for 1, and divided by a V0 itemsize.
+    a = CachingAllocator(backend)
+    b = a.allocate(100, backend.create_queue())
+    with pytest.raises(TypeError, match=r"shape"):
+        b.view(np.float32, shape=(2.7,))
+    with pytest.raises(TypeError, match=r"shape"):
+        b.view(np.float32, shape=(True,))
+    with pytest.raises(TypeError, match=r"cannot view raw memory"):
+        b.view(np.dtype("V0"))
+    with pytest.raises(ValueError, match=r"offset=200 is past the end of block #\d+ \(100 bytes\)"):
+        b.view(np.float32, offset=200)
+    assert b.view(np.float32, shape=(5, 5)).shape == (5, 5)
+    a.free(b)
+
+
+def test_a_block_freed_after_the_backend_closed_goes_back_to_the_pool():
+    # close() drained every queue: there is nothing to wait for, and no event can be made any
+    # more -- the free raised, and the block ended in no pool (a broken invariant, a lost segment).
+    be = CPUBackend()
+    q, side = be.create_queue(), be.create_queue()
+    a = CachingAllocator(be)
+    b = a.allocate(1000, q)
+    a.record_stream(b, side)
+    w = a.allocate(1000, q)
+    be.close()
+    a.free(b)
+    a.free(w, wait_owner=True)
+    a.check_invariants()
+    assert a.stats()["allocated_bytes"] == 0 and not be._events
 
 
 def test_block_is_a_buffer_and_repr(backend):

@@ -17,7 +17,10 @@ Semantics every backend keeps (they are what the comments of ``vt/backend.h`` pr
   ``queue_wait_event`` orders it;
 * ``record_event(e, q)`` captures "everything submitted to q so far"; re-recording moves
   the marker; ``query_event`` never blocks; ``synchronize_event`` blocks until it fires;
-* an error inside queued work is *sticky*: it is raised by the next ``synchronize``;
+* an error inside queued work is *sticky*: it is raised by the next ``synchronize`` --
+  where work runs after the call that queued it (GPU streams, threaded cpu queues).  A
+  synchronous queue (the cpu target's default mode, the simulator) runs the work inside
+  that call, so the call itself raises the error, as a plain function would;
 * ``write_value32(q, flags, i, v)`` stores ``v`` into a 32-bit flag word once ``q`` gets
   there (after everything before it is visible), and ``wait_value32(q, flags, i, v)`` makes
   later work on ``q`` wait until that word reaches ``v`` -- the stream memory operations a
@@ -45,7 +48,8 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend import address_ranges
-from vtnumba.backend.arrays import address_of, check_int, check_nbytes, check_seconds, check_shape, host_view, is_int
+from vtnumba.backend.arrays import (address_of, check_int, check_nbytes, check_seconds, check_shape, host_view,
+                                    is_c_contiguous, is_int)
 from vtnumba.backend.device import Device, DeviceType
 
 _ids = itertools.count(1)
@@ -166,15 +170,20 @@ class Buffer:
         buffer's memory: kernels that write it write the buffer.
         """
         self._check_live("buffer")
+        dtype, shape, count, offset = self._view_args(dtype, shape, offset, "buffer")
+        raw = self._array[offset:offset + count * dtype.itemsize]
+        return raw.view(dtype).reshape(shape) if count else raw.view(dtype)[:0].reshape(shape)
+
+    def _view_args(self, dtype, shape, offset, what: str) -> tuple[np.dtype, tuple, int, int]:
+        """``view``'s arguments checked against this memory's ``nbytes``: ``(dtype, shape, count, offset)``."""
         dtype = np.dtype(dtype)
         if dtype.hasobject or dtype.itemsize == 0:
             raise TypeError(f"dtype={dtype} cannot view raw memory; expected a numeric dtype such as float32")
         offset = check_nbytes("offset", offset)
         if offset > self.nbytes:
-            raise ValueError(f"offset={offset} is past the end of buffer #{self.id} ({self.nbytes} bytes)")
+            raise ValueError(f"offset={offset} is past the end of {what} #{self.id} ({self.nbytes} bytes)")
         if shape is None:
-            count = (self.nbytes - offset) // dtype.itemsize
-            shape = (count,)
+            shape = ((self.nbytes - offset) // dtype.itemsize,)
         shape = check_shape("shape", shape)
         count = int(np.prod(shape, dtype=np.int64))
         need = count * dtype.itemsize
@@ -182,10 +191,9 @@ class Buffer:
             raise ValueError(f"offset={offset} is not a multiple of {dtype.name}'s itemsize {dtype.itemsize}")
         if offset + need > self.nbytes:
             raise ValueError(
-                f"view of shape={shape} {dtype.name} at offset={offset} needs {need} bytes but buffer #{self.id} "
+                f"view of shape={shape} {dtype.name} at offset={offset} needs {need} bytes but {what} #{self.id} "
                 f"has only {self.nbytes - offset} bytes after the offset")
-        raw = self._array[offset:offset + need]
-        return raw.view(dtype).reshape(shape) if count else raw.view(dtype)[:0].reshape(shape)
+        return dtype, shape, count, offset
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else "live"
@@ -248,6 +256,17 @@ class EventMark:
         """Record the host time and wake everyone waiting on ``done``."""
         self.time_ns = trace.now_ns()
         self.done.set()
+
+
+#: More bytes than any machine's memory (numpy itself refuses arrays of 2**63 bytes or more).
+MAX_ALLOCATION_BYTES = 1 << 60
+
+
+def _allocation_size(nbytes) -> int:
+    nbytes = check_nbytes("nbytes", nbytes)
+    if nbytes > MAX_ALLOCATION_BYTES:
+        raise ValueError(f"nbytes={nbytes} is more memory than any device has; expected at most 2**60 bytes")
+    return nbytes
 
 
 class GraphHandle:
@@ -344,7 +363,7 @@ class Backend(abc.ABC):
     def alloc(self, nbytes: int) -> Buffer:
         """Allocate ``nbytes`` of device memory, 64-byte aligned."""
         self._check_open()
-        nbytes = check_nbytes("nbytes", nbytes)
+        nbytes = _allocation_size(nbytes)
         buf = self._alloc(nbytes)
         with self._lock:
             self._live_buffers[buf.id] = buf
@@ -357,7 +376,13 @@ class Backend(abc.ABC):
         """
         self._check_own_buffer("buf", buf)
         with self._lock:
-            if buf.freed or buf.id not in self._live_buffers:
+            if buf.id not in self._live_buffers and not buf.freed:
+                allocator = getattr(buf, "allocator", None)
+                where = (f"{type(allocator).__name__}.free(block) gives it back" if allocator is not None
+                         else "free only what alloc/alloc_pinned returned")
+                raise ValueError(f"buf=buffer #{buf.id} ({buf.nbytes} bytes) was not made by this backend's "
+                                 f"alloc or alloc_pinned; {where}")
+            if buf.freed:
                 raise RuntimeError(f"double free: buffer #{buf.id} ({buf.nbytes} bytes) was already freed")
             del self._live_buffers[buf.id]
             buf.freed = True
@@ -368,7 +393,7 @@ class Backend(abc.ABC):
     def alloc_pinned(self, nbytes: int) -> Buffer:
         """Page-locked host memory (0 bytes still returns a valid, freeable block)."""
         self._check_open()
-        nbytes = check_nbytes("nbytes", nbytes)
+        nbytes = _allocation_size(nbytes)
         buf = self._alloc_pinned(nbytes)
         with self._lock:
             self._live_buffers[buf.id] = buf
@@ -387,6 +412,8 @@ class Backend(abc.ABC):
         if not is_int(value) or not 0 <= int(value) <= 255:
             raise ValueError(f"value={value!r} must be a byte value, an int in 0..255")
         offset = check_nbytes("offset", offset)
+        if offset > buf.nbytes:
+            raise ValueError(f"offset={offset} is past the end of buffer #{buf.id} ({buf.nbytes} bytes)")
         nbytes = buf.nbytes - offset if nbytes is None else check_nbytes("nbytes", nbytes)
         if offset + nbytes > buf.nbytes:
             raise ValueError(f"memset of nbytes={nbytes} at offset={offset} runs past the end of buffer "
@@ -423,7 +450,7 @@ class Backend(abc.ABC):
 
     def _extent(self, name: str, obj) -> int:
         if isinstance(obj, Buffer):
-            obj._check_live(name)
+            self._check_own_buffer(name, obj)
             return obj.nbytes
         nbytes = getattr(obj, "nbytes", None)
         if nbytes is None:
@@ -534,7 +561,8 @@ class Backend(abc.ABC):
     def launch_host_func(self, q: Queue, fn: Callable[[], None], name: str = "host_func") -> None:
         """Run a host function once everything before it on ``q`` has finished (cuLaunchHostFunc).
 
-        An exception raised by ``fn`` is sticky on ``q``: the next ``synchronize(q)`` raises it.
+        An exception raised by ``fn`` is sticky on ``q``: the next ``synchronize(q)`` raises it
+        (on a synchronous queue, where ``fn`` runs inside this call, this call raises it).
         """
         self._check_queue(q)
         if not callable(fn):
@@ -642,6 +670,8 @@ class Backend(abc.ABC):
         if getattr(flags, "ndim", None) != 1 or np.dtype(getattr(flags, "dtype", None)) != np.uint32:
             raise TypeError(f"flags must be a 1-D uint32 array, got {type(flags).__name__} "
                             f"dtype={getattr(flags, 'dtype', None)} ndim={getattr(flags, 'ndim', None)}")
+        if not is_c_contiguous(flags):  # (the flag kernels and the driver's stream ops address it as one range)
+            raise ValueError("flags must be a contiguous uint32 array, not a strided view such as flags[::2]")
         index = check_int("index", index, min_value=0, max_value=int(flags.shape[0]) - 1)
         value = check_int("value", value, min_value=0, max_value=FLAG_MAX)
         return index, value

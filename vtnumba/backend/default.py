@@ -1,7 +1,7 @@
 """The process's default device and backend, following the chosen target.
 
 ``default_backend()`` looks in the registry first and creates (and registers) the
-target's backend on first use: a :class:`CPUBackend` for ``cpu``, a :class:`CUDABackend`
+target's backend on first use (and again after the registered one was closed): a :class:`CPUBackend` for ``cpu``, a :class:`CUDABackend`
 for ``cuda`` and ``cudasim``.  Everything above the backend layer asks here instead of
 constructing backends itself, so a whole run shares one backend per device.
 """
@@ -12,7 +12,7 @@ import threading
 
 from vtnumba.backend.base import Backend
 from vtnumba.backend.device import CPU, Device, DeviceType
-from vtnumba.backend.registry import register_backend, try_get_backend
+from vtnumba.backend.registry import _key, register_backend, try_get_backend
 from vtnumba.target import current_target
 
 _lock = threading.Lock()
@@ -23,12 +23,16 @@ def default_device() -> Device:
     return CPU if current_target().name == "cpu" else Device(DeviceType.CUDA, 0)
 
 
-def default_backend(device: Device | None = None) -> Backend:
-    """The registered backend for ``device`` (default: the target's), created on first use."""
-    device = device or default_device()
+def default_backend(device: Device | DeviceType | str | None = None) -> Backend:
+    """The registered backend for ``device`` (default: the target's), created on first use --
+    and made anew once the registered one was closed (a closed backend refuses all work)."""
+    if device is None:
+        device = default_device()
+    else:
+        device = Device(*_key(device))  # a DeviceType or "cpu" means its device 0; TypeError otherwise
     with _lock:
         backend = try_get_backend(device)
-        if backend is None:
+        if backend is None or backend.closed:
             if device.type is DeviceType.CPU:
                 from vtnumba.backend.cpu import CPUBackend
 

@@ -38,6 +38,7 @@ them, and :meth:`Block.view` gives the typed array kernels use, aliasing the seg
 from __future__ import annotations
 
 import bisect
+import numbers
 import itertools
 import threading
 import time
@@ -150,15 +151,7 @@ class Block(Buffer):
         """A typed view of the block's bytes from ``offset`` (default: all of them), shaped
         ``shape``; implemented as the segment buffer's view at the block's offset."""
         self._check_live("block")
-        dtype = np.dtype(dtype)
-        offset = check_nbytes("offset", offset)
-        if shape is None:
-            shape = ((self.nbytes - offset) // dtype.itemsize,) if offset <= self.nbytes else (0,)
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
-        need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if offset + need > self.nbytes:
-            raise ValueError(f"view of shape={shape} {dtype.name} at offset={offset} needs {need} bytes but "
-                             f"block #{self.id} has only {max(self.nbytes - offset, 0)} bytes after the offset")
+        dtype, shape, _, offset = self._view_args(dtype, shape, offset, "block")  # (Buffer.view's checks)
         self._segment_array()  # raw driver segments have no views
         return self._owner.view(dtype, shape, self.offset + offset)
 
@@ -177,8 +170,8 @@ def _is_oom(exc: BaseException) -> bool:
 
 def _wait_seconds(name: str, value) -> float:
     """A wait of 0 (do not wait) or a positive, finite number of seconds."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-        return 0.0
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and value == 0:
+        return 0.0  # (numpy's zeros too: np.int64(0) is a Real, not an int)
     return check_seconds(name, value)
 
 
@@ -285,6 +278,8 @@ class CachingAllocator:
             queues = [q for q in block._stream_uses.values() if not q.destroyed]
             if wait_owner and not block.queue.destroyed:
                 queues.append(block.queue)
+            if self.backend.closed:
+                queues = []  # close() drained every queue: nothing left to wait for (and no events to make)
             self._forget_live(block)
             if not queues:
                 self._return_to_pool(piece)
@@ -500,6 +495,11 @@ class CachingAllocator:
         piece = block._piece
         del self._live[block.id]
         block.freed = True
+        if block._range is not None:
+            # Its bytes stop being live memory now, not when the Block object is collected: a
+            # raw-pointer copy into a freed block must be refused -- after empty_cache the
+            # segment may be unmapped, and the copy would crash the process.
+            block._range()
         block._piece = None
         piece.block = None
         self._c["allocated_bytes"] -= piece.size

@@ -82,6 +82,8 @@ def _as_u64(name: str, arr) -> np.ndarray:
     a = arr if type(arr) is np.ndarray else np.asarray(arr)
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape={a.shape}")
+    if a.size == 0 and a.dtype.kind == "f":  # np.asarray([]) is float64: an empty list means "nothing to copy"
+        return np.zeros(0, np.uint64)
     if a.dtype == _U64 or a.dtype == _I64:
         # int64 and uint64 share the bit pattern of an address: reinterpret, never convert
         # (device addresses may have the high bit set, which int64 arithmetic would reject).
@@ -483,7 +485,7 @@ def batched_copy(src_ptrs, dst_ptrs, sizes, queue: Queue | None = None, backend:
     if queue is not None and not isinstance(queue, Queue):
         raise TypeError(f"queue must be a vtnumba Queue or None, got {type(queue).__name__}")
     plan = _plan(be)
-    if (plan.inline and trace.RECORDER is None and not observing_uses()
+    if (plan.inline and trace.RECORDER is None and not observing_uses() and not be.closed
             and (queue is None or (queue.backend is be and not queue.destroyed))):
         # A synchronous queue would run the copy right now, on this thread: do just that,
         # the checks and the copy in one compiled call.  (Tracing, a hazard checker, or a
