@@ -28,8 +28,8 @@ opened (a sandbox without a shared procfs): a ``/dev/shm/vtnumba-*`` file made w
 ``O_CREAT | O_EXCL`` (never reuse someone else's file), mode ``0600``, an unguessable name
 (``secrets.token_hex``), opened by peers with ``O_NOFOLLOW`` (a symlink planted at the name
 is refused) after checking it is this user's and mode ``0600``, and unlinked as soon as every
-peer has mapped it -- with an ``atexit`` hook for a Python-level failure in between.  Only
-a hard kill inside that window of a few milliseconds could leak its file.
+peer has mapped it -- with an ``atexit`` hook for a Python-level failure in between, and the
+resource tracker of :mod:`vtnumba.memory.shared_files` for a kill (nothing of ours runs then).
 
 Arrays handed out are ``np.frombuffer(mmap)``: zero-copy views.  In the simulator they are
 wrapped as ``FakeCUDAArray`` by the caller, because the simulator copies plain numpy

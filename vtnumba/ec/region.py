@@ -22,10 +22,11 @@ Two ways to share the memory
 * **named** (vLLM's): a file ``/dev/shm/vtnumba_ec_<engine_id>.mmap`` that any process
   of the same user can open by engine id -- the way to go when producer and consumer are
   not MPI peers and only agree on a name.  The price: between the creator's ``open`` and
-  its :meth:`~ECSharedRegion.unlink` a name exists, and a process killed by ``SIGKILL`` in
-  that window leaves the file behind (nothing runs in a killed process).  A creator that
-  dies from an *exception* does not: an ``atexit`` hook unlinks every name this process
-  created and has not unlinked yet.
+  its :meth:`~ECSharedRegion.unlink` a name exists, and a creator that dies in that window
+  must not leave it behind: an ``atexit`` hook unlinks it after an *exception*, and the
+  standard library's resource tracker (a process that outlives the creator, see
+  :mod:`vtnumba.memory.shared_files`) after a *kill* -- ``SIGKILL``, or the ``SIGTERM`` that
+  ``timeout`` and ``mpiexec`` send, under which no exit hook runs.
 * **anonymous** (``anonymous=True``, what the endpoints use): the creator makes the memory
   with ``memfd_create`` -- shared memory that never has a name in ``/dev/shm`` at all, so
   no crash at any moment can leave a file behind.  Openers reach it through the creator's

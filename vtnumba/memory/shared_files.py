@@ -8,15 +8,30 @@ consumer must find it by name), and this module is that one way:
 * :func:`create_private_file` -- ``O_CREAT | O_EXCL`` (never reuse someone else's file),
   ``O_NOFOLLOW`` (a symlink planted at the name cannot redirect the create), ``O_CLOEXEC``,
   mode exactly ``0600`` whatever the umask; and the path is remembered, so that an
-  uncaught exception or a plain exit unlinks it (an ``atexit`` hook);
+  uncaught exception or a plain exit unlinks it (an ``atexit`` hook), and a *janitor*
+  process unlinks it if this process is killed (below);
 * :func:`private_file_problem` -- what is wrong with a file someone else made, or None: it
   must be a regular file of this user with mode ``0600``; anything else was not made by a
   vtnumba creator of this user, and mapping it would let another user's process read or
   write our memory;
 * :func:`unlink_private_file` -- remove the name (once every peer has mapped it) and forget it.
 
-Only a hard kill (``SIGKILL``) between the create and the unlink can leak a file; that is why
-both users prefer anonymous memory (``memfd_create``) and keep the window of a name short.
+**Killed processes.**  ``atexit`` runs on a normal exit and after an uncaught exception, but
+not when a signal kills the process: ``SIGKILL``, and ``SIGTERM`` or ``SIGHUP`` under their
+default action -- what ``timeout`` sends, and what ``mpiexec`` does to the ranks left when
+one aborts.  A Python signal handler would not close that gap (it runs only between
+bytecodes: a process blocked in C would stop dying of ``SIGTERM``, and nothing catches
+``SIGKILL``).  What does is a process that outlives ours.  The first named file starts a
+*janitor*: a few lines of Python in a session of its own (so the signals a terminal, a
+``timeout`` or ``mpiexec`` send to our process group do not reach it), reading from a pipe
+"created path P (device, inode)" and "unlinked P".  When the pipe closes -- every process
+holding its write end has ended, however it ended -- the janitor unlinks each file still
+listed, if the name still leads to the inode we made (never someone else's file that took
+the name since), and exits.  Python's own ``multiprocessing`` resource tracker does the same
+for ``shared_memory``, but inside our process group, where ``mpiexec``'s kill takes it too.
+Only a kill in the microseconds between the create and the message, or of the janitor
+itself, can leak a file; that is why both users prefer anonymous memory (``memfd_create``)
+and keep the window of a name short.
 This module imports no MPI: the encoder cache, whose processes may not use MPI, needs it too.
 """
 
@@ -25,6 +40,8 @@ from __future__ import annotations
 import atexit
 import os
 import stat
+import subprocess
+import sys
 import threading
 
 __all__ = ["create_private_file", "private_file_problem", "unlink_private_file"]
@@ -32,15 +49,62 @@ __all__ = ["create_private_file", "private_file_problem", "unlink_private_file"]
 _linked: set[str] = set()  # files this process created and has not unlinked yet
 _linked_lock = threading.Lock()
 
+# The janitor's whole program (run with ``python -I``: no site, no environment, nothing of
+# ours to import).  Lines are "+<device> <inode> <path>" and "-<path>"; at end of input it
+# removes what is left, checking the inode first.
+_JANITOR = r"""
+import os, sys
+made = {}
+for line in sys.stdin.buffer:
+    line = line.rstrip(b"\n")
+    if line[:1] == b"+":
+        dev, ino, path = line[1:].split(b" ", 2)
+        made[path] = (int(dev), int(ino))
+    else:
+        made.pop(line[1:], None)
+for path, (dev, ino) in made.items():
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            os.unlink(path)
+    except OSError:
+        pass
+"""
+_janitor: subprocess.Popen | None = None
+_janitor_pid = 0  # the process that started it (a forked child starts its own)
+
+
+def _tell_janitor(message: bytes) -> None:
+    """Send one line to the janitor, starting it first if this process has none.  Best effort:
+    without a janitor (no fork allowed, say) the atexit hook still covers exits and exceptions."""
+    global _janitor, _janitor_pid
+    for _ in range(2):  # a janitor that died (or was told to finish) is replaced once
+        try:
+            if _janitor is None or _janitor_pid != os.getpid():
+                _janitor = subprocess.Popen(
+                    [sys.executable, "-I", "-c", _JANITOR], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+                _janitor_pid = os.getpid()
+            _janitor.stdin.write(message + b"\n")
+            _janitor.stdin.flush()
+            return
+        except (OSError, ValueError):
+            _janitor = None
+
 
 def _unlink_leftovers() -> None:
+    global _janitor
     with _linked_lock:
         paths = list(_linked)
-        _linked.clear()
     for path in paths:
+        unlink_private_file(path)
+    with _linked_lock:
+        janitor, _janitor = (_janitor, None) if _janitor_pid == os.getpid() else (None, _janitor)
+    if janitor is not None:
         try:
-            os.unlink(path)
-        except FileNotFoundError:
+            janitor.stdin.close()  # nothing is left for it: it exits now
+            janitor.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
             pass
 
 
@@ -53,6 +117,10 @@ def create_private_file(path: str) -> int:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with _linked_lock:
         _linked.add(path)
+    st = os.fstat(fd)
+    if "\n" not in path:  # (a line per message; vtnumba's names never hold one)
+        with _linked_lock:
+            _tell_janitor(b"+%d %d %s" % (st.st_dev, st.st_ino, os.fsencode(path)))
     try:
         os.fchmod(fd, 0o600)  # exactly, whatever the umask
     except BaseException:
@@ -76,9 +144,12 @@ def private_file_problem(st: os.stat_result) -> str | None:
 
 def unlink_private_file(path: str) -> None:
     """Remove ``path``'s name (mappings stay valid) and stop tracking it; a missing file is fine."""
-    with _linked_lock:
-        _linked.discard(path)
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    with _linked_lock:  # (after the unlink: a kill in between still leaves the janitor to do it)
+        if path in _linked:
+            _linked.discard(path)
+            if _janitor is not None and "\n" not in path:
+                _tell_janitor(b"-" + os.fsencode(path))

@@ -1,0 +1,84 @@
+"""Named shared-memory files are not left behind when their creator is killed.
+
+``atexit`` covers exits and exceptions; a kill runs nothing of the process, so the files
+it created are removed by the janitor process of :mod:`vtnumba.memory.shared_files`, which
+lives in a session of its own (``mpiexec`` kills a failed job's process groups).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_child(body: str) -> subprocess.CompletedProcess:
+    code = "import os, signal, sys\nsys.path.insert(0, %r)\n" % ROOT + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def _gone_soon(path: str, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_killed_creator_leaves_no_file(sig):
+    path = f"/dev/shm/vtnumba-test-janitor-{os.getpid()}-{sig}"
+    try:
+        proc = _run_child(f"""
+            from vtnumba.memory.shared_files import create_private_file
+            create_private_file({path!r})
+            assert os.path.exists({path!r})
+            os.kill(os.getpid(), signal.{sig})   # no exit hook runs
+        """)
+        assert proc.returncode == -getattr(signal, sig), proc.stderr
+        assert _gone_soon(path), f"{path} was left behind by a creator killed with {sig}"
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_the_janitor_spares_a_file_that_took_the_name_since():
+    # The creator's file was removed behind its back and someone else made a file of the same
+    # name: that one is not ours, and must survive the creator's death.
+    path = f"/dev/shm/vtnumba-test-janitor-{os.getpid()}-reused"
+    try:
+        proc = _run_child(f"""
+            from vtnumba.memory.shared_files import create_private_file
+            create_private_file({path!r})
+            os.unlink({path!r})
+            with open({path!r}, "w") as f:
+                f.write("someone else's")
+            os.kill(os.getpid(), signal.SIGKILL)
+        """)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        time.sleep(1.0)  # the janitor has seen the pipe close by now
+        assert os.path.exists(path), "the janitor removed a file it did not make"
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_unlinked_files_are_forgotten_and_exit_stops_the_janitor():
+    proc = _run_child("""
+        from vtnumba.memory import shared_files
+        p = "/dev/shm/vtnumba-test-janitor-%d-done" % os.getpid()
+        os.close(shared_files.create_private_file(p))
+        shared_files.unlink_private_file(p)
+        assert not os.path.exists(p) and not shared_files._linked
+        janitor = shared_files._janitor
+        shared_files._unlink_leftovers()        # what runs at exit
+        assert janitor.wait(timeout=10) == 0    # it finished at once, with nothing to remove
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
