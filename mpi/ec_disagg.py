@@ -40,7 +40,7 @@ import sys
 from collections import deque
 
 from vtnumba.apps.processes import RankZeroErrorsParser, share_cores_between_local_ranks
-from vtnumba.bench.runner import positive_int, positive_number
+from vtnumba.bench.runner import non_negative_int, positive_int, positive_number
 
 share_cores_between_local_ranks()  # before numpy loads its BLAS
 
@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="region size in MiB (overrides the fraction)")
     p.add_argument("--saves-per-step", type=positive_int, default=3, help="entries the encoder tries to save per step (default 3)")
     p.add_argument("--loads-per-step", type=positive_int, default=2, help="entries the consumer asks for per step (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the entries' sizes and contents (default 0)")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="seed of the entries' sizes and contents (default 0)")
     p.add_argument("--timeout", type=positive_number, default=60.0,
                    help="seconds any wait for another rank may take before this rank gives up (default 60)")
     p.add_argument("--max-steps", type=positive_int, default=100000, help="safety limit on engine steps (default 100000)")
@@ -270,6 +271,8 @@ def run(args, comm) -> dict:
             result = consumer(ep, args, entries)
         else:
             result = consumer_tp(ep, args, entries)
+    if on_point is not None:
+        on_point.check_fired()  # (an @N past this run's steps: a fault test that tested nothing)
     # Success: nothing is left in flight on our communicator, so it may be freed.  (After a
     # failure it is not: MPI reuses a freed communicator's context, and a failure report
     # still in flight could then surface in someone else's communicator.)
@@ -338,7 +341,8 @@ def main(argv=None) -> int:
 
         size = MPI.COMM_WORLD.Get_size()
         try:
-            args.inject.check_fires(size, lambda r: points_passed(r, PRODUCER, range(1, size)))
+            # (Each step saves or loads at least one entry: at most --entries steps.)
+            args.inject.check_fires(size, lambda r: points_passed(r, PRODUCER, range(1, size), args.entries))
         except ValueError as exc:
             parser.error(str(exc))  # printed by rank 0; every rank exits 2
     from vtnumba.target import select_target

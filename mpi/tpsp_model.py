@@ -36,6 +36,7 @@ import warnings
 
 def parse_args(argv=None):
     from vtnumba.apps.processes import RankZeroErrorsParser
+    from vtnumba.bench.runner import non_negative_int
 
     # (A usage error is printed by rank 0 only; every rank exits with status 2.)
     p = RankZeroErrorsParser(description="TPSP vs. the regular tensor-parallel forward on an MLP stack "
@@ -55,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--search", action="store_true", help="measure the chunk size and token threshold first")
     p.add_argument("--budget", type=float, default=20.0, help="time budget of --search in seconds (default 20)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs of each forward (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="weight/input seed (default 0)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="weight/input seed (default 0)")
     p.add_argument("--tol", type=float, default=1e-4, help="largest accepted difference (default 1e-4)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds any wait for another rank may take before this rank gives up (default 60)")
@@ -143,7 +144,9 @@ def _run(args, target, inject) -> int:
 
     # Every rank must build the same model: compare the arguments before anything else, so a
     # mismatch reads as what it is -- not as TPSP disagreeing with the regular forward later.
-    mine = {k: v for k, v in vars(args).items() if k != "inject"}
+    # (The resolved target, not the flag: --target cpu on one rank and VTNUMBA_TARGET=cpu on
+    # another agree; the fault spec as text, so a fault given to only some ranks is refused.)
+    mine = dict(vars(args), target=target.name, inject=None if inject is None else inject._text())
     everyone = [json.loads(b) for b in allgather_bytes(json.dumps(mine, sort_keys=True).encode(), group)]
     differ = sorted({k for other in everyone for k in mine if other.get(k) != mine[k]})
     agree_errors(None if not differ else

@@ -81,6 +81,7 @@ def test_config_mismatch_is_reported_by_both_ranks():
     ("--entries", "0", "0 must be >= 1"),
     ("--max-rows", "1.5", "'1.5' is not a whole number"),
     ("--inject", "explode:0:created", "expected (raise|kill|stop):RANK:"),
+    ("--seed", "-1", "-1 must be >= 0"),  # (numpy's "expected non-negative integer" on every rank, at run time)
 ])
 def test_bad_command_line_values_are_clear_errors(flag, value, words, capsys):
     # Refused while parsing, before any rank waits for another: exit status 2 and one line.
@@ -95,6 +96,8 @@ def test_bad_command_line_values_are_clear_errors(flag, value, words, capsys):
     ("kill:1:saving@2", "rank 1 is the consumer leader, which never passes 'saving'"),
     ("stop:0:loading", "rank 0 is the producer, which never passes 'loading'"),
     ("raise:3:opened", "rank 3 does not exist; the job has ranks 0..2"),
+    ("raise:0:created@2", "rank 0 (the producer) passes 'created' at most 1 time(s), so @2 would never fire"),
+    ("kill:0:saving@17", "passes 'saving' at most 16 time(s)"),  # (16 entries: at most 16 steps)
 ])
 def test_a_fault_that_could_never_fire_is_refused_once_under_mpiexec(spec, words):
     # Only the job knows its size and so which rank is what: the check runs after parsing,
@@ -103,6 +106,15 @@ def test_a_fault_that_could_never_fire_is_refused_once_under_mpiexec(spec, words
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.count(words) == 1 and "Traceback" not in p.stderr, p.stderr
     assert "OK" not in p.stdout
+
+
+def test_a_fault_the_run_never_reached_fails_the_job_at_its_end():
+    # 16 entries may take fewer than 16 save steps: the spec is legal, the run decides -- and a
+    # fault that never fired must not let a fault test pass without testing anything.
+    p = _run(2, *SMALL, "--inject", "raise:0:saving@16", timeout=60)
+    assert p.returncode != 0, p.stdout + p.stderr
+    assert "never fired: this run passed 'saving'" in p.stderr and "choose a smaller @N" in p.stderr, p.stderr
+    assert "without MPI_Finalize" not in p.stderr  # the others were waiting at the end, not gone
 
 
 def _demo_module():

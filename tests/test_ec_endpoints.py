@@ -108,6 +108,48 @@ def test_an_output_with_fewer_rows_than_requested_is_refused(be, pair, rng):
         prod.save({"strided": wide[:, ::2]})
 
 
+def test_a_freed_output_is_refused_and_the_step_goes_on(be, pair, rng):
+    # A freed Buffer raised RuntimeError, which save() did not catch: the step's other saves
+    # never went out, their entries stayed "not ready" for good, and every later save failed.
+    prod, _, _ = pair
+    for h in ("a", "dead", "c"):
+        prod.request_save(h, 2)
+    dead = be.alloc(2 * HIDDEN * 4)
+    be.free(dead)
+    good = {h: _device(be, prod.compute_queue, rng.standard_normal((2, HIDDEN)).astype(np.float32)) for h in "ac"}
+    with pytest.raises(RuntimeError, match="already freed"):
+        prod.save({**good, "dead": dead})
+    assert sorted(prod.wait_saves()) == ["a", "c"] and "dead" not in prod.cache
+    prod.request_save("next", 2)
+    assert prod.save({"next": good["a"]}) == ["next"]
+
+
+def test_a_failed_load_schedules_none_of_its_grants(be, pair, rng):
+    # The grants before the bad one stayed scheduled: "'a' is already being loaded" for good,
+    # and the next load returned 'a' unasked.
+    prod, cons, _ = pair
+    for h in ("a", "c"):
+        prod.request_save(h, 1)
+    prod.save({h: _device(be, prod.compute_queue, rng.standard_normal((1, HIDDEN)).astype(np.float32)) for h in "ac"})
+    prod.wait_saves()
+    ga, gc = prod.grant("a"), prod.grant("c")
+    with pytest.raises(ValueError, match="block id 999 is outside the region"):
+        cons.load({"a": ga, "b": [999]})
+    assert list(cons.load({"c": gc})) == ["c"]
+    assert list(cons.load({"a": ga})) == ["a"]
+
+
+def test_a_closed_consumer_loads_nothing(be):
+    prod = ECProducer(hidden_size=HIDDEN, region_bytes=16 * HIDDEN * 4, name="cl", backend=be)
+    cons = ECConsumer(hidden_size=HIDDEN, handle=prod.handle, backend=be)
+    cons.close()
+    with pytest.raises(RuntimeError, match=r"ECConsumer.load\(\) after close\(\)"):
+        cons.load({"a": [0]})
+    prod.close()
+    with pytest.raises(RuntimeError, match=r"ECProducer.save\(\) after close\(\)"):
+        prod.save({})
+
+
 def test_a_closed_producer_hands_out_nothing(be):
     # request_save after close() handed out blocks of an unmapped region; poll() said [].
     prod = ECProducer(hidden_size=HIDDEN, region_bytes=16 * HIDDEN * 4, name="closed", backend=be)
@@ -167,6 +209,24 @@ def test_fault_injection_parsing():
     for bad in ("kill", "kill:x:created", "explode:0:created", "kill:0:nowhere", "kill:0:created@0"):
         with pytest.raises(ValueError, match="--inject"):
             FaultInjection.parse(bad)
+
+
+def test_faults_that_could_never_fire_are_refused_or_reported():
+    from vtnumba.ec.endpoints import points_passed
+
+    passes = lambda r: points_passed(r, 0, [1, 2], steps=10)  # noqa: E731
+    FaultInjection.parse("raise:0:saving@10").check_fires(3, passes)
+    for spec, says in (("raise:0:created@2", "passes 'created' at most 1 time"),
+                       ("kill:0:saving@11", "passes 'saving' at most 10 time"),
+                       ("kill:2:loaded", "never passes 'loaded'")):
+        with pytest.raises(ValueError, match=says):
+            FaultInjection.parse(spec).check_fires(3, passes)
+    # An @N only the run's length decides: the hook says at the end that it never fired.
+    hook = FaultInjection.parse("raise:0:saving@3").on_point(0)
+    hook("saving")
+    with pytest.raises(RuntimeError, match=r"--inject='raise:0:saving@3' never fired: this run passed 'saving' "
+                                           r"1 time\(s\), not 3"):
+        hook.check_fired()
 
 
 def test_a_communicator_without_consumers_is_refused():

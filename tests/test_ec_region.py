@@ -146,6 +146,7 @@ def test_pin_memory_is_a_reported_noop_off_gpu(engine):
     (dict(engine_id="ok", hidden_size=4, dtype=[("a", "f4")]), TypeError, ["cannot hold embeddings"]),
     (dict(engine_id="ok", hidden_size=4, create=True), ValueError, ["region_bytes=None", "creator"]),
     (dict(engine_id="ok", hidden_size=4, region_bytes=-1), ValueError, ["region_bytes=-1"]),
+    (dict(engine_id="ok", hidden_size=4, region_bytes=2 ** 64), ValueError, ["region_bytes=18446744073709551616"]),
 ])
 def test_bad_config(kwargs, exc, words):
     with pytest.raises(exc) as ei:
@@ -315,3 +316,22 @@ def test_sigkill_before_unlink_named_leaks_anonymous_cannot(engine, anonymous):
     finally:
         for f in left:
             os.unlink(os.path.join("/dev/shm", f))
+
+
+def test_an_anonymous_region_larger_than_memory_is_refused(engine):
+    # memfd memory has no size limit: posix_fallocate took pages until the OOM killer ended the
+    # process (a named region's tmpfs refuses with ENOSPC instead).
+    from vtnumba.ec.region import available_memory_bytes
+
+    room = available_memory_bytes()
+    assert room is not None and room > 0
+    with pytest.raises(ECRegionError, match=r"region_bytes=\d+: \d+ bytes of shared memory .* more than this "
+                                            r"machine has free"):
+        create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=room + (1 << 30), create=True,
+                                anonymous=True)
+
+
+def test_a_byte_order_mismatch_says_which(engine):
+    with create_ec_shared_region(engine_id=engine, hidden_size=4, dtype=">f4", region_bytes=1024, create=True) as r:
+        with pytest.raises(ValueError, match=r"this side expects dtype=<f4, .* with dtype=>f4"):
+            create_ec_shared_region(engine_id=engine, hidden_size=4, dtype="float32")

@@ -118,6 +118,29 @@ def test_bad_input():
         p.request_save("h", 5)
     with pytest.raises(TypeError, match="ECWorkerMetadata or None"):
         p.update_connector_output({"completed_saves": []})
+    # (True was taken to the cache, whose error named its own n_blocks; a 5 was counted as a miss;
+    # a 2-D list was flattened into a 4-row load.)
+    with pytest.raises(TypeError, match="num_rows=True must be an int"):
+        p.request_save("h", True)
+    with pytest.raises(TypeError, match="key=5 must be a str"):
+        p.grant_read(5)
+    assert p.stats["reads_refused"] == 0
+    with pytest.raises(ValueError, match=r"block_ids must be a flat list of block ids, got shape \(2, 2\)"):
+        ECScheduler("consumer", 8).request_load("q", [[0, 1], [2, 3]])
+
+
+def test_cancel_load_takes_back_an_undispatched_load():
+    c = ECScheduler("consumer", 8, expected_load_reports=2)
+    c.request_load("a", [0, 1])
+    assert c.cancel_load("a") and not c.cancel_load("a")
+    assert not c.build_connector_meta() and c.outstanding_loads() == {} and not c.has_pending_work()
+    assert c.request_load("a", [0, 1]) is not None  # it may be asked for again
+    b = ECScheduler("both", 8)
+    b.request_save("x", 1)
+    b.update_connector_output(ECWorkerMetadata(completed_saves=["x"]))
+    b.request_load("x")
+    assert b.cache.lookup("x").pinned
+    assert b.cancel_load("x") and not b.cache.lookup("x").pinned  # its pin is given back
 
 
 def test_metadata_validation_and_pickling():

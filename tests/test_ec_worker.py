@@ -748,3 +748,83 @@ def test_gpu_load_views_are_tracked_through_everything_derived_from_them():
     proc = subprocess.run([sys.executable, "-c", GPU_VIEW_TRACKING], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------------ from a review
+def test_a_block_written_twice_in_one_step_is_refused(backend, env_factory, rng):
+    # Two saves of one step sharing a block (or one save naming a block twice) overwrote each
+    # other silently: the region held only the last entry's bytes.
+    env = env_factory(backend)
+    a = rng.standard_normal((2, env.hidden)).astype(np.float32)
+    b = rng.standard_normal((2, env.hidden)).astype(np.float32)
+    enc = {"a": env.device(a), "b": env.device(b)}
+    meta = ECConnectorMetadata(saves={"a": [3, 4], "b": [4, 5]})
+    env.worker.save_caches(enc, "a", meta)
+    with pytest.raises(ValueError, match=r"saves\['b'\] writes block 4 \(index 0\) that this step already writes"):
+        env.worker.save_caches(enc, "b", meta)
+    env.worker.flush_saves()
+    assert complete(env.worker).completed_saves == ["a"]
+    np.testing.assert_array_equal(env.region.blocks[3:5].reshape(-1), as_bytes(a))
+    assert (env.region.blocks[5] == SENTINEL).all()  # b wrote nothing
+    with pytest.raises(ValueError, match=r"saves\['c'\] writes block 7 \(index 1\)"):
+        save(env, {"c": a}, {"c": [7, 7]})
+    # The next step starts afresh: the same blocks may be written again, once each.
+    save(env, {"b": b}, {"b": [4, 5]})
+    assert complete(env.worker).completed_saves == ["b"]
+    np.testing.assert_array_equal(env.region.blocks[4:6].reshape(-1), as_bytes(b))
+
+
+@pytest.fixture
+def cpu():
+    be = CPUBackend()
+    yield be
+    be.close()
+
+
+def test_a_freed_output_leaves_the_step_batch_as_it_was(cpu, env_factory, rng):
+    # The freed Buffer raised after the step's batch had been taken: every later step then
+    # failed with "pass the same connector_metadata to every save_caches call".
+    env = env_factory(cpu)
+    dead = cpu.alloc(2 * env.bs)
+    cpu.free(dead)
+    meta = ECConnectorMetadata(saves={"dead": [0, 1]})
+    with pytest.raises(RuntimeError, match="already freed"):
+        env.worker.save_caches({"dead": dead}, "dead", meta)
+    env.worker.flush_saves()  # nothing to send
+    out = rng.standard_normal((2, env.hidden)).astype(np.float32)
+    save(env, {"ok": out}, {"ok": [0, 1]})
+    assert complete(env.worker).completed_saves == ["ok"]
+
+
+def test_cleanup_waits_for_copies_still_in_flight(threaded, env_factory, rng):
+    # Unmapping the region under a copy a threaded queue was still running crashed the process.
+    env = env_factory(threaded)
+    out = rng.standard_normal((4, env.hidden)).astype(np.float32)
+    gate = threading.Event()
+    enc = {"h": env.device(out)}
+    threaded.launch_host_func(env.worker.compute_queue, lambda: gate.wait(10))
+    meta = ECConnectorMetadata(saves={"h": [0, 1, 2, 3]})
+    env.worker.save_caches(enc, "h", meta)
+    env.worker.flush_saves()
+    done = threading.Event()
+    threading.Thread(target=lambda: (env.region.cleanup(), done.set())).start()
+    time.sleep(0.1)
+    assert not done.is_set(), "cleanup unmapped the region while a copy into it was queued"
+    gate.set()
+    assert done.wait(10) and env.region.closed
+
+
+def test_reports_name_their_rank_and_count_once_per_rank(cpu, env_factory):
+    from vtnumba.ec import ECScheduler, ECWorkerMetadata
+
+    env = env_factory(cpu, tp_rank=1)
+    s = ECScheduler("consumer", 32, expected_load_reports=2)
+    tid = s.request_load("h", [0, 1])
+    env.worker.start_load_caches({}, s.build_connector_meta())
+    report = complete(env.worker)
+    assert report.completed_loads == [tid] and report.load_ranks == [1]
+    # One rank's report handed in twice must not stand in for the other rank's.
+    assert s.update_connector_output(report).released == []
+    assert s.update_connector_output(report).released == [] and s.stats["stale_reports"] == 1
+    other = ECWorkerMetadata(completed_loads=[tid], load_ranks=[0])
+    assert s.update_connector_output(other).released == ["h"]

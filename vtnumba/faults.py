@@ -69,51 +69,74 @@ class FaultInjection:
 
         For programs whose ranks play different parts: ``passes(rank)`` says what world rank
         ``rank`` is and which of the points it passes -- ``("the consumer leader", ("opened",
-        "loading", "loaded"))``.  Every rank can work this out for every rank, so every rank
-        refuses the same spec alike, before any of them waits for another.
+        "loading", "loaded"))``, or a mapping from each point to the most times it can be
+        passed (None: as often as the run has steps).  Every rank can work this out for every
+        rank, so every rank refuses the same spec alike, before any of them waits for another.
+        An ``@n`` that only the run's length decides is checked at the end instead
+        (:attr:`FaultHook.fired`).
         """
         if self.rank >= world_size:
             raise ValueError(f"--inject={self._text()!r}: rank {self.rank} does not exist; the job has ranks "
                              f"0..{world_size - 1}")
         what, points = passes(self.rank)
+        counts = dict(points) if isinstance(points, Mapping) else {}
         points = tuple(points)
         if self.point not in points:
             does = f"passes only {', '.join(points)}" if points else "passes none of the points"
             raise ValueError(f"--inject={self._text()!r}: rank {self.rank} is {what}, which never passes "
                              f"{self.point!r} (it {does}), so the fault would never fire")
+        most = counts.get(self.point)
+        if most is not None and self.nth > most:
+            raise ValueError(f"--inject={self._text()!r}: rank {self.rank} ({what}) passes {self.point!r} at most "
+                             f"{most} time(s), so @{self.nth} would never fire")
         return self
 
     def _text(self) -> str:
         return f"{self.how}:{self.rank}:{self.point}" + (f"@{self.nth}" if self.nth != 1 else "")
 
-    def on_point(self, rank: int) -> Callable[[str], None] | None:
+    def on_point(self, rank: int) -> "FaultHook | None":
         """The hook world rank ``rank`` calls at each point it passes (None unless it is the one to fail)."""
-        if rank != self.rank:
-            return None
-        passes = [0]
+        return FaultHook(self) if rank == self.rank else None
 
-        def hook(point: str) -> None:
-            if point != self.point:
-                return
-            passes[0] += 1
-            if passes[0] != self.nth:
-                return
-            if self.how == "raise":
-                raise RuntimeError(f"injected failure at {point!r} (--inject)")
-            # What this rank printed must reach the terminal before the signal lands.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGSTOP)
 
-        return hook
+class FaultHook:
+    """What the failing rank calls at each point it passes: fails at the spec's ``n``-th pass.
+
+    A program whose run length decides how often a point is passed asks :meth:`check_fired`
+    at its end: a fault that never fired means a fault test that tested nothing."""
+
+    def __init__(self, spec: FaultInjection):
+        self.spec = spec
+        self.passes = 0      #: passes of the spec's point so far
+        self.fired = False   #: True once it has failed (a "raise"; "kill" and "stop" do not return)
+
+    def __call__(self, point: str) -> None:
+        if point != self.spec.point:
+            return
+        self.passes += 1
+        if self.passes != self.spec.nth:
+            return
+        self.fired = True
+        if self.spec.how == "raise":
+            raise RuntimeError(f"injected failure at {point!r} (--inject)")
+        # What this rank printed must reach the terminal before the signal lands.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL if self.spec.how == "kill" else signal.SIGSTOP)
+
+    def check_fired(self) -> None:
+        """RuntimeError naming ``--inject`` unless the fault fired (call it when the run is over)."""
+        if not self.fired:
+            raise RuntimeError(f"--inject={self.spec._text()!r} never fired: this run passed {self.spec.point!r} "
+                               f"{self.passes} time(s), not {self.spec.nth}; choose a smaller @N")
 
 
 def parse_inject(text: str | None, points: Iterable[str] | Mapping[str, int], rank: int,
-                 world_size: int | None = None) -> Callable[[str], None] | None:
+                 world_size: int | None = None) -> FaultHook | None:
     """A program's ``--inject`` flag to the hook this rank calls at each point (None: no fault here)."""
     if text is None:
         return None
     return FaultInjection.parse(text, points, world_size).on_point(rank)
 
 
-__all__ = ["HOWS", "FaultInjection", "parse_inject"]
+__all__ = ["HOWS", "FaultInjection", "FaultHook", "parse_inject"]

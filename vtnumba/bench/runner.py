@@ -124,16 +124,21 @@ def _inject_hook(args, name: str, rank: int, world_size: int):
     return spec.on_point(rank) if spec is not None else None
 
 
-def positive_int(text: str) -> int:
+def positive_int(text: str, least: int = 1) -> int:
     """The argparse type of a count or size flag: a whole number >= 1, refused at parse time with
     the flag's name (argparse adds it) instead of deep inside a suite's run."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} must be >= {least}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """The argparse type of a seed: a whole number >= 0 (numpy refuses negative seeds)."""
+    return positive_int(text, least=0)
 
 
 def positive_number(text: str) -> float:

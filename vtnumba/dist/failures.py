@@ -17,8 +17,9 @@ each rank prints names the rank that failed first and what it was doing (:func:`
 
 **The exit protocol.**  :func:`exit_after_failure` is how a failed rank leaves: it waits
 (bounded) in a barrier of the failure board's communicator; when every rank arrives --
-they all failed, or gave up after the report -- it returns and the program exits normally
-(``MPI_Finalize`` completes).  If some rank never arrives (stopped, or stuck where no watch
+they all failed, or gave up after the report, or (under :func:`run_collectively`, which
+ends a *successful* run with the same barrier) finished their part -- it returns and the
+program exits normally (``MPI_Finalize`` completes).  If some rank never arrives (stopped, or stuck where no watch
 runs), it leaves *without* ``MPI_Finalize`` (``os._exit``): ``mpiexec`` then sees a rank
 gone and ends the whole job -- what ``MPI_Abort`` would do, but only when agreement was
 impossible.  A *watchdog* makes even that certain: from the moment a rank starts failing,
@@ -231,6 +232,14 @@ def arm_exit_watchdog(timeout_s: float = DEFAULT) -> None:
 def exit_after_failure(timeout_s: float = DEFAULT, code: int = 1) -> int:
     """Leave after a failure so that the job ends (see the module docstring).  Returns ``code``
     when every rank agreed to leave; otherwise does not return (``os._exit``)."""
+    return _leave_together(timeout_s, code)
+
+
+def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
+    """Every rank's last collective step, after a failure or a success alike: one barrier of
+    the board's communicator.  (A rank that succeeds joins it too: a peer that fails after
+    the others finished -- in its last check, or its report -- then finds them in the barrier,
+    instead of waiting out its timeout for ranks already inside ``MPI_Finalize``.)"""
     board = _board
     comm = board.comm if board is not None else MPI.COMM_WORLD
     if board is not None:
@@ -245,6 +254,8 @@ def exit_after_failure(timeout_s: float = DEFAULT, code: int = 1) -> int:
         faulthandler.cancel_dump_traceback_later()
         return code
     except polling.WaitTimeout:
+        if succeeded:
+            code = code or 1  # this rank's part went well, the job's did not
         try:  # (whatever goes wrong while saying so -- a closed stderr -- this rank still leaves)
             print(f"[rank {comm.Get_rank()}] a rank did not leave within {timeout_s:g} s (stopped or hung); ending "
                   "the job without MPI_Finalize", file=sys.stderr, flush=True)
@@ -261,11 +272,12 @@ def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
     one line naming the rank and the phase, and leave with :func:`exit_after_failure`."""
     install()
     try:
-        return int(main() or 0)
+        code = int(main() or 0)
     except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 - every failure must reach the peers
         arm_exit_watchdog(timeout_s)  # from here on, nothing may keep this process alive
         print(report(exc), file=sys.stderr, flush=True)
         return exit_after_failure(timeout_s)
+    return _leave_together(timeout_s, code, succeeded=True)
 
 
 __all__ = ["EXIT_GRACE_S", "PeerFailed", "FailureBoard", "phase", "current_phase", "install", "uninstall", "report",

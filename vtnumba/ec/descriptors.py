@@ -39,7 +39,8 @@ import numpy as np
 
 from vtnumba.backend.arrays import is_int
 
-__all__ = ["coalesce_runs", "DescriptorBuffers", "DescriptorBufferPool", "BadBlockId", "prepare_descriptors"]
+__all__ = ["coalesce_runs", "DescriptorBuffers", "DescriptorBufferPool", "BadBlockId", "RepeatedBlockId", "NO_MARKS",
+           "prepare_descriptors"]
 
 
 def coalesce_runs(block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -71,13 +72,25 @@ def coalesce_runs(block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.
 
 @numba.njit(nogil=True, cache=True)
 def _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
-                     src, dst, sizes, count, flat_is_src, merge):  # pragma: no cover - compiled; tested via callers
+                     src, dst, sizes, count, flat_is_src, merge, marks, epoch):  # pragma: no cover - compiled
     # Every id must name a block of the region, the ones past the output's end too (they
     # were allocated to this entry; a bad one means bad metadata).  Returns -1 - index of
-    # the first bad id, or the new descriptor count.
-    for i in range(ids.shape[0]):
+    # the first bad id, -1 - (len(ids) + index) of the first id already written this step
+    # (see below), or the new descriptor count.
+    n = ids.shape[0]
+    for i in range(n):
         if ids[i] < 0 or ids[i] >= num_blocks:
             return -1 - i
+    if marks.shape[0]:
+        # Writers (saves) mark each block with the step's epoch: a block marked already is
+        # written twice this step -- by this entry or by another -- and one entry's rows would
+        # silently replace the other's.  A refused entry takes its marks back.
+        for i in range(n):
+            if marks[ids[i]] == epoch:
+                for k in range(i):
+                    marks[ids[k]] = epoch - 1
+                return -1 - (n + i)
+            marks[ids[i]] = epoch
     # Addresses are added up in uint64 (device addresses may have the high bit set); the
     # callers pass Python ints, so cast once here.
     bs = np.uint64(block_size)
@@ -105,6 +118,10 @@ def _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size
     return count
 
 
+#: ``marks`` for :meth:`DescriptorBuffers.add_block_runs` callers that need no repeat check (readers).
+NO_MARKS = np.zeros(0, np.uint32)
+
+
 class BadBlockId(ValueError):
     """A block id outside the region (raised by :meth:`DescriptorBuffers.add_block_runs`)."""
 
@@ -115,11 +132,21 @@ class BadBlockId(ValueError):
         self.num_blocks = num_blocks  #: the region's block count
 
 
+class RepeatedBlockId(ValueError):
+    """A block written twice in one step (raised by :meth:`DescriptorBuffers.add_block_runs`
+    with ``marks``): by this entry twice, or by this entry and an earlier one."""
+
+    def __init__(self, index: int, block_id: int):
+        super().__init__(f"block id {block_id} at index {index} is already written this step")
+        self.index = index
+        self.block_id = block_id
+
+
 def prepare_descriptors() -> None:
     """Compile (or load from numba's cache) the descriptor builder now, not inside a timed step."""
     ids = np.zeros(1, np.int64)
     out = np.zeros(1, np.uint64)
-    _fill_block_runs(ids, 1, 1, 0, 0, 1, 1, out, out.copy(), out.copy(), 0, True, True)
+    _fill_block_runs(ids, 1, 1, 0, 0, 1, 1, out, out.copy(), out.copy(), 0, True, True, NO_MARKS, 1)
 
 
 class DescriptorBuffers(NamedTuple):
@@ -152,7 +179,7 @@ class DescriptorBuffers(NamedTuple):
 
     def add_block_runs(self, count: int, ids: np.ndarray, n_used: int, num_blocks: int, region_base: int,
                        flat_base: int, block_size: int, total_bytes: int, flat_is_src: bool,
-                       merge: bool = False) -> int:
+                       merge: bool = False, marks: np.ndarray = NO_MARKS, epoch: int = 1) -> int:
         """Write the descriptors of one entry's block runs from slot ``count`` on; return the new count.
 
         ``ids`` (a 1-D C-contiguous int64 array) are the entry's blocks in the region, each
@@ -164,6 +191,9 @@ class DescriptorBuffers(NamedTuple):
         that continues descriptor ``count - 1`` on both sides extends it instead of taking a
         slot (a step's loads: neighbours in the region land side by side in one buffer).  The
         caller makes sure ``count + n_used <= capacity`` (one descriptor per block at most).
+        ``marks`` (a ``uint32`` array of ``num_blocks`` kept by a writer) and ``epoch`` (its
+        step number): every id is marked with the epoch, and one marked already raises
+        :class:`RepeatedBlockId` -- two writes of one block in a step (nothing written).
         """
         # The compiled loop writes by index without bounds checks: refuse what would take it
         # past the arrays (cheap next to the call itself).
@@ -173,10 +203,12 @@ class DescriptorBuffers(NamedTuple):
                              f"{ids.shape[0]} ids of {block_size} bytes and {self.sizes.shape[0]} descriptor slots; "
                              "expected n_used <= len(ids), count + n_used <= capacity and the last used block "
                              "partly filled")
-        new = _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size,
-                               total_bytes, self.src_ptrs, self.dst_ptrs, self.sizes, count, flat_is_src, merge)
+        new = _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
+                               self.src_ptrs, self.dst_ptrs, self.sizes, count, flat_is_src, merge, marks, epoch)
         if new < 0:
             i = -1 - new
+            if i >= ids.shape[0]:
+                raise RepeatedBlockId(i - ids.shape[0], int(ids[i - ids.shape[0]]))
             raise BadBlockId(i, int(ids[i]), num_blocks)
         return new
 

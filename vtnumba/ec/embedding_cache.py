@@ -236,6 +236,8 @@ class EmbeddingCache:
 
         The read path: check and pin under one lock, so an eviction cannot slip in between.
         """
+        if not isinstance(key, str):  # (a 5 was a plain miss, counted as one)
+            raise TypeError(f"key={key!r} must be a str (an mm_hash)")
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or not entry.ready:

@@ -94,18 +94,20 @@ TAG_USER, TAG_SETUP, TAG_LOAD = 1, 2, 3  # the program's own messages, setup, le
 POINTS = ("created", "opened", "shared", "saving", "loading", "loaded")
 
 
-def points_passed(rank: int, producer: int, consumers) -> tuple[str, tuple[str, ...]]:
+def points_passed(rank: int, producer: int, consumers, steps: int | None = None) -> tuple[str, dict]:
     """What ``rank`` is in a job with this producer and these consumer ranks, and which of the
-    :data:`POINTS` it passes -- for :meth:`FaultInjection.check_fires`, so that a demo refuses
-    ``--inject kill:1:saving`` when rank 1 is a consumer (that fault could never fire)."""
+    :data:`POINTS` it passes how often at most -- for :meth:`FaultInjection.check_fires`, so
+    that a demo refuses ``--inject kill:1:saving`` when rank 1 is a consumer, or
+    ``raise:0:created@2`` (the setup points are passed once): faults that could never fire.
+    ``steps`` bounds the per-step points (None: unknown)."""
     consumers = sorted(consumers)
     if rank == producer:
-        return "the producer", ("created", "shared", "saving")
+        return "the producer", {"created": 1, "shared": 1, "saving": steps}
     if consumers and rank == consumers[0]:
-        return "the consumer leader", ("opened", "loading", "loaded")
+        return "the consumer leader", {"opened": 1, "loading": steps, "loaded": steps}
     if rank in consumers:
-        return "a consumer rank (not the leader)", ("opened", "loading")
-    return "a rank without an endpoint", ()
+        return "a consumer rank (not the leader)", {"opened": 1, "loading": steps}
+    return "a rank without an endpoint", {}
 
 
 _BETWEEN = "the program's own work, between encoder-cache calls"  # what a failure report says then
@@ -384,6 +386,7 @@ class ECProducer(_Endpoint):
         half-scheduled.  (Fewer rows: the consumer loads every requested row, and the missing
         ones would be whatever an evicted entry left in their blocks.)
         """
+        self._check_open("save")
         if not isinstance(outputs, Mapping):
             raise TypeError(f"outputs must be a mapping mm_hash -> device array, got {type(outputs).__name__}")
         meta = self.scheduler.build_connector_meta()
@@ -396,7 +399,7 @@ class ECProducer(_Endpoint):
                 self._check_all_rows(outputs, h, len(meta.saves[h]))
                 self.worker.save_caches(outputs, h, meta)
                 sent.append(h)
-            except (ValueError, TypeError, KeyError) as exc:
+            except Exception as exc:  # noqa: BLE001 - any refusal (a freed Buffer raises RuntimeError)
                 self.scheduler.cache.discard(h)
                 refused = refused or exc
         self.worker.flush_saves()
@@ -504,9 +507,23 @@ class ECConsumer(_Endpoint):
         if not isinstance(grants, Mapping):
             raise TypeError(f"grants must be a mapping mm_hash -> block ids (the producer's grant()), "
                             f"got {type(grants).__name__}")
-        for h, ids in grants.items():
-            if self.scheduler.request_load(h, ids) is None:
-                raise ValueError(f"load: {h!r} is already being loaded")
+        self._check_open("load")
+        if self._followers_stopped:
+            raise RuntimeError("load() after stop_followers(): the other consumer ranks have stopped serving, "
+                               "and would never load these entries")
+        scheduled = []
+        try:
+            for h, ids in grants.items():
+                if self.scheduler.request_load(h, ids) is None:
+                    raise ValueError(f"load: {h!r} is already being loaded")
+                scheduled.append(h)
+        except BaseException:
+            # All of the step's grants or none: the ones scheduled before the bad one are taken
+            # back (they would have been loaded by the next call, asked or not, and could never
+            # be asked for again).
+            for h in scheduled:
+                self.scheduler.cancel_load(h)
+            raise
         meta = self.scheduler.build_connector_meta()
         if not meta.loads:
             return {}
@@ -536,6 +553,7 @@ class ECConsumer(_Endpoint):
         loads (default: twice the timeout -- see the module docstring)."""
         if self.is_leader:
             raise RuntimeError("serve() is for the consumer ranks other than the leader; the leader calls load()")
+        self._check_open("serve")
         count = 0
         while True:
             self.activity = "waiting for the consumer leader's next loads"

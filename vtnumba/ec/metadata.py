@@ -12,7 +12,9 @@ Upstream: ``ECCPUConnectorMetadata`` and ``ECCPUWorkerMetadata`` in vLLM's CPU c
   ``completed_saves`` (mm_hashes, now safe to mark ready) and ``completed_loads`` (transfer
   ids).  Every tensor-parallel rank loads the same blocks and reports the same ids;
   :meth:`~ECWorkerMetadata.aggregate` concatenates, so an id appears once per reporting
-  rank and the scheduler counts the participants off the list.
+  rank and the scheduler counts the participants off the list.  ``load_ranks`` names the
+  rank of each reported load (the worker fills it in), so that one rank's report handed
+  in twice counts once.
 
 Both are plain picklable dataclasses: in the demos they travel over mpi4py.
 """
@@ -73,6 +75,9 @@ class ECWorkerMetadata:
 
     completed_saves: list[str] = field(default_factory=list)  #: mm_hashes whose save finished
     completed_loads: list[int] = field(default_factory=list)  #: transfer ids whose load finished (once per rank)
+    #: the tensor-parallel rank that reported each of ``completed_loads`` (same length), or
+    #: empty when unknown (every report then counts)
+    load_ranks: list[int] = field(default_factory=list)
 
     def aggregate(self, other: "ECWorkerMetadata | None") -> "ECWorkerMetadata":
         """Append ``other``'s reports to this one (in place) and return self."""
@@ -80,6 +85,10 @@ class ECWorkerMetadata:
             return self
         if not isinstance(other, ECWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into ECWorkerMetadata")
+        if len(self.load_ranks) != len(self.completed_loads) or len(other.load_ranks) != len(other.completed_loads):
+            self.load_ranks = []  # a report without ranks: the combined one has none either
+        else:
+            self.load_ranks.extend(other.load_ranks)
         self.completed_saves.extend(other.completed_saves)
         self.completed_loads.extend(other.completed_loads)
         return self

@@ -63,6 +63,7 @@ import re
 import struct
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -169,7 +170,7 @@ class ECRegionConfig:
             if self.create:
                 raise ValueError("region_bytes=None: the creator must say how large the region is")
         else:
-            check_int("region_bytes", self.region_bytes, min_value=0)
+            check_int("region_bytes", self.region_bytes, min_value=0, max_value=MAX_REGION_BYTES)
         if isinstance(self.open_timeout_s, bool) or not isinstance(self.open_timeout_s, (int, float)) \
                 or not 0 <= self.open_timeout_s < float("inf"):
             raise ValueError(f"open_timeout_s={self.open_timeout_s!r} must be a finite number of seconds >= 0")
@@ -192,6 +193,21 @@ class ECRegionConfig:
     def num_blocks(self) -> int | None:
         """Blocks that fit in ``region_bytes`` (None when an opener adopts the creator's size)."""
         return None if self.region_bytes is None else int(self.region_bytes) // self.block_size_bytes
+
+
+#: More than any machine's memory: region_bytes past it is refused where it is given.
+MAX_REGION_BYTES = 1 << 60
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel could still give out (``MemAvailable`` + ``SwapFree`` of
+    ``/proc/meminfo``), or None where that file is not there to read."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def block_id_array(block_ids, what: str = "block_ids") -> np.ndarray:
@@ -241,6 +257,10 @@ class ECSharedRegion:
         self.is_pinned = False
         self.pin_status = "not requested"
         self._unlinked = False
+        # The workers copying to and from this mapping (ECWorker adds itself): cleanup lets
+        # their copies in flight finish before it unmaps -- a threaded queue or a GPU's copy
+        # engine still writing an unmapped page would crash the process.
+        self._workers: weakref.WeakSet = weakref.WeakSet()
         self._fd: int | None = None
         self._mmap: mmap.mmap | None = None
         self._base: np.ndarray | None = None
@@ -288,6 +308,15 @@ class ECSharedRegion:
         os.fchmod(self._fd, 0o600)  # exact mode, whatever the umask (memfd starts at 0777)
         self.num_blocks = num_blocks
         total = HEADER_BYTES + num_blocks * self.block_size_bytes
+        if self.anonymous:
+            # A file in /dev/shm has a size limit (its tmpfs), so posix_fallocate below fails
+            # cleanly there.  memfd memory has none: fallocate would take pages until the
+            # kernel's OOM killer ends some process -- maybe this one, maybe another.
+            room = available_memory_bytes()
+            if room is not None and total > room:
+                raise ECRegionError(f"region_bytes={config.region_bytes}: {total} bytes of shared memory for "
+                                    f"{self.label} is more than this machine has free ({room} bytes of memory "
+                                    "and swap); choose a smaller region")
         os.ftruncate(self._fd, total)
         try:
             # Reserve the memory now: a file in a full /dev/shm (a container's is often 64 MB)
@@ -376,10 +405,13 @@ class ECSharedRegion:
             raise ECRegionError(f"{self.label} has an inconsistent header (itemsize {itemsize}, block {block_size} B "
                                 f"for hidden_size {hidden}); it was not written by vtnumba's ECSharedRegion")
         if their_dtype != self.dtype or hidden != self.hidden_size:
+            # (dtype.str, not .name, when only the byte order differs: '>f4' and '<f4' are both 'float32')
+            same_name = self.dtype.name == their_dtype.name and self.dtype != their_dtype
+            ours, theirs = (self.dtype.str, their_dtype.str) if same_name else (self.dtype.name, their_dtype.name)
             raise ValueError(
-                f"engine_id={config.engine_id!r}: this side expects dtype={self.dtype.name}, "
+                f"engine_id={config.engine_id!r}: this side expects dtype={ours}, "
                 f"hidden_size={self.hidden_size} but the producer (pid {pid}) created the region with "
-                f"dtype={their_dtype.name}, hidden_size={hidden}; both sides must use the same model config")
+                f"dtype={theirs}, hidden_size={hidden}; both sides must use the same model config")
         if config.num_blocks is not None and config.num_blocks != num_blocks:
             raise ValueError(
                 f"engine_id={config.engine_id!r}: region_bytes={config.region_bytes} gives {config.num_blocks} "
@@ -505,6 +537,9 @@ class ECSharedRegion:
         return True
 
     def _close_mapping(self) -> None:
+        for worker in list(self._workers):
+            if not worker.backend.closed:  # (close() already drained every queue)
+                worker.wait()
         if self._range is not None:
             unregister(self._range)
             self._range = None
@@ -536,7 +571,8 @@ class ECSharedRegion:
             self._fd = None
 
     def cleanup(self) -> None:
-        """The creator unlinks; every process unmaps.  Safe to call twice."""
+        """The creator unlinks; every process unmaps -- once the copies its workers still have
+        in flight have finished.  Safe to call twice."""
         # Unlink first: the name is what leaks, the mapping dies with the process anyway.
         if self.is_creator:
             self.unlink()

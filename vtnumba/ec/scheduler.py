@@ -20,8 +20,9 @@ Roles:
   released in the local cache.
 
 Exactly-once release: a load's expected report count is set at dispatch; each report
-counts down; at zero the transfer is *forgotten before* the pin is released, so a replayed
-or late report finds no transfer and is ignored (counted in ``stats["stale_reports"]``).
+counts down -- once per rank: a rank's report handed in again is ignored -- and at zero the
+transfer is *forgotten before* the pin is released, so a replayed or late report finds no
+transfer and is ignored too (both counted in ``stats["stale_reports"]``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class ECScheduler:
         self._lock = threading.Lock()
         self._pending_saves: dict[str, np.ndarray] = {}
         self._pending_loads: dict[str, tuple[int, np.ndarray]] = {}
-        # transfer_id -> [mm_hash, reports still outstanding]
+        # transfer_id -> [mm_hash, reports still outstanding, the ranks that reported it]
         self._load_acks: dict[int, list] = {}
         self._transfer_ids = itertools.count()
         self.stats = {"saves_scheduled": 0, "saves_completed": 0, "saves_without_room": 0,
@@ -94,6 +95,7 @@ class ECScheduler:
         self._need(self.is_producer, "request_save", "producer")
         if not isinstance(mm_hash, str):
             raise TypeError(f"mm_hash={mm_hash!r} must be a str")
+        num_rows = check_int("num_rows", num_rows, min_value=0)  # (one block per row: the cache says n_blocks)
         with self._lock:
             if mm_hash in self._pending_saves or self.cache.lookup(mm_hash) is not None:
                 return None
@@ -149,7 +151,10 @@ class ECScheduler:
                 if block_ids is None:
                     raise ValueError(f"request_load({mm_hash!r}): a consumer needs the block_ids the producer "
                                      "granted for it")
-                raw = np.asarray(block_ids).reshape(-1)
+                raw = np.asarray(block_ids)
+                if raw.ndim != 1:  # (a [[0, 1], [2, 3]] was flattened into a 4-row load)
+                    raise ValueError(f"request_load({mm_hash!r}): block_ids must be a flat list of block ids, "
+                                     f"got shape {raw.shape}")
                 # Whole numbers only: np.asarray(..., dtype=int64) would turn 1.7 into block 1.
                 if raw.size and raw.dtype.kind not in "iu":
                     raise TypeError(f"request_load({mm_hash!r}): block_ids={block_ids!r} must be int block ids, "
@@ -161,9 +166,23 @@ class ECScheduler:
                                      f"0..{self.num_blocks - 1}")
             tid = next(self._transfer_ids)
             self._pending_loads[mm_hash] = (tid, ids)
-            self._load_acks[tid] = [mm_hash, self.expected_load_reports]
+            self._load_acks[tid] = [mm_hash, self.expected_load_reports, set()]
             self.stats["loads_scheduled"] += 1
             return tid
+
+    def cancel_load(self, mm_hash: str) -> bool:
+        """Take back a load scheduled this step and not dispatched yet (a caller whose batch
+        of requests failed part-way); returns whether there was one.  ``both``: unpins it."""
+        self._need(self.is_consumer, "cancel_load", "consumer")
+        with self._lock:
+            pending = self._pending_loads.pop(mm_hash, None)
+            if pending is None:
+                return False
+            del self._load_acks[pending[0]]
+            self.stats["loads_scheduled"] -= 1
+            if self.role == "both":
+                self.cache.unpin(mm_hash)
+            return True
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self) -> ECConnectorMetadata:
@@ -189,11 +208,18 @@ class ECScheduler:
                 self.cache.mark_ready(mm_hash)
                 self.stats["saves_completed"] += 1
                 update.ready.append(mm_hash)
-            for tid in worker_meta.completed_loads:
+            loads = worker_meta.completed_loads
+            ranks = worker_meta.load_ranks if len(worker_meta.load_ranks) == len(loads) else [None] * len(loads)
+            for tid, rank in zip(loads, ranks):
                 pending = self._load_acks.get(tid)
                 if pending is None:
                     self.stats["stale_reports"] += 1  # already released, or never dispatched here
                     continue
+                if rank is not None:
+                    if rank in pending[2]:
+                        self.stats["stale_reports"] += 1  # this rank's report, handed in again
+                        continue
+                    pending[2].add(rank)
                 pending[1] -= 1
                 if pending[1] > 0:
                     continue
@@ -209,7 +235,7 @@ class ECScheduler:
     def outstanding_loads(self) -> dict[int, tuple[str, int]]:
         """transfer_id -> (mm_hash, reports still expected), for loads dispatched and not released."""
         with self._lock:
-            return {tid: (h, n) for tid, (h, n) in self._load_acks.items()}
+            return {tid: (h, n) for tid, (h, n, _) in self._load_acks.items()}
 
     def has_pending_work(self) -> bool:
         """True while a scheduled save/load is undispatched or unconfirmed (keep stepping)."""

@@ -76,7 +76,8 @@ from vtnumba import trace
 from vtnumba.backend.address_ranges import register, unregister
 from vtnumba.backend.arrays import array_kind, check_int, is_c_contiguous
 from vtnumba.backend.base import Backend, Buffer, Event, Queue
-from vtnumba.ec.descriptors import BadBlockId, DescriptorBufferPool, DescriptorBuffers, prepare_descriptors
+from vtnumba.ec.descriptors import (BadBlockId, DescriptorBufferPool, DescriptorBuffers, RepeatedBlockId,
+                                    prepare_descriptors)
 from vtnumba.ec.destination import LoadDestination, LoadDestinations
 from vtnumba.ec.metadata import ECConnectorMetadata, ECWorkerMetadata
 from vtnumba.ec.region import ECSharedRegion, block_id_array
@@ -180,6 +181,7 @@ class ECWorker:
             raise TypeError(f"backend must be a Backend, got {type(backend).__name__}")
         self.backend = backend
         self._region = region
+        region._workers.add(self)  # its cleanup waits for this worker's copies in flight
         # The model dtype: loads reinterpret raw int8 blocks as it.  The region records it.
         self.dtype = np.dtype(region.dtype if dtype is None else dtype)
         if self.dtype != region.dtype:
@@ -246,6 +248,9 @@ class ECWorker:
         #: duration is in :attr:`history`; what is left is the fixed cost of a step.
         self.step_us: dict[str, deque] = {k: deque(maxlen=256) for k in ("save", "load", "report")}
         self._save_t0 = 0
+        # Blocks this step's saves write, marked with the step's epoch (see add_block_runs).
+        self._save_marks: np.ndarray | None = None
+        self._save_epoch = 0
 
     # ------------------------------------------------------------------ pools
     def _acquire_queue(self) -> Queue:
@@ -286,33 +291,44 @@ class ECWorker:
         region = self._region
         total_bytes = _check_output(src, mm_hash, region, ids.size)
         block_size = self.block_size
+        # Entries may be sized by placeholder count, larger than the output: blocks the
+        # output never reaches get no descriptor (vLLM's worker trims the last run to the
+        # output's end the same way).  The address is read before anything of the step's
+        # batch is taken: a freed Buffer raises here, leaving the batch as it was.
+        n_used = -(-total_bytes // block_size)  # blocks the output reaches (a ceiling division)
+        src_addr, src_live = live_address(src, total_bytes) if n_used else (0, True)
 
         bufs = self._save_bufs
         fresh = bufs is None
         if fresh:
-            # The first save of the step: descriptors for every scheduled block of the step.
+            # The first save of the step: descriptors for every scheduled block of the step,
+            # and a new epoch for the marks of the blocks it writes.
+            if self._save_marks is None:  # (4 bytes a block, allocated by the first save: loaders need none)
+                self._save_marks = np.zeros(region.num_blocks, np.uint32)
+            self._save_epoch = self._save_epoch % 0xFFFFFFFF + 1  # 1 .. 2**32-1 (0 is "never")
             bufs = self._save_bufs = self._buf_pool.acquire(sum(map(len, saves.values())))
             self._save_queue = self._acquire_queue()
             self._save_t0 = t0
         count = self._save_count
-        if count + ids.size > len(bufs.sizes):
-            raise RuntimeError(f"save_caches({mm_hash!r}): this step's saves need more than the "
-                               f"{len(bufs.sizes)} descriptors sized from the metadata; pass the same "
-                               "connector_metadata to every save_caches call of a step")
-
-        # Entries may be sized by placeholder count, larger than the output: blocks the
-        # output never reaches get no descriptor (vLLM's worker trims the last run to the
-        # output's end the same way).
-        n_used = -(-total_bytes // block_size)  # blocks the output reaches (a ceiling division)
-        src_addr, src_live = live_address(src, total_bytes) if n_used else (0, True)
         try:
+            if count + ids.size > len(bufs.sizes):
+                raise RuntimeError(f"save_caches({mm_hash!r}): this step's saves need more than the "
+                                   f"{len(bufs.sizes)} descriptors sized from the metadata; pass the same "
+                                   "connector_metadata to every save_caches call of a step")
             self._save_count = bufs.add_block_runs(count, ids, n_used, region.num_blocks, region.base_ptr,
-                                                   src_addr, block_size, total_bytes, True)
-        except BadBlockId as exc:
+                                                   src_addr, block_size, total_bytes, True,
+                                                   marks=self._save_marks, epoch=self._save_epoch)
+        except BaseException as exc:
             if fresh:  # nothing of this step is in the batch yet: give its resources back
                 self._release_save_batch()
-            raise ValueError(f"saves[{mm_hash!r}] contains block id {exc.block_id}, outside the region's "
-                             f"0..{exc.num_blocks - 1}") from None
+            if isinstance(exc, BadBlockId):
+                raise ValueError(f"saves[{mm_hash!r}] contains block id {exc.block_id}, outside the region's "
+                                 f"0..{exc.num_blocks - 1}") from None
+            if isinstance(exc, RepeatedBlockId):
+                raise ValueError(f"saves[{mm_hash!r}] writes block {exc.block_id} (index {exc.index}) that this "
+                                 "step already writes -- for this entry or another: one entry's rows would "
+                                 "silently replace the other's; every saved block must be distinct") from None
+            raise
         if not src_live:
             # The copy runs later, by address, and the copy engine checks every address it
             # touches against live memory: declare an output it does not know (an array the
@@ -554,7 +570,7 @@ class ECWorker:
             self._destinations.reclaim()
         if not saves and not loads:
             return None
-        meta = ECWorkerMetadata(completed_saves=saves, completed_loads=loads)
+        meta = ECWorkerMetadata(completed_saves=saves, completed_loads=loads, load_ranks=[self.tp_rank] * len(loads))
         self.step_us["report"].append((perf_counter_ns() - t0) / 1e3)
         return meta
 
