@@ -235,3 +235,27 @@ def test_bench_peer_runs_on_one_rank_and_follows_the_schema():
     assert all(r["value"] > 0 for r in d["results"])
     assert "reduce_scatter peer-in-buffer/mpi4py geomean" in d["ratios"]
     assert any("1 rank" in n for n in d["notes"])
+
+
+def test_allreduce_max_keeps_nan(group):
+    # MPI's MAX drops a NaN (every comparison with it is false): ranks then disagreed, and
+    # mpi/tpsp_model.py printed OK on one rank and failed on another.
+    from vtnumba.dist import allreduce_max
+
+    assert allreduce_max(2.5, group, "x") == 2.5
+    assert allreduce_max(float("nan"), group, "x") != allreduce_max(float("nan"), group, "x")  # NaN
+    assert allreduce_max(float("-inf"), group, "x") == float("-inf")
+
+
+def test_a_row_parallel_layer_refuses_a_group_it_was_not_built_for(group):
+    from vtnumba.nn import ParallelMLPBlock, RowParallelLinear
+
+    row = RowParallelLinear(4, 3, tp_size=2, tp_rank=0)  # the half of rank 0 of 2, on a group of 1
+    x = np.ones((2, 2), np.float32)
+    with pytest.raises(ValueError, match=r"built for rank 0 of tp_size=2 but is run on rank 0 of group .* with 1 "
+                                         r"ranks"):
+        row(x, group)
+    block = ParallelMLPBlock(4, 8, tp_size=2, tp_rank=1)
+    with pytest.raises(ValueError, match=r"RowParallelLinear was built for rank 1 of tp_size=2"):
+        block.forward_regular(np.ones((2, 4), np.float32), np.ones((2, 4), np.float32), group)
+    assert RowParallelLinear(4, 3, tp_size=1, tp_rank=0)(np.ones((2, 4), np.float32), group).shape == (2, 3)

@@ -132,6 +132,7 @@ def test_pipeline_demo_killed_producer_leaves_nothing(weights):
     (["--timeout", "0"], "--timeout=0.0: expected a positive, finite number of seconds"),
     (["--timeout", "inf"], "--timeout=inf: expected a positive, finite number of seconds"),
     (["--region-mib", "nan"], "--region-mib=nan: expected a positive, finite number of MiB"),
+    (["--region-mib", "1e12"], "--region-mib=1000000000000.0: more than this machine has free"),  # (the OOM killer)
     (["--inject", "bogus"], "--inject='bogus' must look like"),
     (["--inject", "raise:0:loading"], "rank 0 is the producer, which never passes 'loading'"),
     (["--queries", "fine", "  "], "--queries: query 2 ('  ') is empty; expected a text with at least one word"),

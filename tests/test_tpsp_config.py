@@ -154,8 +154,17 @@ def test_shard_argument_errors():
         shard_residual(np.zeros((4, 2), np.float32), 2, 2)
     with pytest.raises(ValueError, match="num_tokens"):
         shard_rows(0, 2)
-    with pytest.raises(ValueError, match="at least"):
+    with pytest.raises(ValueError, match=r"shards\[0\] has shape \(1, 2\); expected \[R, H\] = \[3, 2\]"):
         unshard_residual([np.zeros((1, 2))], 3)
+    # (-1 dropped a row silently, 2.5 raised a slice TypeError, shards of 2 and 1 rows were
+    # concatenated into the wrong token positions)
+    for bad in (-1, 0, 2.5):
+        with pytest.raises(ValueError, match=rf"num_tokens={bad!r} must be an int >= 1"):
+            unshard_residual([np.zeros((2, 2))] * 2, bad)
+    with pytest.raises(ValueError, match=r"shards\[1\] has shape \(1, 2\)"):
+        unshard_residual([np.zeros((2, 2)), np.zeros((1, 2))], 3)
+    with pytest.raises(ValueError, match="shards is empty"):
+        unshard_residual([], 3)
 
 
 # ---------------------------------------------------------------------------- argument checks
@@ -225,3 +234,49 @@ def test_profile_search_grids():
     assert chunk_candidates(64, 10) == [10]
     assert threshold_sizes(1000, 16) == [1000, 500, 250, 125, 62, 31, 16]
     assert threshold_sizes(5, 16) == [5]
+
+
+def test_check_call_refuses_outputs_over_the_same_memory(rng):
+    # out=buf and new_residual=buf[:R] passed the identity test and gave a wrong residual
+    # (fused and regular alike); the outputs are written while later chunks still read.
+    a = _args(rng)  # T=5, H=8, R=3
+    buf = np.empty((5, 8), np.float32)
+    with pytest.raises(ValueError, match=r"out and new_residual share memory"):
+        check_call(**a, out=buf, new_residual=buf[:3])
+    with pytest.raises(ValueError, match=r"out and residual share memory"):
+        check_call(**dict(a, residual=buf[:3]), out=buf)
+    with pytest.raises(ValueError, match=r"new_residual and x share memory"):
+        big = np.empty(5 * 3 + 3 * 8, np.float32)  # x's last row and new_residual's first bytes overlap
+        check_call(**dict(a, x=big[:15].reshape(5, 3)), new_residual=big[12:36].reshape(3, 8))
+    with pytest.raises(ValueError, match=r"new_residual and residual share overlapping memory"):
+        both = np.empty((4, 8), np.float32)
+        check_call(**dict(a, residual=both[:3]), new_residual=both[1:4])
+    check_call(**a, new_residual=a["residual"])  # in place: fine
+    check_call(**a, out=buf[:5], new_residual=np.empty((3, 8), np.float32))
+
+
+def test_a_tpsp_op_that_times_out_says_which_path_its_rank_took():
+    # Ranks called with different T stand on two sides of the threshold: each timed out
+    # blaming a peer that "never joined", with nothing about T.
+    from types import SimpleNamespace
+
+    from vtnumba.backend.polling import WaitTimeout
+    from vtnumba.tpsp import TPSPOp
+
+    def stuck(*args, **kwargs):
+        raise WaitTimeout("timed out after 1 s waiting for flag 'call' from rank 1")
+
+    profile = SimpleNamespace(threshold_tokens=4, is_active=lambda t: t >= 4)
+    ctx = SimpleNamespace(profile=profile, handle=lambda name: SimpleNamespace(group=None),
+                          backend=SimpleNamespace(tpsp_matmul_rs_norm_ag=stuck))
+    op = TPSPOp(ctx, "down")
+    with pytest.raises(WaitTimeout, match=r"from rank 1 \[TPSPOp 'down': this rank was called with T=8 tokens and "
+                                          r"took the fused path \(fused from 4 tokens\); every rank"):
+        op(np.zeros((8, 2), np.float32), None, None, None, None, 1e-5)
+
+
+def test_host_backend_threaded_must_be_a_bool():
+    from vtnumba.tpsp import HostTPSPBackend
+
+    with pytest.raises(TypeError, match="threaded='no' must be True or False"):  # ('no' is a true value)
+        HostTPSPBackend("tp", threaded="no")

@@ -190,6 +190,11 @@ def test_layers_refuse_sizes_seeds_and_activations_they_cannot_use():
     with pytest.raises(TypeError, match="x must be a numpy array .* got builtins.list"):
         ColumnParallelLinear(4, 6, tp_size=1, tp_rank=0)([[1.0, 2.0, 3.0, 4.0]])
     # bias=1 was read as a bias array of shape () -- an error about shapes, not about the flag
+    from vtnumba.nn import ParallelMLPStack
+
+    for bad in (-1, 2.5, True):  # (numpy's SeedSequence errors; True was taken for 1)
+        with pytest.raises(ValueError, match=rf"seed={bad!r} must be a non-negative int"):
+            ParallelMLPStack(1, 4, 8, tp_size=1, tp_rank=0, seed=bad)
     with pytest.raises(TypeError, match="bias=1 must be True or False"):
         ParallelMLPBlock(4, 8, bias=1, tp_size=1, tp_rank=0)
     with pytest.raises(TypeError, match=r"bias=0\.5 must be True, False, None or an array of out_features=6"):

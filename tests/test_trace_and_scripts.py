@@ -166,6 +166,15 @@ def test_trace_without_command_is_an_error():
     assert proc.returncode == 2 and "needs a command" in proc.stderr
 
 
+def test_trace_out_must_be_a_prefix_not_a_folder(tmp_path):
+    # A folder ran the whole command, and then blamed it for writing no trace files.
+    for out in (str(tmp_path), str(tmp_path) + "/"):
+        proc = subprocess.run([sys.executable, "-m", "vtnumba", "trace", "--out", out, "--", sys.executable, "-c",
+                               "print('ran')"], capture_output=True, text=True, env=clean_env(), timeout=60)
+        assert proc.returncode == 2 and "ran" not in proc.stdout, proc.stdout + proc.stderr
+        assert "is a folder; --out is a file name prefix" in proc.stderr, proc.stderr
+
+
 def test_trace_of_a_command_that_records_nothing_says_so(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "vtnumba", "trace", "--out", str(tmp_path / "t"), "--",
                            sys.executable, "-c", "print('no vtnumba here')"], capture_output=True, text=True,

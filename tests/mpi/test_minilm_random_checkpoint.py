@@ -235,6 +235,17 @@ def test_regular_forward_from_the_folder_matches_float64(group, checkpoint, refe
     collectively(body)
 
 
+def test_ranks_given_different_tpsp_options_are_refused_together(group, weights):
+    # use_tpsp=False on one rank skipped TPSP's (collective) open, and its next collective met
+    # the others' open: "given different texts" from the demo, a timeout from embed.
+    def body():
+        with pytest.raises(ValueError, match=r"were given different options -- rank 0: use_tpsp=False.*rank 1: "
+                                             r"use_tpsp=True"):
+            TensorParallelEncoder(group, use_tpsp=group.rank != 0, weights=weights, timeout_s=60)
+
+    collectively(body)
+
+
 def test_tpsp_forward_matches_float64_and_really_runs_fused(group, checkpoint, weights, reference):
     folder, texts, ids = checkpoint
     bert, want = reference["bert"], reference["hidden"]

@@ -134,6 +134,21 @@ def test_one_rank_with_bad_open_arguments_fails_everywhere(backend, group):
     collectively(body)
 
 
+def test_ranks_with_different_tpsp_backends_are_told_which(group):
+    # A push rank and a pull rank (or a cpu rank and a simulator rank) size their peer buffers
+    # differently: they were told only "PeerBuffers(nbytes=...) must be the same on every rank".
+    def body():
+        be = HostTPSPBackend("tp", timeout_s=30, exchange="push" if group.rank else "pull")
+        try:
+            with pytest.raises(ValueError, match=r"opened different TPSP backends -- rank 0: HostTPSPBackend "
+                                                 r"\(exchange='pull'.*rank 1: HostTPSPBackend \(exchange='push'"):
+                _open(be, group)
+        finally:
+            be.close()
+
+    collectively(body)
+
+
 def test_declines_are_agreed(backend, group):
     def body():
         assert _open(backend, group, dtype=np.float16) is None

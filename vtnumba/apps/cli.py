@@ -195,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             usage_error("trace needs a command after --, e.g. vtnumba trace -- mpiexec -n 2 python mpi/tpsp_model.py")
         if shutil.which(cmd[0]) is None:
             usage_error(f"{cmd[0]!r} is not a command found on PATH (nor an executable file)")
+        # --out is a prefix (PREFIX.rank0.json ...), not a folder: a folder there, or a name
+        # ending in '/', would give files nobody can write -- found only after the whole run.
+        if args.out.endswith(os.sep) or os.path.isdir(args.out):
+            usage_error(f"--out {args.out}: is a folder; --out is a file name prefix, e.g. {os.path.join(args.out, 'trace')}"
+                        " (for trace.rank0.json, trace.rank1.json, ...)")
         try:
             check_output_folder("--out", os.path.dirname(os.path.abspath(args.out)))
         except ValueError as exc:

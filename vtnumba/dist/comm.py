@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from vtnumba import trace
-from vtnumba.backend.polling import poll_until
+from vtnumba.backend.polling import WaitTimeout, poll_until
 
 #: How long any wait for another rank may take before it raises, unless a program says otherwise.
 DEFAULT_TIMEOUT_S = 60.0
@@ -85,7 +85,7 @@ def wait_request(req: MPI.Request, group, what: str, timeout_s: float = DEFAULT)
                lambda waited: f"{what} on {_describe(group)} timed out after {timeout_s:g} s: at least one peer "
                               "rank never joined (it crashed, hangs, or took another code path). The MPI request "
                               "cannot be cancelled, so this communicator is unusable; abort the job.",
-               error=RuntimeError)
+               error=WaitTimeout)
 
 
 def barrier(group, timeout_s: float = DEFAULT) -> None:
@@ -109,17 +109,22 @@ def all_ranks_ready(ok: bool, group, timeout_s: float = DEFAULT) -> bool:
 
 
 def allreduce_max(value: float, group, what: str, timeout_s: float = DEFAULT) -> float:
-    """The largest ``value`` over the group's ranks (e.g. the slowest rank's time), with a deadline.
+    """The largest ``value`` over the group's ranks (e.g. the slowest rank's time), with a deadline;
+    NaN if any rank's is NaN.
 
     A blocking ``comm.allreduce`` would wait forever for a stopped rank, where the failure
     board cannot reach it; this one is a non-blocking all-reduce polled by :func:`wait_request`
     (``what`` names it in the timeout's message).
     """
     _check_group(group)
-    send = np.array([value], dtype=np.float64)
-    recv = np.zeros(1, dtype=np.float64)
+    # NaN reaches every rank as NaN: MPI's MAX compares, and every comparison with NaN is
+    # false, so a NaN on one rank would be dropped there and kept elsewhere -- ranks that
+    # agree on nothing.  It travels as a flag of its own.
+    nan = value != value
+    send = np.array([float("-inf") if nan else value, 1.0 if nan else 0.0], dtype=np.float64)
+    recv = np.zeros(2, dtype=np.float64)
     wait_request(group.cpu_comm.Iallreduce(send, recv, op=MPI.MAX), group, what, timeout_s)
-    return float(recv[0])
+    return float("nan") if recv[1] else float(recv[0])
 
 
 def allgather_bytes(data: bytes, group, timeout_s: float = DEFAULT) -> list[bytes]:

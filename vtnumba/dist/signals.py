@@ -44,7 +44,7 @@ import numpy as np
 
 from vtnumba.backend.arrays import check_seconds, is_int
 from vtnumba.backend.atomics import load_acquire, store_release
-from vtnumba.backend.polling import poll_until
+from vtnumba.backend.polling import WaitTimeout, poll_until
 from vtnumba.dist.comm import DEFAULT, agree_errors, allgather_bytes, resolve_timeout
 
 DEFAULT_NAMES = ("inbox_ready", "gather_ready", "consumed")
@@ -206,7 +206,7 @@ class PeerSignals:
                    lambda waited: f"rank {me} of group {self.group.name!r}: timed out after {timeout_s:g} s waiting "
                                   f"for flag {name!r} from rank {pending[0]} to reach {value}; it is "
                                   f"{int(load_acquire(area, base + pending[0]))}",
-                   error=RuntimeError)
+                   error=WaitTimeout)
 
     def wait_consumed(self, timeout_s: float | None = None) -> None:
         """Wait until every peer has consumed the current epoch (finished reading my buffer).

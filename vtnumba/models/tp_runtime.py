@@ -39,8 +39,23 @@ class TensorParallelEncoder:
         self.tpsp_backend = None
         self.context = None
         self.ops = None
+        if group.size > 1:
+            self._agree_on_options(use_tpsp, search)
         if use_tpsp and group.size > 1:
             self._open_tpsp(search)
+
+    def _agree_on_options(self, use_tpsp, search) -> None:
+        """Every rank must have been given the same options before any of them opens TPSP: the
+        ranks told use_tpsp=False would skip the (collective) open and meet the others' open
+        in their next collective -- a hang, or an error about something else entirely."""
+        from vtnumba.dist import allgather_bytes
+
+        mine = f"use_tpsp={bool(use_tpsp)}, search={bool(search)}, max_batched_tokens={self.max_batched_tokens}"
+        everyone = [b.decode() for b in allgather_bytes(mine.encode(), self.group, self.encoder.timeout_s)]
+        if len(set(everyone)) > 1:
+            raise ValueError(f"TensorParallelEncoder: the ranks of group {self.group.name!r} were given different "
+                             "options -- " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(everyone))
+                             + " (--no-tpsp and --search must be on every rank's command line or on none)")
 
     def _open_tpsp(self, search: bool) -> None:
         from vtnumba.backend import default_device

@@ -26,7 +26,7 @@ from __future__ import annotations
 from vtnumba.backend.arrays import is_int
 from vtnumba.kernels import ACTIVATIONS
 from vtnumba.nn.activation import activation
-from vtnumba.nn.linear import ColumnParallelLinear, RowParallelLinear
+from vtnumba.nn.linear import ColumnParallelLinear, RowParallelLinear, check_layer_group
 from vtnumba.nn.norm import make_norm
 from vtnumba.tpsp.config import TPSPOpsGroup
 from vtnumba.tpsp.regular import regular_matmul_ar_norm
@@ -61,6 +61,7 @@ class ParallelMLPBlock:
 
     def forward_regular(self, x, residual, group):
         """``x [T, H]`` and ``residual [T, H]`` replicated; returns ``(x', residual')``, both ``[T, H]``."""
+        check_layer_group(self.down, group)
         h = self._hidden(x)
         d = self.down
         return regular_matmul_ar_norm(group, h, d.param("weight", h), d.param("bias", h), residual,
@@ -82,6 +83,8 @@ class ParallelMLPStack:
                  bias: bool = True, tp_size=None, tp_rank=None, seed: int = 0):
         if not is_int(layers) or layers < 1:
             raise ValueError(f"layers={layers!r} must be a positive int")
+        if isinstance(seed, bool) or not is_int(seed) or seed < 0:  # (the blocks get seed * 1000 + ...)
+            raise ValueError(f"seed={seed!r} must be a non-negative int")
         self.input_norm = make_norm(norm, hidden_size, seed=seed * 1000 + 7)
         self.blocks = [ParallelMLPBlock(hidden_size, ffn_size, norm=norm, act=act, bias=bias, tp_size=tp_size,
                                         tp_rank=tp_rank, seed=seed * 1000 + 10 + i) for i in range(layers)]

@@ -85,6 +85,17 @@ def _features(in_features, out_features, seed) -> tuple[int, int]:
     return (check_int("in_features", in_features, min_value=1), check_int("out_features", out_features, min_value=1))
 
 
+def check_layer_group(layer, group) -> None:
+    """ValueError unless ``group`` is the tensor-parallel group ``layer`` was built for: a layer
+    holding the shard of rank r of tp, summed over a group of another size (or at another
+    rank), gives a wrong answer without any error -- e.g. tp_size=1 (the full weight) on 3
+    ranks triples it."""
+    if group.size != layer.tp_size or group.rank != layer.tp_rank:
+        raise ValueError(f"{type(layer).__name__} was built for rank {layer.tp_rank} of tp_size={layer.tp_size} "
+                         f"but is run on rank {group.rank} of group {group.name!r} with {group.size} ranks; build "
+                         "it with this group's tp_size and tp_rank (the default)")
+
+
 class ColumnParallelLinear(Params):
     """``y_local = x @ W[out slice].T + b[out slice]``; ``x`` is the full input, replicated.
 
@@ -159,6 +170,7 @@ class RowParallelLinear(Params):
             from vtnumba.dist import get_tp_group
 
             group = get_tp_group()
+        check_layer_group(self, group)
         out = self.partial(x_local)
         if group.size > 1:
             mpi_all_reduce_(out, group)
@@ -171,4 +183,4 @@ class RowParallelLinear(Params):
                 f"holds inputs {self.in_range[0]}..{self.in_range[1] - 1})")
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "split_range"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "check_layer_group", "split_range"]

@@ -1,4 +1,4 @@
-"""``HostTPSPBackend``: TPSP on the ``cpu`` target -- numpy BLAS, njit kernels, POSIX shared memory.
+"""``HostTPSPBackend``: TPSP on the ``cpu`` target -- numpy BLAS, njit kernels, shared memory between processes.
 
 The same chunk pipeline as on a GPU (:mod:`vtnumba.tpsp.pipeline`), with host parts (the
 :class:`HostChunkStrategy`):
@@ -7,8 +7,9 @@ The same chunk pipeline as on a GPU (:mod:`vtnumba.tpsp.pipeline`), with host pa
   :func:`vtnumba.kernels.linear_rows_to`): *one* call for all ``T`` rows;
 * the reduce + bias + residual + norm is the ``@numba.njit`` host twin of the CUDA kernel
   (:func:`vtnumba.kernels.peer_reduce_norm`), one pass over the rows;
-* the slots live in ``/dev/shm`` segments every rank maps (:class:`vtnumba.dist.PeerBuffers`),
-  so a peer's memory is a numpy view and the "exchange" is plain loads and stores.
+* the slots live in shared-memory segments every rank maps (:class:`vtnumba.dist.PeerBuffers`:
+  anonymous ``memfd`` memory, opened through ``/proc/<pid>/fd``, so nothing appears in
+  ``/dev/shm``), so a peer's memory is a numpy view and the "exchange" is plain loads and stores.
 
 **Pull, not push, by default.**  A GPU matmul's epilogue writes each destination's rows
 straight into that rank's inbox (push).  A BLAS call writes one array, and every extra call
@@ -17,8 +18,8 @@ does the projection in *one* call either way:
 
 * ``"pull"`` (default): the call writes this rank's own shared outbox, which holds the
   rows of every destination contiguously in token order; each rank then reads its row
-  block from every peer.  No copy -- but the GEMM writes ``/dev/shm`` pages, 4 KiB ones
-  (tmpfs usually has no transparent huge pages), and writing its output tile by tile over
+  block from every peer.  No copy -- but the GEMM writes shared-memory pages, 4 KiB ones
+  (shmem usually has no transparent huge pages), and writing its output tile by tile over
   many rows costs more TLB misses than numpy's huge-page private memory.
 * ``"push"``: the call writes private scratch (huge pages) and a copy -- the host's
   epilogue -- moves each peer's rows into that peer's inbox; this rank's own rows never
@@ -115,6 +116,8 @@ class HostTPSPBackend(PeerTPSPBackend):
 
     def __init__(self, group_name: str = "tp", device=CPU, *, threaded: bool = False, exchange: str | None = None,
                  timeout_s: float = DEFAULT) -> None:
+        if not isinstance(threaded, bool):  # ('no' is a true value)
+            raise TypeError(f"threaded={threaded!r} must be True or False")
         super().__init__(group_name, device, exchange=exchange, timeout_s=timeout_s)
         # A private host backend: its queues are ours (threaded or not), and its memory is host
         # memory whatever the process target is (tests run with the simulator switched on).

@@ -14,7 +14,9 @@ and the same profile, so every rank takes the same path.
 
 from __future__ import annotations
 
+from vtnumba.backend.polling import WaitTimeout
 from vtnumba.dist.comm import DEFAULT
+from vtnumba.dist.queue_flags import QueueFlagsError
 from vtnumba.tpsp.config import TPSPContext
 from vtnumba.tpsp.norm_type import get_tpsp_norm_type
 from vtnumba.tpsp.regular import regular_matmul_rs_norm_ag
@@ -46,15 +48,29 @@ class TPSPOp:
         return self.context is not None and self.context.profile.is_active(num_tokens)
 
     def __call__(self, x, w, bias, residual, norm_weight, eps, norm_bias=None, *, out=None, new_residual=None):
-        if self.uses_tpsp(int(x.shape[0])):
-            self.fused_calls += 1
-            return self.context.backend.tpsp_matmul_rs_norm_ag(self.handle, x, w, bias, residual, norm_weight, eps,
-                                                               norm_bias, norm=self.norm, out=out,
-                                                               new_residual=new_residual)
-        self.regular_calls += 1
-        return regular_matmul_rs_norm_ag(self.group, x, w, bias, residual, norm_weight, eps, norm_bias,
-                                         norm=self.norm, out=out, new_residual=new_residual,
-                                         timeout_s=self.timeout_s)
+        T = int(x.shape[0])
+        fused = self.uses_tpsp(T)
+        try:
+            if fused:
+                self.fused_calls += 1
+                return self.context.backend.tpsp_matmul_rs_norm_ag(self.handle, x, w, bias, residual, norm_weight,
+                                                                   eps, norm_bias, norm=self.norm, out=out,
+                                                                   new_residual=new_residual)
+            self.regular_calls += 1
+            return regular_matmul_rs_norm_ag(self.group, x, w, bias, residual, norm_weight, eps, norm_bias,
+                                             norm=self.norm, out=out, new_residual=new_residual,
+                                             timeout_s=self.timeout_s)
+        except (WaitTimeout, QueueFlagsError) as exc:
+            if self.context is None:
+                raise
+            # Ranks called with different T may stand on different sides of the threshold: one
+            # waits for the fused path's flags, the other in the regular path's collective, and
+            # each sees only a peer that "never came".  Say which side this rank was on.
+            threshold = self.context.profile.threshold_tokens
+            when = f"fused from {threshold} tokens" if threshold else "TPSP disabled"
+            raise type(exc)(f"{exc} [TPSPOp {self.name!r}: this rank was called with T={T} tokens and took the "
+                            f"{'fused' if fused else 'regular'} path ({when}); every rank of the group must be "
+                            "called with the same T]") from exc
 
     def __repr__(self) -> str:
         mode = "regular only" if self.context is None else \

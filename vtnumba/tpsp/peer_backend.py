@@ -31,7 +31,7 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.arrays import cdiv, is_int
-from vtnumba.dist import agree_errors, all_ranks_ready, get_group
+from vtnumba.dist import agree_errors, all_ranks_ready, allgather_bytes, get_group
 from vtnumba.dist.comm import DEFAULT, resolve_timeout
 from vtnumba.tpsp.backend import TPSPBackend
 from vtnumba.tpsp.config import TPSPConfig
@@ -159,6 +159,15 @@ class PeerTPSPBackend(TPSPBackend):
             err = err or ValueError(f"dtype={dtype!r} is not a dtype")
         agree_errors(err, group, context=f"{type(self).__name__}.open", default_type=ValueError,
                      timeout_s=self.timeout_s)
+        # The same kind of backend everywhere: a cpu rank and a simulator rank (or a push rank and
+        # a pull rank) size their peer buffers differently, and would be told only that the sizes
+        # differ -- not why.
+        mine = f"{type(self).__name__} (exchange={self.exchange!r}, data on {self.data_backend.name})"
+        kinds = [b.decode() for b in allgather_bytes(mine.encode(), group, self.timeout_s)]
+        if len(set(kinds)) > 1:
+            raise ValueError(f"{type(self).__name__}.open: the ranks of group {group.name!r} opened different TPSP "
+                             "backends -- " + "; ".join(f"rank {r}: {k}" for r, k in enumerate(kinds))
+                             + "; start every rank with the same target and options")
         reason = None
         if dtype != np.float32:
             reason = f"dtype={np.dtype(dtype).name} (TPSP computes in float32)"

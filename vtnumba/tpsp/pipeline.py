@@ -65,7 +65,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vtnumba import trace
-from vtnumba.backend.arrays import cdiv, check_array, check_eps
+from vtnumba.backend.arrays import cdiv, check_array, check_eps, check_not_partly_overlapping, check_outputs_apart
 from vtnumba.backend.polling import WaitTimeout
 from vtnumba.dist.queue_flags import QueueFlagsError
 from vtnumba.kernels import gather_rows, peer_reduce_norm
@@ -138,8 +138,15 @@ def check_call(x, w, bias, residual, norm_weight, eps, norm_bias, norm, tp: int,
         check_tpsp_array("out", out, (T, H))
     if new_residual is not None:
         check_tpsp_array("new_residual", new_residual, (R, H))
-        if out is not None and new_residual is out:
-            raise ValueError("out and new_residual must be different arrays")
+    # By address, not identity: out=buf and new_residual=buf[:R] are different arrays over the
+    # same bytes.  The outputs are written chunk by chunk while later chunks still read the
+    # inputs, so neither may share memory with an input -- except new_residual with residual,
+    # exactly (the update in place).
+    inputs = {"x": x, "w": w, "bias": bias, "norm_weight": norm_weight, "norm_bias": norm_bias}
+    check_outputs_apart({"out": out}, {"new_residual": new_residual, "residual": residual, **inputs})
+    if new_residual is not None:
+        check_not_partly_overlapping("new_residual", new_residual, "residual", residual)
+        check_outputs_apart({"new_residual": new_residual}, inputs)
     return CallShape(T, K, H, R, norm), eps
 
 

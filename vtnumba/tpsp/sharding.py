@@ -63,11 +63,19 @@ def shard_residual(residual, tp: int, rank: int | None = None) -> np.ndarray:
 
 
 def unshard_residual(shards, num_tokens: int) -> np.ndarray:
-    """Rebuild the full ``[T, H]`` residual from every rank's shard (index = rank); drops padding."""
-    full = np.concatenate([np.asarray(s) for s in shards], axis=0)
-    if full.shape[0] < num_tokens:
-        raise ValueError(f"the shards hold {full.shape[0]} rows; expected at least num_tokens={num_tokens}")
-    return full[:num_tokens]
+    """Rebuild the full ``[T, H]`` residual from every rank's shard (index = rank); drops padding.
+
+    Every shard is ``[R, H]`` with ``R = ceil(num_tokens / len(shards))`` (:func:`shard_residual`
+    pads the last ones): shards of other sizes would put rows at the wrong token positions."""
+    arrays = [np.asarray(s) for s in shards]
+    if not arrays:
+        raise ValueError("shards is empty; expected one [R, H] shard per rank")
+    R = shard_rows(num_tokens, len(arrays))  # (checks num_tokens: an int >= 1)
+    for r, a in enumerate(arrays):
+        if a.ndim != 2 or a.shape != (R, arrays[0].shape[1]):
+            raise ValueError(f"shards[{r}] has shape {a.shape}; expected [R, H] = [{R}, {arrays[0].shape[-1]}] "
+                             f"(R = ceil(num_tokens={num_tokens} / {len(arrays)} shards)) like every shard")
+    return np.concatenate(arrays, axis=0)[:num_tokens]
 
 
 __all__ = ["shard_rows", "token_range", "shard_residual", "unshard_residual"]
