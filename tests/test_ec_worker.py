@@ -408,15 +408,22 @@ def test_a_report_polled_from_another_thread_loses_and_repeats_nothing(env_facto
         be.close()
 
 
-def test_shutdown_drains_inflight_transfers(threaded, env_factory, rng):
-    env = env_factory(threaded)
-    out = rng.standard_normal((4, env.hidden)).astype(np.float32)
+def gated_save(env, rng, ids):
+    """Save random rows into ``ids`` behind a held compute queue (the "model" is still running):
+    the copy is queued and cannot start until the returned gate is set.  Returns (gate, rows)."""
+    out = rng.standard_normal((len(ids), env.hidden)).astype(np.float32)
     gate = threading.Event()
     enc = {"h": env.device(out)}
-    threaded.launch_host_func(env.worker.compute_queue, lambda: gate.wait(10))  # the "model" is still running
-    meta = ECConnectorMetadata(saves={"h": [0, 1, 2, 3]})
+    env.backend.launch_host_func(env.worker.compute_queue, lambda: gate.wait(10))
+    meta = ECConnectorMetadata(saves={"h": list(ids)})
     env.worker.save_caches(enc, "h", meta)
     env.worker.flush_saves()
+    return gate, out
+
+
+def test_shutdown_drains_inflight_transfers(threaded, env_factory, rng):
+    env = env_factory(threaded)
+    gate, out = gated_save(env, rng, [0, 1, 2, 3])
     t = threading.Thread(target=env.worker.shutdown)
     t.start()
     time.sleep(0.1)
@@ -433,14 +440,7 @@ def test_shutdown_drains_inflight_transfers(threaded, env_factory, rng):
 # ------------------------------------------------------------------------------ completion ordering
 def test_save_is_not_reported_before_the_copy_ran(threaded, env_factory, rng):
     env = env_factory(threaded)
-    out = rng.standard_normal((3, env.hidden)).astype(np.float32)
-    gate = threading.Event()
-    enc = {"h": env.device(out)}
-    # The save is gated behind the compute queue; hold that queue.
-    threaded.launch_host_func(env.worker.compute_queue, lambda: gate.wait(10))
-    meta = ECConnectorMetadata(saves={"h": [1, 2, 3]})
-    env.worker.save_caches(enc, "h", meta)
-    env.worker.flush_saves()
+    gate, out = gated_save(env, rng, [1, 2, 3])  # the save is gated behind the (held) compute queue
     for _ in range(20):
         assert env.worker.build_connector_worker_meta() is None
         time.sleep(0.005)
@@ -799,13 +799,7 @@ def test_a_freed_output_leaves_the_step_batch_as_it_was(cpu, env_factory, rng):
 def test_cleanup_waits_for_copies_still_in_flight(threaded, env_factory, rng):
     # Unmapping the region under a copy a threaded queue was still running crashed the process.
     env = env_factory(threaded)
-    out = rng.standard_normal((4, env.hidden)).astype(np.float32)
-    gate = threading.Event()
-    enc = {"h": env.device(out)}
-    threaded.launch_host_func(env.worker.compute_queue, lambda: gate.wait(10))
-    meta = ECConnectorMetadata(saves={"h": [0, 1, 2, 3]})
-    env.worker.save_caches(enc, "h", meta)
-    env.worker.flush_saves()
+    gate, _ = gated_save(env, rng, [0, 1, 2, 3])
     done = threading.Event()
     threading.Thread(target=lambda: (env.region.cleanup(), done.set())).start()
     time.sleep(0.1)
