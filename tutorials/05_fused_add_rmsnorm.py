@@ -253,11 +253,12 @@ lesson.say("done")
 # * Errors against float64 around ``1e-6`` for the fused call, about the same as numpy's
 #   float32; LayerNorm with mean 1000 shows the one-pass variance's error (``1e-1`` or
 #   worse) next to the fused kernel's two-pass one.
-# * The figure: the fused line above numpy's at every size -- about 1.5-2x for arrays that
-#   fit in the caches (numpy's passes hit the cache too), 5-6x at 16 MiB -- and below the
-#   memcpy line (the ceiling; how close a host loop gets depends on the machine: about 3/4
-#   of it at 16 MiB on a 2-core laptop).  numpy and memcpy run faster on arrays that fit in
-#   the caches; the fused loop, busy with its arithmetic there, stays near the same GB/s.
+# * The figure: the fused line above numpy's at every size -- about 1.5-3x for arrays that
+#   fit in the caches (numpy's passes hit the cache too), 4-6x at 16 MiB -- and below the
+#   memcpy line (the ceiling; how close a host loop gets depends on the machine and on what
+#   else runs: between half and nine tenths of it at 16 MiB on a 2-core laptop).  numpy and
+#   memcpy run faster on arrays that fit in the caches.  The exact figures move from run to
+#   run on a small, shared machine; the order of the lines does not.
 # * On ``cudasim``: ``max |device - host|`` around ``1e-7``; on ``cuda``, the fused kernel
 #   near the device copy's GB/s.
 #

@@ -133,7 +133,7 @@ lesson.check(rel_err(reg_res[:stop_row - start_row], z64[start_row:stop_row]) < 
 # ------------
 #
 # ``open`` is collective: every rank maps every other rank's workspace
-# (POSIX shared memory on cpu/cudasim, CUDA IPC on a GPU) and the ranks *agree* -- if
+# (anonymous shared memory -- memfd -- on cpu/cudasim, CUDA IPC on a GPU) and the ranks *agree* -- if
 # any rank could not, every rank would get ``None``.  The workspace holds two slot sets
 # (double buffering) of partial-sum blocks and gather blocks, plus epoch flags.
 backend = get_tpsp_backend("tp")
@@ -368,8 +368,11 @@ lesson.say("done: the fused op equals the float64 layer and the regular forward,
 # * ``this lesson needs two or more processes``: run it under ``mpiexec -n 2``.
 # * ``TPSPShapeMismatch``: the ranks called the op with different T, H, norm or eps; every
 #   rank must make the same call (the message shows each rank's arguments).
-# * A microchunk larger than the workspace (``max_batched_tokens / tp`` rows) is refused
-#   with the capacity in the message: open the handle with a larger ``max_batched_tokens``.
+# * A microchunk larger than this rank's shard of the call is simply cut to the shard.  One
+#   larger than the workspace slot -- ``max_batched_tokens / tp`` rows, capped at
+#   ``tpsp_max_microchunk_tokens / tp`` (16384 tokens over all ranks) -- is refused with the
+#   capacity in the message: choose a smaller chunk (a larger ``max_batched_tokens`` does not
+#   help past the cap).
 # * On a laptop the fused op is not faster than the regular forward: that is expected (see
 #   above); measure on a GPU with ``vtnumba bench tpsp``.
 #

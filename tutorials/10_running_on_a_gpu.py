@@ -151,7 +151,7 @@ lesson.check(np.max(np.abs(lin_back - lin_truth)) < 1e-4 and np.max(np.abs(lin_h
 # -----------
 #
 # The same ``PeerBuffers`` call maps every rank's buffer into every
-# rank; underneath it is POSIX shared memory on ``cpu`` and ``cudasim`` and CUDA IPC
+# rank; underneath it is anonymous shared memory (memfd) on ``cpu`` and ``cudasim`` and CUDA IPC
 # (``cuIpcGetMemHandle`` / ``cuIpcOpenMemHandle``) on ``cuda``.  ``try_create`` returns
 # None on *every* rank when peer memory is impossible (ranks on different nodes), so all
 # fall back to MPI together.

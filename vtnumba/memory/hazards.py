@@ -7,7 +7,8 @@ owner overwrites bytes the other queue has not read yet.  Nothing fails; the dat
 wrong, sometimes.  This checker turns that into a message.
 
 It is opt-in (bookkeeping costs an event per queue per freed block):
-``VTNUMBA_CHECK_HAZARDS=1`` (or ``=record``) for the whole process, or ``with check_hazards():``;
+``VTNUMBA_CHECK_HAZARDS=1`` (or ``=raise``: raise at the hazard) or ``=record`` (collect the
+reports instead) for the whole process, or ``with check_hazards():``;
 ``with hazard_checks_off():`` switches it off again inside a block.
 
 What it tracks, per block:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+import numpy as np
+
 from vtnumba.tpsp.config import TPSPConfig, TPSPContext
 
 
@@ -51,8 +53,8 @@ class TPSPBackend(abc.ABC):
 
     # ------------------------------------------------------------------ lifecycle
     @abc.abstractmethod
-    def open(self, *, dtype, tp_size: int, hidden_size: int, max_batched_tokens: int, group_name: str | None = None,
-             device=None, name: str = "default") -> Any | None:
+    def open(self, *, dtype=np.float32, tp_size: int, hidden_size: int, max_batched_tokens: int,
+             group_name: str | None = None, device=None, name: str = "default") -> Any | None:
         """A handle with a peer workspace, or None on every rank (then use the regular forward)."""
 
     def profile(self, ops_groups, max_batched_tokens: int, *, search: bool = False,

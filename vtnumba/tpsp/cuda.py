@@ -9,7 +9,7 @@ Upstream: vLLM's ``CudaTPSPBackend`` (``vllm/platforms/tpsp_cuda.py``).  The pip
   output rows go to the destinations' inbox slots, the fused peer reduce + norm, the
   gather copy), launched on two streams: *compute* for the matmuls and *exchange* for the
   reduce/gather, so chunk i+1's matmul can run while chunk i is exchanged;
-* peer memory through CUDA IPC handles on a GPU, POSIX shared memory in the simulator
+* peer memory through CUDA IPC handles on a GPU, anonymous shared memory (memfd) in the simulator
   (:class:`vtnumba.dist.PeerBuffers` picks the transport);
 * ``exchange="push"`` by default: remote writes from the matmul epilogue, as vLLM's
   design does over NVLink.
