@@ -139,3 +139,21 @@ def test_a_backend_that_is_not_one_is_named(rng):
     x = rng.standard_normal((2, 3)).astype(np.float32)
     with pytest.raises(TypeError, match="backend must be a vtnumba Backend or None, got int"):
         activation(x, "relu", backend=3)
+
+
+def test_extreme_inputs_match_between_host_and_device(device_backend):
+    # gelu_erf of a large negative x was large and positive on the host (the erf fit overshot
+    # -1); relu turned NaN into 0 on both; silu of x < -709 raised in the simulator.
+    from vtnumba.kernels import fast_erf
+
+    assert -1.0 <= fast_erf(-4.0) <= 1.0 and fast_erf(-1e30) == -1.0 and fast_erf(1e30) == 1.0
+    x = np.array([[-5.0, -10.0, -1e6, -1e30, np.nan, 0.5, -710.0, 3.0]], np.float32)
+    ref64 = {"relu": lambda v: np.where(np.isnan(v), np.nan, np.maximum(v, 0)),
+             "silu": lambda v: v / (1 + np.exp(np.minimum(-v, 700))),
+             "gelu_erf": lambda v: 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2)))}
+    for kind, ref in ref64.items():
+        want = ref(x.astype(np.float64))
+        host = activation(x, kind)
+        dev = device_backend.to_host(activation(device_backend.asarray(x), kind))
+        for got in (host, dev):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=kind)

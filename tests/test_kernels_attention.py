@@ -166,3 +166,26 @@ def test_the_host_path_never_imports_numba_cuda():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "False"
+
+
+def test_device_offsets_are_checked_when_readable_and_a_too_long_sentence_comes_out_nan(device_backend, rng):
+    # With a caller's max_len the device path trusted everything: offsets that left token 1 in
+    # no sentence, and a 514-token sentence whose keys past 512 were silently dropped.
+    from vtnumba.backend.arrays import host_view
+    from vtnumba.kernels._common import DEVICE, run
+    from vtnumba.kernels.attention_cuda import MAX_KEYS, launch_attention
+
+    dev = device_backend.asarray
+    qkv = dev(rng.standard_normal((2, 3)).astype(np.float32))
+    bad = dev(np.array([0, 1], np.int64))
+    if host_view(bad) is not None:  # the simulator: reading the offsets is free, so they are checked
+        with pytest.raises(ValueError, match=r"offsets=\[0, 1\] must start at 0, end at T=2"):
+            attention(qkv, bad, 1, 1, max_len=1)
+    # The kernel itself (what a GPU runs when it trusts max_len): a sentence it cannot hold is NaN.
+    T = MAX_KEYS + 2
+    d_qkv = dev(rng.standard_normal((T, 3)).astype(np.float32))
+    d_out = dev(np.zeros((T, 1), np.float32))
+    run(DEVICE, "attention", None, None, host_fn=None,
+        launch_fn=lambda stream: launch_attention(d_qkv, d_qkv[0], dev(np.array([0, T], np.int64)), 1, 1, 8, d_out,
+                                                  stream))
+    assert np.isnan(device_backend.to_host(d_out)).all()

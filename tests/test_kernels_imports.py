@@ -13,7 +13,7 @@ import numpy as np
 import vtnumba.kernels as k
 rng = np.random.default_rng(1)
 a, b = rng.standard_normal((5, 3), dtype=np.float32), rng.standard_normal((3, 4), dtype=np.float32)
-k.matmul(a, b); k.linear(a, b.T.copy()); k.linear_rows_to(a, b.T.copy(), None, [np.empty((3, 4), np.float32)] * 2, 3)
+k.matmul(a, b); k.linear(a, b.T.copy()); k.linear_rows_to(a, b.T.copy(), None, [np.empty((3, 4), np.float32) for _ in range(2)], 3)
 y, w = rng.standard_normal((5, 8), dtype=np.float32), rng.standard_normal(8, dtype=np.float32)
 k.fused_add_rms_norm(y, y.copy(), w, 1e-5); k.fused_add_layer_norm(y, None, w, w, 1e-5)
 k.peer_reduce_norm([y, y.copy()], None, None, w, None, 1e-5, np.empty_like(y), np.empty_like(y))

@@ -67,3 +67,27 @@ def test_a_norm_over_zero_elements_is_refused_with_the_shape():
         fused_add_rms_norm(y, None, np.zeros(0, np.float32), 1e-5)
     with pytest.raises(ValueError, match=r"sources\[0\] has shape \(3, 0\)"):
         peer_reduce_norm([y], None, None, np.zeros(0, np.float32), None, 1e-5, y.copy(), y.copy())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (the simulator's numpy scalars)
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_a_row_whose_sum_of_squares_overflows_matches_the_gpu(arrays, norm):
+    # rsqrt(inf) is 0 on a GPU; the host's fast-math division gave NaN for the whole row, even
+    # for a row of finite values whose squares overflow float32.
+    to, back = arrays
+    w, b = np.ones(4, np.float32), np.zeros(4, np.float32)
+    for row, want in (([3e19, 3e19, 3e19, 3e19], [0, 0, 0, 0]), ([np.inf, 1, 2, 3], [np.nan, 0, 0, 0])):
+        y = np.array([row], np.float32)
+        if norm == "layer" and np.isinf(row[0]):
+            continue  # (the mean itself is inf: every element is NaN, on a GPU too)
+        out, _ = (fused_add_rms_norm(to(y), None, to(w), 1e-5) if norm == "rms" else
+                  fused_add_layer_norm(to(y * np.float32([1, -1, 1, -1])), None, to(w), to(b), 1e-5))
+        np.testing.assert_array_equal(back(out)[0], np.float32(want))
+
+
+@pytest.mark.parametrize("eps", [1e-46, 1e39, 10 ** 400], ids=["1e-46", "1e39", "10**400"])
+def test_an_eps_float32_cannot_hold_is_refused(eps):
+    # 1e-46 is 0 in float32 and 1e39 is inf: a constant row came out NaN; 10**400 raised an
+    # OverflowError that named nothing.
+    with pytest.raises(ValueError, match=r"eps=.* must be a positive finite float that float32 can hold"):
+        fused_add_rms_norm(np.ones((1, 3), np.float32), None, np.ones(3, np.float32), eps)

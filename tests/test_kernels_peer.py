@@ -231,8 +231,16 @@ def test_bad_inputs_name_the_argument(dev, rng):
         peer_reduce_norm(s, None, None, w, None, EPS, out, nr, rows=5)
     with pytest.raises(ValueError, match=r"out and new_residual are required"):
         peer_reduce_norm(s, None, None, w, None, EPS, None, nr)
-    with pytest.raises(ValueError, match=r"must not be one of the sources"):
+    with pytest.raises(ValueError, match=r"new_residual and sources\[1\] share memory"):
         peer_reduce_norm(s, None, None, w, None, EPS, out, s[1])
+    # Views over the same bytes, not the same objects: refused too (rows cascaded into each other).
+    buf = np.random.default_rng(1).standard_normal((5, H)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"out and sources\[0\] share memory"):
+        peer_reduce_norm([buf[0:4]], None, None, w, None, EPS, buf[1:5], nr)
+    with pytest.raises(ValueError, match=r"new_residual and residual share overlapping memory"):
+        peer_reduce_norm(s, None, buf[0:4], w, None, EPS, out, buf[1:5])
+    with pytest.raises(ValueError, match=r"dests\[0\] and src share memory"):
+        gather_rows(buf[0:3], [buf], 1)
     with pytest.raises(TypeError, match=r"numpy for .* and device arrays for sources\[1\]"):
         peer_reduce_norm([s[0], dev(s[1])], None, None, w, None, EPS, out, nr)
     with pytest.raises(ValueError, match=r"dests\[0\] has 5 rows; rows \[3, 7\) do not fit"):

@@ -87,9 +87,16 @@ def check_eps(eps) -> float:
     """A norm's epsilon: a positive finite float (it keeps ``rsqrt`` finite)."""
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps={eps!r} must be a float")
-    eps = float(eps)
-    if not eps > 0 or not np.isfinite(eps):
-        raise ValueError(f"eps={eps} must be a positive finite float (it keeps rsqrt finite)")
+    try:
+        eps = float(eps)
+    except OverflowError:  # (an int past float's range)
+        raise ValueError(f"eps=(an int of {len(str(eps))} digits) must be a positive finite float that float32 "
+                         "can hold (it keeps rsqrt finite): about 1.4e-45 to 3.4e38") from None
+    with np.errstate(over="ignore", under="ignore"):
+        as_f32 = np.float32(eps)  # what the kernels compute with
+    if not eps > 0 or not np.isfinite(eps) or not (as_f32 > 0 and np.isfinite(as_f32)):
+        raise ValueError(f"eps={eps} must be a positive finite float that float32 can hold (it keeps rsqrt "
+                         f"finite): about 1.4e-45 to 3.4e38")
     return eps
 
 
@@ -279,7 +286,8 @@ def check_not_partly_overlapping(name_a: str, a, name_b: str, b, *, same_ok: boo
 
 
 def _byte_span(arr) -> tuple[int, int]:
-    start = address_of(arr)
+    pointer = getattr(arr, "device_ctypes_pointer", None)  # a numba device array: cheaper than its CAI dict
+    start = (pointer.value or 0) if pointer is not None and host_view(arr) is None else address_of(arr)
     return start, start + int(arr.size) * np.dtype(arr.dtype).itemsize
 
 

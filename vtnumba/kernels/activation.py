@@ -42,7 +42,8 @@ import math
 import numba
 import numpy as np
 
-from vtnumba.kernels._common import HOST_JIT, check_array, common_kind, empty, run
+from vtnumba.kernels._common import (HOST_JIT, check_array, check_not_partly_overlapping, check_outputs_apart,
+                                     common_kind, empty, run)
 
 #: The activation kinds, in the order of their kernel codes (0, 1, 2, 3).
 ACTIVATIONS = ("relu", "gelu", "silu", "gelu_erf")
@@ -80,13 +81,15 @@ def fast_erf(x):
     q = z2 * q + _B4
     q = z2 * q + _B2
     q = z2 * q + _B0
-    return z * p / q
+    # The fit overshoots 1 in its last digits at |z| = 4 (-1.00000005): clamped, 1 + erf never
+    # goes negative, which made gelu_erf of a large negative x large and positive.
+    return min(max(z * p / q, -1.0), 1.0)
 
 
 @numba.njit(**HOST_JIT, inline="always")
 def _act(v, code):
     if code == 0:
-        return v if v > 0 else np.float32(0.0)
+        return np.float32(0.0) if v <= 0 else v  # (so NaN stays NaN, as torch.relu keeps it)
     if code == 1:
         c = np.float32(SQRT_2_OVER_PI)
         return np.float32(0.5) * v * (np.float32(1.0) + np.tanh(c * (v + np.float32(0.044715) * v * v * v)))
@@ -182,6 +185,10 @@ def activation(x, kind: str = "gelu", out=None, *, bias=None, queue=None, backen
     if out is None:
         out = empty(kind_of, (rows, cols), np.float32)
     check_array("out", out, ndim=2, dtypes=_F32, shape=(rows, cols))
+    # In place means *the same* bytes (each element read before it is written by one thread);
+    # a shifted view would read rows another thread has already overwritten.
+    check_not_partly_overlapping("out", out, "x", x)
+    check_outputs_apart({"out": out}, {"bias": bias})
     code = CODES[kind]
     run(kind_of, f"activation[{kind}]", queue, backend,
         host_fn=lambda: activation_rows_host(x, bias, code, out),
@@ -203,6 +210,7 @@ def add_bias(x, bias, *, queue=None, backend=None):
     if getattr(bias, "ndim", None) == 1 and int(bias.shape[0]) != cols:
         raise ValueError(f"bias has {bias.shape[0]} entries; x has {cols} columns")
     check_array("bias", bias, ndim=1, dtypes=_F32, shape=(cols,))
+    check_outputs_apart({"x": x}, {"bias": bias})  # (a bias inside x would be added to itself first)
     run(kind, "add_bias", queue, backend,
         host_fn=lambda: add_bias_host(x, bias),
         launch_fn=lambda stream: _launch_add_bias(x, bias, stream),

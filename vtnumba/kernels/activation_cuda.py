@@ -26,12 +26,14 @@ RSQRT_2 = 1.0 / math.sqrt(2.0)
 def act_value(v, code):
     """The activation of one float32 value; ``code`` as :data:`vtnumba.kernels.activation.CODES`."""
     if code == 0:
-        return v if v > float32(0.0) else float32(0.0)
+        return float32(0.0) if v <= float32(0.0) else v  # (NaN stays NaN, as on the host)
     if code == 1:
         inner = float32(SQRT_2_OVER_PI) * (v + float32(0.044715) * v * v * v)
         return float32(0.5) * v * (float32(1.0) + math.tanh(inner))
     if code == 2:
-        return v / (float32(1.0) + math.exp(-v))
+        # exp(88) is float32's last finite power: past it the quotient is -0 either way, and the
+        # simulator's math.exp (Python's) raises OverflowError instead of returning inf.
+        return v / (float32(1.0) + math.exp(min(-v, float32(88.0))))
     # erf-GELU: math.erf on a float32 is libdevice's erff (2 ulp), no host-style polynomial needed.
     return float32(0.5) * v * (float32(1.0) + math.erf(v * float32(RSQRT_2)))
 

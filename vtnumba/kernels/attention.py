@@ -42,7 +42,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from vtnumba.backend.arrays import check_int, to_host
+from vtnumba.backend.arrays import check_int, host_view, to_host
 from vtnumba.kernels._common import HOST, check_array, common_kind, empty, run
 
 _F32 = (np.float32,)
@@ -218,7 +218,9 @@ def attention(qkv, offsets, num_heads: int, head_dim: int, *, bias=None, out=Non
         raise ValueError(f"offsets has shape {tuple(offsets.shape)}; expected [B + 1] with B >= 1 sentences")
     if bias is not None:
         check_array("bias", bias, ndim=1, dtypes=_F32, shape=(3 * K,))
-    if max_len is None or kind == HOST:
+    if max_len is None or kind == HOST or host_view(offsets) is not None:
+        # (Where the offsets can be read without a copy -- the host, the simulator -- they are
+        # always checked; on a GPU only when max_len is not given, as reading them back syncs.)
         longest = _check_offsets(to_host(offsets), T)
         if max_len is not None and int(max_len) != longest:
             raise ValueError(f"max_len={max_len} but the longest sentence in offsets has {longest} tokens")

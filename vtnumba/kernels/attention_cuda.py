@@ -67,13 +67,18 @@ def attention_kernel(qkv, bias, has_bias, offsets, num_heads, head_dim, out):
         else:
             hi = mid
     s0 = offsets[lo]
-    # The host checks sentence lengths against MAX_KEYS only when it reads the offsets; with a
-    # caller's max_len it trusts that.  A longer sentence must not write past the score buffer
-    # (on a GPU that corrupts memory silently): the kernel never takes more keys than it holds.
-    n = min(offsets[lo + 1] - s0, MAX_KEYS)
-
+    n = offsets[lo + 1] - s0
     K = num_heads * head_dim
     qc = h * head_dim  # this head's query columns; its keys start at K + qc, its values at 2K + qc
+    # On a GPU the host checks sentence lengths against MAX_KEYS only when it reads the offsets;
+    # with a caller's max_len it trusts that.  A longer sentence must not write past the score
+    # buffer (that corrupts memory silently), nor be cut to its first MAX_KEYS keys (a quietly
+    # wrong answer): its rows come out NaN, which every check downstream sees.  (The whole block
+    # takes this branch: n is the same for all its threads, so no barrier is skipped by some.)
+    if n > MAX_KEYS:
+        for c in range(t, head_dim, nt):
+            out[i, qc + c] = float32(math.nan)
+        return
 
     # 2. scores[j] = q_i . k_j for this thread's keys.
     for j in range(t, n, nt):

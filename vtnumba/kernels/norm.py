@@ -61,6 +61,17 @@ _F32 = (np.float32,)
 
 
 # ---------------------------------------------------------------------------- host reference
+@numba.njit(**HOST_JIT, inline="always")
+def _rsqrt(s):
+    # 1 / sqrt(s) with 1 / sqrt(inf) = 0, as a GPU's rsqrt gives: the "arcp" fast-math flag
+    # lets the compiler rewrite the division into a form that yields NaN there -- and a row
+    # whose sum of squares overflows would come out all NaN instead of 0 (a NaN in z still
+    # gives NaN in its own element: NaN * 0).
+    if s == np.inf:
+        return np.float32(0.0)
+    return np.float32(1.0) / np.sqrt(s)
+
+
 @numba.njit(**HOST_JIT)
 def row_stats(z, partial, eps, is_layer):
     """``(mean, inv)`` of the scratch row ``z`` given pass 1's sum (of ``z^2`` for RMSNorm, of
@@ -69,13 +80,13 @@ def row_stats(z, partial, eps, is_layer):
     h = z.shape[0]
     inv_h = np.float32(1.0) / np.float32(h)
     if not is_layer:
-        return np.float32(0.0), np.float32(1.0) / np.sqrt(partial * inv_h + eps)
+        return np.float32(0.0), _rsqrt(partial * inv_h + eps)
     mean = partial * inv_h
     sq = np.float32(0.0)
     for i in range(h):  # var = mean((z - mean)^2): no cancellation when |mean| >> std
         d = z[i] - mean
         sq += d * d
-    return mean, np.float32(1.0) / np.sqrt(sq * inv_h + eps)
+    return mean, _rsqrt(sq * inv_h + eps)
 
 
 @numba.njit(**HOST_JIT)

@@ -33,6 +33,8 @@ from vtnumba.kernels._common import (
     HOST_JIT,
     check_array,
     check_eps,
+    check_not_partly_overlapping,
+    check_outputs_apart,
     common_kind,
     drop_stale_numba_cache,
     run,
@@ -190,10 +192,15 @@ def peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, out, new_r
         raise ValueError("out and new_residual are required [R, H] float32 arrays (TPSP owns these buffers)")
     check_array("out", out, ndim=2, dtypes=_F32, shape=(R, h))
     check_array("new_residual", new_residual, ndim=2, dtypes=_F32, shape=(R, h))
-    if out is new_residual:
-        raise ValueError("out and new_residual must be different arrays (z is re-read after out is written)")
-    if any(out is s or new_residual is s for s in sources):
-        raise ValueError("out and new_residual must not be one of the sources")
+    # By address (out=buf[:] is not buf): z is re-read after out is written, and a row the
+    # outputs write must not be one another row still reads.  new_residual may be residual
+    # exactly (the in-place update).
+    inputs = {**{f"sources[{k}]": s for k, s in enumerate(sources)}, "bias": bias, "weight": weight,
+              "norm_bias": norm_bias}
+    check_outputs_apart({"out": out}, {"new_residual": new_residual, "residual": residual, **inputs})
+    if residual is not None:
+        check_not_partly_overlapping("new_residual", new_residual, "residual", residual)
+    check_outputs_apart({"new_residual": new_residual}, inputs)
     eps = check_eps(eps)
     r0, r1 = _check_rows(rows, R)
     args = (sources, bias, residual, weight, norm_bias, eps, norm == "layer", out, new_residual, r0, r1)
@@ -225,8 +232,8 @@ def gather_rows(src, dests, row_offset: int = 0, queue=None, backend=None, max_b
         if row_offset + n > dest.shape[0]:
             raise ValueError(f"dests[{k}] has {dest.shape[0]} rows; rows [{row_offset}, {row_offset + n}) "
                              f"do not fit (row_offset={row_offset}, src has {n} rows)")
-        if dest is src:
-            raise ValueError(f"dests[{k}] is src; the gather copies between different arrays")
+    # (By address: a destination over src's own memory copies rows another thread still reads.)
+    check_outputs_apart({f"dests[{k}]": d for k, d in enumerate(dests)}, {"src": src})
     run(kind, "gather_rows", queue, backend, uses=(src, *dests),
         host_fn=lambda: gather_rows_host(src, dests, row_offset),
         launch_fn=lambda stream: _launch_gather(src, dests, row_offset, stream, max_blocks=max_blocks),
