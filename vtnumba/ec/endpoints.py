@@ -452,6 +452,7 @@ class ECConsumer(_Endpoint):
                  timeout_s: float | None = None, pin_memory: bool = True, on_point=None):
         super().__init__(comm, producer=producer, consumers=consumers, timeout_s=timeout_s, on_point=on_point)
         self._followers_stopped = False
+        answered = False  # has the producer heard from this rank ("opened")?
         try:
             if self._channel is None:
                 if handle is None:
@@ -468,6 +469,7 @@ class ECConsumer(_Endpoint):
             if self._channel is not None:
                 self.activity = "telling the producer the region is open"
                 self._channel.send("opened", self.producer, TAG_SETUP, what="'region opened'")
+            answered = True
             self.activity = "making the worker"
             if self.is_leader:
                 # Every consumer rank loads each entry; its pin is released once all have.
@@ -478,6 +480,14 @@ class ECConsumer(_Endpoint):
                                    pin_memory=pin_memory)
             self.activity = _BETWEEN
         except BaseException as exc:
+            if self._channel is not None and not answered and isinstance(exc, PeerFailure) \
+                    and exc.rank != self.producer:
+                # The producer hears every consumer out before it closes the region's descriptor,
+                # and a PeerFailure is not echoed (fail() below): without this word it would wait
+                # out its timeout for a consumer that stopped -- because of another consumer --
+                # before it could answer.
+                self._channel.send_error(self.producer, f"{self.role_name}, while {self.activity}: stopped "
+                                                        f"because {exc}")
             self.fail(exc)
             raise
 
