@@ -639,6 +639,51 @@ def test_a_slice_of_a_loaded_view_keeps_its_buffer_from_the_next_load(env_factor
         be.close()
 
 
+def test_steps_that_drop_their_views_reuse_one_load_buffer_and_each_sees_its_own_bytes(env_factory, rng):
+    """Synchronous queues: a step whose caller dropped the previous step's views gets the very
+    same buffer back (one allocation for the whole run); a step that keeps them gets another,
+    and the kept views still show their own bytes; the dropped one is reused after that."""
+    be = CPUBackend()
+    try:
+        env = env_factory(be, allocator=None)
+        rows = rng.standard_normal((32, env.hidden)).astype(np.float32)
+        env.region.blocks[:] = rows.view(np.int8).reshape(32, -1)
+        w, dests = env.worker, env.worker._destinations
+        allocs_before = len(be.live_buffers())
+        buffers = set()
+        for step, first in enumerate((0, 7, 3, 20, 0)):
+            cache = {}
+            w.start_load_caches(cache, ECConnectorMetadata(loads={"e": (step, list(range(first, first + 5)))}))
+            assert complete(w).completed_loads == [step]
+            np.testing.assert_array_equal(cache["e"], rows[first:first + 5])
+            buffers.add(cache["e"].__array_interface__["data"][0])
+            del cache  # the caller is done with the entry before the next step
+        assert len(buffers) == 1 and dests.spare_reuses == 4
+        assert len(be.live_buffers()) == allocs_before + 1, "each step allocated a buffer of its own"
+        kept = {}
+        w.start_load_caches(kept, ECConnectorMetadata(loads={"k": (10, [1, 2])}))  # the one buffer again
+        complete(w)
+        typed_slice = kept["k"][1:].view(np.int32)  # an array derived from the view, kept too
+        cache = {}
+        w.start_load_caches(cache, ECConnectorMetadata(loads={"n": (11, [30, 31])}))
+        complete(w)
+        assert cache["n"].__array_interface__["data"][0] not in buffers, "a buffer still viewed was reused"
+        np.testing.assert_array_equal(kept["k"], rows[1:3])
+        np.testing.assert_array_equal(typed_slice, rows[2:3].view(np.int32))
+        np.testing.assert_array_equal(cache["n"], rows[30:32])
+        del kept, typed_slice, cache
+        reuses = dests.spare_reuses
+        cache = {}
+        w.start_load_caches(cache, ECConnectorMetadata(loads={"z": (12, [4])}))
+        complete(w)
+        assert dests.spare_reuses == reuses + 1 and len(dests.pending()) == 1
+        np.testing.assert_array_equal(cache["z"], rows[4:5])
+        del cache
+    finally:
+        env.close()
+        be.close()
+
+
 def test_load_buffer_goes_back_to_the_caching_allocator(threaded, env_factory):
     env = env_factory(threaded)
     alloc = env.worker.allocator

@@ -18,16 +18,16 @@ This module implements exactly that rule for a step's load buffer:
    that event fires -- or, with a caching allocator, the allocator is told
    ``record_stream(block, compute_queue)`` at allocation and does the waiting itself.
 
-"No view is alive" is detected exactly on the host targets: each step's views are cut from
+"No view is alive" is detected exactly on the host targets: a buffer's views are cut from
 an *owner* array of its own, ``np.frombuffer`` over a ``memoryview`` of the buffer.  numpy
 gives a view the array it was cut from as its base, collapsing chains of views down to the
 first array that owns its memory -- but it stops at an array whose own base is not an
 array, and the owner's base is the memoryview.  So every numpy array derived from the
-views, however indirectly, keeps the owner alive, and a weak reference to the owner calls
-back when the last one dies -- the same thing a tensor's storage refcount does.  (A plain
-``weakref.ref`` with a callback, not ``weakref.finalize``, and ``np.frombuffer``, not an
-object with ``__array_interface__``: each is several times cheaper, and this runs once per
-step.)
+views, however indirectly, holds a reference to the owner, and the owner's reference count
+says how many there are: when it is back to what it was before any view existed, none is
+alive -- the same count a tensor's storage keeps.  (The count is read when the worker polls,
+one ``sys.getrefcount``; nothing runs when a view dies, and the owner outlives the step, so a
+reused buffer keeps its owner.)
 
 On a real GPU the views are numba device arrays, and numba has the same refcount: a device
 array's memory is a ``MemoryPointer``, and every array sliced, reshaped or re-typed from
@@ -42,17 +42,18 @@ device allocation referenced, so a buffer handed over to its views at shutdown s
 operation runs on the spot) make step 2 empty: whatever the compute queue was given has
 already run, so the event would fire the moment it is recorded.  There the buffer is
 reusable as soon as (a) and (b) hold, and instead of handing it back to the allocator it
-is kept as the *spare* and reused by the next load that fits -- a one-buffer cache in
-front of the caching allocator, which saves each step the allocator's round trip (a new
-Block, its address registration, the pool bookkeeping).  A hazard checker, when one is
-watching, sees the full path: no spare, ``record_stream`` as upstream.
+is kept as the *spare* and reused -- the same :class:`LoadDestination`, owner and all -- by
+the next load that fits: a one-buffer cache in front of the caching allocator, which saves
+each step the allocator's round trip (a new Block, its address registration, the pool
+bookkeeping).  A hazard checker, when one is watching, sees the full path: no spare,
+``record_stream`` as upstream.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
-import weakref
 
 import numpy as np
 
@@ -66,6 +67,9 @@ __all__ = ["LoadDestination", "LoadDestinations"]
 class LoadDestination:
     """One step's contiguous load buffer (see module docstring for its life)."""
 
+    __slots__ = ("memory", "ptr", "nbytes", "capacity", "copy_done", "views_pointer", "release_event",
+                 "from_allocator", "freed", "_views_dead", "_owner", "_owner_refs")
+
     def __init__(self, memory, ptr: int, nbytes: int, capacity: int | None = None):
         self.memory = memory          #: a Buffer (or an allocator block) holding the bytes
         self.ptr = ptr                #: address of its first byte
@@ -73,13 +77,35 @@ class LoadDestination:
         #: bytes the memory holds (more than ``nbytes`` when a larger spare was reused)
         self.capacity = nbytes if capacity is None else capacity
         self.copy_done = False        #: the load's end event fired
-        self.views_dead = False       #: set by a finalizer when the last derived array died
         self.views_pointer = None     #: real GPU: the numba pointer every view is cut from (see module docstring)
         self.release_event: Event | None = None  #: recorded on the compute queue once (a) and (b) held
         self.from_allocator = False   #: the memory came from the caching allocator (else backend.alloc)
         self.freed = False            #: the memory went back (or became the spare)
-        self._owner_array = None      # host targets: the owner array this step's views are cut from
-        self._host_bytes = None       # host targets: the memory as a flat uint8 array (all of its capacity)
+        self._views_dead = False      # real GPU: set by a finalizer when the last derived array died
+        self._owner = None            # host targets: the owner array every view is cut from
+        self._owner_refs = 0          # host targets: the owner's reference count with no view alive
+
+    def own(self, memory_bytes: np.ndarray) -> None:
+        """Host targets: cut this buffer's views from an owner over ``memory_bytes`` (a flat
+        uint8 array of all of its capacity), and note its reference count with no view alive."""
+        self._owner = np.frombuffer(memoryview(memory_bytes), np.uint8, self.capacity)
+        self._owner_refs = self._owner_references()
+
+    def _owner_references(self) -> int:
+        # Always read through this one method, so the count it is compared with was taken
+        # the same way (an interpreter may skip the reference a call argument takes).
+        return sys.getrefcount(self._owner)
+
+    @property
+    def views_dead(self) -> bool:
+        """No view handed out for this buffer -- nor any array derived from one -- is alive."""
+        if self._owner is not None:
+            return self._owner_references() <= self._owner_refs
+        return self._views_dead
+
+    @views_dead.setter
+    def views_dead(self, value: bool) -> None:
+        self._views_dead = value  # (on the host the owner's count decides: see the getter)
 
     def __repr__(self) -> str:
         return (f"<LoadDestination {self.nbytes} B copy_done={self.copy_done} views_dead={self.views_dead} "
@@ -109,20 +135,10 @@ class LoadDestinations:
     # ------------------------------------------------------------------ allocation and views
     def allocate(self, nbytes: int, copy_queue: Queue) -> LoadDestination:
         """A load buffer of ``nbytes``, written by ``copy_queue`` and read on the compute queue."""
-        if self._synchronous and self._live and self._spare is None:
-            # The buffer the previous step's views just let go of (the caller dropped them
-            # before asking for more) becomes the spare now, not at the next poll: reusing it
-            # at once keeps one buffer, warm in the cache, instead of alternating between two.
-            self.reclaim()
-        spare = self._spare
-        if spare is not None:
-            self._spare = None
-            if nbytes <= spare.capacity and not observing_uses():
-                self.spare_reuses += 1
-                dest = LoadDestination(spare.memory, spare.ptr, nbytes, spare.capacity)
-                dest._host_bytes = spare._host_bytes
-                return self._track(dest, spare.from_allocator)
-            self._give_back(spare)  # too small (or a checker is watching): back to where it came from
+        if self._synchronous:
+            dest = self._reuse_spare(nbytes)
+            if dest is not None:
+                return dest
         from_allocator = self.allocator is not None and nbytes > 0
         if from_allocator:
             # Allocated for the copy queue, which writes it first...
@@ -134,21 +150,46 @@ class LoadDestinations:
                 self.allocator.record_stream(memory, self.compute_queue)
         else:
             memory = self.backend.alloc(nbytes)
-        return self._track(LoadDestination(memory, address_of(memory) if nbytes else 0, nbytes), from_allocator)
-
-    def _track(self, dest: LoadDestination, from_allocator: bool) -> LoadDestination:
+        dest = LoadDestination(memory, address_of(memory) if nbytes else 0, nbytes)
         dest.from_allocator = from_allocator
         if self._host:
-            if dest._host_bytes is None:
-                dest._host_bytes = self._host_array(dest.memory)
-            # The owner (see the module docstring): the first nbytes of the memory, as an array
-            # whose base is a memoryview -- the end of every derived view's chain of bases.
-            owner = np.frombuffer(memoryview(dest._host_bytes), np.uint8, dest.nbytes)
-            dest._owner_array = owner  # dropped by seal() once the views exist
-            _watch(owner, dest)
+            dest.own(self._host_array(memory))
         with self._lock:
             self._live.append(dest)
         return dest
+
+    def _reuse_spare(self, nbytes: int) -> LoadDestination | None:
+        """Synchronous queues: the spare, now this load's buffer, if it fits (else None)."""
+        with self._lock:
+            live = self._live
+            if self._spare is None and len(live) == 1:
+                # The usual step: the previous step's buffer, whose copy finished when it was
+                # issued, and whose views the caller just dropped before asking for more.
+                # Reused at once, it stays the one buffer, warm in the cache, instead of
+                # alternating between two -- without the trip through the spare below.
+                prev = live[0]
+                if prev.copy_done and nbytes <= prev.capacity and prev.views_dead and not observing_uses():
+                    self.freed_count += 1
+                    self.spare_reuses += 1
+                    prev.nbytes = nbytes
+                    prev.copy_done = False
+                    return prev
+        if self._live and self._spare is None:
+            self.reclaim()  # (the same, for a buffer that does not fit, or several live ones)
+        spare = self._spare
+        if spare is None:
+            return None
+        self._spare = None
+        if nbytes <= spare.capacity and not observing_uses():
+            # (Its views are dead: it became the spare only once they were, or was never viewed.)
+            self.spare_reuses += 1
+            spare.nbytes = nbytes
+            spare.copy_done = spare.freed = False
+            with self._lock:
+                self._live.append(spare)
+            return spare
+        self._give_back(spare)  # too small (or a checker is watching): back to where it came from
+        return None
 
     def _host_array(self, memory) -> np.ndarray:
         arr = getattr(memory, "array", memory)
@@ -166,7 +207,9 @@ class LoadDestinations:
             # One typed [rows, hidden] array of the whole step, then a row slice per entry: one
             # numpy call per entry instead of three (slice, view, reshape) -- this runs every step.
             total = sum(row_counts)
-            rows = dest._owner_array[:total * row_bytes].view(dtype).reshape(total, hidden)
+            rows = dest._owner[:total * row_bytes].view(dtype).reshape(total, hidden)
+            if len(row_counts) == 1 and not self._simulator:
+                return [rows]  # the usual step: one entry, the whole array
             out, r = [], 0
             for k in row_counts:
                 arr = rows[r:r + k]
@@ -180,10 +223,9 @@ class LoadDestinations:
         return out
 
     def seal(self, dest: LoadDestination) -> None:
-        """All views are handed out: from now on only they keep the buffer in use."""
-        if self._host:
-            dest._owner_array = None
-        elif dest.views_pointer is None:  # no view was handed out
+        """All views are handed out: from now on only they keep the buffer in use.  (On the
+        host nothing changes: the owner's count already tells.)"""
+        if not self._host and dest.views_pointer is None:  # no view was handed out
             dest.views_dead = True
 
     def copy_finished(self, dest: LoadDestination) -> None:
@@ -193,7 +235,6 @@ class LoadDestinations:
     def cancel(self, dest: LoadDestination) -> None:
         """``dest`` was allocated but nothing was (or will be) copied into it, and it has no
         views: it is free at once."""
-        dest._owner_array = None
         dest.copy_done = dest.views_dead = True
         self._free(dest)
 
@@ -245,6 +286,7 @@ class LoadDestinations:
         self._give_back(dest)
 
     def _give_back(self, dest: LoadDestination) -> None:
+        dest._owner = None  # no view is alive (the memory may be reissued): nothing to count any more
         if dest.from_allocator:
             self.allocator.free(dest.memory)
         else:
@@ -283,26 +325,6 @@ class LoadDestinations:
         if spare is not None:
             self._give_back(spare)
         return n
-
-
-# Owners being watched: id of the weak reference -> (the reference, the destination whose
-# views its owner stands for).  The reference must outlive its owner (or the callback never
-# runs), so it lives here; keyed by id because a weak reference to an array cannot be
-# hashed (arrays are not), and the id stays unique while the entry holds the reference.
-_watched: dict = {}
-
-
-def _watch(owner: np.ndarray, dest: LoadDestination) -> None:
-    ref = weakref.ref(owner, _owner_died)
-    _watched[id(ref)] = (ref, dest)
-
-
-def _owner_died(ref) -> None:
-    # Runs when the last array derived from the owner is gone, on whatever thread: only
-    # flip a flag (the worker's next poll frees the buffer).
-    entry = _watched.pop(id(ref), None)
-    if entry is not None:
-        entry[1].views_dead = True
 
 
 def _gpu_view(dest: LoadDestination, dtype: np.dtype, shape: tuple, offset: int, nbytes: int):

@@ -46,6 +46,9 @@ short, each piece on purpose:
   thousands of ids costs one call, not a dozen numpy operations;
 * descriptor buffers, copy queues and events come from pools, so a step allocates almost
   nothing; an output already inside live memory (a backend Buffer) is not registered again;
+  a load reuses the previous step's buffer once the caller dropped its views -- the same
+  buffer, counted free by its owner array's reference count, so nothing runs when a view
+  dies and the step makes no object but its views (:mod:`vtnumba.ec.destination`);
 * **synchronous queues** (the cpu target's default mode, and the simulator): every queued
   operation runs on the spot, on this thread, so the compute queue has finished its work
   before a save is issued and a copy has finished when ``batched_copy`` returns.  Events
@@ -399,10 +402,10 @@ class ECWorker:
                 "save", start, end, hashes, bufs, q, nbytes, n, gate_event=gate,
                 keepalive=self._save_sources, ranges=self._save_ranges))
             self._save_mm_hashes, self._save_sources, self._save_ranges = [], [], []
+            self._save_bufs = self._save_queue = None
+            self._save_count = self._save_bytes = 0
         if trace.RECORDER is not None:
             trace.record("ec.flush_saves", "ec", "host", t0, t1, entries=len(hashes), bytes=nbytes, descriptors=n)
-        self._save_bufs = self._save_queue = None
-        self._save_count = self._save_bytes = 0
         self.step_us["save"].append((t1 - self._save_t0) / 1e3)
 
     def _finished_now(self, direction: int, completions: list, num_bytes: int, num_descriptors: int,
@@ -443,17 +446,19 @@ class ECWorker:
         self.step_us["load"].append((t1 - t0) / 1e3)
 
     def _start_loads(self, encoder_cache: dict, loads: dict) -> None:
+        # The step's entries as parallel lists -- mm_hashes, transfer ids (what the report
+        # completes), block ids -- in the order they are copied.
         if len(loads) == 1:  # the usual step: one entry, nothing to sort
             (h, (tid, ids)), = loads.items()
-            items = [(h, tid, _block_id_array(ids, h, "loads"))]
+            hashes, tids, id_arrays = [h], [tid], [_block_id_array(ids, h, "loads")]
+            total_blocks = id_arrays[0].size
         else:
             items = [(h, tid, _block_id_array(ids, h, "loads")) for h, (tid, ids) in loads.items()]
             # Sorted by first block: entries adjacent in the region land adjacent in the
-            # destination and coalesce.  Every loop below follows this order.
+            # destination and coalesce.
             items.sort(key=lambda it: int(it[2][0]) if it[2].size else -1)
-        total_blocks = 0
-        for item in items:
-            total_blocks += item[2].size
+            hashes, tids, id_arrays = [it[0] for it in items], [it[1] for it in items], [it[2] for it in items]
+            total_blocks = sum(ids.size for ids in id_arrays)
         region = self._region
         block_size = self.block_size
         num_blocks, region_base = region.num_blocks, region.base_ptr
@@ -464,7 +469,7 @@ class ECWorker:
         bufs = self._buf_pool.acquire(total_blocks)
         n, flat = 0, dest.ptr
         try:
-            for h, _, ids in items:
+            for h, ids in zip(hashes, id_arrays):
                 k = ids.size
                 # The destination is one flat buffer: entry after entry, in the sorted order.
                 n = bufs.add_block_runs(n, ids, k, num_blocks, region_base, flat, block_size, k * block_size,
@@ -477,11 +482,11 @@ class ECWorker:
             self._destinations.cancel(dest)
             raise ValueError(f"loads[{h!r}] contains block id {exc.block_id}, outside the region's "
                              f"0..{num_blocks - 1}") from None
-        completions = [it[1] for it in items]
         # Per-hash views of the contiguous buffer, as [rows, hidden] in the model dtype --
         # cut now, while this step's objects are still in the CPU's caches (a copy of a few
         # MiB evicts them), and handed out once the copy has been issued without an error.
-        views = self._destinations.views(dest, self.dtype, self.hidden_size, [it[2].size for it in items])
+        views = self._destinations.views(dest, self.dtype, self.hidden_size,
+                                         [total_blocks] if len(id_arrays) == 1 else [ids.size for ids in id_arrays])
         self._destinations.seal(dest)
         start = end = None
         try:
@@ -504,15 +509,15 @@ class ECWorker:
             raise
         if end is None:
             # Done on return (see flush_saves): report at the next poll, recycle now.
-            self._finished_now(1, completions, nbytes, n, (perf_counter_ns() - c0) / 1e6)
+            self._finished_now(1, tids, nbytes, n, (perf_counter_ns() - c0) / 1e6)
             self._destinations.copy_finished(dest)
             self._buf_pool.release(bufs)
             self._queue_pool.append(q)
         else:
             be.record_event(end, q)
-            self._inflight_loads.append(Transfer("load", start, end, completions, bufs, q, nbytes, n, destination=dest))
-        for item, arr in zip(items, views):
-            encoder_cache[item[0]] = arr
+            self._inflight_loads.append(Transfer("load", start, end, tids, bufs, q, nbytes, n, destination=dest))
+        for h, arr in zip(hashes, views):
+            encoder_cache[h] = arr
         if end is not None:
             # Kernels queued on the compute queue from now on see the loaded bytes.  (On
             # synchronous queues the copy is already done: later kernels see them anyway.)
@@ -567,7 +572,11 @@ class ECWorker:
                 self._collect_finished(self._inflight_saves, saves)
             if self._inflight_loads:
                 self._collect_finished(self._inflight_loads, loads)
-            self._destinations.reclaim()
+            if not self.synchronous:
+                # Load buffers whose views and compute-queue reads are done go back.  (On
+                # synchronous queues the next load takes one back itself, when it needs it:
+                # see LoadDestinations.allocate.)
+                self._destinations.reclaim()
         if not saves and not loads:
             return None
         meta = ECWorkerMetadata(completed_saves=saves, completed_loads=loads, load_ranks=[self.tp_rank] * len(loads))
