@@ -83,8 +83,16 @@ def check_seconds(name: str, value) -> float:
     return value
 
 
+# float32's smallest normal and largest finite values, as Python floats.
+_F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+
 def check_eps(eps) -> float:
     """A norm's epsilon: a positive finite float (it keeps ``rsqrt`` finite)."""
+    if type(eps) is float and _F32_TINY <= eps <= _F32_MAX:
+        # The usual eps (1e-5, 1e-6, 1e-12): a positive float32 without rounding to 0 or inf.
+        # (Every kernel call checks its eps: this is the test below in one comparison.)
+        return eps
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps={eps!r} must be a float")
     try:
@@ -329,9 +337,31 @@ def empty(kind: str, shape, dtype) -> Any:
     return cuda.device_array(shape, dtype=dtype)
 
 
+def _shape_fits(got: tuple, want: tuple) -> bool:
+    """``got`` is ``want``, whose entries of None are free (a plain loop: this runs per argument)."""
+    if got == want:
+        return True
+    if len(got) != len(want):
+        return False
+    for g, w in zip(got, want):
+        if w is not None and g != w:
+            return False
+    return True
+
+
 def check_array(name: str, arr, *, ndim: int, dtypes: Iterable, shape: tuple | None = None,
                 contiguous: bool = True) -> None:
     """Validate one array argument; ``shape`` entries of None are free."""
+    if type(dtypes) is tuple:
+        # The usual call, an array that is what was asked for, in a few attribute reads (every
+        # kernel call checks each of its arrays).  Anything else -- something wrong, or dtypes
+        # that are not a tuple -- takes the checks below, which say what is wrong.
+        try:
+            if arr.ndim == ndim and arr.dtype in dtypes and (shape is None or _shape_fits(arr.shape, shape)) \
+                    and (not contiguous or is_c_contiguous(arr)):
+                return
+        except (AttributeError, TypeError):
+            pass
     dtypes = tuple(np.dtype(d) for d in dtypes)
     if not hasattr(arr, "ndim") or not hasattr(arr, "dtype"):
         raise TypeError(f"{name} must be a {ndim}-D array (numpy or a numba device array), got {type(arr).__name__}")
@@ -344,9 +374,9 @@ def check_array(name: str, arr, *, ndim: int, dtypes: Iterable, shape: tuple | N
     if shape is not None:
         for axis, (got, want) in enumerate(zip(arr.shape, shape, strict=True)):
             if want is not None and got != want:
-                raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected "
-                                 f"{tuple('?' if s is None else s for s in shape)} (axis {axis} is {got}, "
-                                 f"not {want})")
+                wanted = ", ".join("?" if s is None else str(s) for s in shape)
+                raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected ({wanted}{',' * (len(shape) == 1)}) "
+                                 f"(axis {axis} is {got}, not {want})")
     if contiguous and not is_c_contiguous(arr):
         raise ValueError(f"{name} (shape {tuple(arr.shape)}) must be C-contiguous; pass a contiguous copy")
 

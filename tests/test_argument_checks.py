@@ -1,0 +1,94 @@
+"""check_array and check_eps: their quick paths accept exactly what the full checks accept.
+
+Every kernel call checks each of its arrays and its eps, so both helpers first try a quick
+test of the usual, valid argument and fall back to the full checks (which name what is wrong)
+for anything else.  The full checks run when ``dtypes`` is not a tuple, and for an eps that is
+not exactly a Python float: these tests compare the two paths case by case.
+"""
+
+import numpy as np
+import pytest
+
+from vtnumba.backend.arrays import check_array, check_eps
+
+
+def _outcome(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except (TypeError, ValueError) as exc:
+        return type(exc), str(exc)
+    return "ok"
+
+
+class NoDtype:
+    ndim = 2
+    shape = (2, 3)
+
+
+F32 = np.zeros((4, 6), np.float32)
+ARRAYS = {
+    "f32": F32,
+    "f64": np.zeros((4, 6), np.float64),
+    "big-endian f32": np.zeros((4, 6), ">f4"),
+    "strided": np.zeros((4, 12), np.float32)[:, ::2],
+    "fortran": np.asfortranarray(np.zeros((4, 6), np.float32)),
+    "1-D": np.zeros(6, np.float32),
+    "0-D": np.float32(1.0),
+    "empty rows": np.zeros((0, 6), np.float32),
+    "list": [[1.0, 2.0]],
+    "no dtype": NoDtype(),
+    "None": None,
+}
+SPECS = [
+    dict(ndim=2, dtypes=(np.float32,)),
+    dict(ndim=2, dtypes=(np.float32,), shape=(4, 6)),
+    dict(ndim=2, dtypes=(np.float32,), shape=(None, 6)),
+    dict(ndim=2, dtypes=(np.float32,), shape=(4, None)),
+    dict(ndim=2, dtypes=(np.float32,), shape=(5, 6)),
+    dict(ndim=2, dtypes=(np.float32,), shape=(None, 7)),
+    dict(ndim=2, dtypes=(np.float32,), shape=(4, 6, 1)),
+    dict(ndim=2, dtypes=(np.float32,), contiguous=False),
+    dict(ndim=2, dtypes=(np.float16, np.float32)),
+    dict(ndim=2, dtypes=(np.dtype(np.float32),), shape=(4, 6)),
+    dict(ndim=2, dtypes=(np.int64,)),
+    dict(ndim=1, dtypes=(np.float32,), shape=(6,)),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[str(s) for s in SPECS])
+@pytest.mark.parametrize("name", list(ARRAYS))
+def test_check_array_quick_path_agrees_with_the_full_checks(name, spec):
+    arr = ARRAYS[name]
+    quick = _outcome(check_array, "x", arr, **spec)
+    full = _outcome(check_array, "x", arr, **{**spec, "dtypes": list(spec["dtypes"])})  # a list: the full checks
+    assert quick == full
+
+
+def test_check_array_still_names_what_is_wrong():
+    with pytest.raises(ValueError, match=r"x has shape \(4, 6\); expected \(\?, 7\) \(axis 1 is 6, not 7\)"):
+        check_array("x", F32, ndim=2, dtypes=(np.float32,), shape=(None, 7))
+    with pytest.raises(TypeError, match="x has dtype float64; expected float32"):
+        check_array("x", ARRAYS["f64"], ndim=2, dtypes=(np.float32,))
+    with pytest.raises(ValueError, match="must be C-contiguous"):
+        check_array("x", ARRAYS["strided"], ndim=2, dtypes=(np.float32,))
+
+
+F32_INFO = np.finfo(np.float32)
+EPS_VALUES = [1e-5, 1e-6, 1e-12, 1.0, float(F32_INFO.tiny), float(F32_INFO.tiny) * 0.5, 1e-45, 1e-46, 0.0, -1e-6,
+              float(F32_INFO.max), float(F32_INFO.max) * (1 + 2**-30), 3.5e38, 1e39, float("inf"), float("nan"),
+              -float("inf")]
+
+
+@pytest.mark.parametrize("eps", EPS_VALUES)
+def test_check_eps_quick_path_agrees_with_the_full_checks(eps):
+    quick = _outcome(check_eps, eps)                   # a float: the quick test first
+    full = _outcome(check_eps, np.float64(eps))        # a float subclass: the full checks only
+    assert quick == full
+    if quick == "ok":
+        assert check_eps(eps) == float(np.float64(eps)) and np.float32(eps) > 0 and np.isfinite(np.float32(eps))
+
+
+@pytest.mark.parametrize("eps, accepted", [(True, False), (1, True), (10**400, False), ("1e-6", False), (None, False),
+                                           (np.float32(1e-6), True)])
+def test_check_eps_other_types_take_the_full_checks(eps, accepted):
+    assert (_outcome(check_eps, eps) == "ok") is accepted
