@@ -1,4 +1,4 @@
-"""check_array and check_eps: their quick paths accept exactly what the full checks accept.
+"""check_array, check_eps and is_int: their quick paths accept exactly what the full checks accept.
 
 Every kernel call checks each of its arrays and its eps, so both helpers first try a quick
 test of the usual, valid argument and fall back to the full checks (which name what is wrong)
@@ -9,7 +9,7 @@ not exactly a Python float: these tests compare the two paths case by case.
 import numpy as np
 import pytest
 
-from vtnumba.backend.arrays import check_array, check_eps
+from vtnumba.backend.arrays import check_array, check_eps, check_int, is_int
 
 
 def _outcome(fn, *args, **kwargs):
@@ -92,3 +92,15 @@ def test_check_eps_quick_path_agrees_with_the_full_checks(eps):
                                            (np.float32(1e-6), True)])
 def test_check_eps_other_types_take_the_full_checks(eps, accepted):
     assert (_outcome(check_eps, eps) == "ok") is accepted
+
+
+@pytest.mark.parametrize("value, expected", [(3, True), (-2, True), (np.int64(3), True), (np.uint8(0), True),
+                                             (True, False), (np.bool_(True), False), (3.0, False), ("3", False),
+                                             (None, False)])
+def test_is_int_takes_ints_and_numpy_integers_but_not_bools(value, expected):
+    assert is_int(value) is expected
+    if expected:
+        assert check_int("n", value, min_value=-5) == int(value)
+    else:
+        with pytest.raises(TypeError, match=r"n=.* must be an int"):
+            check_int("n", value)

@@ -47,6 +47,8 @@ def cdiv(a: int, b: int) -> int:
 # ---------------------------------------------------------------------------- argument checks
 def is_int(value) -> bool:
     """An integer in the everyday sense: ``int`` or a numpy integer, but not ``bool``."""
+    if type(value) is int:  # the usual case, without the abstract-base-class check (bool is not int here)
+        return True
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
