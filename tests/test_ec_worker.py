@@ -684,6 +684,49 @@ def test_steps_that_drop_their_views_reuse_one_load_buffer_and_each_sees_its_own
         be.close()
 
 
+@pytest.mark.parametrize("mode", ["cpu-sync", "cpu-threaded"])
+def test_loads_under_the_hazard_checker_take_the_allocators_path_and_flag_nothing(mode, env_factory, rng):
+    """With a hazard checker watching, a load buffer is neither reused in place nor kept as
+    the spare: it goes back to the caching allocator (record_stream as upstream), so the
+    checker sees every use -- and a correct worker gives it nothing to report."""
+    from vtnumba.memory import check_hazards
+
+    be = CPU_BACKENDS[mode]()
+    try:
+        env = env_factory(be)
+        rows = rng.standard_normal((32, env.hidden)).astype(np.float32)
+        env.region.blocks[:] = rows.view(np.int8).reshape(32, -1)
+        w = env.worker
+        with check_hazards("record") as checker:
+            kept = []
+            for step, first in enumerate((0, 9, 4, 20)):
+                cache = {}
+                w.start_load_caches(cache, ECConnectorMetadata(loads={"e": (step, list(range(first, first + 3)))}))
+                assert complete(w).completed_loads == [step]
+                be.synchronize(w.compute_queue)
+                np.testing.assert_array_equal(host_of(cache["e"]), rows[first:first + 3])
+                if step == 1:
+                    kept.append(cache["e"])  # one entry the caller keeps through the later steps
+                del cache
+            np.testing.assert_array_equal(kept[0], rows[9:12])
+            del kept
+            gc.collect()
+            cache = {}  # (a synchronous worker takes buffers back when a load needs one)
+            w.start_load_caches(cache, ECConnectorMetadata(loads={"e": (9, [5])}))
+            complete(w)
+            be.synchronize(w.compute_queue)
+            w.build_connector_worker_meta()
+            np.testing.assert_array_equal(host_of(cache["e"]), rows[5:6])
+            del cache
+            assert checker.reports == []
+        dests = w._destinations
+        assert dests.spare_reuses == 0 and dests._spare is None
+        assert w.allocator.stats()["num_frees"] >= 3, "the buffers did not go back to the allocator"
+    finally:
+        env.close()
+        be.close()
+
+
 def test_load_buffer_goes_back_to_the_caching_allocator(threaded, env_factory):
     env = env_factory(threaded)
     alloc = env.worker.allocator
