@@ -1,4 +1,4 @@
-"""check_array, check_eps and is_int: their quick paths accept exactly what the full checks accept.
+"""check_array, check_eps and is_int: their quick paths accept only what the full checks accept.
 
 Every kernel call checks each of its arrays and its eps, so both helpers first try a quick
 test of the usual, valid argument and fall back to the full checks (which name what is wrong)
@@ -104,3 +104,15 @@ def test_is_int_takes_ints_and_numpy_integers_but_not_bools(value, expected):
     else:
         with pytest.raises(TypeError, match=r"n=.* must be an int"):
             check_int("n", value)
+
+
+def test_atomic_flag_words_are_checked_by_their_address_where_numpy_does_not_vouch_for_it():
+    from vtnumba.backend.atomics import load_acquire, store_release
+
+    words = np.zeros(4, np.int64)
+    words.setflags(align=False)  # numpy no longer vouches, but the address is 8-byte aligned
+    store_release(words, 1, 7)
+    assert load_acquire(words, 1) == 7
+    shifted = np.frombuffer(np.zeros(40, np.uint8).data, np.int64, 4, offset=4)  # really misaligned
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        load_acquire(shifted, 0)

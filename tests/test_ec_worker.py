@@ -684,6 +684,57 @@ def test_steps_that_drop_their_views_reuse_one_load_buffer_and_each_sees_its_own
         be.close()
 
 
+def test_a_report_gives_back_the_load_buffers_whose_views_are_gone(env_factory):
+    """Synchronous queues: the report after the caller dropped its entries hands every dead
+    buffer but one (the spare) back to the caching allocator -- not only the next load."""
+    be = CPUBackend()
+    try:
+        env = env_factory(be)
+        w = env.worker
+        kept = {}
+        for step in range(5):  # five loads whose entries the caller keeps: five buffers
+            w.start_load_caches(kept, ECConnectorMetadata(loads={f"e{step}": (step, [step])}))
+            complete(w)
+        assert len(w._destinations.pending()) == 5
+        kept.clear()
+        gc.collect()
+        assert w.build_connector_worker_meta() is None  # nothing to report, but the buffers go back
+        assert w._destinations.pending() == [] and w._destinations._spare is not None
+        assert w.allocator.stats()["num_frees"] == 4
+    finally:
+        env.close()
+        be.close()
+
+
+def test_a_buffer_a_load_took_back_is_not_freed_by_a_reclaim_that_saw_it_free(env_factory, rng):
+    """A report on another thread may find the previous step's buffer free just before a
+    load takes it back in place; its late free must see that and leave the buffer alone."""
+    be = CPUBackend()
+    try:
+        env = env_factory(be)
+        rows = rng.standard_normal((32, env.hidden)).astype(np.float32)
+        env.region.blocks[:] = rows.view(np.int8).reshape(32, -1)
+        w, dests = env.worker, env.worker._destinations
+        cache = {}
+        w.start_load_caches(cache, ECConnectorMetadata(loads={"a": (0, [0, 1])}))
+        complete(w)
+        del cache
+        gc.collect()
+        (seen_free,) = dests.pending()
+        assert seen_free.copy_done and seen_free.views_dead  # what a reclaim on another thread sees ...
+        cache = {}
+        w.start_load_caches(cache, ECConnectorMetadata(loads={"b": (1, [7, 8])}))  # ... then the load
+        assert dests.pending() == [seen_free] and dests.spare_reuses == 1  # took it back in place
+        dests._free(seen_free)  # ... and then the reclaim's free runs
+        assert dests.pending() == [seen_free] and not seen_free.freed and dests._spare is None
+        np.testing.assert_array_equal(cache["b"], rows[7:9])
+        assert complete(w).completed_loads == [1]
+        del cache
+    finally:
+        env.close()
+        be.close()
+
+
 @pytest.mark.parametrize("mode", ["cpu-sync", "cpu-threaded"])
 def test_loads_under_the_hazard_checker_take_the_allocators_path_and_flag_nothing(mode, env_factory, rng):
     """With a hazard checker watching, a load buffer is neither reused in place nor kept as

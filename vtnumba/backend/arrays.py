@@ -93,7 +93,8 @@ def check_eps(eps) -> float:
     """A norm's epsilon: a positive finite float (it keeps ``rsqrt`` finite)."""
     if type(eps) is float and _F32_TINY <= eps <= _F32_MAX:
         # The usual eps (1e-5, 1e-6, 1e-12): a positive float32 without rounding to 0 or inf.
-        # (Every kernel call checks its eps: this is the test below in one comparison.)
+        # (Every kernel call checks its eps: this accepts part of what the checks below accept
+        # -- not float32's subnormals -- in one comparison.)
         return eps
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps={eps!r} must be a float")
@@ -353,7 +354,8 @@ def _shape_fits(got: tuple, want: tuple) -> bool:
 
 def check_array(name: str, arr, *, ndim: int, dtypes: Iterable, shape: tuple | None = None,
                 contiguous: bool = True) -> None:
-    """Validate one array argument; ``shape`` entries of None are free."""
+    """Validate one array argument; ``shape`` entries of None are free; ``dtypes``: what
+    ``np.dtype`` takes."""
     if type(dtypes) is tuple:
         # The usual call, an array that is what was asked for, in a few attribute reads (every
         # kernel call checks each of its arrays).  Anything else -- something wrong, or dtypes

@@ -115,10 +115,12 @@ def _check(arr, idx) -> None:
                         f"{type(arr).__name__} {getattr(arr, 'dtype', None)} ndim={getattr(arr, 'ndim', None)}")
     if not is_int(idx) or not 0 <= idx < arr.shape[0]:
         raise IndexError(f"flag index {idx!r} is out of range for {arr.shape[0]} flags")
-    # numpy's ALIGNED flag: the data address (and stride) a multiple of the word's alignment,
-    # which is its size for these words -- read from the flags, not ``arr.ctypes.data`` (a
-    # microsecond, and every flag poll checks).
-    if not arr.flags.aligned or arr.dtype.alignment != arr.dtype.itemsize or arr.strides[0] != arr.dtype.itemsize:
+    # numpy's ALIGNED flag says the address is a multiple of the word's alignment (its size,
+    # for these words) without ``arr.ctypes.data``, a microsecond at every flag poll; only an
+    # array the flag does not vouch for has its address read.
+    size = arr.dtype.itemsize
+    vouched = arr.flags.aligned and arr.dtype.alignment == size
+    if arr.strides[0] != size or (not vouched and arr.ctypes.data % size):
         raise ValueError(f"flags must be contiguous and {arr.dtype.itemsize}-byte aligned for atomic access")
 
 

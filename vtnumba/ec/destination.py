@@ -25,9 +25,10 @@ first array that owns its memory -- but it stops at an array whose own base is n
 array, and the owner's base is the memoryview.  So every numpy array derived from the
 views, however indirectly, holds a reference to the owner, and the owner's reference count
 says how many there are: when it is back to what it was before any view existed, none is
-alive -- the same count a tensor's storage keeps.  (The count is read when the worker polls,
-one ``sys.getrefcount``; nothing runs when a view dies, and the owner outlives the step, so a
-reused buffer keeps its owner.)
+alive -- the same count a tensor's storage keeps.  (The count is read when the buffer is
+asked about -- at a poll, or when a load looks for a buffer to reuse -- one
+``sys.getrefcount``; nothing runs when a view dies, and the owner lives as long as the
+buffer, so a reused buffer keeps its owner.)
 
 On a real GPU the views are numba device arrays, and numba has the same refcount: a device
 array's memory is a ``MemoryPointer``, and every array sliced, reshaped or re-typed from
@@ -65,7 +66,8 @@ __all__ = ["LoadDestination", "LoadDestinations"]
 
 
 class LoadDestination:
-    """One step's contiguous load buffer (see module docstring for its life)."""
+    """A step's contiguous load buffer -- reused by later steps on synchronous queues (see the
+    module docstring for its life)."""
 
     __slots__ = ("memory", "ptr", "nbytes", "capacity", "copy_done", "views_pointer", "release_event",
                  "from_allocator", "freed", "_views_dead", "_owner", "_owner_refs")
@@ -176,10 +178,10 @@ class LoadDestinations:
                     return prev
         if self._live and self._spare is None:
             self.reclaim()  # (the same, for a buffer that does not fit, or several live ones)
-        spare = self._spare
+        with self._lock:  # (a report on another thread may be making a buffer the spare)
+            spare, self._spare = self._spare, None
         if spare is None:
             return None
-        self._spare = None
         if nbytes <= spare.capacity and not observing_uses():
             # (Its views are dead: it became the spare only once they were, or was never viewed.)
             self.spare_reuses += 1
@@ -267,23 +269,28 @@ class LoadDestinations:
         return freed
 
     def _free(self, dest: LoadDestination) -> None:
+        keep = self._synchronous and dest.capacity and not observing_uses()
         with self._lock:
-            if dest.freed:
+            if dest.freed or not (dest.copy_done and dest.views_dead):
+                # (Checked again under the lock: a load on another thread may have taken it
+                # back -- copied into it, cut views -- since the caller saw it free; see
+                # _reuse_spare.)
                 return
             dest.freed = True
             self._live.remove(dest)
+            self.freed_count += 1
+            if keep:
+                # Keep it for the next load (see the module docstring); the previous spare goes
+                # back.  (Swapped under the lock: a load on another thread may be taking it.)
+                old, self._spare = self._spare, dest
         dest.views_pointer = None  # its views are gone (or handed the memory over, see drain)
         if dest.release_event is not None:
             self.backend.destroy_event(dest.release_event)
             dest.release_event = None
-        self.freed_count += 1
-        if self._synchronous and dest.capacity and not observing_uses():
-            # Keep it for the next load (see the module docstring); the previous spare goes back.
-            old, self._spare = self._spare, dest
-            if old is not None:
-                self._give_back(old)
-            return
-        self._give_back(dest)
+        if not keep:
+            self._give_back(dest)
+        elif old is not None:
+            self._give_back(old)
 
     def _give_back(self, dest: LoadDestination) -> None:
         dest._owner = None  # no view is alive (the memory may be reissued): nothing to count any more
@@ -321,7 +328,8 @@ class LoadDestinations:
                     dest.freed = True
                     self._live.remove(dest)
                 self.backend.free(dest.memory)
-        spare, self._spare = self._spare, None
+        with self._lock:
+            spare, self._spare = self._spare, None
         if spare is not None:
             self._give_back(spare)
         return n

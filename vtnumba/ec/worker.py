@@ -46,9 +46,10 @@ short, each piece on purpose:
   thousands of ids costs one call, not a dozen numpy operations;
 * descriptor buffers, copy queues and events come from pools, so a step allocates almost
   nothing; an output already inside live memory (a backend Buffer) is not registered again;
-  a load reuses the previous step's buffer once the caller dropped its views -- the same
-  buffer, counted free by its owner array's reference count, so nothing runs when a view
-  dies and the step makes no object but its views (:mod:`vtnumba.ec.destination`);
+  on synchronous queues a load reuses the previous step's buffer once the caller dropped
+  its views -- the same buffer object, whose views are counted by the reference count of
+  its owner array on the host, so nothing runs when a view dies and the step allocates no
+  memory (:mod:`vtnumba.ec.destination`);
 * **synchronous queues** (the cpu target's default mode, and the simulator): every queued
   operation runs on the spot, on this thread, so the compute queue has finished its work
   before a save is issued and a copy has finished when ``batched_copy`` returns.  Events
@@ -572,11 +573,8 @@ class ECWorker:
                 self._collect_finished(self._inflight_saves, saves)
             if self._inflight_loads:
                 self._collect_finished(self._inflight_loads, loads)
-            if not self.synchronous:
-                # Load buffers whose views and compute-queue reads are done go back.  (On
-                # synchronous queues the next load takes one back itself, when it needs it:
-                # see LoadDestinations.allocate.)
-                self._destinations.reclaim()
+            # Load buffers whose views (and compute-queue reads) are done go back.
+            self._destinations.reclaim()
         if not saves and not loads:
             return None
         meta = ECWorkerMetadata(completed_saves=saves, completed_loads=loads, load_ranks=[self.tp_rank] * len(loads))
