@@ -162,22 +162,17 @@ class LoadDestinations:
 
     def _reuse_spare(self, nbytes: int) -> LoadDestination | None:
         """Synchronous queues: the spare, now this load's buffer, if it fits (else None)."""
-        with self._lock:
-            live = self._live
-            if self._spare is None and len(live) == 1:
-                # The usual step: the previous step's buffer, whose copy finished when it was
-                # issued, and whose views the caller just dropped before asking for more.
-                # Reused at once, it stays the one buffer, warm in the cache, instead of
-                # alternating between two -- without the trip through the spare below.
-                prev = live[0]
-                if prev.copy_done and nbytes <= prev.capacity and prev.views_dead and not observing_uses():
-                    self.freed_count += 1
-                    self.spare_reuses += 1
-                    prev.nbytes = nbytes
-                    prev.copy_done = False
-                    return prev
-        if self._live and self._spare is None:
-            self.reclaim()  # (the same, for a buffer that does not fit, or several live ones)
+        if self._spare is None and self._live:
+            with self._lock:
+                prev = self._live[0] if len(self._live) == 1 else None
+            if prev is not None:
+                # The usual step: the buffer the previous step's views just let go of (the
+                # caller dropped them before asking for more) becomes the spare now, not at the
+                # next poll -- _free checks, under its lock, that its copy and views are done.
+                # Reusing it at once keeps one buffer, warm in the cache, instead of two.
+                self._free(prev)
+            else:
+                self.reclaim()  # (the same, for several live buffers)
         with self._lock:  # (a report on another thread may be making a buffer the spare)
             spare, self._spare = self._spare, None
         if spare is None:
