@@ -82,3 +82,63 @@ def test_unlinked_files_are_forgotten_and_exit_stops_the_janitor():
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+@pytest.mark.parametrize("then", ["create", "unlink"])
+def test_a_janitor_that_died_is_replaced_and_told_every_file_still_listed(then):
+    # The janitor is killed; the creator's next create (or unlink) finds its pipe broken and
+    # starts another.  The new one must cover the files made before, not only the next one:
+    # when the creator is killed after that, nothing of it is left.
+    base = f"/dev/shm/vtnumba-test-janitor-{os.getpid()}-{then}"
+    paths = [base + "-a", base + "-b", base + "-c"]
+    try:
+        proc = _run_child(f"""
+            from vtnumba.memory import shared_files
+            a, b, c = {paths!r}
+            for p in (a, b):
+                os.close(shared_files.create_private_file(p))
+            first = shared_files._janitor
+            first.kill()
+            first.wait()
+            if {then!r} == "create":
+                os.close(shared_files.create_private_file(c))
+            else:
+                shared_files.unlink_private_file(b)
+            assert shared_files._janitor is not first and shared_files._janitor.poll() is None
+            os.kill(os.getpid(), signal.SIGKILL)
+        """)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        for p in paths:
+            assert _gone_soon(p), f"{p} was left behind: the replacement janitor was not told of it"
+    finally:
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+def test_a_forked_child_leaves_its_parents_files_alone():
+    # A child forked after the parent made a file did not make it: the child's normal exit
+    # (atexit runs) must not remove it, and the parent still removes it at its own exit.
+    path = f"/dev/shm/vtnumba-test-janitor-{os.getpid()}-fork"
+    try:
+        proc = _run_child(f"""
+            from vtnumba.memory import shared_files
+            os.close(shared_files.create_private_file({path!r}))
+            pid = os.fork()
+            if pid == 0:
+                assert not shared_files._linked        # the child lists none of its parent's files
+                mine = {path!r} + "-child"
+                os.close(shared_files.create_private_file(mine))
+                sys.exit(0)                             # atexit: removes the child's file only
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+            assert os.path.exists({path!r}), "the child's exit removed its parent's file"
+            assert not os.path.exists({path!r} + "-child"), "the child's own file was left behind"
+            print("ok")
+        """)
+        assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+        assert _gone_soon(path), "the parent's exit left its file behind"
+    finally:
+        for p in (path, path + "-child"):
+            if os.path.exists(p):
+                os.unlink(p)

@@ -29,9 +29,13 @@ holding its write end has ended, however it ended -- the janitor unlinks each fi
 listed, if the name still leads to the inode we made (never someone else's file that took
 the name since), and exits.  Python's own ``multiprocessing`` resource tracker does the same
 for ``shared_memory``, but inside our process group, where ``mpiexec``'s kill takes it too.
-Only a kill in the microseconds between the create and the message, or of the janitor
-itself, can leak a file; that is why both users prefer anonymous memory (``memfd_create``)
-and keep the window of a name short.
+A janitor that died is noticed at this process's next create or unlink (its pipe is
+broken) and replaced, and the new one is told every file still listed, not just the next.
+So only a kill in the microseconds between the create and the message, or a kill of the
+janitor and then of this process before it creates or unlinks another file, can leak a file;
+that is why both users prefer anonymous memory (``memfd_create``) and keep the window of a
+name short.  A forked child forgets its parent's files (it did not make them: its exit and
+its own janitor leave them to the parent's).
 This module imports no MPI: the encoder cache, whose processes may not use MPI, needs it too.
 """
 
@@ -46,7 +50,9 @@ import threading
 
 __all__ = ["create_private_file", "private_file_problem", "unlink_private_file"]
 
-_linked: set[str] = set()  # files this process created and has not unlinked yet
+# The files this process created and has not unlinked yet, each with its (device, inode):
+# what a janitor that replaces one that died must be told again.
+_linked: dict[str, tuple[int, int]] = {}
 _linked_lock = threading.Lock()
 
 # The janitor's whole program (run with ``python -I``: no site, no environment, nothing of
@@ -74,9 +80,14 @@ _janitor: subprocess.Popen | None = None
 _janitor_pid = 0  # the process that started it (a forked child starts its own)
 
 
+def _created_line(path: str, dev: int, ino: int) -> bytes:
+    return b"+%d %d %s" % (dev, ino, os.fsencode(path))
+
+
 def _tell_janitor(message: bytes) -> None:
     """Send one line to the janitor, starting it first if this process has none.  Best effort:
-    without a janitor (no fork allowed, say) the atexit hook still covers exits and exceptions."""
+    without a janitor (no fork allowed, say) the atexit hook still covers exits and exceptions.
+    (Called with ``_linked_lock`` held, so no file is created or unlinked meanwhile.)"""
     global _janitor, _janitor_pid
     for _ in range(2):  # a janitor that died (or was told to finish) is replaced once
         try:
@@ -85,11 +96,28 @@ def _tell_janitor(message: bytes) -> None:
                     [sys.executable, "-I", "-c", _JANITOR], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL, close_fds=True, start_new_session=True)
                 _janitor_pid = os.getpid()
+                # A new janitor knows nothing yet: tell it every file still listed -- those the
+                # one it replaces was told of died with it (message's own file may be among
+                # them: the janitor takes a repeated line as one).
+                lines = b"".join(_created_line(p, *ids) + b"\n" for p, ids in _linked.items() if "\n" not in p)
+                if lines:
+                    _janitor.stdin.write(lines)
             _janitor.stdin.write(message + b"\n")
             _janitor.stdin.flush()
             return
         except (OSError, ValueError):
             _janitor = None
+
+
+def _forget_parents_files() -> None:
+    # A forked child did not create its parent's files: its exit, and its janitor, must not
+    # remove them (the parent's own janitor and atexit hook still cover them).
+    global _linked_lock
+    _linked_lock = threading.Lock()  # (a thread of the parent may have held it at the fork)
+    _linked.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parents_files)
 
 
 def _unlink_leftovers() -> None:
@@ -115,12 +143,11 @@ def create_private_file(path: str) -> int:
     """Create ``path`` (which must not exist: FileExistsError) with mode ``0600``; return its
     descriptor.  The file is unlinked at exit unless :func:`unlink_private_file` ran first."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with _linked_lock:
-        _linked.add(path)
     st = os.fstat(fd)
-    if "\n" not in path:  # (a line per message; vtnumba's names never hold one)
-        with _linked_lock:
-            _tell_janitor(b"+%d %d %s" % (st.st_dev, st.st_ino, os.fsencode(path)))
+    with _linked_lock:
+        _linked[path] = (st.st_dev, st.st_ino)
+        if "\n" not in path:  # (a line per message; vtnumba's names never hold one)
+            _tell_janitor(_created_line(path, st.st_dev, st.st_ino))
     try:
         os.fchmod(fd, 0o600)  # exactly, whatever the umask
     except BaseException:
@@ -150,6 +177,6 @@ def unlink_private_file(path: str) -> None:
         pass
     with _linked_lock:  # (after the unlink: a kill in between still leaves the janitor to do it)
         if path in _linked:
-            _linked.discard(path)
+            del _linked[path]
             if _janitor is not None and "\n" not in path:
                 _tell_janitor(b"-" + os.fsencode(path))
