@@ -1,15 +1,18 @@
-"""check_array, check_eps and is_int: their quick paths accept only what the full checks accept.
+"""check_array, check_eps, check_seconds, is_int and the flag-word checks: their quick paths
+accept only what the full checks accept.
 
-Every kernel call checks each of its arrays and its eps, so both helpers first try a quick
-test of the usual, valid argument and fall back to the full checks (which name what is wrong)
-for anything else.  The full checks run when ``dtypes`` is not a tuple, and for an eps that is
-not exactly a Python float: these tests compare the two paths case by case.
+Every kernel call checks each of its arrays and its eps, and every queued flag wait or write
+its word, index, value (and timeout), so these helpers first try a quick test of the usual,
+valid argument and fall back to the full checks (which name what is wrong) for anything else.
+The full checks run when ``dtypes`` is not a tuple, for an eps or a timeout that is not
+exactly a Python float, and for an index or value that is not exactly a Python int: these
+tests compare the two paths case by case.
 """
 
 import numpy as np
 import pytest
 
-from vtnumba.backend.arrays import check_array, check_eps, check_int, is_int
+from vtnumba.backend.arrays import check_array, check_eps, check_int, check_seconds, is_int
 
 
 def _outcome(fn, *args, **kwargs):
@@ -116,3 +119,74 @@ def test_atomic_flag_words_are_checked_by_their_address_where_numpy_does_not_vou
     shifted = np.frombuffer(np.zeros(40, np.uint8).data, np.int64, 4, offset=4)  # really misaligned
     with pytest.raises(ValueError, match="8-byte aligned"):
         load_acquire(shifted, 0)
+
+
+@pytest.mark.parametrize("seconds", [60.0, 0.5, 1e-9, 5e-324, 1e308, 0.0, -1.0, float("inf"), float("nan"),
+                                     -float("inf")])
+def test_check_seconds_quick_path_agrees_with_the_full_checks(seconds):
+    quick = _outcome(check_seconds, "timeout_s", seconds)             # a float: the quick test first
+    full = _outcome(check_seconds, "timeout_s", np.float64(seconds))  # a float subclass: the full checks only
+    assert quick == full
+    if quick == "ok":
+        assert check_seconds("timeout_s", seconds) == seconds
+
+
+_WORD_BYTES = np.zeros(80, np.uint8)
+WORD_ARRAYS = {
+    "u32": np.zeros(6, np.uint32),
+    "i32": np.zeros(6, np.int32),
+    "u64": np.zeros(6, np.uint64),
+    "i64": np.zeros(6, np.int64),
+    "big-endian u32": np.zeros(6, ">u4"),
+    "u16": np.zeros(6, np.uint16),
+    "f32": np.zeros(6, np.float32),
+    "2-D u32": np.zeros((2, 3), np.uint32),
+    "strided u32": np.zeros(12, np.uint32)[::2],
+    "misaligned u32": np.frombuffer(_WORD_BYTES.data, np.uint32, 6, offset=2),
+    "misaligned i64": np.frombuffer(_WORD_BYTES.data, np.int64, 6, offset=4),
+    "list": [0, 0, 0],
+}
+WORD_INDICES = [0, 5, 6, -1, True]
+
+
+@pytest.mark.parametrize("idx", WORD_INDICES)
+@pytest.mark.parametrize("name", list(WORD_ARRAYS))
+def test_atomic_word_check_quick_path_agrees_with_the_full_checks(name, idx):
+    from vtnumba.backend.atomics import _check
+
+    def outcome(i):
+        try:
+            _check(WORD_ARRAYS[name], i)
+        except (TypeError, ValueError, IndexError) as exc:
+            return type(exc)
+        return "ok"
+
+    full_idx = idx if type(idx) is bool else np.int64(idx)  # not a Python int: the full checks only
+    assert outcome(idx) == outcome(full_idx)
+
+
+FLAG_VALUES = [0, 7, (1 << 32) - 1, 1 << 32, -1]
+
+
+@pytest.mark.parametrize("value", FLAG_VALUES)
+@pytest.mark.parametrize("idx", WORD_INDICES)
+@pytest.mark.parametrize("name", [n for n in WORD_ARRAYS if n != "list"])
+def test_flag_word_check_quick_path_agrees_with_the_full_checks(name, idx, value):
+    from vtnumba.backend import CPUBackend
+
+    be = CPUBackend()
+    flags = WORD_ARRAYS[name]
+
+    def outcome(i, v):
+        try:
+            return be._check_flag(flags, i, v)
+        except (TypeError, ValueError) as exc:
+            return type(exc), str(exc)
+
+    full_idx = idx if type(idx) is bool else np.int64(idx)
+    quick, full = outcome(idx, value), outcome(full_idx, np.int64(value))
+    if isinstance(quick, tuple) and isinstance(quick[0], type):
+        # (The messages show the index and value as given: np.int64(5) reads differently from 5.)
+        assert isinstance(full, tuple) and isinstance(full[0], type) and quick[0] is full[0]
+    else:
+        assert quick == full and all(type(v) is int for v in quick)

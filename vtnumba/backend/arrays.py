@@ -75,8 +75,13 @@ def check_nbytes(name: str, value, *, allow_zero: bool = True) -> int:
     return value
 
 
+_INF = float("inf")
+
+
 def check_seconds(name: str, value) -> float:
     """A timeout or duration: a positive, finite number of seconds."""
+    if type(value) is float and 0.0 < value < _INF:
+        return value  # the usual timeout, in one comparison (every queued flag wait checks its own)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}={value!r} must be a number of seconds, got {type(value).__name__}")
     value = float(value)

@@ -109,7 +109,18 @@ def _fence():
     _fence_intrinsic()
 
 
+_I32, _U32, _I64, _U64 = WORD_DTYPES
+
+
 def _check(arr, idx) -> None:
+    if type(arr) is np.ndarray and type(idx) is int:
+        dt = arr.dtype
+        # The usual call -- a flag word of a numpy array, a Python int index -- decided by
+        # identity (numpy hands out one dtype object per builtin type) and a few reads: it
+        # runs at every flag poll and store.  Anything else goes through the checks below.
+        if ((dt is _U32 or dt is _I64 or dt is _U64 or dt is _I32) and arr.ndim == 1 and 0 <= idx < arr.shape[0]
+                and arr.strides[0] == dt.itemsize and arr.flags.aligned and dt.alignment == dt.itemsize):
+            return
     if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype not in WORD_DTYPES:
         raise TypeError(f"flags must be a 1-D numpy array of int32/uint32/int64/uint64 words, got "
                         f"{type(arr).__name__} {getattr(arr, 'dtype', None)} ndim={getattr(arr, 'ndim', None)}")

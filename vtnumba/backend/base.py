@@ -92,6 +92,7 @@ def _range_of(obj, offset: int = 0, nbytes: int | None = None) -> tuple[int, int
 
 #: Largest value a 32-bit flag word holds; queue flags count epochs well below it (see wait_value32).
 FLAG_MAX = (1 << 32) - 1
+_UINT32 = np.dtype(np.uint32)
 
 
 @dataclass(frozen=True)
@@ -667,6 +668,12 @@ class Backend(abc.ABC):
         self.synchronize(q)  # done: returns at once, and raises the queue's error if the store failed
 
     def _check_flag(self, flags, index, value) -> tuple[int, int]:
+        if (type(flags) is np.ndarray and flags.dtype is _UINT32 and flags.ndim == 1 and flags.flags.c_contiguous
+                and type(index) is int and 0 <= index < flags.shape[0] and type(value) is int
+                and 0 <= value <= FLAG_MAX):
+            # The usual call, a word of a host flag area and two Python ints, in a few reads:
+            # a fused call queues a dozen waits and writes.  (Anything else: the checks below.)
+            return index, value
         if getattr(flags, "ndim", None) != 1 or np.dtype(getattr(flags, "dtype", None)) != np.uint32:
             raise TypeError(f"flags must be a 1-D uint32 array, got {type(flags).__name__} "
                             f"dtype={getattr(flags, 'dtype', None)} ndim={getattr(flags, 'ndim', None)}")

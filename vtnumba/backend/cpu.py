@@ -106,6 +106,9 @@ class _CPUQueue(Queue):
     def put(self, name: str, fn, args: dict | None = None, marker: bool = False) -> None:
         if self._ops is None:
             # Synchronous (vllm.cpp's) mode: run now and let errors reach the caller directly.
+            if trace.RECORDER is None:
+                fn()  # (no span object per operation when nothing records: a fused call queues dozens)
+                return
             with trace.span(name, "queue", f"cpu:{self.name}", **(args or {})):
                 fn()
             return
