@@ -212,6 +212,41 @@ def test_gather_on_queues(device_backend, dev, host, rng):
     cuda_backend.destroy_queue(cq)
 
 
+# ---------------------------------------------------------------------------- queued as checked once
+def test_the_unchecked_queue_twins_do_the_checked_calls_work(rng, where, device_backend):
+    # What the TPSP pipeline queues per chunk: the same reduce + norm and gather, on a queue,
+    # with the arguments taken as checked.  Row range, untouched rows and the gather's offset
+    # must come out exactly as the checked calls' do.
+    from vtnumba.backend.arrays import array_kind
+    from vtnumba.kernels.peer import queue_gather_rows, queue_peer_reduce_norm
+
+    wrap, unwrap = where
+    kind = array_kind("x", wrap(np.zeros(1, np.float32)))  # "host" or "device"
+    backend = CPUBackend() if kind == "host" else device_backend
+    q = backend.create_queue("twins")
+    try:
+        R, H = 7, 33
+        p = problem(rng, 3, R, H, True)
+        args = [wrap(s) for s in p["sources"]], wrap(p["bias"]), wrap(p["residual"]), wrap(p["weight"]), \
+            wrap(p["norm_bias"])
+        d_out, d_new_res = wrap(full((R, H), SENTINEL)), wrap(full((R, H), SENTINEL))
+        queue_peer_reduce_norm(kind, *args, EPS, True, d_out, d_new_res, 1, 6, q)
+        dests = [wrap(full((12, H), SENTINEL)) for _ in range(2)]
+        queue_gather_rows(kind, d_out[1:6], dests, 4, q)
+        backend.synchronize(q)
+        out, new_res = unwrap(d_out), unwrap(d_new_res)
+        ref, z = reference(p["sources"], p["bias"], p["residual"], p["weight"], p["norm_bias"], EPS, True)
+        assert rel_err(out[1:6], ref[1:6]) <= 1e-5 and rel_err(new_res[1:6], z[1:6]) <= 1e-6
+        for a in (out, new_res):
+            assert (a[:1] == SENTINEL).all() and (a[6:] == SENTINEL).all()
+        for d in map(unwrap, dests):
+            assert (d[4:9] == out[1:6]).all() and (d[:4] == SENTINEL).all() and (d[9:] == SENTINEL).all()
+    finally:
+        backend.destroy_queue(q)
+        if kind == "host":
+            backend.close()
+
+
 # ---------------------------------------------------------------------------- bad input
 def test_bad_inputs_name_the_argument(dev, rng):
     R, H = 4, 8

@@ -203,12 +203,8 @@ def peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, out, new_r
     check_outputs_apart({"new_residual": new_residual}, inputs)
     eps = check_eps(eps)
     r0, r1 = _check_rows(rows, R)
-    args = (sources, bias, residual, weight, norm_bias, eps, norm == "layer", out, new_residual, r0, r1)
-    run(kind, "peer_reduce_norm", queue, backend,
-        uses=(*sources, bias, residual, weight, norm_bias, out, new_residual),
-        host_fn=lambda: peer_reduce_norm_rows_host(*args),
-        launch_fn=lambda stream: _launch_reduce(*args, stream, max_blocks=max_blocks),
-        sources=len(sources), rows=r1 - r0)
+    queue_peer_reduce_norm(kind, sources, bias, residual, weight, norm_bias, eps, norm == "layer", out, new_residual,
+                           r0, r1, queue, backend, max_blocks)
     return out, new_residual
 
 
@@ -234,11 +230,38 @@ def gather_rows(src, dests, row_offset: int = 0, queue=None, backend=None, max_b
                              f"do not fit (row_offset={row_offset}, src has {n} rows)")
     # (By address: a destination over src's own memory copies rows another thread still reads.)
     check_outputs_apart({f"dests[{k}]": d for k, d in enumerate(dests)}, {"src": src})
+    queue_gather_rows(kind, src, dests, row_offset, queue, backend, max_blocks)
+    return dests
+
+
+# ---------------------------------------------------------------------------- queued as checked once
+# The two calls above check every argument, every time -- about 10-20 microseconds on the
+# host, as long as the work itself for a small chunk.  A caller that checked a whole call's
+# arrays once and then queues the same kernels chunk by chunk, over slices it derived itself,
+# does not need them again: the TPSP pipeline (vtnumba.tpsp.pipeline) checks the call in
+# TPSPCall.validate, and its workspace slots were checked when it was opened.  These take
+# the checked values as they are (``kind``: "host" or "device", see common_kind; rows
+# ``[r0, r1)``) and only queue the work -- a wrong argument here is not named, it is a bug.
+def queue_peer_reduce_norm(kind: str, sources, bias, residual, weight, norm_bias, eps: float, is_layer: bool, out,
+                           new_residual, r0: int, r1: int, queue, backend=None, max_blocks: int | None = None) -> None:
+    """:func:`peer_reduce_norm` of rows ``[r0, r1)`` without its argument checks (see above)."""
+    args = (sources, bias, residual, weight, norm_bias, eps, is_layer, out, new_residual, r0, r1)
+    run(kind, "peer_reduce_norm", queue, backend,
+        uses=(*sources, bias, residual, weight, norm_bias, out, new_residual),
+        host_fn=lambda: peer_reduce_norm_rows_host(*args),
+        launch_fn=lambda stream: _launch_reduce(*args, stream, max_blocks=max_blocks),
+        sources=len(sources), rows=r1 - r0)
+
+
+def queue_gather_rows(kind: str, src, dests: list, row_offset: int, queue, backend=None,
+                      max_blocks: int | None = None) -> None:
+    """:func:`gather_rows` without its argument checks (see above)."""
+    n, h = src.shape
     run(kind, "gather_rows", queue, backend, uses=(src, *dests),
         host_fn=lambda: gather_rows_host(src, dests, row_offset),
         launch_fn=lambda stream: _launch_gather(src, dests, row_offset, stream, max_blocks=max_blocks),
         bytes=n * h * 4 * (1 + len(dests)), dests=len(dests))
-    return dests
 
 
-__all__ = ["NORMS", "peer_reduce_norm", "gather_rows", "peer_reduce_norm_rows_host", "gather_rows_host"]
+__all__ = ["NORMS", "peer_reduce_norm", "gather_rows", "queue_peer_reduce_norm", "queue_gather_rows",
+           "peer_reduce_norm_rows_host", "gather_rows_host"]

@@ -65,10 +65,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from vtnumba import trace
-from vtnumba.backend.arrays import cdiv, check_array, check_eps, check_not_partly_overlapping, check_outputs_apart
+from vtnumba.backend.arrays import (array_kind, cdiv, check_array, check_eps, check_not_partly_overlapping,
+                                    check_outputs_apart)
 from vtnumba.backend.polling import WaitTimeout
 from vtnumba.dist.queue_flags import QueueFlagsError
-from vtnumba.kernels import gather_rows, peer_reduce_norm
+from vtnumba.kernels.peer import queue_gather_rows, queue_peer_reduce_norm
 from vtnumba.tpsp.norm_type import LAYER, get_tpsp_norm_type
 
 _META_TAG = 0x7B5B
@@ -266,6 +267,11 @@ class ChunkPipeline:
         self.peers = [k for k in range(self.tp) if k != self.me]
         self.base = 0  # the first global chunk number, fixed by agree()
         self.track = f"tpsp:{ws.group.name}"
+        # The exchange's kernels are queued without their argument checks: the call's arrays
+        # were checked once (TPSPCall.validate), the workspace's slots when it was opened, and
+        # every array below is a slice of those (see vtnumba.kernels.peer).
+        self.kind = array_kind("x", call.x)
+        self.is_layer = call.norm == LAYER
 
     # -- where things are --------------------------------------------------------------
     def partial_slot(self, src: int, dst: int, s: int):
@@ -313,15 +319,16 @@ class ChunkPipeline:
         normed = call.out[t0:t0 + rows] if v == rows else mine  # real tokens only: straight into out
         res, new_res = call.residual[r0:r0 + rows], call.new_residual[r0:r0 + rows]
         blocks = self.strategy.exchange_max_blocks(call)  # one launch, on at most this many SMs
-        peer_reduce_norm(sources, call.bias, res, call.norm_weight, call.norm_bias, call.eps, normed, new_res,
-                         norm=call.norm, queue=q, max_blocks=blocks)
+        kind = self.kind
+        queue_peer_reduce_norm(kind, sources, call.bias, res, call.norm_weight, call.norm_bias, call.eps,
+                               self.is_layer, normed, new_res, 0, rows, q, max_blocks=blocks)
         if self.push and self.peers:
-            gather_rows(normed, [self.gather_slot(self.me, d, s)[:rows] for d in self.peers], 0, queue=q,
-                        max_blocks=blocks)
+            queue_gather_rows(kind, normed, [self.gather_slot(self.me, d, s)[:rows] for d in self.peers], 0, q,
+                              max_blocks=blocks)
         elif normed is not mine:
-            gather_rows(normed, [mine], 0, queue=q, max_blocks=blocks)
+            queue_gather_rows(kind, normed, [mine], 0, q, max_blocks=blocks)
         if normed is mine and v:
-            gather_rows(mine[:v], [call.out], t0, queue=q, max_blocks=blocks)
+            queue_gather_rows(kind, mine[:v], [call.out], t0, q, max_blocks=blocks)
         self.flags.signal(q, "gather_ready", g + 1)
 
     def collect(self, i: int) -> None:
@@ -335,8 +342,8 @@ class ChunkPipeline:
         for k in self.peers:
             t0, v = self.valid_rows(k, r0, rows)
             if v:
-                gather_rows(self.gather_slot(k, self.me, s)[:v], [self.call.out], t0, queue=q,
-                            max_blocks=self.strategy.exchange_max_blocks(self.call))
+                queue_gather_rows(self.kind, self.gather_slot(k, self.me, s)[:v], [self.call.out], t0, q,
+                                  max_blocks=self.strategy.exchange_max_blocks(self.call))
         self.flags.signal(q, "consumed", g + 1)
 
     # -- the call -------------------------------------------------------------------------
