@@ -201,10 +201,14 @@ class LoadDestinations:
         dtype = np.dtype(dtype)
         row_bytes = hidden * dtype.itemsize
         if self._host:
-            # One typed [rows, hidden] array of the whole step, then a row slice per entry: one
-            # numpy call per entry instead of three (slice, view, reshape) -- this runs every step.
+            # One typed [rows, hidden] array of the whole step laid on the owner's first bytes
+            # (its base is the owner, like any view's), then a row slice per entry: one numpy
+            # call per entry instead of three (slice, view, reshape) -- this runs every step.
             total = sum(row_counts)
-            rows = dest._owner[:total * row_bytes].view(dtype).reshape(total, hidden)
+            if total * row_bytes > dest.capacity:
+                raise ValueError(f"views of {total} rows of {row_bytes} bytes do not fit the {dest.capacity}-byte "
+                                 "load buffer")
+            rows = np.ndarray((total, hidden), dtype, dest._owner)
             if len(row_counts) == 1 and not self._simulator:
                 return [rows]  # the usual step: one entry, the whole array
             out, r = [], 0
