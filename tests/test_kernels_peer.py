@@ -213,7 +213,7 @@ def test_gather_on_queues(device_backend, dev, host, rng):
 
 
 # ---------------------------------------------------------------------------- queued as checked once
-def test_the_unchecked_queue_twins_do_the_checked_calls_work(rng, where, device_backend):
+def test_the_unchecked_queue_twins_do_the_checked_calls_work(rng, where, request):
     # What the TPSP pipeline queues per chunk: the same reduce + norm and gather, on a queue,
     # with the arguments taken as checked.  Row range, untouched rows and the gather's offset
     # must come out exactly as the checked calls' do.
@@ -222,7 +222,8 @@ def test_the_unchecked_queue_twins_do_the_checked_calls_work(rng, where, device_
 
     wrap, unwrap = where
     kind = array_kind("x", wrap(np.zeros(1, np.float32)))  # "host" or "device"
-    backend = CPUBackend() if kind == "host" else device_backend
+    # (The device backend only for device arrays: the host case must run where no GPU is usable.)
+    backend = CPUBackend() if kind == "host" else request.getfixturevalue("device_backend")
     q = backend.create_queue("twins")
     try:
         R, H = 7, 33
