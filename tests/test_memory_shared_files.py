@@ -22,6 +22,16 @@ def _run_child(body: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
 
+@pytest.fixture
+def shm_paths():
+    """The /dev/shm names a test uses, removed after it whatever happened (a list to fill)."""
+    paths: list[str] = []
+    yield paths
+    for p in paths:
+        if os.path.exists(p):
+            os.unlink(p)
+
+
 def _gone_soon(path: str, seconds: float = 10.0) -> bool:
     deadline = time.monotonic() + seconds
     while os.path.exists(path):
@@ -32,41 +42,35 @@ def _gone_soon(path: str, seconds: float = 10.0) -> bool:
 
 
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
-def test_a_killed_creator_leaves_no_file(sig):
+def test_a_killed_creator_leaves_no_file(sig, shm_paths):
     path = f"/dev/shm/vtnumba-test-janitor-{os.getpid()}-{sig}"
-    try:
-        proc = _run_child(f"""
-            from vtnumba.memory.shared_files import create_private_file
-            create_private_file({path!r})
-            assert os.path.exists({path!r})
-            os.kill(os.getpid(), signal.{sig})   # no exit hook runs
-        """)
-        assert proc.returncode == -getattr(signal, sig), proc.stderr
-        assert _gone_soon(path), f"{path} was left behind by a creator killed with {sig}"
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
+    shm_paths.append(path)
+    proc = _run_child(f"""
+        from vtnumba.memory.shared_files import create_private_file
+        create_private_file({path!r})
+        assert os.path.exists({path!r})
+        os.kill(os.getpid(), signal.{sig})   # no exit hook runs
+    """)
+    assert proc.returncode == -getattr(signal, sig), proc.stderr
+    assert _gone_soon(path), f"{path} was left behind by a creator killed with {sig}"
 
 
-def test_the_janitor_spares_a_file_that_took_the_name_since():
+def test_the_janitor_spares_a_file_that_took_the_name_since(shm_paths):
     # The creator's file was removed behind its back and someone else made a file of the same
     # name: that one is not ours, and must survive the creator's death.
     path = f"/dev/shm/vtnumba-test-janitor-{os.getpid()}-reused"
-    try:
-        proc = _run_child(f"""
-            from vtnumba.memory.shared_files import create_private_file
-            create_private_file({path!r})
-            os.unlink({path!r})
-            with open({path!r}, "w") as f:
-                f.write("someone else's")
-            os.kill(os.getpid(), signal.SIGKILL)
-        """)
-        assert proc.returncode == -signal.SIGKILL, proc.stderr
-        time.sleep(1.0)  # the janitor has seen the pipe close by now
-        assert os.path.exists(path), "the janitor removed a file it did not make"
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
+    shm_paths.append(path)
+    proc = _run_child(f"""
+        from vtnumba.memory.shared_files import create_private_file
+        create_private_file({path!r})
+        os.unlink({path!r})
+        with open({path!r}, "w") as f:
+            f.write("someone else's")
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    time.sleep(1.0)  # the janitor has seen the pipe close by now
+    assert os.path.exists(path), "the janitor removed a file it did not make"
 
 
 def test_unlinked_files_are_forgotten_and_exit_stops_the_janitor():
@@ -85,60 +89,50 @@ def test_unlinked_files_are_forgotten_and_exit_stops_the_janitor():
 
 
 @pytest.mark.parametrize("then", ["create", "unlink"])
-def test_a_janitor_that_died_is_replaced_and_told_every_file_still_listed(then):
+def test_a_janitor_that_died_is_replaced_and_told_every_file_still_listed(then, shm_paths):
     # The janitor is killed; the creator's next create (or unlink) finds its pipe broken and
     # starts another.  The new one must cover the files made before, not only the next one:
     # when the creator is killed after that, nothing of it is left.
     base = f"/dev/shm/vtnumba-test-janitor-{os.getpid()}-{then}"
-    paths = [base + "-a", base + "-b", base + "-c"]
-    try:
-        proc = _run_child(f"""
-            from vtnumba.memory import shared_files
-            a, b, c = {paths!r}
-            for p in (a, b):
-                os.close(shared_files.create_private_file(p))
-            first = shared_files._janitor
-            first.kill()
-            first.wait()
-            if {then!r} == "create":
-                os.close(shared_files.create_private_file(c))
-            else:
-                shared_files.unlink_private_file(b)
-            assert shared_files._janitor is not first and shared_files._janitor.poll() is None
-            os.kill(os.getpid(), signal.SIGKILL)
-        """)
-        assert proc.returncode == -signal.SIGKILL, proc.stderr
-        for p in paths:
-            assert _gone_soon(p), f"{p} was left behind: the replacement janitor was not told of it"
-    finally:
-        for p in paths:
-            if os.path.exists(p):
-                os.unlink(p)
+    shm_paths.extend([base + "-a", base + "-b", base + "-c"])
+    proc = _run_child(f"""
+        from vtnumba.memory import shared_files
+        a, b, c = {shm_paths!r}
+        for p in (a, b):
+            os.close(shared_files.create_private_file(p))
+        first = shared_files._janitor
+        first.kill()
+        first.wait()
+        if {then!r} == "create":
+            os.close(shared_files.create_private_file(c))
+        else:
+            shared_files.unlink_private_file(b)
+        assert shared_files._janitor is not first and shared_files._janitor.poll() is None
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    for p in shm_paths:
+        assert _gone_soon(p), f"{p} was left behind: the replacement janitor was not told of it"
 
 
-def test_a_forked_child_leaves_its_parents_files_alone():
+def test_a_forked_child_leaves_its_parents_files_alone(shm_paths):
     # A child forked after the parent made a file did not make it: the child's normal exit
     # (atexit runs) must not remove it, and the parent still removes it at its own exit.
     path = f"/dev/shm/vtnumba-test-janitor-{os.getpid()}-fork"
-    try:
-        proc = _run_child(f"""
-            from vtnumba.memory import shared_files
-            os.close(shared_files.create_private_file({path!r}))
-            pid = os.fork()
-            if pid == 0:
-                assert not shared_files._linked        # the child lists none of its parent's files
-                mine = {path!r} + "-child"
-                os.close(shared_files.create_private_file(mine))
-                sys.exit(0)                             # atexit: removes the child's file only
-            _, status = os.waitpid(pid, 0)
-            assert os.waitstatus_to_exitcode(status) == 0
-            assert os.path.exists({path!r}), "the child's exit removed its parent's file"
-            assert not os.path.exists({path!r} + "-child"), "the child's own file was left behind"
-            print("ok")
-        """)
-        assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
-        assert _gone_soon(path), "the parent's exit left its file behind"
-    finally:
-        for p in (path, path + "-child"):
-            if os.path.exists(p):
-                os.unlink(p)
+    shm_paths.extend([path, path + "-child"])
+    proc = _run_child(f"""
+        from vtnumba.memory import shared_files
+        os.close(shared_files.create_private_file({path!r}))
+        pid = os.fork()
+        if pid == 0:
+            assert not shared_files._linked        # the child lists none of its parent's files
+            os.close(shared_files.create_private_file({path!r} + "-child"))
+            sys.exit(0)                             # atexit: removes the child's file only
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert os.path.exists({path!r}), "the child's exit removed its parent's file"
+        assert not os.path.exists({path!r} + "-child"), "the child's own file was left behind"
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    assert _gone_soon(path), "the parent's exit left its file behind"
