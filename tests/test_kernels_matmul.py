@@ -270,6 +270,33 @@ def test_rows_to_host_reference_matches_the_device(dev, host, rng):
     assert (np.concatenate(on_host)[M:] == 0).all()
 
 
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_the_unchecked_queue_twin_does_the_checked_calls_work(request, rng, where):
+    # What the TPSP strategies queue per chunk: the same matmul into row blocks, the
+    # arguments taken as checked, on a queue.  Padding rows past M come out zero.
+    from vtnumba.backend.cpu import CPUBackend
+    from vtnumba.kernels.matmul import queue_linear_rows_to
+
+    on_device = where == "device"
+    put = request.getfixturevalue("dev") if on_device else (lambda a: a)
+    get = request.getfixturevalue("host") if on_device else (lambda a: a)
+    backend = request.getfixturevalue("device_backend") if on_device else CPUBackend()
+    q = backend.create_queue("twin")
+    try:
+        M, K, N, R = 7, 5, 9, 3
+        x, w, bias = make(rng, (M, K)), make(rng, (N, K)), make(rng, N)
+        dests = [put(nan_out((R, N))) for _ in range(3)]
+        queue_linear_rows_to(where, put(x), put(w), put(bias), dests, R, q)
+        backend.synchronize(q)
+        full = np.concatenate([get(d) for d in dests])
+        assert rel_err(full[:M], x.astype(np.float64) @ w.T.astype(np.float64) + bias) <= 1e-5
+        assert (full[M:] == 0).all()
+    finally:
+        backend.destroy_queue(q)
+        if not on_device:
+            backend.close()
+
+
 # ---------------------------------------------------------------------------- host reference
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_host_matmul_realistic(rng, dtype):

@@ -263,7 +263,7 @@ def test_a_failing_matmul_on_one_rank_fails_fast_everywhere(group, monkeypatch, 
     """An error inside the compute step (here injected on rank 0) must not leave peers waiting."""
     import vtnumba.tpsp.host as pipeline  # the host chunk strategy's matmul
 
-    real = pipeline.linear_rows_to
+    real = pipeline.queue_linear_rows_to
 
     def broken(*args, **kwargs):
         if group.rank == 0:
@@ -273,14 +273,14 @@ def test_a_failing_matmul_on_one_rank_fails_fast_everywhere(group, monkeypatch, 
     def body():
         be = HostTPSPBackend("tp", threaded=threaded)
         h = _open(be, group)
-        monkeypatch.setattr(pipeline, "linear_rows_to", broken)
+        monkeypatch.setattr(pipeline, "queue_linear_rows_to", broken)
         t0 = time.perf_counter()
         try:
             with pytest.raises((FloatingPointError, RuntimeError),
                                match="injected matmul failure" if group.rank == 0 else "aborted"):
                 _call(be, h, _inputs(group))
         finally:
-            monkeypatch.setattr(pipeline, "linear_rows_to", real)
+            monkeypatch.setattr(pipeline, "queue_linear_rows_to", real)
         assert time.perf_counter() - t0 < 10, "the failure was not reported fast"
         be.close()
 

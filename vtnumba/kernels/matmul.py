@@ -184,7 +184,20 @@ def linear_rows_to(x, w, bias, dests, rows_per_dest: int, queue=None, backend=No
     for d, dest in enumerate(dests):
         check_array(f"dests[{d}]", dest, ndim=2, dtypes=_OUT_DTYPES, shape=(R, N))
     check_outputs_apart({f"dests[{d}]": dest for d, dest in enumerate(dests)}, {"x": x, "w": w, "bias": bias})
-    dests = list(dests)
+    queue_linear_rows_to(kind, x, w, bias, list(dests), R, queue, backend, variant)
+    return dests
+
+
+def queue_linear_rows_to(kind: str, x, w, bias, dests: list, rows_per_dest: int, queue=None, backend=None,
+                         variant: str | None = None) -> None:
+    """:func:`linear_rows_to` without its argument checks, for a caller that checked its arrays
+    once and queues this per chunk over slices it derived (the TPSP strategies; see the same
+    pair in :mod:`vtnumba.kernels.peer`).  ``kind``: "host" or "device" (see ``common_kind``);
+    a wrong argument here is not named, it is a bug."""
+    variant = _check_variant(variant)
+    R = rows_per_dest
+    M, K = x.shape
+    N = w.shape[0]
 
     def host_fn():
         # Widen float16 once, not once per destination.
@@ -202,7 +215,7 @@ def linear_rows_to(x, w, bias, dests, rows_per_dest: int, queue=None, backend=No
     run(kind, "linear_rows_to" if kind == HOST else f"linear_rows_to[{variant}]", queue, backend,
         uses=(x, w, bias, *dests),
         host_fn=host_fn, launch_fn=launch_fn, flops=2 * M * N * K, dests=len(dests))
-    return dests
 
 
-__all__ = ["LADDER", "VARIANTS", "DEFAULT_VARIANT", "matmul", "linear", "linear_rows_to", "matmul_rows_host"]
+__all__ = ["LADDER", "VARIANTS", "DEFAULT_VARIANT", "matmul", "linear", "linear_rows_to", "queue_linear_rows_to",
+           "matmul_rows_host"]

@@ -34,7 +34,7 @@ import numpy as np
 from vtnumba.backend.arrays import cdiv
 from vtnumba.backend.device import Device, DeviceType
 from vtnumba.dist.comm import DEFAULT
-from vtnumba.kernels import linear_rows_to
+from vtnumba.kernels.matmul import queue_linear_rows_to
 from vtnumba.tpsp.config import TPSPConfig
 from vtnumba.tpsp.peer_backend import PeerTPSPBackend
 from vtnumba.tpsp.pipeline import ChunkStrategy
@@ -62,16 +62,17 @@ class DeviceChunkStrategy(ChunkStrategy):
 
     def compute(self, pipe, i: int, s: int) -> None:
         call, tp, me, R, H, q = pipe.call, pipe.tp, pipe.me, pipe.R, pipe.H, pipe.compute_q
-        x, w = call.x, call.w
+        x, w, kind = call.x, call.w, pipe.kind
+        # (Queued as checked, like the exchange's kernels: see ChunkPipeline.)
         if pipe.n == 1 and pipe.push:  # one queue op, one launch per destination's inbox
-            linear_rows_to(x, w, None, [pipe.partial_slot(me, d, s) for d in range(tp)], R, queue=q)
+            queue_linear_rows_to(kind, x, w, None, [pipe.partial_slot(me, d, s) for d in range(tp)], R, q)
         elif pipe.n == 1:  # pull, one chunk: my outbox xfer[me][s] *is* [tp*R, H] in token order
-            linear_rows_to(x, w, None, [pipe.xfer[me][s].reshape(tp * R, H)], tp * R, queue=q)
+            queue_linear_rows_to(kind, x, w, None, [pipe.xfer[me][s].reshape(tp * R, H)], tp * R, q)
         else:
             r0, rows = pipe.chunk_rows(i)
             for d in range(tp):
                 t0, v = pipe.valid_rows(d, r0, rows)
-                linear_rows_to(x[t0:t0 + v], w, None, [pipe.partial_slot(me, d, s)[:rows]], rows, queue=q)
+                queue_linear_rows_to(kind, x[t0:t0 + v], w, None, [pipe.partial_slot(me, d, s)[:rows]], rows, q)
 
 
 class CudaTPSPBackend(PeerTPSPBackend):

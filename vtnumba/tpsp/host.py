@@ -52,7 +52,8 @@ import numpy as np
 
 from vtnumba.backend import CPU, CPUBackend
 from vtnumba.dist.comm import DEFAULT
-from vtnumba.kernels import gather_rows, linear_rows_to
+from vtnumba.kernels.matmul import queue_linear_rows_to
+from vtnumba.kernels.peer import queue_gather_rows
 from vtnumba.tpsp.peer_backend import PeerTPSPBackend
 from vtnumba.tpsp.pipeline import ChunkStrategy
 
@@ -75,30 +76,31 @@ class HostChunkStrategy(ChunkStrategy):
 
     def compute(self, pipe, i: int, s: int) -> None:
         call, tp, me, R, H = pipe.call, pipe.tp, pipe.me, pipe.R, pipe.H
-        x, w = call.x, call.w
+        x, w, kind = call.x, call.w, pipe.kind
         r0, rows = pipe.chunk_rows(i)
         sc = None if self.scratch is None else self._scratch(pipe)
         targets = range(tp)
 
         def body(_stream) -> None:
             # One queue operation: inline on a synchronous queue, on the worker thread of a
-            # threaded one; the kernels below therefore run directly (no queue of their own).
+            # threaded one; the kernels below therefore run directly (no queue of their own),
+            # queued as checked, like the exchange's kernels (see ChunkPipeline).
             if sc is None:  # pull: straight into my outbox
                 if pipe.n == 1:
-                    linear_rows_to(x, w, None, [pipe.xfer[me][s].reshape(tp * R, H)], tp * R)
+                    queue_linear_rows_to(kind, x, w, None, [pipe.xfer[me][s].reshape(tp * R, H)], tp * R)
                     return
                 for d in targets:
                     t0, v = pipe.valid_rows(d, r0, rows)
-                    linear_rows_to(x[t0:t0 + v], w, None, [pipe.xfer[me][s, d][:rows]], rows)
+                    queue_linear_rows_to(kind, x[t0:t0 + v], w, None, [pipe.xfer[me][s, d][:rows]], rows)
                 return
             if pipe.n == 1:  # push: sc[s] *is* [tp*R, H] in token order: every row in one call
-                linear_rows_to(x, w, None, [sc[s].reshape(tp * R, H)], tp * R)
+                queue_linear_rows_to(kind, x, w, None, [sc[s].reshape(tp * R, H)], tp * R)
             else:
                 for d in targets:
                     t0, v = pipe.valid_rows(d, r0, rows)
-                    linear_rows_to(x[t0:t0 + v], w, None, [sc[s, d][:rows]], rows)
+                    queue_linear_rows_to(kind, x[t0:t0 + v], w, None, [sc[s, d][:rows]], rows)
             for d in pipe.peers:  # each peer's rows into its inbox; mine stay in the scratch
-                gather_rows(sc[s, d][:rows], [pipe.partial_slot(me, d, s)[:rows]], 0)
+                queue_gather_rows(kind, sc[s, d][:rows], [pipe.partial_slot(me, d, s)[:rows]], 0, None)
 
         pipe.backend.submit(pipe.compute_q, body, name="tpsp compute", chunk=pipe.base + i)
 
