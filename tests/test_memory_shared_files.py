@@ -136,3 +136,56 @@ def test_a_forked_child_leaves_its_parents_files_alone(shm_paths):
     """)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
     assert _gone_soon(path), "the parent's exit left its file behind"
+
+
+def test_a_forked_child_does_not_keep_its_parents_janitor_waiting(shm_paths):
+    # The janitor acts once every holder of its pipe has ended.  A child forked by the creator
+    # must not be one: when the creator is killed while the child lives on, the creator's
+    # file goes at once, not when the child ends.
+    path = f"/dev/shm/vtnumba-test-janitor-{os.getpid()}-held"
+    shm_paths.append(path)
+    proc = _run_child(f"""
+        import time
+        from vtnumba.memory import shared_files
+        os.close(shared_files.create_private_file({path!r}))
+        pid = os.fork()
+        if pid == 0:
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (1, 2):                   # (the test reads the creator's output until it closes)
+                os.dup2(devnull, fd)
+            time.sleep(30)                      # a long-lived worker that makes no files
+            os._exit(0)
+        print(pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    child = int(proc.stdout.split()[0])
+    try:
+        assert _gone_soon(path, 5.0), "the creator's file stayed while its forked child lived"
+        os.kill(child, 0)  # (the child was still alive all along)
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_the_exit_hook_starts_no_janitor_to_replace_one_that_died(shm_paths):
+    base = f"/dev/shm/vtnumba-test-janitor-{os.getpid()}-exit"
+    shm_paths.extend([base + "-a", base + "-b"])
+    proc = _run_child(f"""
+        from vtnumba.memory import shared_files
+        for p in {shm_paths!r}:
+            os.close(shared_files.create_private_file(p))
+        shared_files._janitor.kill()
+        shared_files._janitor.wait()
+
+        def no_janitor(*args, **kwargs):
+            raise AssertionError("a janitor was started at exit")
+
+        shared_files.subprocess.Popen = no_janitor
+        shared_files._unlink_leftovers()        # what runs at exit
+        assert not any(os.path.exists(p) for p in {shm_paths!r}) and not shared_files._linked
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

@@ -35,7 +35,8 @@ So only a kill in the microseconds between the create and the message, or a kill
 janitor and then of this process before it creates or unlinks another file, can leak a file;
 that is why both users prefer anonymous memory (``memfd_create``) and keep the window of a
 name short.  A forked child forgets its parent's files (it did not make them: its exit and
-its own janitor leave them to the parent's).
+its own janitor leave them to the parent's), and lets go of its copy of the parent's janitor
+pipe, so the parent's death alone sets that janitor to work.
 This module imports no MPI: the encoder cache, whose processes may not use MPI, needs it too.
 """
 
@@ -109,12 +110,31 @@ def _tell_janitor(message: bytes) -> None:
             _janitor = None
 
 
+_inherited_janitors: list = []  # a forked child's copies of its parent's janitor (see below)
+
+
 def _forget_parents_files() -> None:
     # A forked child did not create its parent's files: its exit, and its janitor, must not
     # remove them (the parent's own janitor and atexit hook still cover them).
-    global _linked_lock
+    global _linked_lock, _janitor
     _linked_lock = threading.Lock()  # (a thread of the parent may have held it at the fork)
     _linked.clear()
+    if _janitor is not None:
+        # The parent's janitor acts when every holder of its pipe's write end has ended, and
+        # this child holds a copy: a parent killed while the child lives would leave its files
+        # until the child ends.  So that descriptor is pointed at /dev/null -- not closed: the
+        # file object still owns its number and would close it again later, perhaps as someone
+        # else's -- and the object is kept, unused, so nothing of it runs here.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, _janitor.stdin.fileno(), inheritable=False)
+            finally:
+                os.close(devnull)
+        except (OSError, ValueError):
+            pass
+        _inherited_janitors.append(_janitor)
+        _janitor = None
 
 
 os.register_at_fork(after_in_child=_forget_parents_files)
@@ -123,11 +143,14 @@ os.register_at_fork(after_in_child=_forget_parents_files)
 def _unlink_leftovers() -> None:
     global _janitor
     with _linked_lock:
+        # The janitor is taken out first: the unlinks below need not tell it (it is told to
+        # finish right after), and one that died is not replaced just to be stopped.  (Killed
+        # during the loop, this process still leaves the files to it: it was never told they
+        # went, and it checks each name before removing it.)
+        janitor, _janitor = (_janitor, None) if _janitor_pid == os.getpid() else (None, _janitor)
         paths = list(_linked)
     for path in paths:
         unlink_private_file(path)
-    with _linked_lock:
-        janitor, _janitor = (_janitor, None) if _janitor_pid == os.getpid() else (None, _janitor)
     if janitor is not None:
         try:
             janitor.stdin.close()  # nothing is left for it: it exits now
