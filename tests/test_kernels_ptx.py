@@ -30,3 +30,13 @@ def test_every_kernel_compiles_for_sm80_and_sm90(kernel_ptx):
     ptx = next(e["ptx"] for e in results if e["name"] == "wait_flag" and e["cc"] == "9.0")
     loops = re.findall(r"^(\$L__BB\d+_\d+):$(.*?)^\s*@%p\d+ bra\s+\1;", ptx, re.M | re.S)
     assert loops and all("atom.global.add.u32" in body for _, body in loops), ptx
+
+
+def test_flag_write_kernel_publishes_with_an_atomic_after_the_system_fence(kernel_ptx):
+    # A fence followed by a plain (weak) store is no release in the PTX memory model -- the
+    # waiter's atomic polls would race with it.  The word must be written by an atomic, and
+    # only after the membar.sys that makes the stream's earlier writes visible.
+    ptx = next(e["ptx"] for e in kernel_ptx["results"] if e["name"] == "write_flag" and e["cc"] == "9.0")
+    fence, publish = ptx.find("membar.sys"), ptx.find("atom.global.exch.b32")
+    assert fence >= 0 and publish > fence, ptx
+    assert not re.search(r"^\s*st\.global\.u32", ptx, re.M), ptx

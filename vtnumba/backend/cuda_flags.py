@@ -9,7 +9,10 @@ are also the readable definition of what the memory operations do:
 
 * :func:`write_flag_kernel` -- ``threadfence_system()`` (every earlier write of the stream,
   which has finished because a kernel only starts after its predecessors on the stream,
-  becomes visible to every device and process first), then store the value;
+  becomes visible to every device and process first), then store the value -- on a GPU
+  with an atomic exchange: the PTX memory model makes "fence, then write" a *release* only
+  when the write is strong (an atomic), and a plain store racing with the waiter's atomic
+  polls would be a data race, however well it happens to work;
 * :func:`wait_flag_kernel` -- poll the word until it reaches the value, in CUDA's cyclic
   ``>=``, then fence so later reads of the stream are not satisfied early.  On a GPU each
   poll is an atomic add of 0 -- a read done at the L2 cache, where every processor's
@@ -18,14 +21,16 @@ are also the readable definition of what the memory operations do:
   :func:`numba.cuda.ldcv`: its inline assembly is not marked as reading memory, and the
   compiler hoists it out of the loop -- checked in the PTX.)
 
-Each word has exactly one writer, so both are plain loads and stores -- no read-modify-write.
-That matters twice: an atomic used only to *read* (``atomic.max(f, i, 0)``) writes the old
+Each word has exactly one writer, so nothing here needs a read-modify-write for its own sake
+(the exchange's old value is discarded, and with one writer no update can be lost), and in
+the simulator both are plain loads and stores.  That matters twice: an atomic used only to
+*read* (``atomic.max(f, i, 0)``) writes the old
 value back, which in numba's simulator (whose atomics are Python code under a per-process
 lock) can overwrite a peer's store that landed in between, losing the flag; and a plain load
 alone in a loop is hoisted out of it by the compiler -- the ``threadfence()`` in the loop
 body is what makes the load happen again every iteration (verified in the PTX).  That is
-why the atomic read is for the GPU only: the simulator, which has no caches, polls with a
-plain load.
+why the atomics are for the GPU only: the simulator, which has no caches, polls with a
+plain load and writes with a plain store.
 
 A waiting kernel occupies one thread of one SM until the flag arrives, and cannot time out:
 the host that synchronizes its stream keeps the wait's deadline
@@ -45,18 +50,29 @@ if simulator_active():
     @cuda.jit(device=True)
     def _poll_word(flags, index):
         return flags[index]
+
+    @cuda.jit(device=True)
+    def _publish_word(flags, index, value):
+        flags[index] = value
 else:
     @cuda.jit(device=True)
     def _poll_word(flags, index):
         return cuda.atomic.add(flags, index, uint32(0))  # read at L2, past the (incoherent) L1
+
+    @cuda.jit(device=True)
+    def _publish_word(flags, index, value):
+        # An atomic, not a plain store: in the PTX memory model a fence followed by a *strong*
+        # write is a release, while a plain (weak) store racing with the waiter's polls is a
+        # data race, whatever the fence before it.
+        cuda.atomic.exch(flags, index, value)
 
 
 @cuda.jit
 def write_flag_kernel(flags, index, value):
     """``flags[index] = value`` after a system-wide fence."""
     if cuda.grid(1) == 0:
-        cuda.threadfence_system()
-        flags[index] = value
+        cuda.threadfence_system()  # everything this stream wrote before is visible first
+        _publish_word(flags, index, value)
 
 
 @cuda.jit
