@@ -765,17 +765,31 @@ KERNELS = {"naive": matmul_naive_kernel, "smem": matmul_smem_kernel, "regtile": 
 WIDE_VARIANTS = ("wide", "warptile", "dbuf", "async")
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (gridDim.x may reach 2**31 - 1)
+
+
 def launch_config(variant: str, rows: int, n: int) -> tuple[tuple[int, int], tuple[int, ...]]:
-    """(grid, block) covering a ``rows x n`` output for the given ladder step."""
+    """(grid, block) covering a ``rows x n`` output for the given ladder step.
+
+    Row tiles go on the grid's y dimension, so an output may have at most ``MAX_GRID_Y`` of
+    them (about a million rows for naive and smem, eight million for the 128-row tiles);
+    a taller one raises ValueError here instead of failing to launch on the GPU."""
     if variant == "naive":
-        return (cdiv(n, 16), cdiv(rows, 16)), (16, 16)
-    if variant == "smem":
-        return (cdiv(n, TILE), cdiv(rows, TILE)), (TILE, TILE)
-    if variant in ("regtile", "wide"):
-        return (cdiv(n, BN), cdiv(rows, BM)), (THREADS_X, THREADS_Y)
-    if variant in ("warptile", "dbuf", "async"):
-        return (cdiv(n, BN), cdiv(rows, BM)), (_NTHREADS,)  # 1-D: warps are tid // 32
-    raise ValueError(f"variant={variant!r} is not a matmul variant; expected one of {', '.join(KERNELS)}")
+        grid, block = (cdiv(n, 16), cdiv(rows, 16)), (16, 16)
+    elif variant == "smem":
+        grid, block = (cdiv(n, TILE), cdiv(rows, TILE)), (TILE, TILE)
+    elif variant in ("regtile", "wide"):
+        grid, block = (cdiv(n, BN), cdiv(rows, BM)), (THREADS_X, THREADS_Y)
+    elif variant in ("warptile", "dbuf", "async"):
+        grid, block = (cdiv(n, BN), cdiv(rows, BM)), (_NTHREADS,)  # 1-D: warps are tid // 32
+    else:
+        raise ValueError(f"variant={variant!r} is not a matmul variant; expected one of {', '.join(KERNELS)}")
+    if grid[1] > MAX_GRID_Y:
+        per_tile = cdiv(rows, grid[1])
+        raise ValueError(f"rows={rows} is too many for variant={variant!r}: its {grid[1]} row tiles exceed the "
+                         f"grid's y limit of {MAX_GRID_Y} (at most {MAX_GRID_Y * per_tile} rows); split the "
+                         "matmul into row blocks")
+    return grid, block
 
 
 def unavailable_rungs() -> dict[str, str]:
