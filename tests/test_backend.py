@@ -4,6 +4,7 @@ The device target is numba's CUDA simulator, or the GPU under ``VTNUMBA_TARGET=c
 tests/conftest.py); the tests read device memory only through ``backend.copy``, so they
 hold for both."""
 
+import gc
 import re
 import threading
 
@@ -235,6 +236,54 @@ def test_capability_flags(backend):
             backend.begin_capture(q)
         with pytest.raises(RuntimeError, match="nothing captured"):
             backend.replay(q)
+
+
+def test_device_frees_wait_until_a_capture_ends(backend):
+    # numba frees device memory in batches, from whichever call pushes its pending list over
+    # a limit; a cuMemFree while the thread captures would invalidate the capture, and
+    # end_capture would fail.  (Real GPUs only: nothing else captures.)
+    if not backend.supports_graph_capture():
+        pytest.skip(f"{backend.name} has no graph capture")
+    from numba import cuda
+
+    doomed = [cuda.device_array(256, np.float32) for _ in range(64)]  # more than numba's pending-free limit
+    src, dst = backend.alloc(4096), backend.alloc(4096)
+    q = backend.create_queue("capture-frees")
+    backend.begin_capture(q)
+    try:
+        backend.copy(q, dst, src, 4096)  # something to capture
+        del doomed[:]  # 64 frees requested inside the capture
+        gc.collect()
+    finally:
+        graph = backend.end_capture_graph(q)  # not "capture invalidated"
+    backend.replay_graph(q, graph)
+    backend.synchronize(q)
+    backend.destroy_graph(graph)
+    backend.destroy_queue(q)
+    backend.free(src)
+    backend.free(dst)
+
+
+def test_queues_come_and_go_on_recycled_streams(backend):
+    # A GPU ties each new stream to one of a few hardware queues in turn, so a process that
+    # kept creating streams would end up with two sharing one -- and a stream held by a flag
+    # wait would hold up the other.  A destroyed queue's idle stream serves the next queue.
+    if not hasattr(backend, "streams_created") or backend.capabilities.simulator:
+        pytest.skip(f"{backend.name} makes no streams of its own (real GPUs only)")
+    keep = backend.create_queue("kept")
+    src, dst = backend.alloc(64), backend.alloc(64)
+    before = backend.streams_created
+    for i in range(40):
+        q = backend.create_queue(f"short-lived-{i}")
+        backend.copy(q, dst, src, 64)  # some work, finished by destroy_queue
+        backend.destroy_queue(q)
+    assert backend.streams_created - before <= 1
+    backend.free(src)
+    backend.free(dst)
+    busy = [backend.create_queue(f"at-once-{i}") for i in range(3)]  # three at once: three streams
+    assert len({int(q.handle) for q in busy + [keep]}) == 4
+    for q in busy + [keep]:
+        backend.destroy_queue(q)
 
 
 # ---------------------------------------------------------------- bad input

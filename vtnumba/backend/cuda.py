@@ -178,6 +178,9 @@ class CUDABackend(Backend):
         self._queues_by_id: dict[int, _CUDAQueue] = {}
         self._memops_ok = True  # stream memory operations; False once the driver refused one
         self._flag_readback = None  # a pinned word that _read_flag_word copies a flag word into
+        self._idle_streams: list = []  # streams of destroyed queues, idle, for the next queues
+        #: Streams this backend has created (a real GPU's; recycled ones count once).
+        self.streams_created = 0
 
     @property
     def name(self) -> str:
@@ -281,16 +284,27 @@ class CUDABackend(Backend):
                 np.copyto(d, s)
 
     # ---------------------------------------------------------------- queues
+    # Streams are recycled.  The GPU runs streams on a few hardware work queues
+    # (CUDA_DEVICE_MAX_CONNECTIONS, 32 at most), and a stream is tied to one when it is
+    # created, in turn: the 33rd stream shares a queue with the first.  A stream held by a flag
+    # wait holds up everything behind it on its hardware queue -- a release queued on a stream
+    # that shares it would never run.  Queues come and go freely (a timing gate, a batched copy
+    # without a queue), so a destroyed queue's stream, idle, is kept for the next queue: a
+    # process then has no more streams than it ever had queues at once.
     def _create_queue(self, name) -> Queue:
         if self.simulator:
             q = _CUDAQueue(self, name, _cuda().stream())
         else:
-            # A non-blocking stream (see the module docstring), wrapped for numba's launches.
-            from cuda.bindings import driver as cu
+            with self._lock:
+                handle = self._idle_streams.pop() if self._idle_streams else None
+            if handle is None:
+                # A non-blocking stream (see the module docstring), wrapped for numba's launches.
+                from cuda.bindings import driver as cu
 
-            _cuda().current_context()  # stream creation needs a current context
-            err, handle = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
-            _check_cu(err, "cuStreamCreate(CU_STREAM_NON_BLOCKING)")
+                _cuda().current_context()  # stream creation needs a current context
+                err, handle = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+                _check_cu(err, "cuStreamCreate(CU_STREAM_NON_BLOCKING)")
+                self.streams_created += 1
             q = _CUDAQueue(self, name, _cuda().external_stream(int(handle)), handle)
         self._queues_by_id[q.id] = q
         return q
@@ -299,10 +313,36 @@ class CUDABackend(Backend):
         self._queues_by_id.pop(q.id, None)
         handle, q.handle, q.stream = q.handle, None, None
         if handle is not None and int(handle) != 0:  # 0: the legacy default stream, not ours to destroy
-            from cuda.bindings import driver as cu
+            # Kept for the next queue only if its work really is done (destroy_queue synchronized
+            # first, but a flag wait released at its deadline may still be draining) and the
+            # backend is open.
+            if not self.closed and self._stream_handle_idle(handle):
+                with self._lock:
+                    self._idle_streams.append(handle)
+                return
+            self._destroy_stream(handle)
 
-            (err,) = cu.cuStreamDestroy(handle)  # its work has finished: destroy_queue synchronized first
-            _check_cu(err, "cuStreamDestroy")
+    @staticmethod
+    def _stream_handle_idle(handle) -> bool:
+        from cuda.bindings import driver as cu
+
+        (err,) = cu.cuStreamQuery(handle)
+        return err == cu.CUresult.CUDA_SUCCESS
+
+    @staticmethod
+    def _destroy_stream(handle) -> None:
+        from cuda.bindings import driver as cu
+
+        (err,) = cu.cuStreamDestroy(handle)  # (work still queued on it finishes first, in the driver)
+        _check_cu(err, "cuStreamDestroy")
+
+    def close(self) -> None:
+        """:meth:`Backend.close`, then destroy the idle streams kept for reuse."""
+        super().close()
+        with self._lock:
+            idle, self._idle_streams = self._idle_streams, []
+        for handle in idle:
+            self._destroy_stream(handle)
 
     def _synchronize(self, q) -> None:
         if not self.simulator:
@@ -367,14 +407,21 @@ class CUDABackend(Backend):
 
         with self.defer_frees():  # (the stream may be stuck: no free may wait for it)
             q = self._flag_side_queue()
-            with self._lock:
-                if self._flag_readback is None:
-                    self._flag_readback = _cuda().pinned_array(1, np.uint32)
-                word = self._flag_readback
+            self._prepare_flag_rescue()
+            word = self._flag_readback
             (err,) = cu.cuMemcpyDtoHAsync(word.ctypes.data, address_of(flags) + 4 * index, 4, q.handle)
             _check_cu(err, "cuMemcpyDtoHAsync(flag word)")
             self._finish_side_queue(q, 10.0, f"reading flag word {index}")
         return int(word[0])
+
+    def _prepare_flag_rescue(self) -> None:
+        """Make what a stuck stream's rescue needs -- the side queue and the pinned word flag
+        words are read into -- before the first wait is queued: page-locking host memory
+        (cuMemHostAlloc) may wait for the whole device, which a stuck stream never lets finish."""
+        self._flag_side_queue()
+        with self._lock:
+            if self._flag_readback is None:
+                self._flag_readback = _cuda().pinned_array(1, np.uint32)
 
     def _wait_out_flag_waits(self, done, waits: list, who: str) -> None:
         """Poll ``done()`` until it is True; release (and report) every wait of ``waits`` whose
@@ -523,6 +570,8 @@ class CUDABackend(Backend):
             return
         from cuda.bindings import driver as cu
 
+        if self._flag_readback is None:
+            self._prepare_flag_rescue()
         # Kept for synchronize, which polls instead of blocking while waits are pending.  (A
         # queue that is never synchronized forgets the ones an idle stream has passed.)
         if len(q.flag_waits) >= 256 and self._stream_idle(q):
@@ -597,16 +646,30 @@ class CUDABackend(Backend):
 
     # ---------------------------------------------------------------- graphs (real GPU)
     def _begin_capture(self, q):
+        """Start capturing ``q``; the state returned is numba's deferred-free guard, held until
+        the capture ends or is discarded."""
         from cuda.bindings import driver as cu
 
+        # numba frees device memory lazily, in batches, from whichever call happens to push
+        # its list of pending frees over a limit.  A cuMemFree is not allowed while this thread
+        # captures: it would invalidate the capture.  So frees wait until the capture is over.
+        no_frees = self.defer_frees()
+        if self._flag_readback is None:
+            self._prepare_flag_rescue()  # (a flag wait captured first would page-lock inside the capture)
+        no_frees.__enter__()
         (err,) = cu.cuStreamBeginCapture(q.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        _check_cu(err, "cuStreamBeginCapture")
-        return True
+        if err != cu.CUresult.CUDA_SUCCESS:
+            no_frees.__exit__(None, None, None)
+            _check_cu(err, "cuStreamBeginCapture")
+        return no_frees
 
     def _end_capture(self, q, state):
         from cuda.bindings import driver as cu
 
-        err, graph = cu.cuStreamEndCapture(q.handle)
+        try:
+            err, graph = cu.cuStreamEndCapture(q.handle)
+        finally:
+            state.__exit__(None, None, None)  # the frees held back during the capture may run now
         _check_cu(err, "cuStreamEndCapture")
         err, exec_graph = cu.cuGraphInstantiate(graph, 0)
         if err != cu.CUresult.CUDA_SUCCESS:
@@ -619,7 +682,10 @@ class CUDABackend(Backend):
 
         # Ending the capture takes the stream out of capture mode even if the capture broke;
         # the graph it returns (None when it broke) has no other owner.
-        err, graph = cu.cuStreamEndCapture(q.handle)
+        try:
+            err, graph = cu.cuStreamEndCapture(q.handle)
+        finally:
+            state.__exit__(None, None, None)
         if err == cu.CUresult.CUDA_SUCCESS and graph is not None and int(graph):
             cu.cuGraphDestroy(graph)
 
