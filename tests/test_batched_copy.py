@@ -404,3 +404,30 @@ def test_unregister_never_waits_for_the_lock():
     ranges.unregister(keep)
     ranges.unregister(keep)  # idempotent
     assert len(ranges) == 0 and ranges._table()[0].size == 0
+
+
+def test_a_driver_without_the_bound_batch_function_falls_back_to_one_copy_per_descriptor(monkeypatch):
+    # cuda.bindings 13 binds the CUDA 13 revision of cuMemcpyBatchAsync and raises when the
+    # driver (12.8, 12.9) lacks it: the batch must still be copied, one cuMemcpyAsync per
+    # descriptor, and the batch API left alone from then on.  (Driver calls stood in for.)
+    pytest.importorskip("cuda.bindings")
+    from cuda.bindings import driver as cu
+
+    from vtnumba.memory import copy_engine
+
+    def missing(*args):
+        raise RuntimeError('Function "cuMemcpyBatchAsync" not found')
+
+    copies = []
+    monkeypatch.setattr(cu, "cuMemcpyBatchAsync", missing)
+    monkeypatch.setattr(cu, "cuMemcpyAsync", lambda d, s, n, h: copies.append((int(d), int(s), n)) or
+                        (cu.CUresult.CUDA_SUCCESS,))
+    monkeypatch.setattr(copy_engine, "_cuda_context", lambda: None)
+    monkeypatch.setattr(copy_engine, "_cuda_batch_ok", True)  # as if the version check had passed
+    with pytest.warns(RuntimeWarning, match="cuMemcpyBatchAsync is not usable with this driver"):
+        copy_engine._cuda_batched_copy(0, ([0x1000, 0x2000], [0x3000, 0x4000], [64, 32]), "stream")
+    assert copies == [(0x3000, 0x1000, 64), (0x4000, 0x2000, 32)]
+    assert copy_engine._cuda_batch_ok is False
+    copies.clear()
+    copy_engine._cuda_batched_copy(0, ([0x1000, 0x2000], [0x3000, 0x4000], [64, 32]), "stream")  # no warning now
+    assert copies == [(0x3000, 0x1000, 64), (0x4000, 0x2000, 32)]

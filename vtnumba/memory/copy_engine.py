@@ -400,8 +400,16 @@ def _cuda_batched_copy(stream, lists, src_access_order: str) -> None:
     _cuda_context()  # the driver calls below need one current on this thread
     h = _stream_handle(stream)
     if n > 1 and cuda_batch_api_available():
-        res = cu.cuMemcpyBatchAsync([cu.CUdeviceptr(p) for p in dst], [cu.CUdeviceptr(p) for p in src],
-                                    list(sizes), n, _batch_attrs(cu, src_access_order), [0], 1, h)
+        try:
+            res = cu.cuMemcpyBatchAsync([cu.CUdeviceptr(p) for p in dst], [cu.CUdeviceptr(p) for p in src],
+                                        list(sizes), n, _batch_attrs(cu, src_access_order), [0], 1, h)
+        except RuntimeError as exc:
+            # cuda.bindings binds one revision of the function and raises if the driver lacks
+            # it (bindings 13 on a 12.8 driver): nothing was copied, and the loop below can.
+            warnings.warn(f"cuMemcpyBatchAsync is not usable with this driver ({exc}); using cuMemcpyAsync per "
+                          "descriptor from now on", RuntimeWarning, stacklevel=3)
+            _cuda_batch_ok = False
+            res = cu.CUresult.CUDA_ERROR_NOT_SUPPORTED
         err = res[0] if isinstance(res, tuple) else res
         if err == cu.CUresult.CUDA_SUCCESS:
             return
@@ -409,7 +417,7 @@ def _cuda_batched_copy(stream, lists, src_access_order: str) -> None:
         # API off for good; any other error may be this batch's alone.  Either way the
         # per-descriptor loop below copies it -- and a real addressing error fails there too,
         # with a message.
-        if err == cu.CUresult.CUDA_ERROR_NOT_SUPPORTED:
+        if err == cu.CUresult.CUDA_ERROR_NOT_SUPPORTED and _cuda_batch_ok:
             warnings.warn(f"cuMemcpyBatchAsync of {n} descriptors is not supported here; using cuMemcpyAsync "
                           "per descriptor from now on", RuntimeWarning, stacklevel=3)
             _cuda_batch_ok = False
