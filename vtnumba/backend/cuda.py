@@ -11,7 +11,10 @@ Three choices matter on a real GPU:
   and handed to numba as an external stream).  A stream created by ``cuda.stream()`` is a
   *blocking* one: it synchronises with the legacy default stream, so one queue stuck on a
   flag that a failed peer will never raise would freeze every later default-stream
-  operation of the process -- including the copy that would report the error.
+  operation of the process -- including the copy that would report the error.  A
+  destroyed queue's stream is kept, idle, for the next queue: streams are tied to a few
+  hardware work queues as they are created, and one stream too many would share a
+  hardware queue with a stream a flag wait may hold up.
 * **Flags in queue order are stream memory operations** (``cuStreamWriteValue32`` /
   ``cuStreamWaitValue32``): the GPU orders work across processes without a host thread on
   the critical path.  Where the driver refuses them, one-thread kernels do the same
