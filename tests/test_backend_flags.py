@@ -284,6 +284,22 @@ def test_host_functions_run_in_queue_order_and_their_errors_are_sticky(backend):
     backend.destroy_queue(q)
 
 
+def test_a_host_function_may_drop_the_last_reference_to_device_arrays(backend):
+    # Dropping device arrays can make numba flush its pending frees (cuMemFree) right there --
+    # on a real GPU, inside the host function, where CUDA calls are not allowed.  The frees
+    # must wait until it has returned.  (Real GPUs only: elsewhere nothing is freed by CUDA.)
+    if not backend.capabilities.async_queues or backend.capabilities.host_addressable:
+        pytest.skip("only a real GPU runs host functions on a driver thread")
+    from numba import cuda
+
+    doomed = [cuda.device_array(256, np.float32) for _ in range(64)]  # past numba's pending-free limit
+    q = backend.create_queue("hf-frees")
+    backend.launch_host_func(q, doomed.clear)
+    backend.synchronize(q)  # no "operation not permitted" kept from inside the host function
+    assert doomed == []
+    backend.destroy_queue(q)
+
+
 def test_host_functions_are_refused_while_capturing(backend):
     # Captured, a host function would become a graph node that every replay calls again.
     if not backend.supports_graph_capture():

@@ -522,12 +522,19 @@ class CUDABackend(Backend):
             raise RuntimeError(f"launch_host_func on {q} while it is capturing a graph: host functions "
                                "cannot be captured here; queue them outside the capture")
         key = next(_host_func_ids)
+        # Taken here, where a context is current: on the driver's thread asking numba for it
+        # would itself be a CUDA call.
+        context = _cuda().current_context()
 
         def call() -> None:
             # Runs on a driver thread once the stream gets here.  It must not call CUDA, and
             # an exception must not escape into C: keep it for the queue's next synchronize.
+            # Any Python may drop the last reference to a device array, and numba may then
+            # flush its pending frees -- cuMemFree, from inside a host function, where CUDA
+            # calls are not allowed: the frees wait until the function has returned.
             try:
-                fn()
+                with context.defer_cleanup():
+                    fn()
             except BaseException as exc:  # noqa: BLE001
                 if q.error is None:
                     q.error = exc
