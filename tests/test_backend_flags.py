@@ -284,6 +284,29 @@ def test_host_functions_run_in_queue_order_and_their_errors_are_sticky(backend):
     backend.destroy_queue(q)
 
 
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_a_copy_with_pageable_memory_behind_a_flag_wait_keeps_the_deadline(backend, direction):
+    # A real GPU's driver may return from a copy with pageable host memory only once the copy
+    # has run: queued behind a wait that never passes, it would block for good.  The deadline
+    # must still end it.  (Real GPUs only; elsewhere host memory is not staged by a driver.)
+    if not backend.capabilities.async_queues or backend.capabilities.host_addressable:
+        pytest.skip("only a real GPU's driver stages copies with pageable memory")
+    flags = _flags(backend)
+    q = backend.create_queue("stuck-copy")
+    buf, pageable = backend.alloc(64), np.zeros(64, np.uint8)
+    backend.wait_value32(q, flags, 3, 9, timeout_s=0.5)
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="flag word 3 to reach 9; it is 0"):
+        if direction == "d2h":
+            backend.copy(q, pageable, buf, 64)
+        else:
+            backend.copy(q, buf, pageable, 64)
+    assert time.perf_counter() - t0 < 10
+    backend.synchronize(q)
+    backend.destroy_queue(q)
+    backend.free(buf)
+
+
 def test_a_host_function_may_drop_the_last_reference_to_device_arrays(backend):
     # Dropping device arrays can make numba flush its pending frees (cuMemFree) right there --
     # on a real GPU, inside the host function, where CUDA calls are not allowed.  The frees

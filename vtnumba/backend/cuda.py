@@ -278,6 +278,11 @@ class CUDABackend(Backend):
             return
         d_dev, s_dev = is_device_array(d), is_device_array(s)
         with trace.span("copy", "queue", f"cuda:{q.name}", bytes=nbytes):
+            if d_dev != s_dev and q.flag_waits and not _page_locked(s if d_dev else d):
+                # With pageable host memory the driver stages the copy and may return only once
+                # it has run: behind a flag wait, a wait without a deadline.  Drain the queue
+                # first, under the waits' deadlines.
+                self._synchronize(q)
             if d_dev:
                 d.copy_to_device(s, stream=q.stream)  # H2D or D2D
             elif s_dev:
@@ -711,6 +716,16 @@ class CUDABackend(Backend):
 
         cu.cuGraphExecDestroy(native[1])
         cu.cuGraphDestroy(native[0])
+
+
+def _page_locked(host_array) -> bool:
+    """Is ``host_array``'s memory page-locked (allocated pinned, or registered) for CUDA?  Copies
+    between the device and pageable memory are staged by the driver and block the caller."""
+    from cuda.bindings import driver as cu
+
+    err, _ = cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                      host_array.ctypes.data)
+    return err == cu.CUresult.CUDA_SUCCESS
 
 
 def _check_cu(err, what: str) -> None:
