@@ -16,8 +16,10 @@
 #              matters: it processes the image's own .pth files, and numba-cuda's
 #              redirector is one of them; without it `import numba.cuda` silently loads
 #              numba's old built-in CUDA target.  The venv's site-packages come first on
-#              sys.path, so the carried wheels win over the image's copies.  The repository
-#              goes on PYTHONPATH (installing it would need a build backend from the network).
+#              sys.path, so the carried wheels win over the image's copies.  Without every
+#              wheel in .whl/ the machine's Python is tried as it is (the import check then
+#              says what it lacks).  The repository goes on PYTHONPATH (installing it would
+#              need a build backend from the network).
 #   probe      Is a GPU usable?  If not, and no NVIDIA device is present either, this is a
 #              dry run: say "no GPU" and why, keep the setup checks above (their line in the
 #              summary says ok or FAILED), exit 0.  A device that Python cannot use fails.
@@ -162,7 +164,10 @@ else
   if [ -x "$PY" ] && [ "$(cat "$VENV/.gpu-check-stamp" 2>/dev/null)" = "$stamp" ]; then
     log "venv: already set up with these wheels"
   elif [ -z "$HAVE" ] || [ ${#missing_wheels[@]} -ne 0 ]; then
-    fail "venv: cannot be set up without every carried wheel in .whl/"
+    # No venv can be made without every wheel; the machine's Python may still have what the
+    # import check below asks for.  If it has not, that check says what is missing.
+    log "venv: not every carried wheel is in .whl/ -- trying $IMAGE_PY as it is"
+    PY="$IMAGE_PY"
   else
     want_cp=$(ls "$ROOT"/.whl/numpy-*.whl | head -1 | grep -oE 'cp3[0-9]+' | head -1)
     have_cp=$("$IMAGE_PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])' 2>/dev/null)

@@ -214,6 +214,35 @@ def test_gpu_check_dry_run_without_gpu(tmp_path):
     assert produced <= GPU_RESULT_FILES and len(produced) <= 8, produced
 
 
+@pytest.mark.skipif(ON_GPU, reason="the dry run is for machines without a GPU")
+def test_gpu_check_without_venv_or_wheels_tries_the_machines_python(tmp_path):
+    # A checkout shipped to a GPU machine without .venv/ and without .whl/: the machine's
+    # Python is tried as it is, and the import check decides (here it has everything).
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    for name in ("gpu_check.sh", "gpu_wheels.sh"):
+        shutil.copy(ROOT / "scripts" / name, checkout / "scripts" / name)
+    (checkout / "vtnumba").symlink_to(ROOT / "vtnumba")
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(checkout / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                          env=clean_env(OUT=str(out), PYTHON=sys.executable, GPU_CHECK_VENV=str(tmp_path / "venv")),
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    setup_log = (out / "7-setup.log").read_text()
+    assert f"not every carried wheel is in .whl/ -- trying {sys.executable} as it is" in setup_log, setup_log
+    setup = next(line for line in (out / "0-summary.txt").read_text().splitlines() if line.startswith("setup "))
+    assert " ok " in setup and "numba-cuda" in setup, setup
+    # A Python without numba: the setup line fails and says why (still a dry run here: no GPU).
+    bare = shutil.which("python3", path="/usr/bin:/bin")
+    if bare and subprocess.run([bare, "-c", "import numba"], capture_output=True).returncode != 0:
+        proc = subprocess.run(["bash", str(checkout / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                              env=clean_env(OUT=str(out), PYTHON=bare, GPU_CHECK_VENV=str(tmp_path / "venv")),
+                              timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        setup = next(line for line in (out / "0-summary.txt").read_text().splitlines() if line.startswith("setup "))
+        assert " FAILED " in setup and "import check failed" in setup, setup
+
+
 def _bash_array(script: Path, name: str) -> list[str]:
     """The words of a one-line-or-more bash array assignment ``NAME=(...)``, comments dropped."""
     text = script.read_text()
