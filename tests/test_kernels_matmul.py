@@ -220,17 +220,18 @@ def test_async_rung_is_refused_by_name_on_a_gpu_without_cp_async(dev, rng, monke
         matmul(a, b, out=dev(nan_out((4, 4))), variant="async")
 
 
-@pytest.mark.parametrize("variant, tile", [("naive", 16), ("smem", 16), ("regtile", 128), ("async", 128)])
-def test_launch_config_refuses_more_row_tiles_than_the_grid_holds(variant, tile):
+@pytest.mark.parametrize("rung, tile", [("naive", 16), ("smem", 16), ("regtile", 128), ("async", 128)])
+def test_launch_config_refuses_more_row_tiles_than_the_grid_holds(rung, tile):
+    # ("rung", not "variant": the autouse fixture above would want a device for the async one.)
     # CUDA's gridDim.y stops at 65535: one more row tile would fail to launch on a GPU (the
     # simulator takes any grid), so the launch configuration says so, naming the rows.
     from vtnumba.kernels.matmul_cuda import MAX_GRID_Y, launch_config
 
-    grid, _ = launch_config(variant, MAX_GRID_Y * tile, 8)
+    grid, _ = launch_config(rung, MAX_GRID_Y * tile, 8)
     assert grid[1] == MAX_GRID_Y
-    with pytest.raises(ValueError, match=rf"rows={MAX_GRID_Y * tile + 1} is too many for variant='{variant}'.*"
+    with pytest.raises(ValueError, match=rf"rows={MAX_GRID_Y * tile + 1} is too many for variant='{rung}'.*"
                                          rf"at most {MAX_GRID_Y * tile} rows"):
-        launch_config(variant, MAX_GRID_Y * tile + 1, 8)
+        launch_config(rung, MAX_GRID_Y * tile + 1, 8)
 
 
 @pytest.mark.simulator_only
