@@ -105,6 +105,15 @@ limit() {
 }
 # pytest's closing line ("3 failed, 10 passed, 2 skipped in 5.1s") of a log, or nothing
 pytest_line() { grep -E '^[^a-z]*[0-9]+ (passed|failed|errors?|skipped)|no tests ran' "$1" 2>/dev/null | tail -1; }
+# pytest -q's progress so far ("....sF.. [ 40%]" lines), for a run cut off before its closing
+# line: "so far: 41 passed, 1 failed, 2 skipped (40%)", or nothing
+pytest_progress() {
+  local marks pct
+  marks=$(grep -E '^[.sFExX]+ *\[ *[0-9]+%\]$' "$1" 2>/dev/null | sed -E 's/ *\[.*//' | tr -d '\n')
+  [ -n "$marks" ] || return 0
+  pct=$(grep -oE '\[ *[0-9]+%\]$' "$1" | tail -1 | tr -d '[] ')
+  echo "so far: $(tr -cd . <<<"$marks" | wc -c) passed, $(tr -cd FE <<<"$marks" | wc -c) failed, $(tr -cd s <<<"$marks" | wc -c) skipped ($pct)"
+}
 # count KIND LINE: the number before KIND in a pytest closing line (0 if absent)
 count() { local n; n=$(grep -oE "[0-9]+ $1" <<<"$2" | head -1 | grep -oE '^[0-9]+'); echo "${n:-0}"; }
 write_summary() {
@@ -456,6 +465,8 @@ else
   } > "$RESULTS/3-mpi-tests.log"
   line0=$(pytest_line "$WORK/mpi-rank0.log")
   line1=$(pytest_line "$WORK/mpi-rank1.log")
+  [ -n "$line0" ] || line0=$(pytest_progress "$WORK/mpi-rank0.log")  # cut off by the time limit
+  [ -n "$line1" ] || line1=$(pytest_progress "$WORK/mpi-rank1.log")
   [ $rc -eq 0 ] && st=ok || st=FAILED
   note "MPI tests (2 ranks)" "$st" $((SECONDS - t0)) \
     "exit $rc; rank 0: ${line0:-no summary}; rank 1: ${line1:-no summary}"

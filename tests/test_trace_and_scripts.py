@@ -422,3 +422,19 @@ def test_a_trace_path_that_cannot_be_written_is_said_at_start():
     assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stdout + proc.stderr
     assert "VTNUMBA_TRACE='/proc/nonexistent/t.json' cannot be written" in proc.stderr
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+
+
+def test_gpu_check_reports_the_progress_of_a_test_run_cut_off_by_its_time_limit(tmp_path):
+    # A stage killed by `timeout` leaves pytest's progress lines but no closing line; the
+    # summary still says how far it got.
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    start = script.index("\npytest_progress() {") + 1
+    function = script[start:script.index("\n}\n", start) + 3]
+    log = tmp_path / "rank0.log"
+    log.write_text("...........s.......F..                                  [ 40%]\n"
+                   "..s.E                                                   [ 55%]\n"
+                   "Timeout (0:02:00)!\n")
+    run = lambda path: subprocess.run(["bash", "-c", function + f'pytest_progress "{path}"'], capture_output=True,
+                                      text=True, check=True).stdout.strip()
+    assert run(log) == "so far: 23 passed, 2 failed, 2 skipped (55%)"
+    assert run(tmp_path / "missing.log") == ""
