@@ -340,10 +340,11 @@ run_bench() {  # run_bench NAME WANT_S RANKS SUITE ARGS...: a `vtnumba bench` su
   fi
 }
 # The quick suites, but at the sizes issue 17 states its aims at (a GPU does them in seconds):
-# TPSP at T = 4096, K = H = 4096; the matmul ladder at 4096^3 (and 2048^3, the other anchor);
+# TPSP at T = 4096, K = H = 4096; the matmul ladder at 4096^3 (first: what happens at one size
+# cannot cost the aim's) and 2048^3, the other anchor;
 # peer collectives at 64 MiB; encoder-cache entries of 1 and 16 MiB are quick's own sizes.
 TPSP_AIM_ARGS=(--tokens 1024 4096 --hidden 4096 --k-total 4096)
-KERNELS_AIM_ARGS=(--device-matmul-sizes 2048 4096)
+KERNELS_AIM_ARGS=(--device-matmul-sizes 4096 2048)
 PEER_AIM_ARGS=(--sizes 16 64)
 t0=$SECONDS
 run_bench "bench kernels" 100 1 kernels "${KERNELS_AIM_ARGS[@]}"
@@ -358,8 +359,12 @@ import glob, json, operator, os, re, sys
 work, dest, aims_path = sys.argv[1:4]
 doc = {"machine": None, "suites": []}
 for path in sorted(glob.glob(os.path.join(work, "bench-*.json"))):
-    with open(path) as f:
-        part = json.load(f)
+    try:
+        with open(path) as f:
+            part = json.load(f)
+    except ValueError as exc:  # a suite cut off while writing: the others still count
+        print(f"  {os.path.basename(path)}: unreadable ({exc}); its aims are not measured", file=sys.stderr)
+        continue
     doc["machine"] = doc["machine"] or part.get("machine")
     doc["suites"].extend(part.get("suites", []))
 if doc["suites"]:

@@ -95,6 +95,36 @@ def test_a_wrong_matmul_rung_cannot_be_the_best(device_backend, monkeypatch):
     assert len(wrong) == 1 and wrong[0].startswith("matmul n=8 smem: WRONG RESULT"), notes
 
 
+@pytest.mark.parametrize("usable", [True, False], ids=["device-still-usable", "device-lost"])
+def test_a_failing_rung_stops_the_ladder_only_when_the_device_is_lost(device_backend, monkeypatch, usable):
+    # A rung that raises (refused at launch, say) must not cost the other rungs or the other
+    # sizes -- the 4096^3 aim among them -- unless it left the GPU unusable.
+    import vtnumba.kernels as kernels
+
+    real = kernels.matmul
+
+    def matmul(a, b, out=None, queue=None, variant=None):
+        if variant == "wide":
+            raise RuntimeError("launch refused (stood in for)")
+        return real(a, b, out=out, queue=queue, variant=variant)
+
+    monkeypatch.setattr(kernels, "matmul", matmul)
+    monkeypatch.setattr(bench, "_device_still_usable", lambda: usable)
+    results, ratios, baselines, notes = [], {}, {}, []
+    cfg = bench._settings(argparse.Namespace(quick=True, sizes=None, norm_shape=None, device_matmul_sizes=[8, 16]))
+    bench.bench_device(cfg, device_backend, results, ratios, baselines, notes, simulator=True)
+    rows = {(r["impl"], r["size"]) for r in results if r["case"] == "matmul_fp32"}
+    failed = [n for n in notes if "FAILED" in n]
+    assert failed and failed[0].startswith("matmul n=8 wide: FAILED (RuntimeError: launch refused"), notes
+    if usable:  # every other rung at both sizes
+        assert len(failed) == 2 and not any("ladder stops" in n for n in failed), failed
+        assert ("vtnumba-warptile", 8) in rows and ("vtnumba-regtile", 16) in rows and ("vtnumba-dbuf", 16) in rows
+    else:  # the rungs before it, and nothing after
+        assert len(failed) == 1 and "the ladder stops" in failed[0], failed
+        assert ("vtnumba-regtile", 8) in rows and ("vtnumba-warptile", 8) not in rows
+        assert not any(size == 16 for _, size in rows)
+
+
 def test_resource_notes_print_one_line_per_kernel():
     # What --ptxas prints (the runner prints notes): one line per kernel at sm_90, float32 first.
     resources = [

@@ -326,13 +326,15 @@ def test_gpu_check_judges_every_aim_and_fails_on_a_missing_one(tmp_path):
         "tpsp": {"fused / matmul T=4096": 1.2, "fused / matmul T=1024": 1.0},
     }
 
-    def merge(suites):
+    def merge(suites, cut_off=None):
         work = tmp_path / "work"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
         for name, r in suites.items():
             (work / f"bench-{name}.json").write_text(json.dumps(
                 {"machine": {}, "suites": [{"suite": name, "ratios": r, "baselines": {}}]}))
+        if cut_off:  # a suite killed while it wrote its file
+            (work / f"bench-{cut_off}.json").write_text('{"machine": {}, "suites": [{"suite": "')
         proc = subprocess.run([sys.executable, str(program), str(work), str(tmp_path / "bench.json"),
                                str(tmp_path / "aims.txt")], capture_output=True, text=True, timeout=60)
         return proc.returncode, (tmp_path / "aims.txt").read_text().splitlines()
@@ -351,6 +353,10 @@ def test_gpu_check_judges_every_aim_and_fails_on_a_missing_one(tmp_path):
     rc, aims = merge(ratios)
     assert rc == 0 and aims[0] == "aims of issue 17: 9/9 measured, 7 met", aims
     assert aims[-1].split() == "reduce-scatter memory traffic / copy traffic, 64 MiB 0.450".split(), aims
+    # One unreadable file costs its own aims, not the whole block.
+    del ratios["ec"]
+    rc, aims = merge(ratios, cut_off="ec")
+    assert rc == 3 and aims[0] == "aims of issue 17: 5/9 measured, 3 met", aims
 
 
 def test_gpu_check_measures_the_aims_before_the_tests():

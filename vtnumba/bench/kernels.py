@@ -221,8 +221,10 @@ def _baseline_gemm(n: int, stream_handle):
             with stream:
                 cp.matmul(a, b, out=c)
 
+        call_cupy()  # once now: a library that fails on its first real call falls through to torch
+        stream.synchronize()
         return "cupy(cuBLAS)", call_cupy
-    except Exception:  # noqa: BLE001 - not installed or no device: try torch
+    except Exception:  # noqa: BLE001 - not installed, no device, or cuBLAS failed: try torch
         pass
     try:
         import torch
@@ -238,9 +240,25 @@ def _baseline_gemm(n: int, stream_handle):
             with torch.cuda.stream(stream):
                 torch.matmul(a, b, out=c)
 
+        call_torch()
+        stream.synchronize()
         return "torch(cuBLAS)", call_torch
     except Exception:  # noqa: BLE001
         return None
+
+
+def _device_still_usable() -> bool:
+    """After a failed launch: can this process still use the GPU?  A kernel's illegal memory
+    access leaves the context unusable -- every later call fails -- while a launch refused up
+    front (or an error raised in Python) leaves it as it was."""
+    from numba import cuda
+
+    try:
+        cuda.to_device(np.ones(1, np.float32)).copy_to_host()
+        cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _device_norm_shape(cfg) -> tuple[int, int]:
@@ -344,9 +362,13 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
             base_gflops = None
             if base is not None:
                 name, call = base
-                st = timed(call)
-                base_gflops = flops / st.median_s / 1e9
-                results.append(schema.row("matmul_fp32", name, n, "M=N=K", "GFLOP/s", base_gflops, st))
+                try:
+                    st = timed(call)
+                except Exception as exc:  # noqa: BLE001 - the ladder's own rows still count
+                    notes.append(f"matmul n={n} {name}: FAILED ({type(exc).__name__}: {exc}); no cuBLAS ratio")
+                else:
+                    base_gflops = flops / st.median_s / 1e9
+                    results.append(schema.row("matmul_fp32", name, n, "M=N=K", "GFLOP/s", base_gflops, st))
             best = None
             for variant in VARIANTS:  # ladder order: one row per rung
                 if variant == "naive" and n > 2048:
@@ -357,7 +379,12 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
                     st = timed(lambda: matmul(a, b, out=c, queue=q, variant=variant))
                     got = np.stack([c[int(i)].copy_to_host() for i in check_rows]).astype(np.float64)
                 except Exception as exc:  # noqa: BLE001 - reported; the figures measured so far still count
-                    notes.append(f"matmul n={n} {variant}: FAILED ({type(exc).__name__}: {exc}); the ladder stops")
+                    if _device_still_usable():
+                        # Refused, or wrong in Python: the GPU is fine, the other rungs and sizes go on.
+                        notes.append(f"matmul n={n} {variant}: FAILED ({type(exc).__name__}: {exc})")
+                        continue
+                    notes.append(f"matmul n={n} {variant}: FAILED ({type(exc).__name__}: {exc}); the device is "
+                                 "unusable after it, the ladder stops")
                     dead = exc
                     break
                 gflops = flops / st.median_s / 1e9
