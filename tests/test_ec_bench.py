@@ -102,3 +102,16 @@ def test_fragmented_case_counts_one_descriptor_per_run():
 def test_bad_sizes():
     with pytest.raises(ValueError, match="--sizes: 1000 is not a positive multiple of the 2048-byte block"):
         ec.run(argparse.Namespace(quick=True, sizes=[1000]))
+
+
+def test_gpu_runs_say_whether_the_region_was_pinned():
+    # On a GPU the EC aim is against a *pinned* copy: a mapping cuMemHostRegister refused makes
+    # both the copies and their baseline pageable, and the run must say so.
+    ok = "registered 8388608 bytes with cuMemHostRegister"
+    refused = "cuMemHostRegister failed (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED); transfers use pageable memory"
+    assert ec.pin_notes({"producer": {ok}, "consumer": {ok}}) == [
+        "region memory, producer mapping: pinned (cuMemHostRegister)",
+        "region memory, consumer mapping: pinned (cuMemHostRegister)"]
+    producer, consumer = ec.pin_notes({"producer": {ok}, "consumer": {ok, refused}})
+    assert producer.endswith(": pinned (cuMemHostRegister)")
+    assert consumer.startswith(f"region memory, consumer mapping: NOT PINNED ({refused})"), consumer

@@ -271,6 +271,9 @@ def _bench_size(backend, nbytes: int, repeat: int, fragmented: bool, tag: str, p
         out.update({k: stats_from_times(v) for k, v in times.items()})
         out["descriptors"] = case.descriptors_per_save()
         out["runs"] = len(coalesce_runs(case.slot_ids[0][:case.entry_rows])[0])  # an entry's block runs
+        # Whether each side's mapping of the region is page-locked: on a GPU the copies (and the
+        # driver baseline beside them) are only what they claim to be if both are.
+        out["pinned"] = {"producer": case.producer.region.pin_status, "consumer": case.consumer.region.pin_status}
     finally:
         case.close()
     if pipelined_backend is not None:
@@ -293,6 +296,19 @@ def _bench_size(backend, nbytes: int, repeat: int, fragmented: bool, tag: str, p
         finally:
             case.close()
     return out
+
+
+def pin_notes(pin_statuses: dict) -> list[str]:
+    """One note per side (``{"producer": {pin_status, ...}, "consumer": ...}``, the region's
+    :attr:`~vtnumba.ec.ECSharedRegion.pin_status` over the run's cases): pinned, or NOT PINNED
+    and why -- a GPU figure measured on pageable memory is not the one the aim is about."""
+    notes = []
+    for side, statuses in pin_statuses.items():
+        unpinned = sorted(st for st in statuses if not st.startswith("registered"))
+        notes.append(f"region memory, {side} mapping: " + (
+            f"NOT PINNED ({'; '.join(unpinned)}): its copies and their baseline are pageable, not the pinned ceiling"
+            if unpinned else "pinned (cuMemHostRegister)"))
+    return notes
 
 
 def _batched_rows(backend, n: int, per_step: int, repeat: int, results: list, ratios: dict) -> None:
@@ -375,6 +391,7 @@ def run(args) -> dict:
     threaded = CPUBackend(threaded=True) if target == "cpu" else None
     big_memcpy = memcpy_bandwidth_gbs(16 * MiB if quick else 64 * MiB)
     results, ratios, notes = [], {}, []
+    pin_statuses: dict[str, set] = {"producer": set(), "consumer": set()}
     try:
         for n in sizes:
             # (Entries up to a few MiB take well under a millisecond a step: even --quick can
@@ -382,6 +399,8 @@ def run(args) -> dict:
             repeat = (15 if n <= 4 * MiB else 5) if quick else (10 if n >= 16 * MiB else 30)
             pipe = threaded if (threaded is not None and n <= 16 * MiB) else None
             r = _bench_size(backend, n, repeat, False, f"c{n}", pipe)
+            for side, status in r["pinned"].items():
+                pin_statuses[side].add(status)
             if r["descriptors"] != r["runs"]:
                 raise RuntimeError(f"bench ec: {r['descriptors']} descriptors per entry but {r['runs']} block runs "
                                    f"({_label(n)})")
@@ -448,6 +467,7 @@ def run(args) -> dict:
                      "is large next to the copy -- a virtual machine, few cores -- pipelined steps are slower than "
                      "waited-for ones")
     if target == "cuda":
+        notes.extend(pin_notes(pin_statuses))
         notes.append("on a GPU the saves are D2H and the loads H2D copies into and out of the pinned region; "
                      "'memcpy same buffers' is then the driver's copy between the same device buffer and region "
                      "slot (one cuMemcpyAsync + cuStreamSynchronize, straight to the driver): the ceiling a "
