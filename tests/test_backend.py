@@ -264,6 +264,32 @@ def test_device_frees_wait_until_a_capture_ends(backend):
     backend.free(dst)
 
 
+def test_queue_priority(backend):
+    normal, high = backend.create_queue("normal"), backend.create_queue("comm", priority="high")
+    assert (normal.priority, high.priority) == ("normal", "high")
+    for bad in ("urgent", 1, None):
+        with pytest.raises(ValueError, match=r"priority=.*expected one of 'normal', 'high'"):
+            backend.create_queue(priority=bad)
+    if hasattr(backend, "streams_created") and not backend.capabilities.simulator:
+        # A real GPU: the stream itself has the device's greatest priority (the lowest number).
+        from cuda.bindings import driver as cu
+
+        err, least, greatest = cu.cuCtxGetStreamPriorityRange()
+        (e1, p_normal), (e2, p_high) = cu.cuStreamGetPriority(normal.handle), cu.cuStreamGetPriority(high.handle)
+        assert err == e1 == e2 == cu.CUresult.CUDA_SUCCESS
+        assert p_high == greatest and (p_normal == 0 or greatest == least), (p_normal, p_high, least, greatest)
+        # A recycled stream keeps its priority, so it only serves queues of that priority.
+        backend.destroy_queue(high)
+        again, plain = backend.create_queue(priority="high"), backend.create_queue()
+        assert cu.cuStreamGetPriority(again.handle)[1] == greatest
+        assert cu.cuStreamGetPriority(plain.handle)[1] == p_normal
+        backend.destroy_queue(again)
+        backend.destroy_queue(plain)
+    else:
+        backend.destroy_queue(high)
+    backend.destroy_queue(normal)
+
+
 def test_queues_come_and_go_on_recycled_streams(backend):
     # A GPU ties each new stream to one of a few hardware queues in turn, so a process that
     # kept creating streams would end up with two sharing one -- and a stream held by a flag

@@ -264,7 +264,10 @@ lesson.check(declined is None, "every rank fell back together")
 # ``compute(i+2)`` for each chunk -- and a red bar is a step waiting for a peer's flag (the
 # other rank is a little behind).  The bars labelled ``c0``, ``c1``, ... are the chunks'
 # matmuls, where wide enough to carry a label.  On a GPU the compute and exchange queues
-# are two streams, and the bars of one chunk's exchange lie under the next chunk's matmul.
+# are two streams, and the bars of one chunk's exchange lie under the next chunk's matmul --
+# which is why the exchange stream has the higher priority: its kernels are queued after that
+# matmul, and at equal priority the GPU would give them SMs only once the matmul's blocks had
+# all been handed out.
 tl_handle = backend.open(tp_size=tp, hidden_size=H, max_batched_tokens=T, name="timeline")
 tl_config = TPSPConfig(-(-R // 4))
 backend.tpsp_matmul_rs_norm_ag(tl_handle, xd, wd, bd, resd, nwd, norm.eps, config=tl_config)  # warm-up

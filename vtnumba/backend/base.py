@@ -53,6 +53,7 @@ from vtnumba.backend.arrays import (address_of, check_int, check_nbytes, check_s
 from vtnumba.backend.device import Device, DeviceType
 
 _ids = itertools.count(1)
+QUEUE_PRIORITIES = ("normal", "high")  # see Backend.create_queue
 
 
 # Who wants to hear about every use of memory on a queue (the hazard checker of vtnumba.memory,
@@ -210,6 +211,7 @@ class Queue:
         self.id = next(_ids)
         self.name = name or f"queue{self.id}"
         self.destroyed = False
+        self.priority = "normal"  #: "normal" or "high" (see Backend.create_queue)
 
     def __repr__(self) -> str:
         return f"<Queue {self.name} on {self.backend.device}{' (destroyed)' if self.destroyed else ''}>"
@@ -462,13 +464,23 @@ class Backend(abc.ABC):
         return int(nbytes)
 
     # ------------------------------------------------------------------ queues
-    def create_queue(self, name: str | None = None) -> Queue:
+    def create_queue(self, name: str | None = None, *, priority: str = "normal") -> Queue:
         """A new queue: a non-blocking CUDA stream on a GPU, a host queue on cpu (a worker thread in
-        threaded mode).  ``name`` labels it in traces and messages (default ``queue<id>``)."""
+        threaded mode).  ``name`` labels it in traces and messages (default ``queue<id>``).
+
+        ``priority="high"``: on a GPU, a stream of the device's greatest priority -- when both
+        have work waiting, the block scheduler hands free SMs to its kernels first.  That is
+        what lets a few small communication kernels run *beside* a large matmul instead of in
+        its tail (TPSP's exchange queue).  Host queues have no such scheduler: there it is
+        only recorded (:attr:`Queue.priority`).
+        """
         self._check_open()
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name={name!r} must be a str (a label for traces and messages) or None")
-        q = self._create_queue(name)
+        if priority not in QUEUE_PRIORITIES:
+            raise ValueError(f"priority={priority!r}; expected one of {', '.join(map(repr, QUEUE_PRIORITIES))}")
+        q = self._create_queue(name, priority)
+        q.priority = priority
         with self._lock:
             self._queues.add(q.id)
         return q
@@ -894,7 +906,7 @@ class Backend(abc.ABC):
     def _copy(self, q: Queue, dst, src, nbytes: int, dst_offset: int, src_offset: int) -> None: ...
 
     @abc.abstractmethod
-    def _create_queue(self, name: str | None) -> Queue: ...
+    def _create_queue(self, name: str | None, priority: str) -> Queue: ...
 
     @abc.abstractmethod
     def _destroy_queue(self, q: Queue) -> None: ...

@@ -203,8 +203,8 @@ class CPUBackend(Backend):
         q.put("copy", lambda: np.copyto(d, s), {"bytes": nbytes})
 
     # ---------------------------------------------------------------- queues
-    def _create_queue(self, name) -> Queue:
-        q = _CPUQueue(self, name, self.threaded)
+    def _create_queue(self, name, priority) -> Queue:
+        q = _CPUQueue(self, name, self.threaded)  # (priority: recorded only -- see create_queue)
         self._all_queues[q.id] = q
         return q
 

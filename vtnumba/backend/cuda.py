@@ -59,7 +59,7 @@ from vtnumba.backend.arrays import (
     wrap_host_memory,
 )
 from vtnumba.backend.atomics import store_release
-from vtnumba.backend.base import Backend, Buffer, Capabilities, Event, EventMark, Queue
+from vtnumba.backend.base import QUEUE_PRIORITIES, Backend, Buffer, Capabilities, Event, EventMark, Queue
 from vtnumba.backend.cpu import aligned_empty, wait_flag_word
 from vtnumba.backend.device import Device, DeviceType
 from vtnumba.target import current_target
@@ -181,7 +181,8 @@ class CUDABackend(Backend):
         self._queues_by_id: dict[int, _CUDAQueue] = {}
         self._memops_ok = True  # stream memory operations; False once the driver refused one
         self._flag_readback = None  # a pinned word that _read_flag_word copies a flag word into
-        self._idle_streams: list = []  # streams of destroyed queues, idle, for the next queues
+        #: Streams of destroyed queues, idle, for the next queues of the same priority.
+        self._idle_streams: dict[str, list] = {p: [] for p in QUEUE_PRIORITIES}
         #: Streams this backend has created (a real GPU's; recycled ones count once).
         self.streams_created = 0
 
@@ -299,34 +300,48 @@ class CUDABackend(Backend):
     # that shares it would never run.  Queues come and go freely (a timing gate, a batched copy
     # without a queue), so a destroyed queue's stream, idle, is kept for the next queue: a
     # process then has no more streams than it ever had queues at once.
-    def _create_queue(self, name) -> Queue:
+    def _create_queue(self, name, priority) -> Queue:
         if self.simulator:
-            q = _CUDAQueue(self, name, _cuda().stream())
+            q = _CUDAQueue(self, name, _cuda().stream())  # (one launch at a time: priorities mean nothing)
         else:
             with self._lock:
-                handle = self._idle_streams.pop() if self._idle_streams else None
+                idle = self._idle_streams[priority]
+                handle = idle.pop() if idle else None
             if handle is None:
-                # A non-blocking stream (see the module docstring), wrapped for numba's launches.
-                from cuda.bindings import driver as cu
-
-                _cuda().current_context()  # stream creation needs a current context
-                err, handle = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
-                _check_cu(err, "cuStreamCreate(CU_STREAM_NON_BLOCKING)")
-                self.streams_created += 1
+                handle = self._new_stream(priority)
             q = _CUDAQueue(self, name, _cuda().external_stream(int(handle)), handle)
         self._queues_by_id[q.id] = q
         return q
+
+    def _new_stream(self, priority: str):
+        """A non-blocking stream (see the module docstring) of the given priority, to be wrapped
+        for numba's launches."""
+        from cuda.bindings import driver as cu
+
+        _cuda().current_context()  # stream creation needs a current context
+        flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+        if priority == "high":
+            # Lower numbers are higher priorities; the range is the device's (e.g. 0 .. -5).
+            err, _least, greatest = cu.cuCtxGetStreamPriorityRange()
+            _check_cu(err, "cuCtxGetStreamPriorityRange")
+            err, handle = cu.cuStreamCreateWithPriority(flags, greatest)
+            _check_cu(err, f"cuStreamCreateWithPriority(CU_STREAM_NON_BLOCKING, {greatest})")
+        else:
+            err, handle = cu.cuStreamCreate(flags)
+            _check_cu(err, "cuStreamCreate(CU_STREAM_NON_BLOCKING)")
+        self.streams_created += 1
+        return handle
 
     def _destroy_queue(self, q) -> None:
         self._queues_by_id.pop(q.id, None)
         handle, q.handle, q.stream = q.handle, None, None
         if handle is not None and int(handle) != 0:  # 0: the legacy default stream, not ours to destroy
-            # Kept for the next queue only if its work really is done (destroy_queue synchronized
-            # first, but a flag wait released at its deadline may still be draining) and the
-            # backend is open.
+            # Kept for the next queue of its priority only if its work really is done
+            # (destroy_queue synchronized first, but a flag wait released at its deadline may
+            # still be draining) and the backend is open.
             if not self.closed and self._stream_handle_idle(handle):
                 with self._lock:
-                    self._idle_streams.append(handle)
+                    self._idle_streams[q.priority].append(handle)
                 return
             self._destroy_stream(handle)
 
@@ -348,8 +363,8 @@ class CUDABackend(Backend):
         """:meth:`Backend.close`, then destroy the idle streams kept for reuse."""
         super().close()
         with self._lock:
-            idle, self._idle_streams = self._idle_streams, []
-        for handle in idle:
+            idle, self._idle_streams = self._idle_streams, {p: [] for p in QUEUE_PRIORITIES}
+        for handle in (h for handles in idle.values() for h in handles):
             self._destroy_stream(handle)
 
     def _synchronize(self, q) -> None:

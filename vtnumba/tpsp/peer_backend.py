@@ -188,9 +188,12 @@ class PeerTPSPBackend(TPSPBackend):
                              "using the regular forward", name, group.name)
             return None
         be = self.data_backend
+        # The exchange queue is of high priority: its kernels are queued after the next chunk's
+        # matmul, and at equal priority a GPU would give them SMs only in the matmul's tail --
+        # the exchange would follow the matmul instead of running beside it.
         handle = TPSPHandle(self, name, group, hidden_size, max_batched_tokens, rows, ws,
-                            be.create_queue(f"tpsp:{name}:compute"), be.create_queue(f"tpsp:{name}:exchange"),
-                            TPSPConfig(rows))
+                            be.create_queue(f"tpsp:{name}:compute"),
+                            be.create_queue(f"tpsp:{name}:exchange", priority="high"), TPSPConfig(rows))
         handle.config = self.default_config(handle)
         handle.scratch = self._make_scratch(2 * tp_size * rows * hidden_size)
         with self._lock:
