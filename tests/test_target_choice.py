@@ -52,3 +52,19 @@ def test_asking_for_the_simulator_after_numba_cuda_was_imported_says_what_happen
                    "try:\n    select_target('cudasim')\nexcept RuntimeError as e:\n    print(e)")
     assert "already imported as the real CUDA target" in proc.stdout, proc.stdout + proc.stderr
     assert "before anything imports numba.cuda" in proc.stdout
+
+
+def test_choosing_the_cuda_target_asks_for_every_hardware_queue_unless_the_user_said():
+    # The driver reads CUDA_DEVICE_MAX_CONNECTIONS when the process's context is made, so it
+    # must be set when the target is chosen -- before any context -- not only when a backend
+    # is made; only for the cuda target, and a value the user set wins.
+    code = ("import os, vtnumba; vtnumba.select_target({!r}); "
+            "print(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'))")
+    env = {k: v for k, v in ENV.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    run = lambda target, **extra: subprocess.run([sys.executable, "-c", code.format(target)], capture_output=True,
+                                                 text=True, timeout=120, env={**env, **extra},
+                                                 stdin=subprocess.DEVNULL)
+    for target, extra, want in (("cuda", {}, "32"), ("cuda", {"CUDA_DEVICE_MAX_CONNECTIONS": "4"}, "4"),
+                                ("cpu", {}, "None")):
+        proc = run(target, **extra)
+        assert proc.returncode == 0 and proc.stdout.strip() == want, (target, extra, proc.stdout, proc.stderr)

@@ -113,6 +113,21 @@ def gpu_usable() -> tuple[bool, str]:
         return False, f"probing the GPU failed: {exc}"
 
 
+#: Hardware work queues a process asks of its GPU (``CUDA_DEVICE_MAX_CONNECTIONS``; the driver's
+#: default is 8).  Streams share them, and a stream held by a flag wait holds up every stream
+#: behind it on its hardware queue -- including one that would release it.  TPSP and the peer
+#: flags use many streams, so vtnumba asks for the most.  The driver reads the variable when
+#: the process's CUDA context is made: it is set when the cuda target is chosen (before any
+#: context, in a program that chooses first) and again by CUDABackend; a value already in the
+#: environment -- the user's -- wins.
+CUDA_CONNECTIONS = "32"
+
+
+def ask_for_cuda_connections() -> None:
+    """Ask for :data:`CUDA_CONNECTIONS` hardware work queues, unless the environment names a number."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_CONNECTIONS)
+
+
 def select_target(name: str | None = None, *, source: str = "target") -> TargetChoice:
     """Choose the process-wide target (``name`` overrides ``VTNUMBA_TARGET``).
 
@@ -150,6 +165,8 @@ def select_target(name: str | None = None, *, source: str = "target") -> TargetC
                 "or start Python with NUMBA_ENABLE_CUDASIM=1")
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
         _reload_numba_config()
+    if resolved.name == "cuda":
+        ask_for_cuda_connections()
     os.environ["VTNUMBA_TARGET"] = resolved.name  # child processes (mpiexec -n) inherit the choice
     _choice = resolved
     return resolved

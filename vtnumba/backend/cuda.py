@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
-import os
 import threading
 import time
 
@@ -62,7 +61,7 @@ from vtnumba.backend.atomics import store_release
 from vtnumba.backend.base import QUEUE_PRIORITIES, Backend, Buffer, Capabilities, Event, EventMark, Queue
 from vtnumba.backend.cpu import aligned_empty, wait_flag_word
 from vtnumba.backend.device import Device, DeviceType
-from vtnumba.target import current_target
+from vtnumba.target import ask_for_cuda_connections, current_target
 
 # One kernel at a time per process in the simulator (see module docstring).
 SIM_LAUNCH_LOCK = threading.RLock()
@@ -168,12 +167,9 @@ class CUDABackend(Backend):
             from vtnumba.backend.cuda_stack import check_cuda_stack
 
             check_cuda_stack()  # refuse numba's deprecated numba.cuda before it fails obscurely later
-            # Streams share a few hardware work queues (8 by default): a queue stuck on a flag
-            # then holds up every stream behind it on its hardware queue -- including the one
-            # that would release it.  TPSP and the peer flags use many streams; ask for the
-            # most (read when the process's context is created, so only if none exists yet;
-            # a value the user set wins).
-            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+            # As many hardware work queues as the GPU has (vtnumba.target.CUDA_CONNECTIONS says
+            # why); read when the process's context is made, so only if none exists yet.
+            ask_for_cuda_connections()
             cuda = _cuda()
             if not cuda.is_available():
                 raise RuntimeError("CUDABackend: no usable CUDA GPU (use VTNUMBA_TARGET=cpu or cudasim)")
