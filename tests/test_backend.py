@@ -485,9 +485,11 @@ def test_registry_by_type_and_device():
             register_backend(DeviceType.CPU, closed)
         buf = DeviceResourceOps.alloc(CPU, 128)
         q = vtnumba.create_queue(CPU)
-        assert buf.backend is cpu and q.backend is cpu
+        comm = vtnumba.create_queue(CPU, "comm", priority="high")
+        assert buf.backend is cpu and q.backend is cpu and (comm.name, comm.priority) == ("comm", "high")
         vtnumba.free(CPU, buf)
         vtnumba.destroy_queue(CPU, q)
+        vtnumba.destroy_queue(CPU, comm)
         with pytest.raises(TypeError, match="must be a Device or a DeviceType"):
             get_backend(42)
     finally:

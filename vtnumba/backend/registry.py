@@ -95,9 +95,9 @@ class DeviceResourceOps:
         get_backend(device).free(buf)
 
     @staticmethod
-    def create_queue(device, name: str | None = None) -> Queue:
-        """A new queue on ``device``."""
-        return get_backend(device).create_queue(name)
+    def create_queue(device, name: str | None = None, *, priority: str = "normal") -> Queue:
+        """A new queue on ``device`` (``priority``: see :meth:`Backend.create_queue`)."""
+        return get_backend(device).create_queue(name, priority=priority)
 
     @staticmethod
     def destroy_queue(device, q: Queue) -> None:
