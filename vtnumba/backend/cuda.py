@@ -335,18 +335,15 @@ class CUDABackend(Backend):
             # Kept for the next queue of its priority only if its work really is done
             # (destroy_queue synchronized first, but a flag wait released at its deadline may
             # still be draining) and the backend is open.
-            if not self.closed and self._stream_handle_idle(handle):
+            try:
+                idle = _stream_done(handle, f"queue {q.name}")
+            except RuntimeError:
+                idle = False  # (an error of its own: the stream is not one to hand on)
+            if not self.closed and idle:
                 with self._lock:
                     self._idle_streams[q.priority].append(handle)
                 return
             self._destroy_stream(handle)
-
-    @staticmethod
-    def _stream_handle_idle(handle) -> bool:
-        from cuda.bindings import driver as cu
-
-        (err,) = cu.cuStreamQuery(handle)
-        return err == cu.CUresult.CUDA_SUCCESS
 
     @staticmethod
     def _destroy_stream(handle) -> None:
@@ -407,13 +404,7 @@ class CUDABackend(Backend):
     # runs on whatever the flag guarded: the error says the results are not to be used.
     # vtnumba.dist.queue_flags releases its peers' waits the same way when a call fails.)
     def _stream_idle(self, q) -> bool:
-        from cuda.bindings import driver as cu
-
-        (err,) = cu.cuStreamQuery(q.handle)
-        if err == cu.CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        _check_cu(err, f"cuStreamQuery(queue {q.name})")
-        return True
+        return _stream_done(q.handle, f"queue {q.name}")
 
     def defer_frees(self):
         """numba's ``defer_cleanup`` on a real GPU (see :meth:`Backend.defer_frees`)."""
@@ -425,22 +416,23 @@ class CUDABackend(Backend):
         from cuda.bindings import driver as cu
 
         with self.defer_frees():  # (the stream may be stuck: no free may wait for it)
-            q = self._flag_side_queue()
-            self._prepare_flag_rescue()
+            q = self._prepare_flag_rescue()
             word = self._flag_readback
             (err,) = cu.cuMemcpyDtoHAsync(word.ctypes.data, address_of(flags) + 4 * index, 4, q.handle)
             _check_cu(err, "cuMemcpyDtoHAsync(flag word)")
             self._finish_side_queue(q, 10.0, f"reading flag word {index}")
         return int(word[0])
 
-    def _prepare_flag_rescue(self) -> None:
-        """Make what a stuck stream's rescue needs -- the side queue and the pinned word flag
-        words are read into -- before the first wait is queued: page-locking host memory
-        (cuMemHostAlloc) may wait for the whole device, which a stuck stream never lets finish."""
-        self._flag_side_queue()
+    def _prepare_flag_rescue(self) -> Queue:
+        """Make what a stuck stream's rescue needs -- the side queue (returned) and the pinned
+        word flag words are read into -- before the first wait is queued: page-locking host
+        memory (cuMemHostAlloc) may wait for the whole device, which a stuck stream never lets
+        finish."""
+        q = self._flag_side_queue()
         with self._lock:
             if self._flag_readback is None:
                 self._flag_readback = _cuda().pinned_array(1, np.uint32)
+        return q
 
     def _wait_out_flag_waits(self, done, waits: list, who: str) -> None:
         """Poll ``done()`` until it is True; release (and report) every wait of ``waits`` whose
@@ -727,6 +719,18 @@ class CUDABackend(Backend):
 
         cu.cuGraphExecDestroy(native[1])
         cu.cuGraphDestroy(native[0])
+
+
+def _stream_done(handle, what: str) -> bool:
+    """Has the stream ``handle`` finished all its work?  (``cuStreamQuery``; RuntimeError on
+    an error other than "not ready", naming ``what``.)"""
+    from cuda.bindings import driver as cu
+
+    (err,) = cu.cuStreamQuery(handle)
+    if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    _check_cu(err, f"cuStreamQuery({what})")
+    return True
 
 
 def _page_locked(host_array) -> bool:
