@@ -165,7 +165,45 @@ def test_queue_flags_report_a_release_that_timed_out_as_their_own_error():
     qf.backend, qf.timeout_s, qf.group = HeldUp(), 0.5, SimpleNamespace(rank=1)
     with pytest.raises(QueueFlagsError, match=r"rank 1: releasing flag word 6: storing \d+ into flag word 6 did not "
                                               r"finish within 0.5 s"):
-        qf._release_device_word(None, 6)
+        qf._release_device_word(None, 6, 0.5)
+
+
+def test_queue_flags_drain_releases_device_words_again_with_a_short_deadline():
+    # A failing rank's drain stores RELEASED into its own (device) area again while its queue
+    # has not finished -- a peer may have stored an epoch over the first release -- each store
+    # with a short deadline of its own, so a side queue that does not answer cannot eat the drain.
+    from types import SimpleNamespace
+
+    from vtnumba.dist.queue_flags import RELEASED, RERELEASE_S, QueueFlags
+
+    class Device:
+        def __init__(self):
+            self.releases = []
+
+        def release_flag_word(self, flags, index, value, *, timeout_s):
+            self.releases.append((flags, index, value, timeout_s))
+
+        def create_event(self, timing=True):
+            return object()
+
+        def record_event(self, event, queue):
+            pass
+
+        def query_event(self, event):  # the queue finishes once its word was released twice
+            return len(self.releases) >= 2 * words
+
+        def synchronize(self, queue):
+            pass
+
+    names, size, words = ("ready", "done"), 2, 4
+    area = object()  # device memory: no host view
+    qf = object.__new__(QueueFlags)  # only what _drain reads
+    qf.backend, qf.timeout_s, qf.names, qf._events = Device(), 30.0, names, {}
+    qf.group, qf._areas = SimpleNamespace(rank=1, size=size, name="g"), [object(), area]
+    t0 = time.perf_counter()
+    qf._drain([SimpleNamespace(id=7)])
+    assert time.perf_counter() - t0 < 5
+    assert qf.backend.releases == [(area, k, RELEASED, RERELEASE_S * 10) for k in range(words)] * 2
 
 
 class _FakeStuckGPU:

@@ -14,6 +14,7 @@ import pytest
 from mpi_helpers import COMM, collectively, group  # noqa: F401  (group is a fixture)
 
 from vtnumba.backend import CPUBackend
+from vtnumba.backend.arrays import host_view
 from vtnumba.backend.atomics import store_release
 from vtnumba.backend.polling import poll_until
 from vtnumba.dist import RELEASED, PeerBuffers, QueueFlags, QueueFlagsError, list_segments
@@ -155,6 +156,91 @@ def test_a_peer_that_never_signals_is_named_after_the_deadline(group, queues_bac
         finally:
             queues_backend.destroy_queue(q)
             COMM.Barrier()  # the last rank may not close (collective) before the others gave up
+            flags.close()
+
+    collectively(body)
+
+
+def test_a_release_a_peer_overwrote_is_stored_again_while_draining(group, threaded):
+    """A peer still running the call stores its epoch 1 over the word rank 0 just released,
+    before rank 0's queue looked -- and that queue waits for epoch 2, which the peer, busy
+    elsewhere, does not send.  Rank 0's drain must release the word again, not sit out its
+    30 s deadline."""
+    def body():
+        flags = QueueFlags(group, NAMES, threaded, timeout_s=30)
+        q = threaded.create_queue("overwritten")
+        try:
+            flags.handshake((1,))
+            if group.rank == 0:
+                word = flags._slot("ready", 1)
+                own = host_view(flags._areas[0])
+                release_words = flags._release_words
+                first = [True]
+
+                def overwritten_release(rank, slots, timeout_s=None):
+                    if rank == 0 and first[0]:  # the first release of our own area: the peer's store wins
+                        first[0] = False
+                        release_words(rank, [s for s in slots if s != word], timeout_s)
+                        store_release(own, word, 1)
+                        return
+                    release_words(rank, slots, timeout_s)
+
+                flags._release_words = overwritten_release
+                flags.wait(q, "ready", 2, sources=1)
+                t0 = time.perf_counter()
+                flags.fail([q])
+                took = time.perf_counter() - t0
+            # The peers are busy elsewhere until rank 0's fail() has returned, as a peer that has
+            # not reached finish() yet is: none of them releases anything for rank 0 meanwhile.
+            COMM.Barrier()  # (no assertion before it: a rank that skipped it would leave the others here)
+            if group.rank == 0:
+                assert not first[0], "the injected overwrite did not happen"
+                assert took < 5, f"fail() drained in {took:.1f} s: the overwritten word was not released again"
+                assert threaded.queue_error(q) is None  # the wait passed; it did not time out
+                assert int(own[word]) == RELEASED
+            else:
+                with pytest.raises(QueueFlagsError, match=r"rank 0(, \d+)* aborted"):
+                    flags.finish([q])
+        finally:
+            threaded.destroy_queue(q)
+            flags.close()
+
+    collectively(body)
+
+
+def test_a_peer_that_cannot_be_released_does_not_stop_the_others(group, threaded):
+    """Rank 0 fails, and storing into rank 1's area raises (a mapping gone bad): fail() warns,
+    does not raise -- the caller's error is the one to report -- and still releases its own
+    area and every other peer's words."""
+    def body():
+        flags = QueueFlags(group, NAMES, threaded, timeout_s=30)
+        q = threaded.create_queue("victim")
+        try:
+            flags.handshake((1,))
+            if group.rank == 0:
+                release_words = flags._release_words
+                asked = []
+
+                def broken_for_rank_1(rank, slots, timeout_s=None):
+                    asked.append(rank)
+                    if rank == 1:
+                        raise RuntimeError("the peer's mapping is gone")
+                    release_words(rank, slots, timeout_s)
+
+                flags._release_words = broken_for_rank_1
+                with pytest.warns(RuntimeWarning, match=r"could not release rank 1's flag words .*mapping is gone"):
+                    flags.fail([])
+                assert asked == list(range(group.size)), asked  # rank 1's failure did not stop the rest
+                assert all(v == RELEASED for v in flags.received().values())
+                for r in range(2, group.size):  # (rank 1 releases its own area itself when it fails)
+                    words = host_view(flags._areas[r])
+                    assert all(int(words[flags._slot(name, 0)]) == RELEASED for name in NAMES), r
+            else:  # rank 1's queue is not released by rank 0: it must find the abort stamp
+                flags.wait(q, "ready", 1, sources=0)
+                with pytest.raises(QueueFlagsError, match=r"rank 0(, \d+)* aborted"):
+                    flags.finish([q])
+        finally:
+            threaded.destroy_queue(q)
             flags.close()
 
     collectively(body)

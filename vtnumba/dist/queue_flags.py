@@ -42,6 +42,9 @@ released flags is ever returned, no stream is left blocked, and ``close()`` can 
 
 from __future__ import annotations
 
+import time
+import warnings
+
 import numpy as np
 
 from vtnumba.backend.arrays import host_view, is_int
@@ -54,6 +57,10 @@ from vtnumba.dist.signals import PeerSignals, flag_names_error
 #: The value a released flag word holds.  Waits compare cyclically (int32 difference >= 0),
 #: so it must stay within 2**31 of every epoch it releases: epochs stay below it.
 RELEASED = 1 << 30
+
+#: Seconds between the re-releases of this rank's own words while a failing rank drains its
+#: queues (see :meth:`QueueFlags._drain`).
+RERELEASE_S = 0.05
 
 
 class QueueFlagsError(RuntimeError):
@@ -289,6 +296,12 @@ class QueueFlags:
         (bounded) for our queues to drain: until then they may still write epochs into the
         peers' areas.  (4) Only then are our words in the peers' areas released -- no later
         write of ours can overwrite the release.  Safe to call more than once, after any error.
+
+        Never raises on account of a release: it runs on a path that already failed, and the
+        caller's error is the one to report.  A word that cannot be stored (a peer's mapping
+        gone bad, a device queue that does not answer) is skipped with a RuntimeWarning, and
+        the others are still released -- the peers do not depend on it, since each of them
+        also finds our abort stamp (host memory, written first) within its own deadline.
         """
         if self._pb.closed:
             return
@@ -304,19 +317,61 @@ class QueueFlags:
         # Our streams (and the peers') may be stuck until the releases below land: a free of
         # device memory meanwhile would wait for them for good (Backend.defer_frees).
         with self.backend.defer_frees():
-            self._release_words(me, range(len(self.names) * n))
+            self._release_or_warn(me, self._own_slots())
             self._drain(queues)
             for r in range(n):
                 if r != me:
-                    self._release_words(r, [self._slot(name, me) for name in self.names])
+                    self._release_or_warn(r, [self._slot(name, me) for name in self.names])
+
+    def _own_slots(self) -> range:
+        """Every word of this rank's area: the ones its queues may wait on."""
+        return range(len(self.names) * self.group.size)
+
+    def _release_or_warn(self, rank: int, slots, timeout_s: float | None = None, warn: bool = True) -> bool:
+        """:meth:`_release_words`, best effort (see :meth:`fail`): False -- with a warning, if
+        ``warn`` -- if it failed."""
+        try:
+            self._release_words(rank, slots, timeout_s)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a failure path: report, go on with the other words
+            if not warn:
+                return False
+            whose = "its own" if rank == self.group.rank else f"rank {rank}'s"
+            warnings.warn(f"rank {self.group.rank} of group {self.group.name!r}: could not release {whose} flag "
+                          f"words {list(slots)} ({type(exc).__name__}: {exc}); a queue waiting on them ends only "
+                          "when its rank finds the abort stamp or its deadline passes", RuntimeWarning, stacklevel=3)
+            return False
 
     def _drain(self, queues) -> None:
-        """Let ``queues`` finish (their waits are released), polling with the deadline; never raise."""
+        """Let ``queues`` finish (their waits are released), polling with the deadline; never raise.
+
+        While it waits, our own area is released again every :data:`RERELEASE_S`: a peer still
+        running this call -- it has not seen our abort yet -- may store an epoch of its own over
+        a word we released, and if our queue had not passed that wait yet it would stop there
+        again.  The peer's next epoch may never come (its queue waits for a signal that ours,
+        stopped, never sends), and the two queues would hold each other until both deadlines
+        passed.  Storing RELEASED again is safe: only our queues read these words.
+        """
         be = self.backend
+        me = self.group.rank
+        # Host areas cost one store a word: re-release at each interval.  Device areas take a
+        # store on the side queue each, waited for: keep that bounded too.
+        retry_timeout = min(self.timeout_s, RERELEASE_S * 10)
         try:
             events = self._record(queues)
-            poll_until(lambda: all(be.query_event(ev) for ev in events), self.timeout_s,
-                       lambda waited: f"queues did not drain within {waited:.3g} s")
+            next_release = time.perf_counter() + RERELEASE_S
+
+            def drained() -> bool:
+                nonlocal next_release
+                if all(be.query_event(ev) for ev in events):
+                    return True
+                if time.perf_counter() >= next_release:
+                    # (quietly: the first release already warned if the words cannot be stored)
+                    self._release_or_warn(me, self._own_slots(), retry_timeout, warn=False)
+                    next_release = time.perf_counter() + RERELEASE_S
+                return False
+
+            poll_until(drained, self.timeout_s, lambda waited: f"queues did not drain within {waited:.3g} s")
             for q in queues:
                 try:
                     be.synchronize(q)
@@ -332,23 +387,23 @@ class QueueFlags:
         me, n = self.group.rank, self.group.size
         with self.backend.defer_frees():  # (see fail)
             for r in range(n):
-                slots = range(len(self.names) * n) if r == me else [self._slot(name, me) for name in self.names]
+                slots = self._own_slots() if r == me else [self._slot(name, me) for name in self.names]
                 self._release_words(r, slots)
 
-    def _release_words(self, rank: int, slots) -> None:
+    def _release_words(self, rank: int, slots, timeout_s: float | None = None) -> None:
         area = self._areas[rank]
         host = host_view(area)
         for slot in slots:
             if host is not None:
                 store_release(host, slot, RELEASED)
             else:
-                self._release_device_word(area, slot)
+                self._release_device_word(area, slot, self.timeout_s if timeout_s is None else timeout_s)
 
-    def _release_device_word(self, area, slot: int) -> None:
+    def _release_device_word(self, area, slot: int, timeout_s: float) -> None:
         # A blocked stream cannot be asked to do it: the backend stores the word from a queue
         # of its own, polling with the deadline (see Backend.release_flag_word).
         try:
-            self.backend.release_flag_word(area, slot, RELEASED, timeout_s=self.timeout_s)
+            self.backend.release_flag_word(area, slot, RELEASED, timeout_s=timeout_s)
         except WaitTimeout as exc:
             raise QueueFlagsError(f"rank {self.group.rank}: releasing flag word {slot}: {exc}") from None
 
