@@ -639,12 +639,12 @@ class CUDABackend(Backend):
         if not self.simulator:
             waits, count = e.flag_waits
             if count:
-                self._wait_out_flag_waits(lambda: bool(e.native.query()), waits[:count], "an event")
+                self._wait_out_flag_waits(lambda: _event_done(e.native.handle, "an event"), waits[:count], "an event")
                 e.flag_waits = ([], 0)
             e.native.synchronize()
 
     def _query_event(self, e) -> bool:
-        return True if self.simulator else bool(e.native.query())
+        return True if self.simulator else _event_done(e.native.handle, "query_event")
 
     def _queue_wait_event(self, q, e) -> None:
         if not self.simulator:
@@ -730,6 +730,19 @@ def _stream_done(handle, what: str) -> bool:
     if err == cu.CUresult.CUDA_ERROR_NOT_READY:
         return False
     _check_cu(err, f"cuStreamQuery({what})")
+    return True
+
+
+def _event_done(handle, what: str) -> bool:
+    """Has the event ``handle`` fired?  (``cuEventQuery`` straight from cuda.bindings: numba's
+    ``Event.query`` answers the same, but logs an ERROR record -- and builds an exception --
+    for every "not ready", and the deadline loops poll unfinished events thousands of times.)"""
+    from cuda.bindings import driver as cu
+
+    (err,) = cu.cuEventQuery(handle)
+    if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    _check_cu(err, f"cuEventQuery({what})")
     return True
 
 
