@@ -228,6 +228,23 @@ def test_get_tpsp_backend_picks_by_device(device_backend):
         CudaTPSPBackend("tp", CPU)
 
 
+def test_a_cuda_tpsp_backend_closes_the_backend_it_made_and_only_that(device_backend):
+    own = CudaTPSPBackend("tp")  # makes its own CUDABackend: its streams go when it closes
+    own.data_backend.create_queue("a stream of its own")
+    own.close()
+    assert own.data_backend.closed
+    lent = CudaTPSPBackend("tp", backend=device_backend)  # the caller's: still theirs after close
+    lent.close()
+    assert not device_backend.closed
+    device_backend.destroy_queue(device_backend.create_queue("still usable"))
+
+
+def test_closing_a_backend_destroys_its_flag_side_queue(device_backend):
+    side = device_backend._flag_side_queue()  # (made by a first flag release or read)
+    device_backend.close()
+    assert side.destroyed
+
+
 def test_profile_search_grids():
     assert chunk_candidates(64, 1024) == [64, 128, 256, 512, 1024]
     assert chunk_candidates(64, 300) == [64, 128, 256, 300]

@@ -852,6 +852,10 @@ class Backend(abc.ABC):
         if self._default_graph is not None and not self._default_graph.destroyed:
             self.destroy_graph(self._default_graph)
         self._synchronize_all()
+        # The flag side queue is the backend's own (the callers' queues stay theirs to destroy).
+        side, self._side_queue = self._side_queue, None
+        if side is not None and not side.destroyed:
+            self.destroy_queue(side)
         self.closed = True
 
     def _check_open(self) -> None:

@@ -86,13 +86,14 @@ class CudaTPSPBackend(PeerTPSPBackend):
         device = Device(DeviceType.CUDA, 0) if device is None else device
         if not isinstance(device, Device) or device.type is not DeviceType.CUDA:
             raise ValueError(f"device={device!r} must be a CUDA Device for CudaTPSPBackend")
+        if backend is not None and backend.device_type is not DeviceType.CUDA:
+            raise ValueError(f"backend={backend.name} is not a CUDA backend")
         super().__init__(group_name, device, exchange=exchange, timeout_s=timeout_s)
+        self._own_backend = backend is None  # made here: closed by close(), with its streams
         if backend is None:
             from vtnumba.backend.cuda import CUDABackend
 
             backend = CUDABackend(device)
-        if backend.device_type is not DeviceType.CUDA:
-            raise ValueError(f"backend={backend.name} is not a CUDA backend")
         self._backend = backend
 
     @property
@@ -141,6 +142,14 @@ class CudaTPSPBackend(PeerTPSPBackend):
         from numba import cuda
 
         return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+    def close(self, handle=None) -> None:
+        super().close(handle)
+        if handle is None and self._own_backend:
+            # Its streams (kept idle for reuse) and the flag side queue go with it: a process
+            # that made many TPSP backends would otherwise pile up streams, and streams beyond
+            # the hardware queues share them (a stream held by a flag wait holds up its sharer).
+            self._backend.close()
 
     def _check_sm_count(self, sm_count_target: int) -> None:
         total = self.sm_count()
