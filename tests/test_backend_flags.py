@@ -159,6 +159,18 @@ def test_release_flag_word_gives_up_when_its_own_queue_is_held_up():
         backend.close()
 
 
+def test_read_flag_word_reads_a_word_now(backend):
+    flags = _flags(backend)
+    backend.release_flag_word(flags, 2, 123, timeout_s=5)
+    assert [backend.read_flag_word(flags, k) for k in range(4)] == [0, 0, 123, 0]
+    with pytest.raises(ValueError, match=r"index=4 is out of range"):
+        backend.read_flag_word(flags, 4)
+    with pytest.raises(TypeError, match="1-D uint32"):
+        backend.read_flag_word(backend.asarray(np.zeros(4, np.int64)), 0)
+    with pytest.raises(ValueError, match=r"timeout_s=0(\.0)? must be a positive"):
+        backend.read_flag_word(flags, 0, timeout_s=0)
+
+
 def test_queue_flags_report_a_release_that_timed_out_as_their_own_error():
     # QueueFlags releases device words through the backend (the path only a GPU takes) and
     # names the rank when that release cannot finish.
@@ -213,6 +225,63 @@ def test_queue_flags_drain_releases_device_words_again_with_a_short_deadline():
     qf._drain([SimpleNamespace(id=7)])
     assert time.perf_counter() - t0 < 5
     assert qf.backend.releases == [(area, k, RELEASED, RERELEASE_S * 10) for k in range(words)] * 2
+
+
+def test_queue_flags_fail_stops_storing_device_words_once_the_side_queue_timed_out():
+    # The side queue held up behind a stuck stream: the first device store times out, and every
+    # later one would wait out its own deadline (minutes, for 3 x tp words) -- fail() stores no
+    # more device words, says which ranks it skipped, and raises nothing.
+    import warnings
+    from types import SimpleNamespace
+
+    from vtnumba.dist.queue_flags import QueueFlags
+
+    class StuckSide:
+        def __init__(self):
+            self.stores = 0
+
+        def release_flag_word(self, flags, index, value, *, timeout_s):
+            self.stores += 1
+            raise WaitTimeout(f"storing {value} into flag word {index} did not finish within {timeout_s} s")
+
+        def defer_frees(self):
+            return contextlib.nullcontext()
+
+        def create_event(self, timing=True):
+            return object()
+
+        def record_event(self, event, queue):
+            pass
+
+        def query_event(self, event):
+            return True
+
+        def synchronize(self, queue):
+            pass
+
+    class Stamps:
+        def __init__(self):
+            self.aborted = []
+
+        def abort_stamp(self, rank):
+            return 0
+
+        def abort(self, epoch):
+            self.aborted.append(epoch)
+
+    qf = object.__new__(QueueFlags)  # only what fail() reads
+    qf.backend, qf.timeout_s, qf.names, qf._events, qf.call_epoch = StuckSide(), 60.0, ("ready", "done"), {}, 7
+    qf.group, qf._areas = SimpleNamespace(rank=0, size=3, name="g"), [object(), object(), object()]
+    qf._pb, qf.host = SimpleNamespace(closed=False), Stamps()
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qf.fail([SimpleNamespace(id=1)])
+    assert time.perf_counter() - t0 < 5
+    assert qf.host.aborted == [7] and qf.backend.stores == 1
+    said = [str(w.message) for w in caught]
+    assert any("could not release its own flag words" in m for m in said), said
+    assert any("did not release its flag words in the areas of ranks [1, 2]" in m for m in said), said
 
 
 class _FakeStuckGPU:

@@ -657,6 +657,25 @@ class Backend(abc.ABC):
             self._write_value32(q, flags, index, value)
             self._finish_side_queue(q, timeout_s, f"storing {value} into flag word {index}")
 
+    def read_flag_word(self, flags, index: int, *, timeout_s: float = 10.0) -> int:
+        """The word ``flags[index]`` as it is now, read past any stuck queue.
+
+        Memory the host can read in place (host backends, the simulator) is read there.  A
+        GPU's is copied through the backend's own queue into a pinned word and waited for by
+        polling -- the rules of :meth:`release_flag_word` -- so reading a word that a stuck
+        stream waits on (an error message naming the flags that never came) cannot block:
+        RuntimeError after ``timeout_s``.
+        """
+        index, _ = self._check_flag(flags, index, 0)
+        timeout_s = check_seconds("timeout_s", timeout_s)
+        view = host_view(flags)
+        if view is not None:
+            return int(view[index])
+        return self._read_flag_word(flags, index, timeout_s)
+
+    def _read_flag_word(self, flags, index: int, timeout_s: float) -> int:
+        raise NotImplementedError(f"{self.name} keeps flag words only in host memory")
+
     def _flag_side_queue(self) -> Queue:
         """The backend's queue for reading and storing flag words past a stuck stream (made on
         first use, kept for the backend's life; releases are rare and on failure paths)."""

@@ -410,9 +410,9 @@ class CUDABackend(Backend):
         """numba's ``defer_cleanup`` on a real GPU (see :meth:`Backend.defer_frees`)."""
         return contextlib.nullcontext() if self.simulator else _cuda().defer_cleanup()
 
-    def _read_flag_word(self, flags, index: int) -> int:
+    def _read_flag_word(self, flags, index: int, timeout_s: float = 10.0) -> int:
         """The word's value now, read past a stuck stream: a copy on the side queue into a
-        pinned word, waited for by polling (see :meth:`Backend.release_flag_word`)."""
+        pinned word, waited for by polling (see :meth:`Backend.read_flag_word`)."""
         from cuda.bindings import driver as cu
 
         with self.defer_frees():  # (the stream may be stuck: no free may wait for it)
@@ -420,7 +420,7 @@ class CUDABackend(Backend):
             word = self._flag_readback
             (err,) = cu.cuMemcpyDtoHAsync(word.ctypes.data, address_of(flags) + 4 * index, 4, q.handle)
             _check_cu(err, "cuMemcpyDtoHAsync(flag word)")
-            self._finish_side_queue(q, 10.0, f"reading flag word {index}")
+            self._finish_side_queue(q, timeout_s, f"reading flag word {index}")
         return int(word[0])
 
     def _prepare_flag_rescue(self) -> Queue:

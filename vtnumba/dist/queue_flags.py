@@ -181,13 +181,25 @@ class QueueFlags:
 
     # ------------------------------------------------------------------ finishing and failing
     def received(self) -> dict[tuple[str, int], int]:
-        """This rank's words as the host sees them now: ``{(name, source): value}``."""
-        words = self.backend.to_host(self._areas[self.group.rank])
+        """This rank's words as the host sees them now: ``{(name, source): value}``.
+
+        Device words are read one by one through the backend's side queue, with a deadline
+        (:meth:`~vtnumba.backend.Backend.read_flag_word`): this runs for error messages while a
+        stream may be stuck on these very words, and a plain device-to-host copy has no deadline.
+        """
+        area = self._areas[self.group.rank]
+        words = host_view(area)
+        if words is None:
+            be = self.backend
+            words = [be.read_flag_word(area, k, timeout_s=min(self.timeout_s, 10.0)) for k in self._own_slots()]
         return {(name, s): int(words[self._slot(name, s)]) for name in self.names for s in range(self.group.size)}
 
     def missing(self) -> str:
         """The awaited flags that have not arrived (for error messages), or a note that all have."""
-        got = self.received()
+        try:
+            got = self.received()
+        except RuntimeError as exc:  # (a device read that did not finish: the message goes on without it)
+            return f"unknown (the flag words could not be read: {exc})"
         short = [f"{name!r} from rank {s}: {got[(name, s)]} (waited for {want})"
                  for (name, s), want in sorted(self.expected.items()) if got[(name, s)] < want]
         return "; ".join(short) if short else "every awaited flag has arrived"
@@ -317,32 +329,46 @@ class QueueFlags:
         # Our streams (and the peers') may be stuck until the releases below land: a free of
         # device memory meanwhile would wait for them for good (Backend.defer_frees).
         with self.backend.defer_frees():
-            self._release_or_warn(me, self._own_slots())
-            self._drain(queues)
+            # A device store that timed out means the backend's side queue is held up behind a
+            # stuck stream: every later one would wait its full deadline too, so device words
+            # are skipped from then on (host words are plain stores and always go through).
+            side_stuck = isinstance(self._release_or_warn(me, self._own_slots()), QueueFlagsError)
+            self._drain(queues, rerelease=not side_stuck)
+            skipped = []
             for r in range(n):
-                if r != me:
-                    self._release_or_warn(r, [self._slot(name, me) for name in self.names])
+                if r == me:
+                    continue
+                if side_stuck and host_view(self._areas[r]) is None:
+                    skipped.append(r)
+                    continue
+                err = self._release_or_warn(r, [self._slot(name, me) for name in self.names])
+                side_stuck = side_stuck or isinstance(err, QueueFlagsError)
+            if skipped:
+                warnings.warn(f"rank {me} of group {self.group.name!r}: did not release its flag words in the areas "
+                              f"of ranks {skipped}: the flag side queue did not answer; they end their waits when "
+                              "they find the abort stamp or their deadline passes", RuntimeWarning, stacklevel=2)
 
     def _own_slots(self) -> range:
         """Every word of this rank's area: the ones its queues may wait on."""
         return range(len(self.names) * self.group.size)
 
-    def _release_or_warn(self, rank: int, slots, timeout_s: float | None = None, warn: bool = True) -> bool:
-        """:meth:`_release_words`, best effort (see :meth:`fail`): False -- with a warning, if
-        ``warn`` -- if it failed."""
+    def _release_or_warn(self, rank: int, slots, timeout_s: float | None = None,
+                         warn: bool = True) -> Exception | None:
+        """:meth:`_release_words`, best effort (see :meth:`fail`): the error -- with a warning,
+        if ``warn`` -- if it failed, else None.  (A QueueFlagsError: a device store timed out.)"""
         try:
             self._release_words(rank, slots, timeout_s)
-            return True
+            return None
         except Exception as exc:  # noqa: BLE001 - a failure path: report, go on with the other words
             if not warn:
-                return False
+                return exc
             whose = "its own" if rank == self.group.rank else f"rank {rank}'s"
             warnings.warn(f"rank {self.group.rank} of group {self.group.name!r}: could not release {whose} flag "
                           f"words {list(slots)} ({type(exc).__name__}: {exc}); a queue waiting on them ends only "
                           "when its rank finds the abort stamp or its deadline passes", RuntimeWarning, stacklevel=3)
-            return False
+            return exc
 
-    def _drain(self, queues) -> None:
+    def _drain(self, queues, rerelease: bool = True) -> None:
         """Let ``queues`` finish (their waits are released), polling with the deadline; never raise.
 
         While it waits, our own area is released again every :data:`RERELEASE_S`: a peer still
@@ -351,6 +377,7 @@ class QueueFlags:
         again.  The peer's next epoch may never come (its queue waits for a signal that ours,
         stopped, never sends), and the two queues would hold each other until both deadlines
         passed.  Storing RELEASED again is safe: only our queues read these words.
+        (``rerelease=False``: the side queue did not answer the first release; do not try again.)
         """
         be = self.backend
         me = self.group.rank
@@ -365,7 +392,7 @@ class QueueFlags:
                 nonlocal next_release
                 if all(be.query_event(ev) for ev in events):
                     return True
-                if time.perf_counter() >= next_release:
+                if rerelease and time.perf_counter() >= next_release:
                     # (quietly: the first release already warned if the words cannot be stored)
                     self._release_or_warn(me, self._own_slots(), retry_timeout, warn=False)
                     next_release = time.perf_counter() + RERELEASE_S
