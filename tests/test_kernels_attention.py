@@ -189,3 +189,15 @@ def test_device_offsets_are_checked_when_readable_and_a_too_long_sentence_comes_
         launch_fn=lambda stream: launch_attention(d_qkv, d_qkv[0], dev(np.array([0, T], np.int64)), 1, 1, 8, d_out,
                                                   stream))
     assert np.isnan(device_backend.to_host(d_out)).all()
+    # Offsets past T or before 0 (a sentence reaching outside qkv's rows): NaN rows, no
+    # reads outside qkv -- the simulator would raise IndexError, a GPU read another allocation.
+    T = 6
+    d_qkv = dev(rng.standard_normal((T, 3)).astype(np.float32))
+    for offsets, bad_rows in (([0, 2, 9], slice(2, T)), ([-2, 6], slice(0, T))):
+        d_out = dev(np.full((T, 1), 7.0, np.float32))
+        run(DEVICE, "attention", None, None, host_fn=None,
+            launch_fn=lambda stream: launch_attention(d_qkv, d_qkv[0], dev(np.array(offsets, np.int64)), 1, 1, 8,
+                                                      d_out, stream))
+        got = device_backend.to_host(d_out)
+        assert np.isnan(got[bad_rows]).all() and np.isfinite(np.delete(got, np.r_[bad_rows], axis=0)).all(), \
+            (offsets, got.ravel())

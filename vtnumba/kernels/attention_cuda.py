@@ -70,12 +70,14 @@ def attention_kernel(qkv, bias, has_bias, offsets, num_heads, head_dim, out):
     n = offsets[lo + 1] - s0
     K = num_heads * head_dim
     qc = h * head_dim  # this head's query columns; its keys start at K + qc, its values at 2K + qc
-    # On a GPU the host checks sentence lengths against MAX_KEYS only when it reads the offsets;
-    # with a caller's max_len it trusts that.  A longer sentence must not write past the score
-    # buffer (that corrupts memory silently), nor be cut to its first MAX_KEYS keys (a quietly
-    # wrong answer): its rows come out NaN, which every check downstream sees.  (The whole block
-    # takes this branch: n is the same for all its threads, so no barrier is skipped by some.)
-    if n > MAX_KEYS:
+    # On a GPU the host checks the offsets only when it reads them; with a caller's max_len it
+    # trusts them.  A sentence longer than MAX_KEYS must not write past the score buffer (that
+    # corrupts memory silently), nor be cut to its first MAX_KEYS keys (a quietly wrong answer);
+    # one that reaches past qkv's rows (offsets beyond T) must not read there (an illegal
+    # address kills the whole CUDA context), and an empty or reversed one has no keys to
+    # average.  Their rows come out NaN, which every check downstream sees.  (The whole block
+    # takes this branch: s0 and n are the same for all its threads, so no barrier is skipped.)
+    if n < 1 or n > MAX_KEYS or s0 < 0 or s0 + n > qkv.shape[0]:
         for c in range(t, head_dim, nt):
             out[i, qc + c] = float32(math.nan)
         return
