@@ -76,6 +76,32 @@ def test_finalizer_frees_later_and_waits_for_the_owner(core):
     assert again.ptr == ptr
 
 
+def test_a_default_pool_free_waits_for_every_queue(core):
+    # A device_array made outside using_queue belongs to the legacy-default pool, yet any
+    # (non-blocking) queue may have used it: its free waits for all of them, as cuMemFree did.
+    be = core.allocator.backend
+    q = be.create_queue("work")
+    block = core.alloc(4096)
+    assert block.queue is core.default_queue
+    ptr = block.ptr
+    gate = threading.Event()
+    be.launch_host_func(q, lambda: gate.wait(10.0))  # a kernel on q still reads the array
+    core.finalizer(block)()
+    core.drain()                                     # the free: an event on its own queue, and on q
+    be.synchronize(core.default_queue)               # its own queue has nothing left to do...
+    core.allocator.process_events()
+    other = core.alloc(4096)                         # ...but q still reads the memory
+    other_ptr = other.ptr
+    assert block.freed and other_ptr != ptr, "reused while another queue's queued work was still running"
+    gate.set()
+    be.synchronize(q)
+    core.finalizer(other)()
+    core.drain()
+    be.synchronize()
+    core.allocator.process_events()
+    assert core.alloc(4096).ptr in (ptr, other_ptr)  # once every queue caught up, the memory comes back
+
+
 def test_defer_cleanup_and_memory_info(core):
     block = core.alloc(1000)
     with core.defer_cleanup():

@@ -293,7 +293,7 @@ class Backend(abc.ABC):
         self.device = device
         self._lock = threading.RLock()
         self._live_buffers: dict[int, Buffer] = {}
-        self._queues: set[int] = set()
+        self._queues: dict[int, Queue] = {}  # the live queues, by id
         self._events: set[int] = set()
         self._capturing: dict[int, tuple[Queue, Any]] = {}  # queue id -> (queue, the capture's state)
         self._default_graph: GraphHandle | None = None
@@ -482,15 +482,21 @@ class Backend(abc.ABC):
         q = self._create_queue(name, priority)
         q.priority = priority
         with self._lock:
-            self._queues.add(q.id)
+            self._queues[q.id] = q
         return q
+
+    def live_queues(self) -> list[Queue]:
+        """The queues made by :meth:`create_queue` and not destroyed yet (the backend's own
+        included), in the order they were made."""
+        with self._lock:
+            return list(self._queues.values())
 
     def destroy_queue(self, q: Queue) -> None:
         """Wait for the queue's work, then release it.  Destroying twice is an error."""
         if self.closed and isinstance(q, Queue) and q.backend is self and not q.destroyed:
             # Teardown after close(): its work finished there; only the release is left.
             with self._lock:
-                self._queues.discard(q.id)
+                self._queues.pop(q.id, None)
             q.destroyed = True
             self._destroy_queue(q)
             return
@@ -503,7 +509,7 @@ class Backend(abc.ABC):
             self.synchronize(q)
         finally:
             with self._lock:
-                self._queues.discard(q.id)
+                self._queues.pop(q.id, None)
             q.destroyed = True
             self._destroy_queue(q)
 

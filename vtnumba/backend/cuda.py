@@ -246,8 +246,12 @@ class CUDABackend(Backend):
         return Buffer(self, self.device, nbytes, host, pinned=True, ptr=host.ctypes.data)
 
     def _free(self, buf: Buffer) -> None:
-        # numba frees device memory when the last reference goes; its deallocations are
-        # deferred until no stream can still use them, so dropping the array is safe.
+        # numba frees device memory when the last reference goes -- batched: it queues the
+        # frees and runs them by count and size, not by stream.  What makes dropping the array
+        # safe is cuMemFree itself, which synchronizes the device first (a free in the middle
+        # of a step also waits for every stream: see defer_frees).  With vtnumba's memory
+        # manager installed, the plugin keeps that rule for blocks of the default pool by
+        # waiting for every live queue (vtnumba.memory.numba_emm).
         buf._array = None
         buf._owner = None
 

@@ -11,9 +11,13 @@ What numba's plugin interface gives, and what it does not (shared notes §6, NBE
   possibly in the middle of another allocation.  The finalizer therefore only *queues* the
   block (a deque append is safe there); the next ``memalloc`` frees it, with
   ``wait_owner=True``: an event is recorded on the owning stream and the memory is reused
-  only once it completed.  For legacy-default-stream blocks that event also covers work
-  on every *blocking* stream, which the legacy stream synchronises with.  Uses on other
-  streams still need ``record_stream`` (see :func:`record_stream_array`).
+  only once it completed.  A block allocated with no current queue (the legacy-default
+  pool: every ``device_array`` outside :func:`using_queue`) may have been used by *any*
+  queue -- vtnumba's queues are non-blocking streams, which the legacy stream does not
+  wait for -- so its free also records an event on every live queue of the backend: the
+  ordering ``cuMemFree``'s implicit device-wide synchronization gave without the plugin.
+  Blocks of a named queue that other queues use still need ``record_stream`` (see
+  :func:`record_stream_array`).
 * The plugin must be set **before the first CUDA context** and cannot be switched later.
 * IPC keeps working through numba's ``GetIpcHandleMixin``, because segments come from
   plain ``cuMemAlloc`` (the handle names the segment; the offset travels with it).
@@ -108,6 +112,11 @@ class _EMMCore:
             except IndexError:
                 return n
             if not block.freed:
+                if block.queue is self.default_queue:
+                    # Nobody said which queues used it: wait for every one that exists now.
+                    for q in self.allocator.backend.live_queues():
+                        if q is not block.queue:
+                            self.allocator.record_stream(block, q)
                 self.allocator.free(block, wait_owner=True)
                 n += 1
 
