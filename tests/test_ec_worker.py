@@ -509,6 +509,37 @@ def test_compute_queue_sees_loaded_bytes(threaded, env_factory, rng, monkeypatch
     np.testing.assert_array_equal(seen["a"].view(np.int8).reshape(2, -1), env.region.blocks[3:5])
 
 
+@pytest.mark.parametrize("own_compute_queue", [True, False])
+def test_a_worker_with_its_own_compute_queue_follows_the_default_stream(threaded, env_factory, rng, monkeypatch,
+                                                                       own_compute_queue):
+    """A worker that made its compute queue itself orders it after the default stream before a
+    save (the outputs came from there), the default stream after a load (the views are read
+    there), and a load buffer's release after the default stream's reads; a worker given a
+    compute queue leaves the default stream alone.  (No-ops off a GPU: the calls are counted.)"""
+    calls = []
+    monkeypatch.setattr(threaded, "order_after_default_stream", lambda q: calls.append(("after", q.name)))
+    monkeypatch.setattr(threaded, "order_default_stream_after", lambda q: calls.append(("before", q.name)))
+    given = None if own_compute_queue else threaded.create_queue("the caller's")
+    env = env_factory(threaded, compute_queue=given)
+    q = env.worker.compute_queue.name
+    save(env, {"a": rng.standard_normal((2, env.hidden)).astype(np.float32)}, {"a": [0, 1]})
+    complete(env.worker)
+    assert calls == ([("after", q)] if own_compute_queue else [])
+    calls.clear()
+    cache = {}
+    env.worker.start_load_caches(cache, ECConnectorMetadata(loads={"a": (0, [0, 1])}))
+    assert calls == ([("before", q)] if own_compute_queue else [])
+    calls.clear()
+    complete(env.worker)
+    cache.clear()  # the views die: the next poll releases the buffer
+    threaded.synchronize(env.worker.compute_queue)
+    env.worker.build_connector_worker_meta()
+    assert calls == ([("after", q)] if own_compute_queue else [])
+    if given is not None:
+        env.close()
+        threaded.destroy_queue(given)
+
+
 # ------------------------------------------------------------------------------ descriptors
 def test_coalesce_runs_matches_a_naive_split(rng):
     for _ in range(50):

@@ -542,6 +542,15 @@ class Backend(abc.ABC):
         """
         self._check_queue(q)
 
+    def order_default_stream_after(self, q: Queue) -> None:
+        """The other direction: make work queued later outside vtnumba's queues (numba's
+        default-stream launches and copies) wait for what is queued on ``q`` now.
+
+        A no-op here, for the same reason as :meth:`order_after_default_stream`; the CUDA
+        backend makes the legacy default stream wait for an event recorded on ``q``.
+        """
+        self._check_queue(q)
+
     def queue_error(self, q: Queue) -> BaseException | None:
         """The sticky error of ``q`` if queued work on it has failed, else None.  Never blocks
         and does not clear the error (``synchronize`` raises and clears it)."""

@@ -484,6 +484,18 @@ class CUDABackend(Backend):
         ev.record(cuda.default_stream())
         ev.wait(q.stream)
 
+    def order_default_stream_after(self, q) -> None:
+        """Make later work on the legacy default stream wait for what is queued on ``q`` now
+        (numba's own launches, and its synchronous copies such as ``copy_to_host``, go there).
+        (A no-op in the simulator.)"""
+        self._check_queue(q)
+        if self.simulator:
+            return
+        cuda = _cuda()
+        ev = cuda.event(timing=False)
+        ev.record(q.stream)
+        ev.wait(cuda.default_stream())
+
     @staticmethod
     def _raise_queue_error(q) -> None:
         if q.error is not None:

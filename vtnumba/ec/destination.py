@@ -117,10 +117,14 @@ class LoadDestination:
 class LoadDestinations:
     """Allocates load buffers, hands out typed views, and frees buffers once it is safe."""
 
-    def __init__(self, backend: Backend, compute_queue: Queue, allocator=None):
+    def __init__(self, backend: Backend, compute_queue: Queue, allocator=None, *, follow_default_stream: bool = False):
         self.backend = backend
         self.compute_queue = compute_queue
         self.allocator = allocator
+        #: The views are read on the default stream too (the worker made its compute queue
+        #: itself, so callers launch elsewhere): a buffer is released only after the default
+        #: stream's work queued by then, as well as the compute queue's.
+        self.follow_default_stream = follow_default_stream
         # The backend declares what its memory is: host-addressable memory (cpu, simulator)
         # gets exact view tracking through numpy; a real GPU's gets a finalizer per view.
         caps = backend.capabilities
@@ -251,6 +255,10 @@ class LoadDestinations:
         freed = 0
         with self._lock:
             candidates = [d for d in self._live if d.copy_done and d.views_dead]
+        if candidates and self.follow_default_stream and not self._synchronous:
+            # The release events below (and the allocator's, for record_stream) are recorded on
+            # the compute queue: make it cover the default stream's reads of the views first.
+            self.backend.order_after_default_stream(self.compute_queue)
         for dest in candidates:
             if dest.from_allocator or self._synchronous:
                 # The allocator holds it back until the compute queue caught up (record_stream);

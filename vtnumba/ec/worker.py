@@ -220,7 +220,8 @@ class ECWorker:
                 raise ValueError(f"allocator={allocator!r}; expected 'auto', None or a CachingAllocator")
             allocator = CachingAllocator(backend)
         self.allocator = allocator
-        self._destinations = LoadDestinations(backend, self.compute_queue, allocator)
+        self._destinations = LoadDestinations(backend, self.compute_queue, allocator,
+                                              follow_default_stream=self._own_compute_queue)
         # The save batch being filled this step.
         self._save_bufs: DescriptorBuffers | None = None
         self._save_queue: Queue | None = None
@@ -376,6 +377,11 @@ class ECWorker:
         try:
             if not self.synchronous:
                 # The outputs were produced on the compute queue: the copy must not start before it.
+                if self._own_compute_queue:
+                    # Nobody else queues on a compute queue the worker made itself: the outputs
+                    # came from the default stream (numba's launches and copies), vLLM's
+                    # "current stream" -- so the gate follows that too.
+                    be.order_after_default_stream(self.compute_queue)
                 gate = self._acquire_event()
                 be.record_event(gate, self.compute_queue)
                 be.queue_wait_event(q, gate)
@@ -523,6 +529,10 @@ class ECWorker:
             # Kernels queued on the compute queue from now on see the loaded bytes.  (On
             # synchronous queues the copy is already done: later kernels see them anyway.)
             be.queue_wait_event(self.compute_queue, end)
+            if self._own_compute_queue:
+                # ...and so does the default stream, where a caller that never saw the worker's
+                # compute queue launches its kernels and reads the views back (copy_to_host).
+                be.order_default_stream_after(self.compute_queue)
 
     @staticmethod
     def _release_sources(t: Transfer) -> None:
