@@ -185,6 +185,28 @@ def test_cleanup_with_a_live_view_does_not_crash(engine):
     assert (view == 5).all()  # the mapping lives on with the view, nothing dangles
 
 
+def test_cleanup_finishes_when_a_worker_wait_fails(engine):
+    # After a dead CUDA context every wait raises; the teardown must still unmap and close,
+    # and say why at the end (before, each retry raised again and nothing was released).
+    class BrokenWorker:
+        backend = type("B", (), {"closed": False})()
+
+        def wait(self):
+            raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    r = create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=1024, create=True)
+    fd = r._fd  # (named: unlinking leaves the descriptor to the unmapping)
+    broken = BrokenWorker()
+    r._workers.add(broken)
+    with pytest.raises(RuntimeError, match="ILLEGAL_ADDRESS"):
+        r.cleanup()
+    assert r.closed and r._fd is None and r._range is None
+    with pytest.raises(OSError):
+        os.fstat(fd)  # the descriptor was closed
+    r._workers.discard(broken)
+    r.cleanup()  # nothing left to do
+
+
 # ------------------------------------------------------------------------------ input the region refuses
 @pytest.mark.parametrize("bad", ["abc\n", "a\nb", "", "x" * 129, "a b", "../x"])
 def test_engine_id_must_match_entirely(bad):

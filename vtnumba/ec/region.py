@@ -537,9 +537,18 @@ class ECSharedRegion:
         return True
 
     def _close_mapping(self) -> None:
+        # Copies still in flight read or write the mapping: wait for them first.  A wait that
+        # fails (a dead CUDA context, a queue's own error) has nothing left running behind it,
+        # and if it stopped the teardown, every later cleanup would fail the same way and the
+        # descriptor, the mapping and the locked pages would stay until the process exits:
+        # the teardown goes on, and the first such error is raised at the end.
+        failure = None
         for worker in list(self._workers):
             if not worker.backend.closed:  # (close() already drained every queue)
-                worker.wait()
+                try:
+                    worker.wait()
+                except Exception as exc:  # noqa: BLE001 - re-raised below, after the teardown
+                    failure = failure or exc
         if self._range is not None:
             unregister(self._range)
             self._range = None
@@ -569,6 +578,8 @@ class ECSharedRegion:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if failure is not None:
+            raise failure
 
     def cleanup(self) -> None:
         """The creator unlinks; every process unmaps -- once the copies its workers still have
