@@ -207,6 +207,47 @@ def test_cleanup_finishes_when_a_worker_wait_fails(engine):
     r.cleanup()  # nothing left to do
 
 
+@pytest.mark.parametrize("how", ["cleanup", "dropped"])
+def test_registered_pages_are_unregistered_before_the_mapping_goes(engine, monkeypatch, how):
+    # The driver calls stand in for a GPU: what is checked is the order -- unregister while the
+    # pages are still mapped -- on cleanup() and on a region dropped without it.
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    import numba.cuda
+    from cuda.bindings import driver as cu
+
+    events = []
+
+    def register(address, nbytes, flags):
+        events.append(("register", address))
+        return (cu.CUresult.CUDA_SUCCESS,)
+
+    def unregister(address):
+        mapped = any(r.address == address and r.mapping() is not None and not r.mapping().closed for r in regions)
+        events.append(("unregister", address, mapped))
+        return (cu.CUresult.CUDA_SUCCESS,)
+
+    monkeypatch.setattr(cu, "cuMemHostRegister", register)
+    monkeypatch.setattr(cu, "cuMemHostUnregister", unregister)
+    monkeypatch.setattr(numba.cuda, "current_context", lambda: None)
+    gpu = SimpleNamespace(capabilities=SimpleNamespace(host_addressable=False))
+    r = create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=8192, create=True)
+    address = int(r._base.ctypes.data)
+    regions = [SimpleNamespace(address=address, mapping=weakref.ref(r._mmap))]
+    assert r.pin_memory(gpu) and r.is_pinned and events == [("register", address)]
+    if how == "cleanup":
+        r.cleanup()
+    else:
+        r.unlink()  # (the name: so the test leaves no file; the mapping stays)
+        del r
+        gc.collect()
+    assert events == [("register", address), ("unregister", address, True)]
+    mapping = regions[0].mapping()
+    assert mapping is None or mapping.closed  # and then it was unmapped
+
+
 # ------------------------------------------------------------------------------ input the region refuses
 @pytest.mark.parametrize("bad", ["abc\n", "a\nb", "", "x" * 129, "a b", "../x"])
 def test_engine_id_must_match_entirely(bad):

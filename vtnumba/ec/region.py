@@ -256,6 +256,7 @@ class ECSharedRegion:
         self.is_creator = False
         self.is_pinned = False
         self.pin_status = "not requested"
+        self._unpin: weakref.finalize | None = None  # undoes the registration (see pin_memory)
         self._unlinked = False
         # The workers copying to and from this mapping (ECWorker adds itself): cleanup lets
         # their copies in flight finish before it unmaps -- a threaded queue or a GPU's copy
@@ -515,6 +516,14 @@ class ECSharedRegion:
             return False
         self.is_pinned = True
         self.pin_status = f"registered {self._base.nbytes} bytes with cuMemHostRegister"
+        # Registered pages must be unregistered before they are unmapped: a region dropped
+        # without cleanup() would otherwise be unmapped (the mmap's deallocation) with the
+        # driver still tracking the range -- a later mapping at that address would fail to
+        # register, or worse.  The finalizer holds the mmap until it has run, so it always
+        # runs first.  (Not at interpreter exit: the process's pages go with it anyway.)
+        self._unpin = weakref.finalize(self, _unregister_pages, int(self._base.ctypes.data), self.label,
+                                       self._mmap)
+        self._unpin.atexit = False
         return True
 
     # ------------------------------------------------------------------ teardown
@@ -552,17 +561,10 @@ class ECSharedRegion:
         if self._range is not None:
             unregister(self._range)
             self._range = None
-        if self.is_pinned and self._base is not None:
-            from cuda.bindings import driver as cu
-            from numba import cuda
-
-            cuda.current_context()  # cleanup may run on a thread that never touched the GPU
-            (err,) = cu.cuMemHostUnregister(int(self._base.ctypes.data))
+        if self._unpin is not None:
+            self._unpin()  # (runs once: a finalizer called by hand is detached)
+            self._unpin = None
             self.is_pinned = False
-            if err != cu.CUresult.CUDA_SUCCESS:
-                # The pages stay locked until the process exits, and a later mapping at the same
-                # address could not be registered: worth saying, not worth failing the cleanup.
-                warnings.warn(f"{self.label}: cuMemHostUnregister failed ({err})", RuntimeWarning, stacklevel=2)
         self.blocks = None
         self._base = None
         if self._mmap is not None:
@@ -601,6 +603,20 @@ class ECSharedRegion:
         role = "creator" if self.is_creator else "opener"
         state = "closed" if self.closed else f"{self.num_blocks} x {self.block_size_bytes} B"
         return f"<ECSharedRegion {self.label} ({role}, {state}, {self.dtype.name} x {self.hidden_size})>"
+
+
+def _unregister_pages(address: int, label: str, _mapping) -> None:
+    """Undo :meth:`ECSharedRegion.pin_memory`'s ``cuMemHostRegister`` (``_mapping``: the mmap,
+    kept alive by this call's arguments until the pages are unregistered)."""
+    from cuda.bindings import driver as cu
+    from numba import cuda
+
+    cuda.current_context()  # cleanup may run on a thread that never touched the GPU
+    (err,) = cu.cuMemHostUnregister(address)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        # The pages stay locked until the process exits, and a later mapping at the same
+        # address could not be registered: worth saying, not worth failing the cleanup.
+        warnings.warn(f"{label}: cuMemHostUnregister failed ({err})", RuntimeWarning, stacklevel=2)
 
 
 def create_ec_shared_region(config: ECRegionConfig | Mapping[str, Any] | None = None, **kwargs) -> ECSharedRegion:
