@@ -15,6 +15,11 @@ Upstream: vLLM's ``ECCPUWorker`` (``ec_connector/cpu/worker``), behaviour kept l
   region coalesce -- then per-``mm_hash`` views reinterpreted as the model dtype
   ``[rows, hidden]``.  The compute queue waits for the copy's end event, and the buffer is
   registered against the compute queue (see :mod:`vtnumba.ec.destination`).
+* **The compute queue** is the caller's (``compute_queue=``), the queue its encoder runs on.
+  Without one the worker makes its own, and -- since nobody else queues work there -- ties
+  it to the default stream, upstream's "current stream": saves wait for what the default
+  stream has queued, the default stream waits for each load, and a load buffer is released
+  only after the default stream's reads (no-ops off a real GPU).
 * **Completions** (``build_connector_worker_meta``): a transfer is reported only once its
   *own* end event fired, front of the queue first, each exactly once; its queue, events
   and descriptor buffers go back to their pools at that moment.  Until then the
