@@ -570,10 +570,13 @@ fi
 # ================================================================================ ptxas
 # Registers, shared memory and spills per kernel (the same compile works without a GPU:
 # `python -m vtnumba bench kernels --ptxas`); last, because nothing above depends on it.
+# nvJitLink links each kernel with what it links at launch (float16's operators); a ptxas on
+# PATH is the fallback (vtnumba.kernels.ptx says why).
 t0=$SECONDS
 lim=$(limit 90)
-if ! command -v ptxas >/dev/null; then
-  note "ptxas resources" skipped 0 "no ptxas on PATH"
+if ! command -v ptxas >/dev/null &&
+   ! "$PY" -c 'import sys; from vtnumba.kernels.ptx import nvjitlink_available as a; sys.exit(not a())' 2>/dev/null; then
+  note "ptxas resources" skipped 0 "neither nvJitLink nor a ptxas on PATH"
 elif [ "$lim" -eq 0 ]; then
   note "ptxas resources" skipped 0 "time budget spent"
 else

@@ -40,3 +40,49 @@ def test_flag_write_kernel_publishes_with_an_atomic_after_the_system_fence(kerne
     fence, publish = ptx.find("membar.sys"), ptx.find("atom.global.exch.b32")
     assert fence >= 0 and publish > fence, ptx
     assert not re.search(r"^\s*st\.global\.u32", ptx, re.M), ptx
+
+
+def _ptx_cli(*args):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    proc = subprocess.run([sys.executable, "-m", "vtnumba.kernels.ptx", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+    return proc, (json.loads(proc.stdout) if proc.returncode in (0, 1) and proc.stdout else None)
+
+
+def test_resources_of_a_kernel_that_links_float16_code_at_launch():
+    # The float16 '+' is CUDA C++ (cuda_fp16.h) that numba links in at launch: the kernel's PTX
+    # alone declares it .extern, and ptxas alone fails on it.  The report links it as launches
+    # do (nvJitLink), so both dtypes get real figures -- and a failed report fails the command.
+    proc, report = _ptx_cli("--cc", "90", "--ptxas", "--only", "add_rows")
+    assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
+    assert report["resources_via"] == "nvJitLink", report
+    entries = {("float16" if "float16" in e["sig"] else "float32"): e["ptxas"] for e in report["results"]}
+    assert set(entries) == {"float32", "float16"} and {e["name"] for e in report["results"]} == {"add_rows"}
+    for dtype, usage in entries.items():
+        assert "error" not in usage, (dtype, usage)
+        assert usage["via"] == "nvJitLink" and 0 < usage["registers"] <= 255, usage
+        assert usage["spill_store_bytes"] == 0 and usage["smem_bytes"] == 0, usage
+    assert entries["float32"]["modules"] == 1 and entries["float16"]["modules"] == 2, entries
+
+
+def test_ptx_cli_refuses_unknown_kernels_and_capabilities_naming_the_argument():
+    proc, _ = _ptx_cli("--only", "add_rowz")
+    assert proc.returncode == 2 and "--only: no kernel named add_rowz" in proc.stderr and "add_rows" in proc.stderr
+    proc, _ = _ptx_cli("--cc", "sm90")
+    assert proc.returncode == 2 and "--cc: 'sm90'" in proc.stderr
+
+
+def test_ptxas_fallback_names_the_functions_it_cannot_resolve():
+    # Without nvJitLink, ptxas sees only the kernel's PTX: a kernel that links other code gets
+    # an error naming it, never numbers for a module that would not assemble.
+    from vtnumba.kernels.ptx import ptxas_usage
+
+    ptx = (".version 9.0\n.target sm_90\n.address_size 64\n"
+           ".extern .func  (.param .b32 func_retval0) _ZplRK6__halfS1__nbst\n(\n.param .b64 p0\n)\n;\n")
+    usage = ptxas_usage(ptx, "sm_90", ptxas="/nonexistent/ptxas")
+    assert usage["via"] == "ptxas" and "_ZplRK6__halfS1__nbst" in usage["error"] and "registers" not in usage

@@ -23,9 +23,10 @@ row with the fraction of its ceiling measured in the same run:
   against it; a norm shape that fits in L2 would flatter the kernel too, so the GPU norms
   use 8192 x 4096 unless ``--norm-shape`` says otherwise.
 
-With ``--ptxas`` and ``ptxas`` on PATH (no GPU needed) the suite also lists registers /
-shared memory / spills per kernel and compute capability (``kernel_resources``), and
-prints one note per kernel for sm_90.
+With ``--ptxas`` (no GPU needed: nvJitLink from pip, else a ``ptxas`` on PATH; see
+:mod:`vtnumba.kernels.ptx`) the suite also lists registers / shared memory / spills per
+kernel and compute capability (``kernel_resources``), and prints one note per kernel for
+sm_90.
 
 **How bandwidth is counted.**  ``timing.memcpy_bandwidth_gbs`` reports bytes *copied* per
 second; a copy of n bytes reads n and writes n.  To compare like with like this suite
@@ -63,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--norm-shape", type=_norm_shape_arg, default=None, metavar="ROWSxH",
                         help="shape of the norm benchmarks (default 8192x4096; on the host 1024x1024 with --quick)")
     parser.add_argument("--ptxas", action="store_true",
-                        help="report registers/shared memory/spills per kernel (needs ptxas on PATH)")
+                        help="report registers/shared memory/spills per kernel (nvJitLink, else ptxas on PATH)")
     from vtnumba.bench.runner import positive_int
 
     parser.add_argument("--device-matmul-sizes", type=positive_int, nargs="+", default=None, metavar="N",
@@ -492,10 +493,12 @@ def run(args) -> dict:
 
     suite = schema.suite("kernels", target, 1, results, ratios, baselines, notes)
     if getattr(args, "ptxas", False):
-        if shutil.which("ptxas"):
+        from vtnumba.kernels.ptx import nvjitlink_available
+
+        if nvjitlink_available() or shutil.which("ptxas"):
             suite["kernel_resources"] = _ptxas_resources(suite["notes"])
         else:
-            suite["notes"].append("--ptxas: no ptxas on PATH; resource report skipped")
+            suite["notes"].append("--ptxas: neither nvJitLink nor a ptxas on PATH; resource report skipped")
     return suite
 
 
