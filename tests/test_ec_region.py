@@ -215,8 +215,9 @@ def test_registered_pages_are_unregistered_before_the_mapping_goes(engine, monke
     import weakref
     from types import SimpleNamespace
 
-    import numba.cuda
     from cuda.bindings import driver as cu
+
+    import vtnumba.backend.cuda
 
     events = []
 
@@ -231,7 +232,7 @@ def test_registered_pages_are_unregistered_before_the_mapping_goes(engine, monke
 
     monkeypatch.setattr(cu, "cuMemHostRegister", register)
     monkeypatch.setattr(cu, "cuMemHostUnregister", unregister)
-    monkeypatch.setattr(numba.cuda, "current_context", lambda: None)
+    monkeypatch.setattr(vtnumba.backend.cuda, "current_context", lambda: None)  # no driver to ask here
     gpu = SimpleNamespace(capabilities=SimpleNamespace(host_addressable=False))
     r = create_ec_shared_region(engine_id=engine, hidden_size=4, region_bytes=8192, create=True)
     address = int(r._base.ctypes.data)

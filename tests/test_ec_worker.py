@@ -862,7 +862,8 @@ from numba.cuda.cudadrv.devicearray import DeviceNDArray
 # numba's pointer classes count references without a GPU; only their context lookups need
 # one, and nothing here is ever dereferenced.
 devices._runtime.ensure_context = contextlib.nullcontext
-numba.cuda.current_context = lambda: None
+import vtnumba.backend.cuda
+vtnumba.backend.cuda.current_context = lambda: None  # (it asks the driver which context is current)
 
 from vtnumba.ec.destination import LoadDestination, _gpu_view
 

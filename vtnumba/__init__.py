@@ -28,7 +28,8 @@ __version__ = "0.1.0"
 _LAZY = {
     **{name: "vtnumba.backend" for name in (
         "CPU", "Backend", "Buffer", "Capabilities", "CPUBackend", "Device", "DeviceResourceOps", "DeviceType",
-        "DType", "Event", "GraphHandle", "Queue", "alloc", "create_queue", "default_backend", "default_device",
+        "DType", "Event", "GraphHandle", "Queue", "alloc", "create_queue", "default_backend", "default_cuda_device",
+        "default_device",
         "destroy_queue", "free", "get_backend", "register_backend", "try_get_backend")},
     "CUDABackend": "vtnumba.backend.cuda",
     "current_target": "vtnumba.target",

@@ -106,8 +106,12 @@ def gpu_usable() -> tuple[bool, str]:
     try:
         from numba import cuda
 
-        if cuda.is_available():
-            return True, f"CUDA GPU found: {cuda.get_current_device().name}"
+        if cuda.is_available() and len(cuda.gpus):
+            # cuda.gpus[i] names a device without making a context on it (get_current_device
+            # would make one on GPU 0 -- memory there, in every rank, whatever GPU it uses).
+            name = cuda.gpus[0].name
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            return True, f"CUDA GPU found: {name}" + (f" (and {len(cuda.gpus) - 1} more)" if len(cuda.gpus) > 1 else "")
         return False, "numba.cuda reports no usable GPU"
     except Exception as exc:  # a broken driver install must not crash 'auto'
         return False, f"probing the GPU failed: {exc}"

@@ -183,3 +183,24 @@ def assert_false(v):
 
 def assert_eq(a, b):
     assert a == b, (a, b)
+
+
+def test_the_launchers_node_local_rank_is_mpis():
+    # vtnumba.backend.device_choice picks each rank's GPU from the launcher's variables (it
+    # sits below MPI); they must agree with MPI's own split of the ranks by node.
+    from mpi4py import MPI
+
+    from vtnumba.backend.device_choice import choose_cuda_device, node_local_rank
+
+    def check():
+        node = COMM.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            local = node_local_rank()
+            assert local is not None and local[0] == node.Get_rank(), (local, node.Get_rank())
+            # One GPU per rank where there are as many; all on device 0 where there is one.
+            assert choose_cuda_device(node.Get_size()).index == node.Get_rank()
+            assert choose_cuda_device(1).index == 0
+        finally:
+            node.Free()
+
+    collectively(check)

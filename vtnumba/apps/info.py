@@ -3,7 +3,7 @@
 Prints the versions of the stack (Python, numpy, numba, numba-cuda, mpi4py and the MPI
 library), which ``numba.cuda`` is active and on which driver binding (numba-cuda's on NVIDIA's
 ``cuda.bindings`` is the one vtnumba needs; see :mod:`vtnumba.backend.cuda_stack`), the chosen
-target and the reason for the choice, the GPU (name and compute capability) or "none",
+target and the reason for the choice, the GPU (name, compute capability, and which of the machine's GPUs and why) or "none",
 whether kernels run in numba's simulator, and the MPI rank and size when started under
 ``mpiexec``.  On the ``cuda`` target without a usable GPU it says why, and exits 1.
 
@@ -81,10 +81,14 @@ def collect_info() -> dict:
             return info
         from numba import cuda
 
-        dev = cuda.get_current_device()
+        from vtnumba.backend.device_choice import process_cuda_device
+
+        gpu_choice = process_cuda_device()
+        dev = cuda.gpus[gpu_choice.index]  # names the device without making a context on it
         name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
         info["gpu"] = name
         info["compute_capability"] = list(dev.compute_capability)
+        info["cuda_device"] = f"cuda:{gpu_choice.index} ({gpu_choice.reason})"
     elif choice.name == "cudasim":
         info["gpu"] = "none (kernels run in numba's CUDA simulator)"
     return info

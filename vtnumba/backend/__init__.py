@@ -12,7 +12,8 @@ Reading order (one concept per module):
 * :mod:`~vtnumba.backend.cpu`      -- host memory, synchronous or threaded queues;
 * :mod:`~vtnumba.backend.cuda`     -- numba-cuda on a GPU or in the simulator
   (:mod:`~vtnumba.backend.cuda_flags`, :mod:`~vtnumba.backend.cuda_stack`);
-* :mod:`~vtnumba.backend.registry` / :mod:`~vtnumba.backend.default` -- which backend serves which device.
+* :mod:`~vtnumba.backend.registry` / :mod:`~vtnumba.backend.default` -- which backend serves which device;
+  :mod:`~vtnumba.backend.device_choice` -- which GPU this process uses.
 """
 
 from vtnumba.backend.arrays import check_nbytes
@@ -28,7 +29,7 @@ from vtnumba.backend.base import (
     remove_use_observer,
 )
 from vtnumba.backend.cpu import CPUBackend
-from vtnumba.backend.default import default_backend, default_device
+from vtnumba.backend.default import default_backend, default_cuda_device, default_device
 from vtnumba.backend.device import CPU, MAX_DEVICES_PER_TYPE, Device, DeviceType
 from vtnumba.backend.dtype import DType, as_dtype, check_dtype_supported, supported_dtypes
 from vtnumba.backend.registry import (
@@ -49,5 +50,5 @@ __all__ = [
     "MAX_DEVICES_PER_TYPE", "Device", "DeviceType", "DType", "as_dtype", "check_dtype_supported",
     "supported_dtypes", "DeviceResourceOps", "alloc", "create_queue", "destroy_queue", "free", "get_backend",
     "register_backend", "registered_devices", "try_get_backend", "unregister_backend", "default_backend",
-    "default_device",
+    "default_device", "default_cuda_device",
 ]

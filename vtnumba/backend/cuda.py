@@ -73,6 +73,34 @@ def _cuda():
     return cuda
 
 
+#: The GPU this process's CUDA backends run on (the first real one made chooses it); None before.
+_process_device_index: int | None = None
+
+
+def current_context():
+    """numba's context of this process's GPU, made current on the calling thread if none is.
+
+    Asked on a thread that has no current context, ``cuda.current_context()`` makes *device
+    0's* current -- the wrong GPU for a rank that runs on another one
+    (:mod:`vtnumba.backend.device_choice`), e.g. for a cleanup that runs on a thread which
+    never touched the GPU.  Every "a context must be current here" of vtnumba asks here.
+    """
+    cuda = _cuda()
+    if simulator_active():
+        return cuda.current_context()  # the simulator has one device and no driver to ask
+    from cuda.bindings import driver as cu
+
+    err, ctx = cu.cuCtxGetCurrent()  # (an error: the driver is not initialized yet in this process)
+    if err != cu.CUresult.CUDA_SUCCESS or int(ctx) == 0:
+        if _process_device_index is None:
+            from vtnumba.backend.device_choice import process_cuda_device
+
+            cuda.select_device(process_cuda_device().index)
+        else:
+            cuda.select_device(_process_device_index)
+    return cuda.current_context()
+
+
 def fake_device_array(host: np.ndarray):
     """Simulator only: host memory as a device array kernels use in place (see :func:`wrap_host_memory`)."""
     return wrap_host_memory(host)
@@ -154,7 +182,10 @@ class CUDABackend(Backend):
     device_type = DeviceType.CUDA
 
     def __init__(self, device: Device | None = None):
-        device = device or Device(DeviceType.CUDA, 0)
+        if device is None:
+            from vtnumba.backend.device_choice import process_cuda_device
+
+            device = Device(DeviceType.CUDA, process_cuda_device().index)
         if device.type is not DeviceType.CUDA:
             raise ValueError(f"device={device} must be a CUDA device for CUDABackend")
         super().__init__(device)
@@ -173,7 +204,14 @@ class CUDABackend(Backend):
             cuda = _cuda()
             if not cuda.is_available():
                 raise RuntimeError("CUDABackend: no usable CUDA GPU (use VTNUMBA_TARGET=cpu or cudasim)")
+            global _process_device_index
+            if _process_device_index not in (None, device.index):
+                # numba keeps one current context per thread: a second GPU's backend would move
+                # every later launch and allocation of this thread (and the first backend's) there.
+                raise ValueError(f"device={device}: this process already runs on cuda:{_process_device_index}; "
+                                 "vtnumba drives one GPU per process (see vtnumba.backend.device_choice)")
             cuda.select_device(device.index)
+            _process_device_index = device.index
         self._queues_by_id: dict[int, _CUDAQueue] = {}
         self._memops_ok = True  # stream memory operations; False once the driver refused one
         self._flag_readback = None  # a pinned word that _read_flag_word copies a flag word into
@@ -318,7 +356,7 @@ class CUDABackend(Backend):
         for numba's launches."""
         from cuda.bindings import driver as cu
 
-        _cuda().current_context()  # stream creation needs a current context
+        current_context()  # stream creation needs a current context
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
         if priority == "high":
             # Lower numbers are higher priorities; the range is the device's (e.g. 0 .. -5).
@@ -548,7 +586,7 @@ class CUDABackend(Backend):
         key = next(_host_func_ids)
         # Taken here, where a context is current: on the driver's thread asking numba for it
         # would itself be a CUDA call.
-        context = _cuda().current_context()
+        context = current_context()
 
         def call() -> None:
             # Runs on a driver thread once the stream gets here.  It must not call CUDA, and

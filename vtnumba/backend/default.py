@@ -1,5 +1,8 @@
 """The process's default device and backend, following the chosen target.
 
+On the ``cuda`` target the default device is the GPU of this rank's node-local rank (or
+``VTNUMBA_DEVICE``): :mod:`vtnumba.backend.device_choice` says why and how.
+
 ``default_backend()`` looks in the registry first and creates (and registers) the
 target's backend on first use (and again after the registered one was closed): a :class:`CPUBackend` for ``cpu``, a :class:`CUDABackend`
 for ``cuda`` and ``cudasim``.  Everything above the backend layer asks here instead of
@@ -18,9 +21,18 @@ from vtnumba.target import current_target
 _lock = threading.Lock()
 
 
+def default_cuda_device() -> Device:
+    """This process's CUDA device: ``cuda:N`` with ``N`` from
+    :func:`~vtnumba.backend.device_choice.process_cuda_device` on the cuda target, ``cuda:0``
+    (the simulated device) otherwise."""
+    from vtnumba.backend.device_choice import process_cuda_device
+
+    return Device(DeviceType.CUDA, process_cuda_device().index)
+
+
 def default_device() -> Device:
-    """The target's device: ``cpu:0`` on the cpu target, ``cuda:0`` on cuda and cudasim."""
-    return CPU if current_target().name == "cpu" else Device(DeviceType.CUDA, 0)
+    """The target's device: ``cpu:0`` on the cpu target, :func:`default_cuda_device` on cuda and cudasim."""
+    return CPU if current_target().name == "cpu" else default_cuda_device()
 
 
 def default_backend(device: Device | DeviceType | str | None = None) -> Backend:

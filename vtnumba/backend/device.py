@@ -1,7 +1,9 @@
 """Devices and dtypes: *where* memory lives and *what* it holds (mirrors vllm.cpp's ``vt::Device``).
 
-A :class:`Device` is a ``(DeviceType, index)`` pair.  ``Device(t, 0)`` is the type's
-default device and shares the type-level registry slot (see :mod:`vtnumba.backend.registry`).
+A :class:`Device` is a ``(DeviceType, index)`` pair.  ``Device(t, 0)`` shares the type-level
+registry slot (see :mod:`vtnumba.backend.registry`).  Which CUDA device a process uses by
+default is :mod:`vtnumba.backend.device_choice`'s answer: on a machine with several GPUs,
+one per MPI rank.
 Indices run from 0 to :data:`MAX_DEVICES_PER_TYPE` - 1, as in vllm.cpp's fixed-size table (``vt/backend.h``).
 """
 

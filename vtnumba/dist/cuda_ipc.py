@@ -86,8 +86,9 @@ class CudaIpcImport:
 
     def __init__(self, handle_bytes: bytes, nbytes: int):
         from cuda.bindings import driver as cu
-        from numba import cuda
         from numba.cuda.cudadrv.driver import IpcHandle
+
+        from vtnumba.backend.cuda import current_context
 
         if len(handle_bytes) != _WIRE.size:
             raise ValueError(f"CUDA IPC handle message has {len(handle_bytes)} bytes, expected {_WIRE.size}")
@@ -100,7 +101,7 @@ class CudaIpcImport:
         ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
         self._ipc = IpcHandle(None, handle, size, source_info=None, offset=offset)
         # open_array -> open_direct -> cuIpcOpenMemHandle(LAZY_ENABLE_PEER_ACCESS), then a view at offset
-        self.array = self._ipc.open_array(cuda.current_context(), shape=(size,), dtype=np.dtype(np.uint8))
+        self.array = self._ipc.open_array(current_context(), shape=(size,), dtype=np.dtype(np.uint8))
 
     def close(self) -> None:
         """Unmap the peer's buffer (``cuIpcCloseMemHandle``) and drop ``array``; idempotent."""

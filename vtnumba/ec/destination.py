@@ -351,9 +351,10 @@ def _gpu_view(dest: LoadDestination, dtype: np.dtype, shape: tuple, offset: int,
     if offset + nbytes > dest.capacity:
         raise ValueError(f"a view of {nbytes} bytes at offset {offset} does not fit the {dest.capacity}-byte "
                          "load buffer")
-    from numba import cuda
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
     from numba.cuda.cudadrv.driver import AutoFreePointer
+
+    from vtnumba.backend.cuda import current_context
 
     if dest.views_pointer is None:
         from cuda.bindings import driver as cu
@@ -361,7 +362,7 @@ def _gpu_view(dest: LoadDestination, dtype: np.dtype, shape: tuple, offset: int,
         # Owns no memory: its "free" (run when the last reference goes) marks the views dead.
         # The finalizer's arguments keep the real allocation alive until then.
         keep = getattr(dest.memory, "array", dest.memory)
-        dest.views_pointer = AutoFreePointer(cuda.current_context(), cu.CUdeviceptr(dest.ptr), dest.capacity,
+        dest.views_pointer = AutoFreePointer(current_context(), cu.CUdeviceptr(dest.ptr), dest.capacity,
                                              finalizer=functools.partial(_views_died, dest, keep))
     owned = dest.views_pointer.view(offset, offset + nbytes)  # an OwnedPointer: one reference
     strides, step = [], dtype.itemsize

@@ -501,9 +501,10 @@ class ECSharedRegion:
             self.pin_status = "no-op: no real GPU in use (cpu target or simulator), host memory needs no registration"
             return False
         from cuda.bindings import driver as cu
-        from numba import cuda
 
-        cuda.current_context()  # registration needs a current context
+        from vtnumba.backend.cuda import current_context
+
+        current_context()  # registration needs a current context (this process's GPU's)
         # PORTABLE: pinned for every context of this process, not only the current one (a
         # queue or a library may run in another).  The whole mapping, header included: it is
         # page-aligned (mmap), as registration wants.
@@ -609,9 +610,10 @@ def _unregister_pages(address: int, label: str, _mapping) -> None:
     """Undo :meth:`ECSharedRegion.pin_memory`'s ``cuMemHostRegister`` (``_mapping``: the mmap,
     kept alive by this call's arguments until the pages are unregistered)."""
     from cuda.bindings import driver as cu
-    from numba import cuda
 
-    cuda.current_context()  # cleanup may run on a thread that never touched the GPU
+    from vtnumba.backend.cuda import current_context
+
+    current_context()  # cleanup may run on a thread that never touched the GPU
     (err,) = cu.cuMemHostUnregister(address)
     if err != cu.CUresult.CUDA_SUCCESS:
         # The pages stay locked until the process exits, and a later mapping at the same

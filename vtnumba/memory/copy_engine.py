@@ -357,10 +357,10 @@ def cuda_batch_api_available() -> bool:
 def _cuda_context() -> None:
     """Make sure this thread has the CUDA context current (numba's own calls do that for
     themselves; raw cuda.bindings calls do not -- on a thread that never touched numba they
-    would fail with CUDA_ERROR_INVALID_CONTEXT)."""
-    from numba import cuda
+    would fail with CUDA_ERROR_INVALID_CONTEXT) -- this process's GPU's context."""
+    from vtnumba.backend.cuda import current_context
 
-    cuda.current_context()
+    current_context()
 
 
 def _stream_handle(stream):

@@ -302,9 +302,9 @@ def record_stream_array(array, queue: Queue) -> None:
 
 
 def _active_plugin():
-    from numba import cuda
+    from vtnumba.backend.cuda import current_context
 
-    mm = cuda.current_context().memory_manager
+    mm = current_context().memory_manager
     if not hasattr(mm, "core") or not isinstance(mm, numba_memory_manager_class()):
         raise RuntimeError("vtnumba's memory manager is not installed; call install_numba_memory_manager() first")
     return mm

@@ -20,12 +20,11 @@ def is_host(arr) -> bool:
 
 
 def _upload(host: np.ndarray):
-    from vtnumba.backend import default_backend
-    from vtnumba.backend.device import Device, DeviceType
+    from vtnumba.backend import default_backend, default_cuda_device
 
     # The process's CUDA backend (a GPU, or the simulator): the arrays it makes are the ones
     # every CUDA kernel of vtnumba takes.
-    return default_backend(Device(DeviceType.CUDA, 0)).asarray(np.ascontiguousarray(host, dtype=np.float32))
+    return default_backend(default_cuda_device()).asarray(np.ascontiguousarray(host, dtype=np.float32))
 
 
 class Params:

@@ -83,7 +83,10 @@ class CudaTPSPBackend(PeerTPSPBackend):
 
     def __init__(self, group_name: str = "tp", device=None, *, backend=None, exchange: str | None = None,
                  timeout_s: float = DEFAULT) -> None:
-        device = Device(DeviceType.CUDA, 0) if device is None else device
+        if device is None:
+            from vtnumba.backend.default import default_cuda_device
+
+            device = default_cuda_device()
         if not isinstance(device, Device) or device.type is not DeviceType.CUDA:
             raise ValueError(f"device={device!r} must be a CUDA Device for CudaTPSPBackend")
         if backend is not None and backend.device_type is not DeviceType.CUDA:
