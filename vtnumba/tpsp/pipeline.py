@@ -36,7 +36,12 @@ computes of chunk ``g`` and collects of ``g-2``, every wait of ``(g, collect)`` 
 of chunk ``g``: the dependencies only point to earlier chunks or to the step before in
 the same chunk, and every rank queues the same steps in the same order, so by induction
 on ``g`` every wait is eventually satisfied -- on synchronous queues (where each step
-simply runs when queued), threaded host queues and GPU streams alike.
+simply runs when queued), threaded host queues and GPU streams alike.  The synchronous
+case also answers a GPU hazard: two streams that share one hardware work queue run their
+work in the order the host queued it, as if they were one queue -- and in that order
+(below) every wait comes after the local signal it needs, as the synchronous queues
+show on every run, so a flag wait can hold up the other stream but never wait for work
+queued behind it.
 
 **The host's part** is small: it checks every rank called with the same shapes, eps and
 norm (one handshake per call, on the host flags: :meth:`ChunkPipeline.agree`), queues the
