@@ -75,6 +75,8 @@ def _cuda():
 
 #: The GPU this process's CUDA backends run on (the first real one made chooses it); None before.
 _process_device_index: int | None = None
+#: ``.ready``: current_context() has made sure of this thread's context (numba keeps it current).
+_thread_context = threading.local()
 
 
 def current_context():
@@ -83,11 +85,13 @@ def current_context():
     Asked on a thread that has no current context, ``cuda.current_context()`` makes *device
     0's* current -- the wrong GPU for a rank that runs on another one
     (:mod:`vtnumba.backend.device_choice`), e.g. for a cleanup that runs on a thread which
-    never touched the GPU.  Every "a context must be current here" of vtnumba asks here.
+    never touched the GPU.  Every "a context must be current here" of vtnumba asks here --
+    batched copies among them, so after a thread's first call it costs one attribute lookup
+    more than numba's own.
     """
     cuda = _cuda()
-    if simulator_active():
-        return cuda.current_context()  # the simulator has one device and no driver to ask
+    if getattr(_thread_context, "ready", False) or simulator_active():
+        return cuda.current_context()  # (the simulator has one device and no driver to ask)
     from cuda.bindings import driver as cu
 
     err, ctx = cu.cuCtxGetCurrent()  # (an error: the driver is not initialized yet in this process)
@@ -98,7 +102,9 @@ def current_context():
             cuda.select_device(process_cuda_device().index)
         else:
             cuda.select_device(_process_device_index)
-    return cuda.current_context()
+    context = cuda.current_context()
+    _thread_context.ready = True
+    return context
 
 
 def fake_device_array(host: np.ndarray):
