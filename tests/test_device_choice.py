@@ -88,3 +88,33 @@ def test_on_a_gpu_one_process_drives_one_device(device_backend):
     other = Device(DeviceType.CUDA, (device_backend.device.index + 1) % 16)
     with pytest.raises(ValueError, match=rf"device={other}: this process already runs on cuda:"):
         CUDABackend(other)
+
+
+NO_GPU_SCRIPT = """
+from vtnumba.backend.cuda import CUDABackend
+from vtnumba.backend.device_choice import process_cuda_device
+choice = process_cuda_device()
+assert choice.index == 0 and "no usable CUDA GPU" in choice.reason, choice
+try:
+    CUDABackend()
+except RuntimeError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_the_cuda_target_without_a_gpu_gets_the_backends_own_refusal():
+    # Counting the devices would raise from deep in the driver binding; the choice says
+    # device 0, and CUDABackend says what is wrong and what to do.
+    import os
+    import subprocess
+    import sys
+
+    from vtnumba.target import gpu_usable
+
+    if gpu_usable()[0]:
+        pytest.skip("this machine has a GPU")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", VTNUMBA_TARGET="cuda", MPI_LOCALRANKID="1")
+    proc = subprocess.run([sys.executable, "-c", NO_GPU_SCRIPT], capture_output=True, text=True, env=env, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused: CUDABackend: no usable CUDA GPU (use VTNUMBA_TARGET=cpu or cudasim)" in proc.stdout, proc.stdout

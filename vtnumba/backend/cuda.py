@@ -94,17 +94,21 @@ def current_context():
         return cuda.current_context()  # (the simulator has one device and no driver to ask)
     from cuda.bindings import driver as cu
 
+    global _process_device_index
     err, ctx = cu.cuCtxGetCurrent()  # (an error: the driver is not initialized yet in this process)
     if err != cu.CUresult.CUDA_SUCCESS or int(ctx) == 0:
         if _process_device_index is None:
-            from vtnumba.backend.device_choice import process_cuda_device
-
-            cuda.select_device(process_cuda_device().index)
-        else:
-            cuda.select_device(_process_device_index)
+            _process_device_index = _process_device().index  # (a later CUDABackend must agree)
+        cuda.select_device(_process_device_index)
     context = cuda.current_context()
     _thread_context.ready = True
     return context
+
+
+def _process_device():
+    from vtnumba.backend.device_choice import process_cuda_device
+
+    return process_cuda_device()
 
 
 def fake_device_array(host: np.ndarray):
@@ -189,9 +193,9 @@ class CUDABackend(Backend):
 
     def __init__(self, device: Device | None = None):
         if device is None:
-            from vtnumba.backend.device_choice import process_cuda_device
-
-            device = Device(DeviceType.CUDA, process_cuda_device().index)
+            # The simulator has one device; only a real GPU asks which one is this process's
+            # (asking there would also fix the process's target as a side effect).
+            device = Device(DeviceType.CUDA, _process_device().index if not simulator_active() else 0)
         if device.type is not DeviceType.CUDA:
             raise ValueError(f"device={device} must be a CUDA device for CUDABackend")
         super().__init__(device)
@@ -244,13 +248,13 @@ class CUDABackend(Backend):
         """The current GPU's (major, minor) compute capability; (0, 0) in the simulator."""
         if self.simulator:
             return (0, 0)
-        return tuple(_cuda().get_current_device().compute_capability)
+        return tuple(current_context().device.compute_capability)
 
     def device_name(self) -> str:
         """The GPU's name as the driver reports it, or ``"numba CUDA simulator"``."""
         if self.simulator:
             return "numba CUDA simulator"
-        name = _cuda().get_current_device().name
+        name = current_context().device.name
         return name.decode() if isinstance(name, bytes) else str(name)
 
     # ---------------------------------------------------------------- arrays

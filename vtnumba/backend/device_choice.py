@@ -95,6 +95,8 @@ def process_cuda_device() -> DeviceChoice:
         else:
             from numba import cuda
 
+            if not cuda.is_available():  # (CUDABackend then says so; counting devices would raise here)
+                return DeviceChoice(0, "no usable CUDA GPU: device 0")
             _chosen = choose_cuda_device(len(cuda.gpus))
     return _chosen
 

@@ -67,10 +67,10 @@ def async_copies_supported() -> tuple[bool, str]:
     Always true in the simulator; on a GPU, compute capability 8.0 or newer."""
     if simulator_active():
         return True, ""
-    from numba import cuda
+    from vtnumba.backend.cuda import current_context
 
     try:
-        cc = tuple(cuda.get_current_device().compute_capability)
+        cc = tuple(current_context().device.compute_capability)  # (this process's GPU: device_choice)
     except Exception as exc:  # noqa: BLE001 - no driver, no device: the answer is "no", with the reason
         return False, f"no usable CUDA device ({type(exc).__name__}: {' '.join(str(exc).split())})"
     if cc >= MIN_COMPUTE_CAPABILITY:

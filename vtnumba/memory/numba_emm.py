@@ -268,6 +268,11 @@ def install_numba_memory_manager(backend: Backend | None = None, *, limit_bytes:
     ``device_array``, kernel launch or ``CUDABackend``).  ``backend`` supplies queues and
     events (default: the registered default backend, at first allocation);
     ``segment_source`` supplies segments (default: ``cuMemAlloc``).  Returns the plugin class.
+
+    Without ``backend`` it then makes this process's GPU's context
+    (:mod:`vtnumba.backend.device_choice`) current, with the plugin in it: numba's next call
+    would otherwise make device 0's, and the first allocation -- which makes the default
+    backend, on the process's GPU, from inside numba's call -- could not switch.
     """
     from vtnumba.backend.arrays import simulator_active
 
@@ -287,6 +292,10 @@ def install_numba_memory_manager(backend: Backend | None = None, *, limit_bytes:
     from numba import cuda
 
     cuda.set_memory_manager(cls)
+    if backend is None:  # (the backend is made inside numba's first allocation: see above)
+        from vtnumba.backend.cuda import current_context
+
+        current_context()
     return cls
 
 

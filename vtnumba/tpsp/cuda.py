@@ -142,9 +142,9 @@ class CudaTPSPBackend(PeerTPSPBackend):
         """The device's streaming-multiprocessor count (None in the simulator)."""
         if self.simulator:
             return None
-        from numba import cuda
+        from vtnumba.backend.cuda import current_context
 
-        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+        return int(current_context().device.MULTIPROCESSOR_COUNT)
 
     def close(self, handle=None) -> None:
         super().close(handle)
