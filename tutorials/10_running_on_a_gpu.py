@@ -77,6 +77,29 @@ lesson.say(f"backend {backend.name} on {backend.device}: " + ", ".join(f"{k}={v}
 lesson.check(caps["supports_graph_capture"] == (target == "cuda"), "graph capture exactly on a real GPU")
 
 # %%
+# Which GPU each rank uses
+# ------------------------
+#
+# On a machine with several GPUs, ``mpiexec -n N`` should not pile every rank onto GPU 0.
+# Each rank takes the GPU of its *node-local rank* -- its place among the ranks on this
+# machine, which the launcher tells every process (``MPI_LOCALRANKID`` under MPICH) --
+# modulo the number of GPUs, so ranks share GPUs evenly when there are more ranks than GPUs
+# (two ranks on one GPU, as here and on a laptop, both use device 0).  ``VTNUMBA_DEVICE=K``
+# puts every rank on GPU ``K``.  Only the ``cuda`` target asks; the simulator has one device.
+#
+# .. vt-source:: vtnumba.backend.device_choice.choose_cuda_device
+from vtnumba import default_device  # noqa: E402
+from vtnumba.backend.device_choice import choose_cuda_device, node_local_rank, process_cuda_device  # noqa: E402
+
+local = node_local_rank()
+lesson.say(f"node-local rank {local[0] if local else None} (from {local[1] if local else 'no launcher'}); "
+           f"this rank's CUDA device: cuda:{process_cuda_device().index} ({process_cuda_device().reason}); "
+           f"default device {default_device()}")
+lesson.say("on a machine with 4 GPUs, node-local ranks 0..5 would take devices "
+           f"{[choose_cuda_device(4, {'MPI_LOCALRANKID': str(r)}).index for r in range(6)]}")
+lesson.check(backend.device == default_device(), "the default backend runs on the default device")
+
+# %%
 # Arrays
 # ------
 #
