@@ -55,6 +55,7 @@ def test_no_visible_device_is_refused(count):
         choose_cuda_device(count, environ={})
 
 
+@pytest.mark.simulator_only  # (the run's target is cpu there; on a GPU run it is cuda)
 def test_off_the_cuda_target_the_cuda_device_is_0_whatever_the_launcher_says(monkeypatch):
     # The simulator has one device and the cpu target none: a rank-based index would name a
     # device that does not exist.
