@@ -165,6 +165,34 @@ for T_small in (1, tp + 1, 3 * tp + 1):
     lesson.check(np.allclose(back, want, atol=1e-5), f"T={T_small} on {tp} ranks: RS + AG == all-reduce")
 
 # %%
+# Flags raised by the queue
+# -------------------------
+#
+# Above, the *host* raises and awaits every flag, so inside each call it synchronizes the
+# queue twice: my partial must be in my buffer before ``inbox_ready`` goes up, and my sum
+# must be done before ``consumed`` does.  ``QueuedSignals`` queues the same waits and
+# signals on the queue itself (:class:`~vtnumba.dist.QueueFlags`; on a GPU
+# ``cuStreamWaitValue32`` / ``cuStreamWriteValue32``): the host checks that every rank
+# called with the same shapes (one handshake), queues the whole step, and waits once at
+# the end -- how TPSP's exchange runs between chunks, with no host in between.  The
+# results are the same bytes.  (Switching channels on one buffer: the host-flag channel's
+# last readers must be done with my buffer first -- ``wait_consumed`` -- and closing the
+# queued one is collective, so its readers are done when it is closed.)
+#
+# .. vt-source:: vtnumba.dist.collectives._exchange_queued
+from vtnumba.dist import QueuedSignals  # noqa: E402
+
+signals.wait_consumed()
+with QueuedSignals(group, pb.backend) as queued:
+    q_out = to_host(reduce_scatter(pb, to_target(partials[rank]), empty((R, H), np.float32), queued))
+    q_gathered = to_host(all_gather(pb, to_target(q_out), empty((T, H), np.float32), queued))
+    q_steps = queued.epoch
+lesson.say(f"queued flags, {q_steps} steps: reduce-scatter identical to the host-flag one: "
+           f"{np.array_equal(q_out, peer_out)}; all-gather identical: {np.array_equal(q_gathered, gathered)}")
+lesson.check(np.array_equal(q_out, peer_out) and np.array_equal(q_gathered, gathered) and q_steps == 2,
+             "reduce-scatter and all-gather with queued flags == with host flags")
+
+# %%
 # Time across sizes
 # -----------------
 #

@@ -7,10 +7,12 @@ test everywhere instead of leaving a peer blocked; every wait has a short timeou
 """
 
 import os
+import re
 import time
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from conftest import ON_GPU
 from mpi_helpers import COMM, collectively
@@ -390,6 +392,136 @@ def test_the_mpi_baselines_take_aliased_buffers_and_name_bad_ones(tp):
         dist.mpi_all_gather(np.ones((2, 4), np.float32), np.empty((2 * n, 4), np.float32), None)
 
 
+# ---------------------------------------------------------------------------- queued signals
+def _queued_round(pb, sig, xs, T, H, dtype, me, n, offset=64):
+    """One reduce-scatter and all-gather of every kind with ``sig``; checks each against numpy."""
+    R = -(-T // n)
+    total = np.zeros((n * R, H), np.float64)
+    total[:T] = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    to, back = pb.backend.asarray, pb.backend.to_host
+    out = to(np.full((R, H), np.nan, dtype))
+    dist.reduce_scatter(pb, to(xs[me]), out, sig)  # staged
+    np.testing.assert_allclose(back(out), total[me * R:(me + 1) * R], rtol=1e-5, atol=1e-5, err_msg=f"staged T={T}")
+    xin = pb.views(dtype, (T, H), offset=offset)[me]  # produced in the buffer, in queue order
+    sig.wait_consumed(pb.queue)
+    pb.backend.copy(pb.queue, xin, to(xs[me]), xs[me].nbytes)
+    out2 = to(np.full((R, H), np.nan, dtype))
+    dist.reduce_scatter(pb, xin, out2, sig, offset=offset)
+    np.testing.assert_array_equal(back(out2), back(out))
+    gathered = to(np.full((T, H), np.nan, dtype))
+    dist.all_gather(pb, out, gathered, sig)
+    np.testing.assert_allclose(back(gathered), total[:T], rtol=1e-5, atol=1e-5, err_msg=f"all_gather T={T}")
+    gin = pb.views(dtype, (n * R, H), offset=offset)[me]  # in place: the shard already in its rows
+    sig.wait_consumed(pb.queue)
+    pb.backend.copy(pb.queue, gin[me * R:(me + 1) * R], out, R * H * np.dtype(dtype).itemsize)
+    dist.all_gather(pb, gin[me * R:(me + 1) * R], gin[:T], sig, offset=offset)
+    np.testing.assert_array_equal(back(gin[:T]), back(gathered))
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_queued_signals_give_the_reference_results_on_cpu(tp, threaded, shm_unchanged):
+    # The flags raised and awaited in queue order: on synchronous queues every step runs as it
+    # is queued; on threaded ones the waits hold the queue's thread, as a stream waits on a GPU.
+    n, me = tp.size, tp.rank
+    H = 33
+
+    def body():
+        be = CPUBackend(threaded=threaded)
+        with dist.PeerBuffers((129 + n) * H * 8 + 64, tp, be, timeout_s=TIMEOUT) as pb, \
+                dist.QueuedSignals(tp, be, timeout_s=TIMEOUT) as sig:
+            for T in _ts(n):
+                xs = [np.random.default_rng(100 * T + r).standard_normal((T, H)).astype(np.float32) for r in range(n)]
+                _queued_round(pb, sig, xs, T, H, np.float32, me, n)
+            assert sig.epoch == 4 * len(_ts(n)) and sig.broken is None
+
+    collectively(body)
+
+
+def test_queued_signals_on_the_device(tp, device_backend, shm_unchanged):
+    """The queued flags with the device's kernels: the simulator's flag kernels, or stream memory
+    operations on a GPU."""
+    n, me = tp.size, tp.rank
+    be = device_backend
+    H, Ts, nbytes = (3, sorted({1, n, 5}), 1024) if be.capabilities.simulator else (65, _ts(n), 1 << 20)
+
+    def body():
+        with dist.PeerBuffers(nbytes, tp, be, timeout_s=TIMEOUT) as pb, \
+                dist.QueuedSignals(tp, be, timeout_s=TIMEOUT) as sig:
+            for T in Ts:
+                xs = [np.random.default_rng(7 * T + r).standard_normal((T, H)).astype(np.float32) for r in range(n)]
+                _queued_round(pb, sig, xs, T, H, np.float32, me, n)
+
+    collectively(body)
+
+
+def test_queued_signals_refusals_and_mismatches_fail_everywhere_and_the_channel_goes_on(tp, shm_unchanged):
+    n, me = tp.size, tp.rank
+    be = CPUBackend()
+    with dist.PeerBuffers(4096, tp, be, timeout_s=TIMEOUT) as pb, \
+            dist.QueuedSignals(tp, be, timeout_s=TIMEOUT) as sig:
+        # a bad argument on rank 1 only: it raises its ValueError, the others refuse at once
+        t0 = time.perf_counter()
+        errs = errors_everywhere(lambda: dist.all_gather(
+            pb, np.ones((2, 4), np.float32), np.zeros((2 * n + (me == 1), 4), np.float32), sig))
+        assert time.perf_counter() - t0 < TIMEOUT / 2
+        assert errs[1].startswith("ValueError: out has shape"), errs
+        assert all(e == "RuntimeError: all_gather: rank 1 of group 'tp' refused its arguments (see its error); "
+                        "nothing was exchanged" for r, e in enumerate(errs) if r != 1), errs
+        # shapes that differ across ranks: the same ValueError everywhere, before anything is queued
+        T = 4 * n + me
+        msg = same_error_everywhere(ValueError, lambda: dist.reduce_scatter(
+            pb, np.ones((T, 4), np.float32), np.zeros((-(-T // n), 4), np.float32), sig))
+        assert "reduce_scatter: ranks of group 'tp' called it with different arguments" in msg
+        assert sig.epoch == 0 and sig.broken is None  # nothing was queued: the channel goes on
+        out = np.full((2, 4), np.nan, np.float32)
+
+        def ok():
+            dist.reduce_scatter(pb, np.full((2 * n, 4), me + 1, np.float32), out, sig)
+            np.testing.assert_array_equal(out, np.full((2, 4), n * (n + 1) / 2, np.float32))
+
+        collectively(ok)
+        with pytest.raises(TypeError, match="signals must be a PeerSignals or a QueuedSignals"):
+            dist.reduce_scatter(pb, np.ones((2 * n, 4), np.float32), out, "signals")
+        with dist.QueuedSignals(tp, CPUBackend(), timeout_s=TIMEOUT) as other:
+            with pytest.raises(ValueError, match="must use the same backend"):
+                dist.reduce_scatter(pb, np.ones((2 * n, 4), np.float32), out, other)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_rank_failing_inside_a_queued_call_fails_every_rank_and_poisons_the_channel(tp, threaded, monkeypatch,
+                                                                                     shm_unchanged):
+    n, me = tp.size, tp.rank
+    from vtnumba.dist import collectives
+
+    def broken_sum(*args, **kwargs):
+        raise RuntimeError("injected: the row sum failed")
+
+    be = CPUBackend(threaded=threaded)
+    with dist.PeerBuffers(4096, tp, be, timeout_s=TIMEOUT) as pb, \
+            dist.QueuedSignals(tp, be, timeout_s=TIMEOUT) as sig:
+        if me == 0:
+            monkeypatch.setattr(collectives, "sum_rows", broken_sum)
+        x, out = np.full((2 * n, 4), me + 1, np.float32), np.zeros((2, 4), np.float32)
+        t0 = time.perf_counter()
+        errs = errors_everywhere(lambda: dist.reduce_scatter(pb, x, out, sig))
+        took = COMM.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        assert errs[0] == "RuntimeError: injected: the row sum failed", errs
+        # A peer still in the call fails at once, naming rank 0.  (A peer whose reads and
+        # signals were all done before rank 0 failed has its correct result: it learns at its
+        # next call.)
+        named = [e.startswith("QueueFlagsError: ") and re.search(r"rank 0(, \d+)* aborted", e) for e in errs[1:]]
+        assert all(ok or e == "no exception" for ok, e in zip(named, errs[1:])), errs
+        assert errs[1] != "no exception" or n > 2, errs  # (with 2 ranks, rank 1 waits for rank 0's consumed)
+        assert took < TIMEOUT / 2, f"the failure was noticed after {took:.1f} s: by a deadline, not the abort"
+        monkeypatch.undo()
+        # The released waits would pass at once: every rank refuses the next call, none waits.
+        t0 = time.perf_counter()
+        errs = errors_everywhere(lambda: dist.reduce_scatter(pb, x, out, sig))
+        assert time.perf_counter() - t0 < TIMEOUT / 2
+        assert all(e.startswith("RuntimeError: ") and "unusable after a failed call" in e for e in errs), errs
+        assert all(COMM.allgather(sig.broken is not None))
+
+
 def test_bench_peer_runs_under_mpi_and_follows_the_schema(tp):
     import argparse
 
@@ -400,12 +532,15 @@ def test_bench_peer_runs_under_mpi_and_follows_the_schema(tp):
         schema.validate_suite(d)
         assert d["ranks"] == tp.size and d["target"] == ("cuda" if ON_GPU else "cpu")
         assert all(r["value"] > 0 and r["samples"] == 2 for r in d["results"])
-        for key in ("reduce_scatter peer-in-buffer/mpi4py @0.25MiB", "all_gather peer-in-place/mpi4py geomean"):
+        for key in ("reduce_scatter peer-in-buffer/mpi4py @0.25MiB", "all_gather peer-in-place/mpi4py geomean",
+                    "reduce_scatter peer-in-buffer-queued/peer-in-buffer @0.25MiB",
+                    "all_gather peer-in-place-queued/peer-in-place geomean"):
             assert d["ratios"][key] > 0, key
         # The fraction of the memory limit: the bytes each call moves (all ranks) per second against
         # the copy ceiling -- busbw scaled by traffic_factor * n / (n - 1).
         n = tp.size
-        for case, impl in (("reduce_scatter", "peer-in-buffer"), ("all_gather", "peer-in-place")):
+        for case, impl in (("reduce_scatter", "peer-in-buffer"), ("all_gather", "peer-in-place"),
+                           ("reduce_scatter", "peer-in-buffer-queued"), ("all_gather", "peer-in-place-queued")):
             busbw = d["ratios"][f"{case} {impl} busbw / copy traffic @0.25MiB"]
             traffic = d["ratios"][f"{case} {impl} memory traffic / copy traffic @0.25MiB"]
             assert traffic == pytest.approx(busbw * peer.traffic_factor(case, impl, n) * n / (n - 1))

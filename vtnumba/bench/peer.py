@@ -19,6 +19,13 @@ total size ``S`` (1-64 MiB; ``--quick``: 1 and 16 MiB) the same float32 data goe
     - ``mpi4py``: ``comm.Allgather``, and ``mpi4py-in-place``: ``comm.Allgather(MPI.IN_PLACE, out)``
       (the fair partner of ``peer-in-place``: MPI then also skips the own-shard copy).
 
+* ``peer-in-buffer-queued`` (reduce-scatter) and ``peer-in-place-queued`` (all-gather): the
+  same calls with their flags raised and awaited in queue order
+  (:class:`vtnumba.dist.QueuedSignals`; on a GPU, stream memory operations), so the host
+  does not synchronize the queue between a call's steps.  Their ratio to the host-flag
+  call says what that saves; on the cpu target's synchronous queues the two do the same
+  work, in the same order.
+
 Metric: bus bandwidth as nccl-tests defines it -- ``algbw = S / t``, ``busbw = algbw *
 (n-1)/n`` -- in GB/s, where ``t`` is the slowest rank's time for one call.  The
 implementations are measured *interleaved* (one call of each per round, rounds repeated)
@@ -83,6 +90,7 @@ def traffic_factor(case: str, impl: str, n: int) -> int:
     the copy rate -- (n-1) / (n * factor): 1/6 for an in-buffer reduce-scatter at n = 2 --
     and the fraction of the limit actually reached is ``factor * algbw / copy traffic``.
     """
+    impl = impl.removesuffix("-queued")  # the same bytes move, whoever raises the flags
     if case == "reduce_scatter":
         return (n + 1) + (2 * (n - 1) if impl == "peer-staged" else 0)
     if case == "all_gather":
@@ -131,7 +139,8 @@ def _measure_size(group, backend, size_mib: float, repeat: int, to_target, on_de
     shard_host = rng.standard_normal((R, H), dtype=np.float32)
     # Each rank's peer buffer: [0, S) the reduce-scatter input / all-gather shard,
     # [S, 2S) the in-place all-gather output.
-    with dist.PeerBuffers(2 * S, group, backend) as pb, dist.PeerSignals(group, backend=backend) as sig:
+    with dist.PeerBuffers(2 * S, group, backend) as pb, dist.PeerSignals(group, backend=backend) as sig, \
+            dist.QueuedSignals(group, backend) as qsig:
         q = pb.queue
         x, shard = to_target(x_host), to_target(shard_host)
         out = to_target(np.zeros((R, H), np.float32))
@@ -154,6 +163,12 @@ def _measure_size(group, backend, size_mib: float, repeat: int, to_target, on_de
             ("all_gather", "peer-staged"): lambda: dist.all_gather(pb, shard, gathered, sig),
             ("all_gather", "peer-in-place"): lambda: dist.all_gather(pb, shard_inplace, g_inplace, sig, offset=S),
             ("all_gather", "mpi4py"): lambda: dist.mpi_all_gather(shard, gathered, group, timeout_s=None),
+            # The same in-buffer and in-place calls with their flags queued (QueuedSignals): no
+            # host synchronization between the steps of a call.  (Each call starts at a barrier,
+            # so no rank writes a buffer a peer is still reading in the other protocol.)
+            ("reduce_scatter", "peer-in-buffer-queued"): lambda: dist.reduce_scatter(pb, x_in, out, qsig),
+            ("all_gather", "peer-in-place-queued"): lambda: dist.all_gather(pb, shard_inplace, g_inplace, qsig,
+                                                                            offset=S),
         }
         if not on_device:  # MPI_IN_PLACE on host memory (the pip mpich is not CUDA-aware)
             impls[("all_gather", "mpi4py-in-place")] = lambda: group.comm.Allgather(MPI.IN_PLACE, g_mpi_inplace)
@@ -206,7 +221,12 @@ def run(args) -> dict:
                 results.append(schema.row(case, impl, float(size_mib), "MiB", "busbw GB/s", bw[(case, impl)], st))
             pairs = [("reduce_scatter", "peer-in-buffer", "mpi4py"), ("reduce_scatter", "peer-staged", "mpi4py"),
                      ("all_gather", "peer-in-buffer", "mpi4py"), ("all_gather", "peer-staged", "mpi4py"),
-                     ("all_gather", "peer-in-place", "mpi4py"), ("all_gather", "peer-in-place", "mpi4py-in-place")]
+                     ("all_gather", "peer-in-place", "mpi4py"), ("all_gather", "peer-in-place", "mpi4py-in-place"),
+                     ("reduce_scatter", "peer-in-buffer-queued", "mpi4py"),
+                     ("all_gather", "peer-in-place-queued", "mpi4py-in-place"),
+                     # what queuing the flags saves: the same call with host-raised flags
+                     ("reduce_scatter", "peer-in-buffer-queued", "peer-in-buffer"),
+                     ("all_gather", "peer-in-place-queued", "peer-in-place")]
             for case, impl, base in pairs:
                 if (case, base) in bw and (case, impl) in bw:
                     r = bw[(case, impl)] / bw[(case, base)]

@@ -14,11 +14,12 @@ Reading order (each module is one concept):
   (GPU streams: stream memory operations), with a guarded finish;
 * :mod:`~vtnumba.dist.failures`     -- failures are messages: ``PeerFailed`` in every wait,
   ``run_collectively`` and the exit protocol that always ends the job;
-* :mod:`~vtnumba.dist.collectives`  -- reduce-scatter / all-gather over peer buffers, and the
-  MPI baselines they are measured against.
+* :mod:`~vtnumba.dist.collectives`  -- reduce-scatter / all-gather over peer buffers (their flags
+  raised by the host, ``PeerSignals``, or in queue order, ``QueuedSignals``), and the MPI
+  baselines they are measured against.
 """
 
-from vtnumba.dist.collectives import all_gather, mpi_all_gather, mpi_reduce_scatter, reduce_scatter
+from vtnumba.dist.collectives import QueuedSignals, all_gather, mpi_all_gather, mpi_reduce_scatter, reduce_scatter
 from vtnumba.dist.comm import (
     DEFAULT_TIMEOUT_S,
     agree_errors,
@@ -54,5 +55,5 @@ __all__ = [
     "agree_errors",
     "PeerBuffers", "PeerAccessError", "ShmSegment", "list_segments",
     "PeerFailed", "phase", "run_collectively", "PeerSignals", "DEFAULT_NAMES", "QueueFlags", "QueueFlagsError", "RELEASED",
-    "reduce_scatter", "all_gather", "mpi_reduce_scatter", "mpi_all_gather",
+    "reduce_scatter", "all_gather", "mpi_reduce_scatter", "mpi_all_gather", "QueuedSignals",
 ]

@@ -43,6 +43,20 @@ Device work (copies, the row-sum kernels of :mod:`vtnumba.kernels.reduce`) is su
 ``queue`` (default: ``pb.queue``) and the queue is synchronized before a flag is raised, so
 the flags are always host-side and correct on every target.
 
+**Queued signals** (``signals`` a :class:`QueuedSignals` instead of a :class:`PeerSignals`):
+the same six steps, but steps 1, 3, 4 and 6 are *queued* on ``queue`` as
+:class:`~vtnumba.dist.QueueFlags` waits and signals -- on a GPU, stream memory operations --
+so the host never synchronizes the queue between the steps: it checks the ranks agree
+(one handshake), queues the whole step, and waits once at the end
+(:meth:`QueueFlags.finish <vtnumba.dist.QueueFlags.finish>`), as TPSP's exchange does.
+What that saves is the host round trips inside a call (two queue synchronizations and a
+flag poll between them); what remains per call is the handshake, the queuing and the final
+wait.  A failed queued call (an error on any rank, or a deadline) releases every queued
+wait and raises -- on every rank that had not finished its part yet, and on every rank at
+the next call -- and leaves the :class:`QueuedSignals` unusable: close them and open new
+ones.  A producer that writes its input into its own peer buffer on the queue first queues
+:meth:`QueuedSignals.wait_consumed` (the hazard above, in queue order).
+
 The MPI baselines ``mpi_reduce_scatter`` (``Reduce_scatter_block``) and
 ``mpi_all_gather`` (``Allgather``) take the same shapes: they are what the benchmark
 compares against, and what callers use when a group has no peer access.
@@ -57,12 +71,81 @@ from vtnumba import trace
 from vtnumba.backend.arrays import cdiv, check_seconds, host_view, is_c_contiguous, is_int, to_host
 from vtnumba.dist.comm import DEFAULT, wait_request
 from vtnumba.dist.groups import ProcessGroup
+from vtnumba.backend.polling import WaitTimeout
 from vtnumba.dist.peer_buffers import PeerBuffers
+from vtnumba.dist.queue_flags import QueueFlags, QueueFlagsError
 from vtnumba.dist.signals import PeerSignals
 from vtnumba.kernels.reduce import sum_rows
 
+_OP_REFUSED = 0  # a queued call's handshake from a rank whose arguments were refused
+_OP_BROKEN = 3   # ... from a rank whose QueuedSignals a failed call left unusable
 _OP_REDUCE_SCATTER = 1
 _OP_ALL_GATHER = 2
+
+
+class QueuedSignals:
+    """The flags of :func:`reduce_scatter` / :func:`all_gather` raised and awaited *in queue
+    order* (:class:`~vtnumba.dist.QueueFlags`) instead of by the host: see the module docstring.
+
+    Collective constructor, like :class:`PeerSignals`; ``backend`` must be the peer buffers'
+    (its queues carry the waits), default :func:`vtnumba.default_backend`.  ``timeout_s``
+    bounds a call that waits for a peer (a call's own ``timeout_s`` replaces it for that call).
+    """
+
+    #: The flags the protocol uses, as in :class:`PeerSignals`.
+    NAMES = ("consumed", "inbox_ready", "gather_ready")
+
+    def __init__(self, group, backend=None, *, timeout_s: float = DEFAULT):
+        if backend is None:
+            from vtnumba.backend.default import default_backend
+
+            backend = default_backend()
+        self.group = group
+        self.backend = backend
+        self.flags = QueueFlags(group, self.NAMES, backend, timeout_s=timeout_s)
+        #: The last step queued (the same on every rank): step e waits for ``consumed >= e-1``.
+        self.epoch = 0
+        #: None while usable; after a failed call, what failed (every later call refuses).
+        self.broken: str | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The flag names (what :func:`reduce_scatter` checks a signals object for)."""
+        return self.NAMES
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self.flags.closed
+
+    def check_usable(self) -> None:
+        """RuntimeError if closed or poisoned by a failed call (its released waits would pass at once)."""
+        if self.closed:
+            raise RuntimeError(f"QueuedSignals on group {self.group.name!r} are closed")
+        if self.broken:
+            raise RuntimeError(f"QueuedSignals on group {self.group.name!r} are unusable after a failed call "
+                               f"({self.broken}); close them and open new ones (collectively)")
+
+    def wait_consumed(self, queue) -> None:
+        """Queue on ``queue``: later work waits until every peer has finished reading this rank's
+        peer buffer for the last call -- queue it before *writing* into that buffer on ``queue``."""
+        self.check_usable()
+        self.flags.wait(queue, "consumed", self.epoch)
+
+    def close(self) -> None:
+        """Collective: release the flags (idempotent)."""
+        if not self.flags.closed:
+            self.flags.close()
+
+    def __enter__(self) -> "QueuedSignals":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("broken" if self.broken else f"epoch {self.epoch}")
+        return f"<QueuedSignals on group {self.group.name!r} via {self.backend.name}, {state}>"
 
 
 # ---------------------------------------------------------------------------- array plumbing
@@ -84,8 +167,14 @@ def _check_2d(name: str, arr) -> tuple[int, int]:
 def _check_pair(pb, signals):
     if not isinstance(pb, PeerBuffers):
         raise TypeError(f"pb must be a PeerBuffers, got {type(pb).__name__}")
-    if not isinstance(signals, PeerSignals):
-        raise TypeError(f"signals must be a PeerSignals, got {type(signals).__name__}")
+    if not isinstance(signals, (PeerSignals, QueuedSignals)):
+        raise TypeError(f"signals must be a PeerSignals or a QueuedSignals, got {type(signals).__name__}")
+    if isinstance(signals, QueuedSignals):
+        if signals.closed:
+            raise RuntimeError(f"QueuedSignals on group {signals.group.name!r} are closed")
+        if signals.backend is not pb.backend:  # (the waits are queued on pb's queues)
+            raise ValueError(f"signals (backend {signals.backend.name}) and pb (backend {pb.backend.name}) must "
+                             "use the same backend")
     if signals.group is not pb.group:
         raise ValueError(f"signals (group {signals.group.name!r}) and pb (group {pb.group.name!r}) "
                          "must belong to the same ProcessGroup")
@@ -119,6 +208,8 @@ def _finish(pb, q) -> None:
 # ---------------------------------------------------------------------------- the shared protocol
 def _exchange(pb, signals, ready: str, meta: tuple, write_fn, read_fn, queue, timeout_s, what: str) -> None:
     """Steps 1-6 of the module docstring; ``write_fn(q)``/``read_fn(q)`` submit the work."""
+    if isinstance(signals, QueuedSignals):
+        return _exchange_queued(pb, signals, ready, meta, write_fn, read_fn, queue, timeout_s, what)
     g = pb.group
     e = signals.next_epoch()
     track = f"mpi:{g.name}"
@@ -142,9 +233,7 @@ def _exchange(pb, signals, ready: str, meta: tuple, write_fn, read_fn, queue, ti
     metas = [signals.meta(r) for r in range(g.size)]
     if any(m != metas[0] for m in metas):
         signals.set_all("consumed", e)  # keep the channel usable: nobody reads this step
-        shown = "; ".join(f"rank {r}: {m[1:7]}" for r, m in enumerate(metas))
-        raise ValueError(f"{what}: ranks of group {g.name!r} called it with different arguments "
-                         f"(rows, H, dtype number, offset[, T, in place]): {shown}")
+        raise _mismatch(what, g, metas)
     try:
         with trace.span(f"{what}:read", "peer", track, epoch=e):
             read_fn(queue)
@@ -153,15 +242,89 @@ def _exchange(pb, signals, ready: str, meta: tuple, write_fn, read_fn, queue, ti
         signals.set_all("consumed", e)  # even on failure: peers may reuse their buffers
 
 
+def _mismatch(what: str, g, metas) -> ValueError:
+    shown = "; ".join(f"rank {r}: {m[1:7]}" for r, m in enumerate(metas))
+    return ValueError(f"{what}: ranks of group {g.name!r} called it with different arguments "
+                      f"(rows, H, dtype number, offset[, T, in place]): {shown}")
+
+
+def _exchange_queued(pb, sigs: QueuedSignals, ready: str, meta: tuple, write_fn, read_fn, queue, timeout_s,
+                     what: str) -> None:
+    """Steps 1-6 with the flags queued on ``queue`` (module docstring), then one wait for the queue."""
+    g, flags = pb.group, sigs.flags
+    track = f"mpi:{g.name}"
+    with trace.span(f"{what}:handshake", "peer", track):
+        metas = flags.handshake(meta)  # host, collective: nothing is queued unless every rank agrees
+    broken = [r for r, m in enumerate(metas) if m[0] == _OP_BROKEN]
+    if broken:
+        sigs.broken = f"rank {', '.join(map(str, broken))}'s signals were left unusable by a failed call"
+        raise RuntimeError(f"{what}: the QueuedSignals of rank {', '.join(map(str, broken))} of group {g.name!r} are "
+                           "unusable after a failed call; close them and open new ones (collectively)")
+    refused = [r for r, m in enumerate(metas) if m[0] == _OP_REFUSED]
+    if refused:
+        raise RuntimeError(f"{what}: rank {', '.join(map(str, refused))} of group {g.name!r} refused its arguments "
+                           "(see its error); nothing was exchanged")
+    if any(m != metas[0] for m in metas):
+        raise _mismatch(what, g, metas)
+    e = sigs.epoch + 1
+    default_timeout = flags.timeout_s
+    if timeout_s is not None:
+        flags.timeout_s = timeout_s  # (read by the waits as they are queued, and by finish)
+    try:
+        try:
+            # Until the whole step is queued, a free must not wait for the queue (a GPU's
+            # cuMemFree would, and the queue may be waiting for a peer): see Backend.defer_frees.
+            with trace.span(f"{what}:queue", "peer", track, epoch=e), pb.backend.defer_frees():
+                flags.wait(queue, "consumed", e - 1)  # peers finished reading my buffer (the last step)
+                if not _host_sync(pb):
+                    pb.backend.order_after_default_stream(queue)
+                write_fn(queue)
+                flags.signal(queue, ready, e)  # after the write, in queue order: data before flag
+                flags.wait(queue, ready, e)
+                read_fn(queue)
+                flags.signal(queue, "consumed", e)
+        except WaitTimeout as exc:  # an inline (synchronous-queue) wait ran out of time
+            flags.fail([queue])
+            raise QueueFlagsError(f"rank {g.rank} of group {g.name!r}: {what}: {exc}; missing flags: "
+                                  f"{flags.missing()}") from exc
+        except BaseException:
+            flags.fail([queue])
+            raise
+        sigs.epoch = e
+        with trace.span(f"{what}:finish", "peer", track, epoch=e):
+            flags.finish([queue], what=what)
+    except BaseException as exc:
+        sigs.broken = f"{what} failed on rank {g.rank}: {type(exc).__name__}: {exc}"
+        raise
+    finally:
+        flags.timeout_s = default_timeout
+
+
 def _validated(pb, signals, check, queue):
     """Run the local argument checks.  On failure this rank still takes part in the step's
     bookkeeping -- it uses up the epoch, marks it consumed and stamps an abort -- so peers
     that passed their checks fail fast instead of timing out, and the channel stays usable
     for the next call whether one rank or every rank failed."""
     _check_pair(pb, signals)
+    if isinstance(signals, QueuedSignals) and signals.broken:
+        # Take part in the call's handshake, saying so, so the peers fail too -- also a peer
+        # whose own part of the failed call had already finished -- instead of waiting.
+        try:
+            signals.flags.handshake((_OP_BROKEN,))
+        except Exception:  # noqa: BLE001 - the error below is the one to report
+            pass
+        signals.check_usable()
     try:
         result = check()
     except BaseException:
+        if isinstance(signals, QueuedSignals):
+            # Nothing is queued yet: say so in the call's handshake, so the peers refuse too
+            # (at once, not after a timeout) and the channel stays usable.
+            try:
+                signals.flags.handshake((_OP_REFUSED,))
+            except Exception:  # noqa: BLE001 - our own error is the one to report
+                pass
+            raise
         e = signals.next_epoch()
         signals.set_all("consumed", e)
         signals.abort(e)
@@ -385,4 +548,4 @@ def mpi_all_gather(x_shard, out, group, *, timeout_s: float | None = DEFAULT):
     return out
 
 
-__all__ = ["reduce_scatter", "all_gather", "mpi_reduce_scatter", "mpi_all_gather"]
+__all__ = ["reduce_scatter", "all_gather", "mpi_reduce_scatter", "mpi_all_gather", "QueuedSignals"]
