@@ -89,7 +89,10 @@ class QueuedSignals:
 
     Collective constructor, like :class:`PeerSignals`; ``backend`` must be the peer buffers'
     (its queues carry the waits), default :func:`vtnumba.default_backend`.  ``timeout_s``
-    bounds a call that waits for a peer (a call's own ``timeout_s`` replaces it for that call).
+    bounds a call that waits for a peer (a call's own ``timeout_s`` replaces it for that call,
+    except in the handshake).  Its ``consumed`` flags guard only its own calls: on buffers a
+    :class:`PeerSignals` channel also uses, put a barrier (or ``wait_consumed`` of the other
+    channel) between the two.
     """
 
     #: The flags the protocol uses, as in :class:`PeerSignals`.
@@ -125,6 +128,13 @@ class QueuedSignals:
         if self.broken:
             raise RuntimeError(f"QueuedSignals on group {self.group.name!r} are unusable after a failed call "
                                f"({self.broken}); close them and open new ones (collectively)")
+
+    def poison(self, why: str, queue=None) -> None:
+        """Mark the channel unusable (``why``) and release every queued wait of this rank (and
+        drain ``queue``): after a failure its call counter may no longer match the peers'."""
+        self.broken = self.broken or why
+        if not self.flags.closed:
+            self.flags.fail([queue] if queue is not None else [])
 
     def wait_consumed(self, queue) -> None:
         """Queue on ``queue``: later work waits until every peer has finished reading this rank's
@@ -253,8 +263,13 @@ def _exchange_queued(pb, sigs: QueuedSignals, ready: str, meta: tuple, write_fn,
     """Steps 1-6 with the flags queued on ``queue`` (module docstring), then one wait for the queue."""
     g, flags = pb.group, sigs.flags
     track = f"mpi:{g.name}"
-    with trace.span(f"{what}:handshake", "peer", track):
-        metas = flags.handshake(meta)  # host, collective: nothing is queued unless every rank agrees
+    try:
+        with trace.span(f"{what}:handshake", "peer", track):
+            metas = flags.handshake(meta)  # host, collective: nothing is queued unless every rank agrees
+    except BaseException as exc:
+        # A peer aborted, or missed the handshake: the ranks' call counters may no longer agree.
+        sigs.poison(f"{what}: the handshake failed on rank {g.rank}: {type(exc).__name__}: {exc}", queue)
+        raise
     broken = [r for r, m in enumerate(metas) if m[0] == _OP_BROKEN]
     if broken:
         sigs.broken = f"rank {', '.join(map(str, broken))}'s signals were left unusable by a failed call"
@@ -270,29 +285,30 @@ def _exchange_queued(pb, sigs: QueuedSignals, ready: str, meta: tuple, write_fn,
     default_timeout = flags.timeout_s
     if timeout_s is not None:
         flags.timeout_s = timeout_s  # (read by the waits as they are queued, and by finish)
+    # Until the queue has passed the whole step, a free must not wait for it (a GPU's cuMemFree
+    # would, and the queue may be waiting for a peer that is gone): see Backend.defer_frees.
     try:
-        try:
-            # Until the whole step is queued, a free must not wait for the queue (a GPU's
-            # cuMemFree would, and the queue may be waiting for a peer): see Backend.defer_frees.
-            with trace.span(f"{what}:queue", "peer", track, epoch=e), pb.backend.defer_frees():
-                flags.wait(queue, "consumed", e - 1)  # peers finished reading my buffer (the last step)
-                if not _host_sync(pb):
-                    pb.backend.order_after_default_stream(queue)
-                write_fn(queue)
-                flags.signal(queue, ready, e)  # after the write, in queue order: data before flag
-                flags.wait(queue, ready, e)
-                read_fn(queue)
-                flags.signal(queue, "consumed", e)
-        except WaitTimeout as exc:  # an inline (synchronous-queue) wait ran out of time
-            flags.fail([queue])
-            raise QueueFlagsError(f"rank {g.rank} of group {g.name!r}: {what}: {exc}; missing flags: "
-                                  f"{flags.missing()}") from exc
-        except BaseException:
-            flags.fail([queue])
-            raise
-        sigs.epoch = e
-        with trace.span(f"{what}:finish", "peer", track, epoch=e):
-            flags.finish([queue], what=what)
+        with pb.backend.defer_frees():
+            try:
+                with trace.span(f"{what}:queue", "peer", track, epoch=e):
+                    flags.wait(queue, "consumed", e - 1)  # peers finished reading my buffer (the last step)
+                    if not _host_sync(pb):
+                        pb.backend.order_after_default_stream(queue)
+                    write_fn(queue)
+                    flags.signal(queue, ready, e)  # after the write, in queue order: data before flag
+                    flags.wait(queue, ready, e)
+                    read_fn(queue)
+                    flags.signal(queue, "consumed", e)
+            except WaitTimeout as exc:  # an inline (synchronous-queue) wait ran out of time
+                flags.fail([queue])
+                raise QueueFlagsError(f"rank {g.rank} of group {g.name!r}: {what}: {exc}; missing flags: "
+                                      f"{flags.missing()}") from exc
+            except BaseException:
+                flags.fail([queue])
+                raise
+            sigs.epoch = e
+            with trace.span(f"{what}:finish", "peer", track, epoch=e):
+                flags.finish([queue], what=what)
     except BaseException as exc:
         sigs.broken = f"{what} failed on rank {g.rank}: {type(exc).__name__}: {exc}"
         raise
@@ -304,30 +320,37 @@ def _validated(pb, signals, check, queue):
     """Run the local argument checks.  On failure this rank still takes part in the step's
     bookkeeping -- it uses up the epoch, marks it consumed and stamps an abort -- so peers
     that passed their checks fail fast instead of timing out, and the channel stays usable
-    for the next call whether one rank or every rank failed."""
+    for the next call whether one rank or every rank failed.  (Queued signals: it takes
+    part in the call's handshake instead, saying it refused.)"""
+    if isinstance(signals, QueuedSignals) and not signals.closed:
+        return _validated_queued(pb, signals, check, queue)
     _check_pair(pb, signals)
-    if isinstance(signals, QueuedSignals) and signals.broken:
-        # Take part in the call's handshake, saying so, so the peers fail too -- also a peer
-        # whose own part of the failed call had already finished -- instead of waiting.
-        try:
-            signals.flags.handshake((_OP_BROKEN,))
-        except Exception:  # noqa: BLE001 - the error below is the one to report
-            pass
-        signals.check_usable()
     try:
         result = check()
     except BaseException:
-        if isinstance(signals, QueuedSignals):
-            # Nothing is queued yet: say so in the call's handshake, so the peers refuse too
-            # (at once, not after a timeout) and the channel stays usable.
-            try:
-                signals.flags.handshake((_OP_REFUSED,))
-            except Exception:  # noqa: BLE001 - our own error is the one to report
-                pass
-            raise
         e = signals.next_epoch()
         signals.set_all("consumed", e)
         signals.abort(e)
+        raise
+    return result, (queue if queue is not None else pb.queue)
+
+
+def _validated_queued(pb, sigs: QueuedSignals, check, queue):
+    """:func:`_validated` for queued signals: a rank that refuses the call -- its arguments,
+    its pairing, or a channel a failed call left unusable -- still joins the call's handshake
+    and says so, so every peer refuses too at once (also a peer whose part of a failed call
+    had finished), and no rank's call counter runs ahead of the others'."""
+    code = _OP_BROKEN if sigs.broken else _OP_REFUSED
+    try:
+        sigs.check_usable()
+        _check_pair(pb, sigs)
+        result = check()
+    except BaseException:
+        try:
+            sigs.flags.handshake((code,))
+        except Exception as exc:  # noqa: BLE001 - our own error is the one to report
+            sigs.poison(f"the handshake of a refused call failed on rank {sigs.group.rank}: "
+                        f"{type(exc).__name__}: {exc}")
         raise
     return result, (queue if queue is not None else pb.queue)
 
