@@ -218,6 +218,9 @@ def test_peer_traffic_factors_count_what_each_collective_moves():
         == [4, 6, 2]
     assert traffic_factor("reduce_scatter", "peer-in-buffer", 4) == 5
     assert traffic_factor("all_gather", "peer-in-place", 4) == 6
+    # The queued calls move the same bytes as the host-flag ones.
+    assert traffic_factor("reduce_scatter", "peer-in-buffer-queued", 2) == 3
+    assert traffic_factor("all_gather", "peer-in-place-queued", 3) == traffic_factor("all_gather", "peer-in-place", 3)
     with pytest.raises(ValueError, match="case='broadcast'"):
         traffic_factor("broadcast", "peer-in-buffer", 2)
 
@@ -233,7 +236,8 @@ def test_bench_peer_runs_on_one_rank_and_follows_the_schema():
     assert d["suite"] == "peer" and d["ranks"] == 1
     impls = {(r["case"], r["impl"]) for r in d["results"]}
     expected = {(c, i) for c in ("reduce_scatter", "all_gather") for i in ("peer-in-buffer", "peer-staged", "mpi4py")}
-    expected.add(("all_gather", "peer-in-place"))
+    expected |= {("all_gather", "peer-in-place"), ("reduce_scatter", "peer-in-buffer-queued"),
+                 ("all_gather", "peer-in-place-queued")}
     if d["target"] != "cuda":  # MPI_IN_PLACE needs host memory: the pip mpich is not CUDA-aware
         expected.add(("all_gather", "mpi4py-in-place"))
     assert impls == expected
