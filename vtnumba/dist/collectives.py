@@ -77,10 +77,12 @@ from vtnumba.dist.queue_flags import QueueFlags, QueueFlagsError
 from vtnumba.dist.signals import PeerSignals
 from vtnumba.kernels.reduce import sum_rows
 
-_OP_REFUSED = 0  # a queued call's handshake from a rank whose arguments were refused
-_OP_BROKEN = 3   # ... from a rank whose QueuedSignals a failed call left unusable
+# The first number of a call's meta: which collective -- or, in a queued call's handshake,
+# that this rank refuses the call.
+_OP_REFUSED = 0  # its arguments were refused
 _OP_REDUCE_SCATTER = 1
 _OP_ALL_GATHER = 2
+_OP_BROKEN = 3   # its QueuedSignals were left unusable by a failed call
 
 
 class QueuedSignals:
