@@ -61,6 +61,7 @@ from vtnumba.backend.atomics import store_release
 from vtnumba.backend.base import QUEUE_PRIORITIES, Backend, Buffer, Capabilities, Event, EventMark, Queue
 from vtnumba.backend.cpu import aligned_empty, wait_flag_word
 from vtnumba.backend.device import Device, DeviceType
+from vtnumba.backend.device_choice import process_cuda_device
 from vtnumba.target import ask_for_cuda_connections, current_target
 
 # One kernel at a time per process in the simulator (see module docstring).
@@ -98,17 +99,11 @@ def current_context():
     err, ctx = cu.cuCtxGetCurrent()  # (an error: the driver is not initialized yet in this process)
     if err != cu.CUresult.CUDA_SUCCESS or int(ctx) == 0:
         if _process_device_index is None:
-            _process_device_index = _process_device().index  # (a later CUDABackend must agree)
+            _process_device_index = process_cuda_device().index  # (a later CUDABackend must agree)
         cuda.select_device(_process_device_index)
     context = cuda.current_context()
     _thread_context.ready = True
     return context
-
-
-def _process_device():
-    from vtnumba.backend.device_choice import process_cuda_device
-
-    return process_cuda_device()
 
 
 def fake_device_array(host: np.ndarray):
@@ -195,7 +190,7 @@ class CUDABackend(Backend):
         if device is None:
             # The simulator has one device; only a real GPU asks which one is this process's
             # (asking there would also fix the process's target as a side effect).
-            device = Device(DeviceType.CUDA, _process_device().index if not simulator_active() else 0)
+            device = Device(DeviceType.CUDA, process_cuda_device().index if not simulator_active() else 0)
         if device.type is not DeviceType.CUDA:
             raise ValueError(f"device={device} must be a CUDA device for CUDABackend")
         super().__init__(device)
