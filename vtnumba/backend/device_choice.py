@@ -90,8 +90,9 @@ def process_cuda_device() -> DeviceChoice:
     if _chosen is None:
         from vtnumba.target import current_target
 
-        if current_target().name != "cuda":
-            _chosen = DeviceChoice(0, f"target {current_target().name}: one (simulated or no) CUDA device")
+        target = current_target().name
+        if target != "cuda":
+            _chosen = DeviceChoice(0, f"target {target}: one (simulated or no) CUDA device")
         else:
             from numba import cuda
 
@@ -99,12 +100,6 @@ def process_cuda_device() -> DeviceChoice:
                 return DeviceChoice(0, "no usable CUDA GPU: device 0")
             _chosen = choose_cuda_device(len(cuda.gpus))
     return _chosen
-
-
-def _reset_for_tests() -> None:
-    """Forget the choice (tests only)."""
-    global _chosen
-    _chosen = None
 
 
 __all__ = ["DeviceChoice", "LOCAL_RANK_VARIABLES", "choose_cuda_device", "node_local_rank", "process_cuda_device"]
