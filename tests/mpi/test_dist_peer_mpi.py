@@ -492,6 +492,56 @@ def test_queued_signals_refusals_and_mismatches_fail_everywhere_and_the_channel_
                 dist.reduce_scatter(pb, np.ones((2 * n, 4), np.float32), out, other)
 
 
+def test_a_queued_call_refuses_an_out_its_kernel_cannot_write_and_the_channel_goes_on(tp, device_backend,
+                                                                                     shm_unchanged):
+    # A numpy out beside device peer buffers used to fail inside the queued step, after the
+    # handshake, leaving the channel unusable on every rank: it is now an argument check.
+    n = tp.size
+    be = device_backend
+    with dist.PeerBuffers(4096, tp, be, timeout_s=TIMEOUT) as pb, \
+            dist.QueuedSignals(tp, be, timeout_s=TIMEOUT) as sig:
+        x = be.asarray(np.full((2 * n, 4), tp.rank + 1, np.float32))
+        msg = same_error_everywhere(TypeError, lambda: dist.reduce_scatter(pb, x, np.zeros((2, 4), np.float32), sig))
+        assert msg.startswith("out is a numpy array, but the row-sum kernel that writes it runs on backend"), msg
+        assert sig.broken is None and sig.epoch == 0
+        out = be.asarray(np.full((2, 4), np.nan, np.float32))
+
+        def ok():
+            dist.reduce_scatter(pb, x, out, sig)
+            np.testing.assert_array_equal(to_host(out), np.full((2, 4), n * (n + 1) / 2, np.float32))
+
+        collectively(ok)
+
+
+def test_a_queued_calls_timeout_bounds_its_handshake(tp, shm_unchanged):
+    # Rank 0 calls with a short timeout_s; the others arrive later than it.  Rank 0 must give
+    # up after its own deadline, not the channel's, and its peers then fail at once.
+    be = CPUBackend()
+    late = 4.0
+    with dist.PeerBuffers(4096, tp, be, timeout_s=TIMEOUT) as pb, \
+            dist.QueuedSignals(tp, be, timeout_s=TIMEOUT) as sig:
+        x, out = np.ones((2 * tp.size, 4), np.float32), np.zeros((2, 4), np.float32)
+        COMM.Barrier()
+        t0 = time.perf_counter()
+        ended = []
+
+        def call():
+            try:
+                if tp.rank:
+                    time.sleep(late)
+                dist.reduce_scatter(pb, x, out, sig, timeout_s=1.0 if tp.rank == 0 else None)
+            finally:
+                ended.append(time.perf_counter() - t0)
+
+        errs = errors_everywhere(call)
+        took = COMM.allgather(ended[0])
+        assert errs[0].startswith("WaitTimeout: ") and "timed out after 1 s waiting for flag 'call'" in errs[0], errs
+        assert took[0] < late, f"rank 0 gave up after {took[0]:.1f} s; its timeout_s was 1 s"
+        assert all(e != "no exception" for e in errs[1:]), errs
+        assert max(took[1:]) < late + TIMEOUT / 2, took  # the peers saw rank 0's abort, not their deadline
+        assert all(COMM.allgather(sig.broken is not None))
+
+
 @pytest.mark.parametrize("threaded", [False, True])
 def test_a_rank_failing_inside_a_queued_call_fails_every_rank_and_poisons_the_channel(tp, threaded, monkeypatch,
                                                                                      shm_unchanged):

@@ -68,7 +68,7 @@ import numpy as np
 from mpi4py import MPI
 
 from vtnumba import trace
-from vtnumba.backend.arrays import cdiv, check_seconds, host_view, is_c_contiguous, is_int, to_host
+from vtnumba.backend.arrays import DEVICE, HOST, array_kind, cdiv, check_seconds, host_view, is_c_contiguous, is_int, to_host
 from vtnumba.dist.comm import DEFAULT, wait_request
 from vtnumba.dist.groups import ProcessGroup
 from vtnumba.backend.polling import WaitTimeout
@@ -92,7 +92,7 @@ class QueuedSignals:
     Collective constructor, like :class:`PeerSignals`; ``backend`` must be the peer buffers'
     (its queues carry the waits), default :func:`vtnumba.default_backend`.  ``timeout_s``
     bounds a call that waits for a peer (a call's own ``timeout_s`` replaces it for that call,
-    except in the handshake).  Its ``consumed`` flags guard only its own calls: on buffers a
+    its handshake included).  Its ``consumed`` flags guard only its own calls: on buffers a
     :class:`PeerSignals` channel also uses, put a barrier (or ``wait_consumed`` of the other
     channel) between the two.
     """
@@ -174,6 +174,19 @@ def _check_2d(name: str, arr) -> tuple[int, int]:
     if not is_c_contiguous(arr):
         raise ValueError(f"{name} (shape {tuple(shape)}) must be C-contiguous")
     return int(shape[0]), int(shape[1])
+
+
+def _check_kernel_output(pb, name: str, arr) -> None:
+    """TypeError unless ``arr`` is the kind of array ``pb``'s kernels write (the kind of its
+    buffers): a numpy ``out`` beside GPU peer buffers would fail only inside the step -- after a
+    queued call's handshake, which leaves its :class:`QueuedSignals` unusable -- so it is
+    refused with the other argument checks, before any rank has started."""
+    words = {HOST: "a numpy array", DEVICE: "a numba device array"}
+    want, got = array_kind("pb's buffers", pb.local), array_kind(name, arr)
+    if got != want:
+        raise TypeError(f"{name} is {words[got]}, but the row-sum kernel that writes it runs on backend "
+                        f"{pb.backend.name}, whose arrays (pb's buffers) are {words[want].split(' ', 1)[1]}s: "
+                        f"pass {words[want]} as {name}")
 
 
 def _check_pair(pb, signals):
@@ -267,7 +280,7 @@ def _exchange_queued(pb, sigs: QueuedSignals, ready: str, meta: tuple, write_fn,
     track = f"mpi:{g.name}"
     try:
         with trace.span(f"{what}:handshake", "peer", track):
-            metas = flags.handshake(meta)  # host, collective: nothing is queued unless every rank agrees
+            metas = flags.handshake(meta, timeout_s)  # host, collective: nothing is queued unless every rank agrees
     except BaseException as exc:
         # A peer aborted, or missed the handshake: the ranks' call counters may no longer agree.
         sigs.poison(f"{what}: the handshake failed on rank {g.rank}: {type(exc).__name__}: {exc}", queue)
@@ -372,6 +385,7 @@ def reduce_scatter(pb, x, out, signals, *, offset: int = 0, queue=None, timeout_
             raise ValueError(f"x has shape ({T}, {H}); expected at least one row and one column")
         R = cdiv(T, pb.group.size)
         oR, oH = _check_2d("out", out)
+        _check_kernel_output(pb, "out", out)
         if (oR, oH) != (R, H):
             raise ValueError(f"out has shape ({oR}, {oH}); expected (R, H) = ({R}, {H}) with "
                              f"R = ceil(T={T} / tp={pb.group.size})")

@@ -101,9 +101,10 @@ class QueueFlags:
         self.call_epoch: int | None = None
 
     # ------------------------------------------------------------------ one call
-    def handshake(self, meta) -> list[tuple[int, ...]]:
+    def handshake(self, meta, timeout_s: float | None = None) -> list[tuple[int, ...]]:
         """Host, collective: publish ``meta`` (up to 8 ints) and return every rank's, indexed by
-        rank.  Marks the start of a call (its epoch is what a failure stamps)."""
+        rank.  Marks the start of a call (its epoch is what a failure stamps).  ``timeout_s``:
+        how long to wait for the peers (default: these flags' ``timeout_s``)."""
         self._check_open()
         host = self.host
         epoch = host.next_epoch()
@@ -111,7 +112,7 @@ class QueueFlags:
         bank = epoch % 2  # see PeerSignals: a fast rank's next call cannot overwrite this one's
         host.set_meta(meta, bank)  # ordered before the flag below by its release store
         host.set_all("call", epoch, include_self=True)
-        host.wait("call", epoch)  # fails fast if a peer stamped an abort for this call
+        host.wait("call", epoch, timeout_s=timeout_s)  # fails fast if a peer stamped an abort for this call
         return [host.meta(r, bank) for r in range(self.group.size)]
 
     def _zero_own_area(self) -> None:
