@@ -139,6 +139,13 @@ def test_resource_notes_print_one_line_per_kernel():
     assert bench._resource_notes(resources) == [
         "ptxas sm_90 wide: 126 registers, 8448 B shared memory, spills 0 B stored / 0 B loaded",
         "ptxas sm_90 naive: ptxas fatal"]
+    # A kernel that spills, read with --sass too: where its spills land.
+    spilling = [{"kernel": "async", "sig": "f32", "cc": "9.0", "registers": 128, "smem_bytes": 31104,
+                 "spill_store_bytes": 108, "spill_load_bytes": 140, "main_loop_spill_loads": 27,
+                 "main_loop_spill_stores": 0, "main_loop_fma": 512, "main_loop_instructions": 1010}]
+    assert bench._resource_notes(spilling) == [(
+        "ptxas sm_90 async: 128 registers, 31104 B shared memory, spills 108 B stored / 140 B loaded; main loop: "
+        "27 spill reloads and 0 stores per turn, beside 512 FMAs in 1010 instructions")]
 
 
 def test_device_copy_rate_on_the_device(device_backend):

@@ -92,3 +92,61 @@ def test_ptxas_fallback_names_the_functions_it_cannot_resolve():
            ".extern .func  (.param .b32 func_retval0) _ZplRK6__halfS1__nbst\n(\n.param .b64 p0\n)\n;\n")
     usage = ptxas_usage(ptx, "sm_90", ptxas="/nonexistent/ptxas")
     assert usage["via"] == "ptxas" and "_ZplRK6__halfS1__nbst" in usage["error"] and "registers" not in usage
+
+
+# A made-up listing in nvdisasm's format: a spill store before the loops, an outer loop with a
+# predicated back branch around an inner loop of FMAs that reloads a spill, and the trap
+# (a branch to itself) ptxas puts after EXIT.
+_SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   STL [R1+0x4], R9                                      (*"SpillRefill"*);
+.L_x_0:
+        /*0020*/                   LDL R9, [R1+0x4]                                      (*"SpillRefill"*);
+        /*0030*/                   LDS.128 R12, [R2] ;
+.L_x_1:
+        /*0040*/                   FFMA R4, R12, R13, R4 ;
+        /*0050*/                   FFMA R5, R12, R14, R5 ;
+        /*0060*/                   LDL R10, [R1+0x8]                                     (*"SpillRefill"*);
+        /*0070*/               @P1 BRA `(.L_x_1) ;
+        /*0080*/                   STL [R1+0x10], R20 ;
+        /*0090*/              @!P0 BRA P2, `(.L_x_0) ;
+        /*00a0*/                   EXIT ;
+.L_x_2:
+        /*00b0*/                   BRA `(.L_x_2);
+"""
+
+
+def test_read_sass_finds_the_loops_and_where_the_spills_land():
+    from vtnumba.kernels.ptx import read_sass
+
+    got = read_sass(_SASS)
+    assert got["instructions"] == 12 and got["fma"] == 2 and got["loops"] == 2, got
+    # (The STL without the SpillRefill mark is a local array's store, not a spill.)
+    assert (got["spill_stores"], got["spill_loads"], got["spills_in_loops"]) == (1, 2, 2), got
+    assert got["hot_loop"] == {"instructions": 4, "fma": 2, "spill_stores": 0, "spill_loads": 1,
+                               "start": "0x0040", "end": "0x0070"}, got
+    # No FMA anywhere (a memory-bound kernel): the main loop is the largest one.
+    plain = read_sass(_SASS.replace("FFMA", "FADD"))
+    assert plain["fma"] == 0 and plain["hot_loop"]["start"] == "0x0020" and plain["hot_loop"]["end"] == "0x0090"
+    assert read_sass("")["hot_loop"] is None
+
+
+def test_sass_report_says_where_the_matmul_rungs_spills_land():
+    # Linked as a launch links them and disassembled: the counts must agree with ptxas's
+    # spill bytes, and the main loop must be the k-tile (TM x TN x BK = 512 FFMA a thread).
+    from vtnumba.kernels.ptx import find_nvdisasm, nvjitlink_available
+
+    if not (nvjitlink_available() and find_nvdisasm()):  # (the test extra installs both)
+        pytest.skip("nvJitLink or nvdisasm is missing here")
+    proc, report = _ptx_cli("--cc", "90", "--ptxas", "--sass", "--keep-sass", "--only", "async", "dbuf")
+    assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
+    for e in report["results"]:
+        usage, sass = e["ptxas"], e["sass"]
+        assert "error" not in sass, sass
+        assert (usage["spill_store_bytes"] > 0) == (sass["spill_stores"] > 0), (e["name"], usage, sass)
+        hot = sass["hot_loop"]
+        assert hot["fma"] == 512 and hot["instructions"] > hot["fma"], (e["name"], hot)
+        assert hot["spill_loads"] <= sass["spills_in_loops"] <= sass["spill_loads"] + sass["spill_stores"], sass
+        assert "FFMA" in sass["text"] and "cubin" not in usage
+    proc, _ = _ptx_cli("--keep-sass")
+    assert proc.returncode == 2 and "--keep-sass: only with --sass" in proc.stderr

@@ -26,7 +26,9 @@ row with the fraction of its ceiling measured in the same run:
 With ``--ptxas`` (no GPU needed: nvJitLink from pip, else a ``ptxas`` on PATH; see
 :mod:`vtnumba.kernels.ptx`) the suite also lists registers / shared memory / spills per
 kernel and compute capability (``kernel_resources``), and prints one note per kernel for
-sm_90.
+sm_90.  Where ``nvdisasm`` is installed too (the test extra brings it), a kernel that spills
+also gets where the spills land: the spill reloads and stores its main loop pays per turn,
+beside that loop's FMAs (``main_loop_*``; :func:`vtnumba.kernels.ptx.read_sass`).
 
 **How bandwidth is counted.**  ``timing.memcpy_bandwidth_gbs`` reports bytes *copied* per
 second; a copy of n bytes reads n and writes n.  To compare like with like this suite
@@ -425,9 +427,13 @@ def _ptxas_resources(notes) -> list[dict]:
     import subprocess
     import sys
 
+    from vtnumba.kernels.ptx import find_nvdisasm, nvjitlink_available
+
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    proc = subprocess.run([sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", "80", "90", "--ptxas"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    # With nvdisasm too, where the spills land (the main loop's share of them).
+    sass = ["--sass"] if nvjitlink_available() and find_nvdisasm() else []
+    proc = subprocess.run([sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", "80", "90", "--ptxas", *sass],
+                          env=env, capture_output=True, text=True, timeout=900)
     try:
         report = json.loads(proc.stdout)
     except ValueError:
@@ -437,6 +443,10 @@ def _ptxas_resources(notes) -> list[dict]:
     for e in report["results"]:
         usage = e.get("ptxas") or {}
         out.append({"kernel": e["name"], "sig": e["sig"], "cc": e["cc"], **usage})
+        hot = (e.get("sass") or {}).get("hot_loop")
+        if hot:  # the main loop's spill traffic per turn, beside its FMAs
+            out[-1].update(main_loop_spill_loads=hot["spill_loads"], main_loop_spill_stores=hot["spill_stores"],
+                           main_loop_fma=hot["fma"], main_loop_instructions=hot["instructions"])
         if usage.get("version_lowered"):
             note = f"ptxas: PTX .version lowered to {usage['version_lowered']} for the resource report only"
             if note not in notes:
@@ -456,9 +466,14 @@ def _resource_notes(resources: list[dict], cc: str = "9.0") -> list[str]:
         if e.get("registers") is None:
             lines.append(f"ptxas sm_{cc.replace('.', '')} {e['kernel']}: {e.get('error', 'no report')[:120]}")
             continue
+        where = ""
+        if e["spill_store_bytes"] and "main_loop_spill_loads" in e:
+            where = (f"; main loop: {e['main_loop_spill_loads']} spill reloads and {e['main_loop_spill_stores']} "
+                     f"stores per turn, beside {e['main_loop_fma']} FMAs in {e['main_loop_instructions']} "
+                     "instructions")
         lines.append(f"ptxas sm_{cc.replace('.', '')} {e['kernel']}: {e['registers']} registers, "
                      f"{e['smem_bytes']} B shared memory, spills {e['spill_store_bytes']} B stored / "
-                     f"{e['spill_load_bytes']} B loaded")
+                     f"{e['spill_load_bytes']} B loaded{where}")
     return lines
 
 

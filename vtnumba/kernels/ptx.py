@@ -14,8 +14,10 @@ with the simulator on) call it in a subprocess::
 which prints one JSON document: per kernel, signature and cc, whether it compiled (and
 the error if not), and any kernel missing from the modules' ``PTX_SIGNATURES``; with
 ``--ptxas`` also registers, shared memory and spill bytes per kernel (``--only NAME ...``
-limits the report to those kernels).  The exit status is 1 if a kernel failed to compile,
-is unlisted, or (with ``--ptxas``) got no resource report.
+limits the report to those kernels); with ``--sass`` also where the spills land
+(:func:`read_sass`: spill instructions in the machine code, in loops and in the main loop).
+The exit status is 1 if a kernel failed to compile, is unlisted, or got no resource or
+SASS report it was asked for.
 
 **Resources as a launch links the kernel.**  Some kernels call functions that numba does not
 compile into their PTX: float16 arithmetic, for one, is CUDA C++ from ``cuda_fp16.h``
@@ -116,11 +118,13 @@ def compile_kernel_ptx(kernel, sig: str, cc: tuple[int, int]) -> str:
     return ptx
 
 
-def compile_all(ccs=((8, 0), (9, 0)), only=None, resources: bool = False) -> list[dict]:
+def compile_all(ccs=((8, 0), (9, 0)), only=None, resources: bool = False, nvdisasm: str | None = None,
+                keep_sass: bool = False) -> list[dict]:
     """Compile every kernel signature for every cc; one result dict per (kernel, signature, cc).
 
     ``only``: kernel names to compile (default all); ``resources``: also put each compiled
-    kernel's :func:`resource_usage` under ``"ptxas"``.
+    kernel's :func:`resource_usage` under ``"ptxas"``; ``nvdisasm``: also put its
+    :func:`sass_report` under ``"sass"`` (``keep_sass``: with the disassembly's text).
     """
     from vtnumba.backend.arrays import simulator_active
 
@@ -137,11 +141,18 @@ def compile_all(ccs=((8, 0), (9, 0)), only=None, resources: bool = False) -> lis
                 entry.update(ok=".entry" in ptx, ptx=ptx)
             except Exception as exc:  # noqa: BLE001 - reported, the caller decides
                 entry["error"] = f"{type(exc).__name__}: {exc}"
+            cubin = None  # the linked machine code, when the resource report made it anyway
             if resources and entry["ok"]:
                 try:
-                    entry["ptxas"] = resource_usage(kernel, sig, cc, ptx)
+                    entry["ptxas"] = resource_usage(kernel, sig, cc, ptx, keep_cubin=bool(nvdisasm))
+                    cubin = entry["ptxas"].pop("cubin", None)
                 except Exception as exc:  # noqa: BLE001 - reported like a compile error
                     entry["ptxas"] = {"arch": f"sm_{cc[0]}{cc[1]}", "error": f"{type(exc).__name__}: {exc}"}
+            if nvdisasm and entry["ok"]:
+                try:
+                    entry["sass"] = sass_report(kernel, sig, cc, nvdisasm, keep_text=keep_sass, cubin=cubin)
+                except Exception as exc:  # noqa: BLE001 - reported like a compile error
+                    entry["sass"] = {"arch": f"sm_{cc[0]}{cc[1]}", "error": f"{type(exc).__name__}: {exc}"}
             results.append(entry)
     return results
 
@@ -172,14 +183,15 @@ def nvjitlink_available() -> bool:
     return True
 
 
-def linked_usage(kernel, sig: str, cc: tuple[int, int]) -> dict:
+def linked_usage(kernel, sig: str, cc: tuple[int, int], keep_cubin: bool = False) -> dict:
     """Registers / shared memory / spills of one kernel *linked as its launches link it*.
 
     The kernel and every function it links (``cuda.compile_all``: NVVM's LTO-IR for the
     kernel, NVRTC's for CUDA C++ such as ``cuda_fp16.h``'s operators) go to nvJitLink with
     ``-lto``, which optimizes across them -- the half-precision ``+`` is inlined into the
     loop as at launch -- and runs its own ``ptxas -v``.  ``modules`` says how many pieces
-    were linked (1: the kernel alone).
+    were linked (1: the kernel alone).  ``keep_cubin``: also return the linked machine code
+    (bytes) under ``"cubin"``, for :func:`disassemble`.
     """
     from cuda.bindings import nvjitlink
     from numba import cuda
@@ -208,6 +220,10 @@ def linked_usage(kernel, sig: str, cc: tuple[int, int]) -> dict:
             return report
         log = bytearray(nvjitlink.get_info_log_size(handle))
         nvjitlink.get_info_log(handle, log)
+        if keep_cubin:
+            cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
+            nvjitlink.get_linked_cubin(handle, cubin)
+            report["cubin"] = bytes(cubin)
     finally:
         nvjitlink.destroy(handle)
     report.update(modules=len(codes), **_read_ptxas_log(log.decode(errors="replace")))
@@ -250,10 +266,122 @@ def ptxas_usage(ptx: str, arch: str, ptxas: str | None = None) -> dict:
     return report
 
 
-def resource_usage(kernel, sig: str, cc: tuple[int, int], ptx: str) -> dict:
-    """The kernel's resources by the best means here: nvJitLink, else ``ptxas`` on ``ptx``."""
+# ---------------------------------------------------------------------------- where the spills land
+def find_nvdisasm() -> str | None:
+    """``nvdisasm`` (the CUDA disassembler): on PATH, else from pip's ``nvidia-cuda-nvdisasm``
+    wheel (the test extra installs it: ``nvidia/cu13/bin``, or ``nvidia/cuda_nvdisasm/bin`` for
+    CUDA 12's wheel).  None if neither is there."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for sub in ("cu13", "cuda_nvdisasm"):
+            path = os.path.join(root, sub, "bin", "nvdisasm")
+            if os.access(path, os.X_OK):
+                return path
+    return None
+
+
+def disassemble(cubin: bytes, nvdisasm: str) -> str:
+    """The SASS (the GPU's own instructions) of a linked cubin, as ``nvdisasm -c`` prints it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        proc = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
+    return proc.stdout
+
+
+_RE_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);(.*)$")
+_RE_LABEL = re.compile(r"^(\.L_x_\d+):")
+_RE_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+_FMA_OPS = ("FFMA", "HFMA2", "DFMA")
+
+
+def read_sass(text: str) -> dict:
+    """Where a kernel's spills land, from its SASS.
+
+    ``ptxas -v`` gives only the spilled *bytes*.  What a spill costs depends on where its
+    instructions sit: a register parked in local memory once, before the main loop, and
+    reloaded once per k-step beside hundreds of FMAs costs little; a reload inside the FMA
+    run costs a lot.  nvdisasm marks spill traffic (``SpillRefill``; other local-memory
+    traffic is a ``cuda.local.array`` the compiler could not keep in registers), and a branch
+    to an earlier address closes a loop.  Returned: ``instructions``; ``fma`` (FFMA/HFMA2/
+    DFMA); ``spill_stores`` / ``spill_loads`` (instructions); ``loops``; ``spills_in_loops``;
+    and ``hot_loop``, the main loop -- the one with the most FMAs (the smallest such, if they
+    nest; without FMAs in any loop, the one with the most instructions) -- with its addresses,
+    ``instructions``, ``fma`` and ``spill_loads``/``spill_stores``: the spill traffic the
+    kernel pays on every turn of its main loop.
+    """
+    instrs = []                 # (address, opcode, is_spill)
+    labels: dict[str, int] = {}
+    branches = []               # (address, label)
+    pending: list[str] = []     # labels waiting for the next instruction's address
+    for line in text.splitlines():
+        m = _RE_LABEL.match(line.strip())
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _RE_INSTR.match(line)
+        if not m:
+            continue
+        addr, op, operands, rest = int(m.group(1), 16), m.group(2), m.group(3), m.group(4)
+        for lab in pending:
+            labels[lab] = addr
+        pending = []
+        instrs.append((addr, op, "SpillRefill" in operands + rest))
+        t = _RE_TARGET.search(operands)
+        if op.startswith("BRA") and t:
+            branches.append((addr, t.group(1)))
+    # (A branch to itself is no loop: it is the trap ptxas puts after the last EXIT.)
+    loops = sorted({(labels[lab], addr) for addr, lab in branches if lab in labels and labels[lab] < addr})
+
+    def tally(lo: int, hi: int) -> dict:
+        part = [(op, spill) for a, op, spill in instrs if lo <= a <= hi]
+        return {"instructions": len(part), "fma": sum(op.split(".")[0] in _FMA_OPS for op, _ in part),
+                "spill_stores": sum(spill and op.startswith("STL") for op, spill in part),
+                "spill_loads": sum(spill and op.startswith("LDL") for op, spill in part)}
+
+    whole = tally(0, instrs[-1][0]) if instrs else tally(0, -1)
+    in_loops = sum(spill and any(lo <= a <= hi for lo, hi in loops) for a, _, spill in instrs)
+    hot, hot_key = None, None
+    for lo, hi in loops:
+        t = tally(lo, hi)
+        # The most FMAs (the smallest such loop, if they nest); a kernel without FMA loops (a
+        # memory-bound one): the loop with the most instructions.
+        key = (t["fma"], -t["instructions"]) if t["fma"] else (0, t["instructions"])
+        if hot_key is None or key > hot_key:
+            hot, hot_key = {**t, "start": f"{lo:#06x}", "end": f"{hi:#06x}"}, key
+    return {**whole, "loops": len(loops), "spills_in_loops": in_loops, "hot_loop": hot}
+
+
+def sass_report(kernel, sig: str, cc: tuple[int, int], nvdisasm: str, keep_text: bool = False,
+                cubin: bytes | None = None) -> dict:
+    """:func:`read_sass` of one kernel linked as its launches link it (nvJitLink, then nvdisasm;
+    ``cubin``: that linked code, if the caller has it already)."""
+    arch = f"sm_{cc[0]}{cc[1]}"
+    if cubin is None:
+        linked = linked_usage(kernel, sig, cc, keep_cubin=True)
+        if "error" in linked:
+            return {"arch": arch, "error": linked["error"]}
+        cubin = linked["cubin"]
+    text = disassemble(cubin, nvdisasm)
+    report = {"arch": arch, **read_sass(text)}
+    if keep_text:
+        report["text"] = text
+    return report
+
+
+def resource_usage(kernel, sig: str, cc: tuple[int, int], ptx: str, keep_cubin: bool = False) -> dict:
+    """The kernel's resources by the best means here: nvJitLink (``keep_cubin``: with the linked
+    code), else ``ptxas`` on ``ptx``."""
     if nvjitlink_available():
-        return linked_usage(kernel, sig, cc)
+        return linked_usage(kernel, sig, cc, keep_cubin=keep_cubin)
     return ptxas_usage(ptx, f"sm_{cc[0]}{cc[1]}")
 
 
@@ -265,7 +393,21 @@ def main(argv=None) -> int:
                         help="also report registers, shared memory and spills (nvJitLink, else ptxas on PATH)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="report only these kernels (default: all)")
     parser.add_argument("--keep-ptx", action="store_true", help="include the PTX text in the output")
+    parser.add_argument("--sass", action="store_true",
+                        help="also say where the spills land: count spill instructions in the machine code, in "
+                             "loops and in the main (most-FMA) loop (nvJitLink and nvdisasm)")
+    parser.add_argument("--keep-sass", action="store_true", help="with --sass: include the SASS text in the output")
     args = parser.parse_args(argv)
+    nvdisasm = None
+    if args.keep_sass and not args.sass:
+        parser.error("--keep-sass: only with --sass")
+    if args.sass:
+        if not nvjitlink_available():
+            parser.error("--sass: nvJitLink cannot be loaded here (pip install 'numba-cuda[cu13]')")
+        nvdisasm = find_nvdisasm()
+        if nvdisasm is None:
+            parser.error("--sass: nvdisasm is neither on PATH nor installed from pip "
+                         "(pip install nvidia-cuda-nvdisasm; the test extra includes it)")
     ccs = []
     for c in args.cc:
         if not (c.isdigit() and len(c) >= 2):
@@ -276,14 +418,14 @@ def main(argv=None) -> int:
         unknown = sorted(set(args.only) - known)
         if unknown:
             parser.error(f"--only: no kernel named {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    results = compile_all(ccs, only=args.only, resources=args.ptxas)
+    results = compile_all(ccs, only=args.only, resources=args.ptxas, nvdisasm=nvdisasm, keep_sass=args.keep_sass)
     for entry in results:
         if not args.keep_ptx:
             entry.pop("ptx", None)
     unlisted = unlisted_kernels()
     via = "nvJitLink" if nvjitlink_available() else "ptxas" if shutil.which("ptxas") else None
     json.dump({"results": results, "unlisted": unlisted, "resources_via": via}, sys.stdout)
-    failed = any(not e["ok"] or "error" in e.get("ptxas", {}) for e in results)
+    failed = any(not e["ok"] or "error" in e.get("ptxas", {}) or "error" in e.get("sass", {}) for e in results)
     return 1 if failed or unlisted else 0
 
 
