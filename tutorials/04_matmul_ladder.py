@@ -355,3 +355,11 @@ lesson.say("done")
 #    register it in ``KERNELS`` and ``launch_config`` (``matmul_cuda.py``) and in ``LADDER``
 #    (``matmul.py``: the rungs in order, with their one idea), and run this lesson --
 #    the kernel listing, the PTX table and the device figure pick it up by themselves.
+# 3. Read what the registers cost, without a GPU:
+#    ``NUMBA_ENABLE_CUDASIM=0 python -m vtnumba.kernels.ptx --cc 90 --ptxas --sass --only dbuf async``.
+#    Both rungs hit the 128 registers their launch bounds allow; only ``async`` spills, and
+#    ``hot_loop`` says where: a few dozen reloads per k-step beside its 512 FMAs, none among
+#    them.  Change the launch bounds in ``_TWO_BLOCKS_PER_SM`` (``matmul_cuda.py``) to
+#    ``(_NTHREADS, 1)`` and read it again: the spills vanish at about 210 registers a
+#    thread.  How many 256-thread blocks fit on an SM of 65,536 registers now, and what
+#    does a block waiting at its barrier then leave the SM to do?
