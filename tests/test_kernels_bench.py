@@ -148,6 +148,50 @@ def test_resource_notes_print_one_line_per_kernel():
         "27 spill reloads and 0 stores per turn, beside 512 FMAs in 1010 instructions")]
 
 
+def test_the_cublas_baseline_runs_on_the_benchmarked_gpu(monkeypatch):
+    # With one GPU per rank (or VTNUMBA_DEVICE), the ladder's queue may be on GPU 3: CuPy's
+    # arrays, stream and calls must be there too, not on its default GPU 0.  A stand-in CuPy
+    # records the device current at each step.
+    import contextlib
+    import sys
+    import types
+
+    log, current = [], [0]
+
+    @contextlib.contextmanager
+    def device(index):
+        before, current[0] = current[0], index
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    class ExternalStream:
+        def __init__(self, ptr, device_id=-1):
+            log.append(("stream", ptr, device_id))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def synchronize(self):
+            pass
+
+    def made(what):
+        return lambda *a, **k: log.append((what, current[0]))
+
+    fake = types.SimpleNamespace(
+        float32="float32", cuda=types.SimpleNamespace(Device=device, ExternalStream=ExternalStream),
+        random=types.SimpleNamespace(standard_normal=made("array")), empty=made("array"), matmul=made("matmul"))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    name, call = bench._baseline_gemm(8, 0x1234, 3)
+    call()
+    assert name == "cupy(cuBLAS)"
+    assert log == [("array", 3)] * 3 + [("stream", 0x1234, 3)] + [("matmul", 3)] * 2, log
+
+
 def test_device_copy_rate_on_the_device(device_backend):
     # The helper the peer and ec benchmarks can share: every direction.  The simulator copies at
     # most 64 KiB (its rate says nothing about a GPU); a GPU copies what it is asked to.

@@ -208,20 +208,23 @@ def _bench_host_matmul(cfg, results, ratios):
 
 
 # ---------------------------------------------------------------------------- device part
-def _baseline_gemm(n: int, stream_handle):
+def _baseline_gemm(n: int, stream_handle, device_index: int = 0):
     """A cuBLAS SGEMM through CuPy or torch, as ``(name, call)``, or None.
 
-    ``call`` enqueues ``C = A @ B`` on the stream ``stream_handle`` (our queue's), so the
-    same events time cuBLAS and vtnumba's kernels."""
+    ``call`` enqueues ``C = A @ B`` on the stream ``stream_handle`` (our queue's, on GPU
+    ``device_index``: the libraries' arrays must live on that GPU, not on their default
+    device 0), so the same events time cuBLAS and vtnumba's kernels."""
     try:
         import cupy as cp
 
-        a, b = cp.random.standard_normal((n, n), dtype=cp.float32), cp.random.standard_normal((n, n), dtype=cp.float32)
-        c = cp.empty((n, n), dtype=cp.float32)
-        stream = cp.cuda.ExternalStream(int(stream_handle))
+        with cp.cuda.Device(device_index):
+            a = cp.random.standard_normal((n, n), dtype=cp.float32)
+            b = cp.random.standard_normal((n, n), dtype=cp.float32)
+            c = cp.empty((n, n), dtype=cp.float32)
+        stream = cp.cuda.ExternalStream(int(stream_handle), device_index)
 
         def call_cupy():
-            with stream:
+            with cp.cuda.Device(device_index), stream:
                 cp.matmul(a, b, out=c)
 
         call_cupy()  # once now: a library that fails on its first real call falls through to torch
@@ -235,9 +238,10 @@ def _baseline_gemm(n: int, stream_handle):
         if not torch.cuda.is_available():
             return None
         torch.backends.cuda.matmul.allow_tf32 = False  # compare with true float32 SGEMM
-        a, b = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
-        c = torch.empty(n, n, device="cuda")
-        stream = torch.cuda.ExternalStream(int(stream_handle))
+        dev = torch.device("cuda", device_index)
+        a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+        c = torch.empty(n, n, device=dev)
+        stream = torch.cuda.ExternalStream(int(stream_handle), device=dev)
 
         def call_torch():
             with torch.cuda.stream(stream):
@@ -360,7 +364,7 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
             check_rows = np.sort(rng.choice(n, size=min(n, 8), replace=False))
             expected = host_a[check_rows].astype(np.float64) @ host_b.astype(np.float64)
             flops = 2.0 * n ** 3
-            base = None if simulator else _baseline_gemm(n, handle)
+            base = None if simulator else _baseline_gemm(n, handle, backend.device.index)
             backend.order_after_default_stream(q)  # the inputs' copies (and CuPy's) ran on the legacy stream
             base_gflops = None
             if base is not None:
