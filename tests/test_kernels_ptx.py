@@ -129,6 +129,12 @@ def test_read_sass_finds_the_loops_and_where_the_spills_land():
     plain = read_sass(_SASS.replace("FFMA", "FADD"))
     assert plain["fma"] == 0 and plain["hot_loop"]["start"] == "0x0020" and plain["hot_loop"]["end"] == "0x0090"
     assert read_sass("")["hot_loop"] is None
+    # A second function (a callee not inlined) starts again at address 0: its loop is its own.
+    callee = ".text.callee:\n.L_x_3:\n        /*0000*/                   FFMA R1, R2, R3, R1 ;\n" \
+             "        /*0010*/               @P0 BRA `(.L_x_3) ;\n"
+    two = read_sass(_SASS + callee)
+    assert two["loops"] == 3 and two["instructions"] == 14 and two["fma"] == 3, two
+    assert two["hot_loop"]["start"] == "0x0040" and two["spills_in_loops"] == 2, two
 
 
 def test_sass_report_says_where_the_matmul_rungs_spills_land():

@@ -322,7 +322,11 @@ def read_sass(text: str) -> dict:
     labels: dict[str, int] = {}
     branches = []               # (address, label)
     pending: list[str] = []     # labels waiting for the next instruction's address
+    base = 0                    # each function's addresses start at 0: lay them end to end
     for line in text.splitlines():
+        if line.startswith(".text.") and line.rstrip().endswith(":") and instrs:
+            base = instrs[-1][0] + 0x10  # (a callee the linker did not inline)
+            continue
         m = _RE_LABEL.match(line.strip())
         if m:
             pending.append(m.group(1))
@@ -330,7 +334,7 @@ def read_sass(text: str) -> dict:
         m = _RE_INSTR.match(line)
         if not m:
             continue
-        addr, op, operands, rest = int(m.group(1), 16), m.group(2), m.group(3), m.group(4)
+        addr, op, operands, rest = base + int(m.group(1), 16), m.group(2), m.group(3), m.group(4)
         for lab in pending:
             labels[lab] = addr
         pending = []
