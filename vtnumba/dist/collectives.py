@@ -68,7 +68,8 @@ import numpy as np
 from mpi4py import MPI
 
 from vtnumba import trace
-from vtnumba.backend.arrays import DEVICE, HOST, array_kind, cdiv, check_seconds, host_view, is_c_contiguous, is_int, to_host
+from vtnumba.backend.arrays import (DEVICE, HOST, array_kind, cdiv, check_seconds, host_view, is_c_contiguous, is_int,
+                                    to_host)
 from vtnumba.dist.comm import DEFAULT, wait_request
 from vtnumba.dist.groups import ProcessGroup
 from vtnumba.backend.polling import WaitTimeout
@@ -181,12 +182,12 @@ def _check_kernel_output(pb, name: str, arr) -> None:
     buffers): a numpy ``out`` beside GPU peer buffers would fail only inside the step -- after a
     queued call's handshake, which leaves its :class:`QueuedSignals` unusable -- so it is
     refused with the other argument checks, before any rank has started."""
-    words = {HOST: "a numpy array", DEVICE: "a numba device array"}
+    kinds = {HOST: "numpy array", DEVICE: "numba device array"}
     want, got = array_kind("pb's buffers", pb.local), array_kind(name, arr)
     if got != want:
-        raise TypeError(f"{name} is {words[got]}, but the row-sum kernel that writes it runs on backend "
-                        f"{pb.backend.name}, whose arrays (pb's buffers) are {words[want].split(' ', 1)[1]}s: "
-                        f"pass {words[want]} as {name}")
+        raise TypeError(f"{name} is a {kinds[got]}, but the row-sum kernel that writes it runs on backend "
+                        f"{pb.backend.name}, whose arrays (pb's buffers) are {kinds[want]}s: "
+                        f"pass a {kinds[want]} as {name}")
 
 
 def _check_pair(pb, signals):
@@ -280,7 +281,8 @@ def _exchange_queued(pb, sigs: QueuedSignals, ready: str, meta: tuple, write_fn,
     track = f"mpi:{g.name}"
     try:
         with trace.span(f"{what}:handshake", "peer", track):
-            metas = flags.handshake(meta, timeout_s)  # host, collective: nothing is queued unless every rank agrees
+            # Host, collective: nothing is queued unless every rank agrees.
+            metas = flags.handshake(meta, timeout_s)
     except BaseException as exc:
         # A peer aborted, or missed the handshake: the ranks' call counters may no longer agree.
         sigs.poison(f"{what}: the handshake failed on rank {g.rank}: {type(exc).__name__}: {exc}", queue)
