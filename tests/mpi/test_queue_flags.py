@@ -6,6 +6,7 @@ work behind it) and numba's simulator; the last test runs the GPU fallback's fla
 in the simulator, rank against rank.
 """
 
+import contextlib
 import re
 import time
 
@@ -20,6 +21,21 @@ from vtnumba.backend.polling import poll_until
 from vtnumba.dist import RELEASED, PeerBuffers, QueueFlags, QueueFlagsError, list_segments
 
 NAMES = ("ready", "done")
+
+
+@contextlib.contextmanager
+def flags_and_queue(group, backend, timeout_s: float, queue_name: str, barrier_before_close: bool = False):
+    """QueueFlags on ``group`` and one queue of ``backend``, released on the way out -- also
+    after a failed assertion, so every rank still reaches the collective close."""
+    flags = QueueFlags(group, NAMES, backend, timeout_s=timeout_s)
+    q = backend.create_queue(queue_name)
+    try:
+        yield flags, q
+    finally:
+        backend.destroy_queue(q)
+        if barrier_before_close:
+            COMM.Barrier()
+        flags.close()
 
 
 @pytest.fixture
@@ -48,11 +64,10 @@ def test_a_ring_of_queued_waits_and_signals(group, threaded):
     """Rank r's queue waits for rank r-1's flag, then does its work, then signals rank r+1."""
     def body():
         me, n = group.rank, group.size
-        flags = QueueFlags(group, NAMES, threaded, timeout_s=20)
-        q = threaded.create_queue("ring")
-        order = PeerBuffers(8 * n, group, CPUBackend(), timeout_s=20)
-        stamps = order.views(np.int64, (n,))[0]  # rank 0's buffer: one slot per rank
-        try:
+        # (The buffers outlive the queue: its work writes into them.)
+        with PeerBuffers(8 * n, group, CPUBackend(), timeout_s=20) as order, \
+                flags_and_queue(group, threaded, 20, "ring") as (flags, q):
+            stamps = order.views(np.int64, (n,))[0]  # rank 0's buffer: one slot per rank
             if me > 0:
                 flags.wait(q, "ready", 1, sources=me - 1)
             threaded.submit(q, lambda _s: stamps.__setitem__(me, time.monotonic_ns()), "work")
@@ -62,10 +77,6 @@ def test_a_ring_of_queued_waits_and_signals(group, threaded):
             flags.finish([q], what="the ring")
             seen = stamps.copy()
             assert np.all(np.diff(seen) > 0), f"work ran out of ring order: {seen}"
-        finally:
-            threaded.destroy_queue(q)
-            order.close()
-            flags.close()
 
     collectively(body)
 
@@ -87,9 +98,7 @@ def test_handshake_returns_every_ranks_meta(group, threaded):
 def test_a_peer_that_fails_releases_everyone_and_everyone_raises(group, queues_backend):
     """Rank 0 gives up without ever signalling; every other rank's queue was waiting for it."""
     def body():
-        flags = QueueFlags(group, NAMES, queues_backend, timeout_s=30)
-        q = queues_backend.create_queue("victim")
-        try:
+        with flags_and_queue(group, queues_backend, 30, "victim") as (flags, q):
             flags.handshake((1,))
             t0 = time.perf_counter()
             if group.rank == 0:
@@ -103,9 +112,6 @@ def test_a_peer_that_fails_releases_everyone_and_everyone_raises(group, queues_b
             own = flags.received()
             if group.rank == 0:
                 assert all(v == RELEASED for v in own.values())
-        finally:
-            queues_backend.destroy_queue(q)
-            flags.close()
 
     collectively(body)
 
@@ -115,9 +121,7 @@ def test_a_rank_failing_because_of_a_peer_does_not_take_the_blame(group, threade
     the areas one after the other).  Rank 1 gives up because of it; whoever then finds rank
     1's stamp must also find rank 0's -- relayed by rank 1 -- and name rank 0."""
     def body():
-        flags = QueueFlags(group, NAMES, threaded, timeout_s=30)
-        q = threaded.create_queue("victim")
-        try:
+        with flags_and_queue(group, threaded, 30, "victim") as (flags, q):
             flags.handshake((1,))
             epoch = flags.call_epoch
             if group.rank == 0:
@@ -135,28 +139,20 @@ def test_a_rank_failing_because_of_a_peer_does_not_take_the_blame(group, threade
                 flags.fail([q])  # the rest of rank 0's failure: every area stamped, every word released
             else:
                 assert re.search(r": rank 0(, \d+)* aborted during the exchange", str(failed.value)), failed.value
-        finally:
-            threaded.destroy_queue(q)
-            flags.close()
 
     collectively(body)
 
 
 def test_a_peer_that_never_signals_is_named_after_the_deadline(group, queues_backend):
     def body():
-        flags = QueueFlags(group, NAMES, queues_backend, timeout_s=0.5)
-        q = queues_backend.create_queue("stuck")
-        try:
+        # (The last rank may not close -- collective -- before the others gave up: a barrier first.)
+        with flags_and_queue(group, queues_backend, 0.5, "stuck", barrier_before_close=True) as (flags, q):
             flags.handshake((1,))
             last = group.size - 1
             if group.rank != last:
                 flags.wait(q, "done", 3, sources=last)  # the last rank never raises it
                 with pytest.raises(QueueFlagsError, match=rf"'done' from rank {last}: 0 \(waited for 3\)"):
                     flags.finish([q])
-        finally:
-            queues_backend.destroy_queue(q)
-            COMM.Barrier()  # the last rank may not close (collective) before the others gave up
-            flags.close()
 
     collectively(body)
 
@@ -167,9 +163,7 @@ def test_a_release_a_peer_overwrote_is_stored_again_while_draining(group, thread
     elsewhere, does not send.  Rank 0's drain must release the word again, not sit out its
     30 s deadline."""
     def body():
-        flags = QueueFlags(group, NAMES, threaded, timeout_s=30)
-        q = threaded.create_queue("overwritten")
-        try:
+        with flags_and_queue(group, threaded, 30, "overwritten") as (flags, q):
             flags.handshake((1,))
             if group.rank == 0:
                 word = flags._slot("ready", 1)
@@ -201,9 +195,6 @@ def test_a_release_a_peer_overwrote_is_stored_again_while_draining(group, thread
             else:
                 with pytest.raises(QueueFlagsError, match=r"rank 0(, \d+)* aborted"):
                     flags.finish([q])
-        finally:
-            threaded.destroy_queue(q)
-            flags.close()
 
     collectively(body)
 
@@ -213,9 +204,7 @@ def test_a_peer_that_cannot_be_released_does_not_stop_the_others(group, threaded
     does not raise -- the caller's error is the one to report -- and still releases its own
     area and every other peer's words."""
     def body():
-        flags = QueueFlags(group, NAMES, threaded, timeout_s=30)
-        q = threaded.create_queue("victim")
-        try:
+        with flags_and_queue(group, threaded, 30, "victim") as (flags, q):
             flags.handshake((1,))
             if group.rank == 0:
                 release_words = flags._release_words
@@ -239,27 +228,19 @@ def test_a_peer_that_cannot_be_released_does_not_stop_the_others(group, threaded
                 flags.wait(q, "ready", 1, sources=0)
                 with pytest.raises(QueueFlagsError, match=r"rank 0(, \d+)* aborted"):
                     flags.finish([q])
-        finally:
-            threaded.destroy_queue(q)
-            flags.close()
 
     collectively(body)
 
 
 def test_bad_arguments_are_named(group, threaded):
     def body():
-        flags = QueueFlags(group, NAMES, threaded, timeout_s=20)
-        q = threaded.create_queue("bad")
-        try:
+        with flags_and_queue(group, threaded, 20, "bad") as (flags, q):
             with pytest.raises(ValueError, match="unknown flag name='nope'"):
                 flags.signal(q, "nope", 1)
             with pytest.raises(ValueError, match="targets=99 must be group ranks"):
                 flags.signal(q, "ready", 1, targets=99)
             with pytest.raises(ValueError, match=f"must be an epoch in 0..{RELEASED - 1}"):
                 flags.signal(q, "ready", RELEASED)
-        finally:
-            threaded.destroy_queue(q)
-            flags.close()
         with pytest.raises(RuntimeError, match="closed"):
             flags.signal(q, "ready", 1)
 
