@@ -13,7 +13,10 @@ to probe for a GPU, and why the CLI parses ``--target`` before importing anythin
 
 ``VTNUMBA_TARGET=auto|cuda|cudasim|cpu`` sets the default; ``select_target()`` (called by
 the CLI with its ``--target`` flag) overrides it.  ``auto`` means ``cuda`` when a GPU is
-usable, else ``cpu``.
+usable, else ``cpu`` -- and *usable* means more than present: ``auto`` makes the process's
+CUDA context on the GPU it would use (:mod:`vtnumba.backend.device_choice`), so a GPU that
+refuses one (another process holds it in exclusive-process mode, its memory is full) sends
+the process to ``cpu`` with the driver's reason, instead of failing in ``CUDABackend``.
 """
 
 from __future__ import annotations
@@ -117,6 +120,38 @@ def gpu_usable() -> tuple[bool, str]:
         return False, f"probing the GPU failed: {exc}"
 
 
+def _gpu_context_problem() -> str | None:
+    """Make this process's CUDA context now, on the GPU the cuda target would give it; None
+    if that worked, else what went wrong.
+
+    Finding a GPU is not being able to use it: a GPU in exclusive-process mode that another
+    process holds, or one whose memory is full, refuses a new context.  ``auto`` asks here,
+    while it can still choose ``cpu``.  The context is the one the process then runs on (the
+    same device, current on this thread), so nothing is made twice, and no rank makes one on
+    a GPU that is not its own.  A bad ``VTNUMBA_DEVICE`` is the user's error, not the GPU's: it
+    raises.
+    """
+    from numba import cuda
+
+    from vtnumba.backend.device_choice import choose_cuda_device
+
+    try:
+        count = len(cuda.gpus)
+    except Exception as exc:  # noqa: BLE001 - whatever the driver says is the reason
+        return f"listing the GPUs failed ({type(exc).__name__}: {exc})"
+    index = choose_cuda_device(count).index
+    previous = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    ask_for_cuda_connections()  # (read when the context is made: see below)
+    try:
+        cuda.select_device(index)
+    except Exception as exc:  # noqa: BLE001
+        # Not the cuda target after all: leave the environment as it was.
+        if previous is None:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        return f"cuda:{index} would not make a CUDA context ({type(exc).__name__}: {exc})"
+    return None
+
+
 #: Hardware work queues a process asks of its GPU (``CUDA_DEVICE_MAX_CONNECTIONS``; the driver's
 #: default is 8).  Streams share them, and a stream held by a flag wait holds up every stream
 #: behind it on its hardware queue -- including one that would release it.  TPSP and the peer
@@ -147,6 +182,10 @@ def select_target(name: str | None = None, *, source: str = "target") -> TargetC
 
     if requested == "auto":
         ok, why = gpu_usable()
+        if ok:
+            problem = _gpu_context_problem()
+            if problem:
+                ok, why = False, f"{why}, but {problem}"
         resolved = TargetChoice("cuda", f"auto: {why}") if ok else TargetChoice("cpu", f"auto: {why}; using the cpu target")
     elif requested == "cudasim":
         resolved = TargetChoice("cudasim", f"{source}=cudasim: kernels run in numba's CUDA simulator")
