@@ -180,6 +180,17 @@ def test_sizes_that_differ_across_ranks(tp, shm_unchanged):
     assert "rank 1: nbytes=0 is not a valid size" in msg
 
 
+def test_ranks_on_different_targets_are_refused_everywhere(tp, device_backend, shm_unchanged):
+    # A rank whose 'auto' fell back to cpu beside ranks on a GPU could not open their memory:
+    # every rank refuses at once, naming each rank's target, instead of failing later.
+    me = tp.rank
+    msg = same_error_everywhere(ValueError, lambda: dist.PeerBuffers(1024, tp, device_backend if me == 1
+                                                                     else CPUBackend()))
+    device = "cuda (CUDA IPC)" if ON_GPU else "cudasim (shared memory seen as device arrays)"
+    assert msg.startswith("PeerBuffers: the ranks of group 'tp' run on different targets, whose memory cannot be "
+                          f"shared (rank 0: cpu (shared memory), rank 1: {device}"), msg
+
+
 # ---------------------------------------------------------------------------- signals
 def test_flags_order_data_across_ranks(tp, shm_unchanged):
     """Ping-pong: producer writes data then raises a flag; the consumer must see the data."""

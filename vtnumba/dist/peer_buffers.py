@@ -59,6 +59,11 @@ class _OpenFailed(PeerAccessError):
     """A rank could not open a peer's buffer: the next transport mode may still work."""
 
 
+#: What each transport means, for messages: which target a rank runs on, and how it shares memory.
+_TRANSPORT_WORDS = {"shm": "cpu (shared memory)", "shm-sim": "cudasim (shared memory seen as device arrays)",
+                    "cuda_ipc": "cuda (CUDA IPC)"}
+
+
 def _transport_kind(backend: Backend) -> str:
     caps = backend.capabilities
     if caps.kernel_arrays == "numpy":
@@ -126,7 +131,17 @@ class PeerBuffers:
         except (TypeError, ValueError) as exc:
             err, nbytes = exc, -1
         agree_errors(err, group, context="PeerBuffers", timeout_s=timeout_s)
-        sizes = [struct.unpack("<q", b)[0] for b in allgather_bytes(struct.pack("<q", nbytes), group, timeout_s)]
+        # The transport goes along with the size: ranks on different targets (a rank whose
+        # 'auto' found no usable GPU beside ranks on one) could not open each other's handles,
+        # and would fail in ways that say less -- or wait for a retry their peers never make.
+        mine = struct.pack("<q", nbytes) + self.kind.encode()
+        everyone = [(struct.unpack("<q", b[:8])[0], b[8:].decode()) for b in allgather_bytes(mine, group, timeout_s)]
+        kinds = [k for _, k in everyone]
+        if len(set(kinds)) != 1:
+            raise ValueError(f"PeerBuffers: the ranks of group {group.name!r} run on different targets, whose memory "
+                             "cannot be shared (" + ", ".join(f"rank {r}: {_TRANSPORT_WORDS.get(k, k)}" for r, k in enumerate(kinds))
+                             + "); run every rank on the same target (vtnumba info says each one's, and why)")
+        sizes = [n for n, _ in everyone]
         if len(set(sizes)) != 1:
             raise ValueError(f"PeerBuffers(nbytes=...) must be the same on every rank of group {group.name!r}; got "
                              + ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes)))
