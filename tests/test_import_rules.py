@@ -2,7 +2,7 @@
 
 The layers (``docs/architecture.rst`` draws them), lowest first::
 
-    core      vtnumba.target, vtnumba.trace, vtnumba.faults   (what every layer may use)
+    core      vtnumba.target, vtnumba.device_rule, vtnumba.trace, vtnumba.faults   (what every layer may use)
     backend   devices, arrays, the Backend seam, CPU/CUDA backends
     memory    allocator, arena, hazards, copy engine
     kernels   matmul, norms, peer reduce/gather, activations, attention (+ host references)
@@ -25,7 +25,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "vtnumba"
 
 LAYERS = {
-    "target": 0, "trace": 0, "faults": 0,
+    "target": 0, "device_rule": 0, "trace": 0, "faults": 0,
     "backend": 1,
     "memory": 2,
     "kernels": 3,

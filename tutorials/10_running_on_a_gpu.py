@@ -87,9 +87,10 @@ lesson.check(caps["supports_graph_capture"] == (target == "cuda"), "graph captur
 # (two ranks on one GPU, as here and on a laptop, both use device 0).  ``VTNUMBA_DEVICE=K``
 # puts every rank on GPU ``K``.  Only the ``cuda`` target asks; the simulator has one device.
 #
-# .. vt-source:: vtnumba.backend.device_choice.choose_cuda_device
+# .. vt-source:: vtnumba.device_rule.choose_cuda_device
 from vtnumba import default_device  # noqa: E402
-from vtnumba.backend.device_choice import choose_cuda_device, node_local_rank, process_cuda_device  # noqa: E402
+from vtnumba.backend.device_choice import process_cuda_device  # noqa: E402
+from vtnumba.device_rule import choose_cuda_device, node_local_rank  # noqa: E402
 
 local = node_local_rank()
 lesson.say(f"node-local rank {local[0] if local else None} (from {local[1] if local else 'no launcher'}); "

@@ -14,7 +14,7 @@ to probe for a GPU, and why the CLI parses ``--target`` before importing anythin
 ``VTNUMBA_TARGET=auto|cuda|cudasim|cpu`` sets the default; ``select_target()`` (called by
 the CLI with its ``--target`` flag) overrides it.  ``auto`` means ``cuda`` when a GPU is
 usable, else ``cpu`` -- and *usable* means more than present: ``auto`` makes the process's
-CUDA context on the GPU it would use (:mod:`vtnumba.backend.device_choice`), so a GPU that
+CUDA context on the GPU it would use (:mod:`vtnumba.device_rule`), so a GPU that
 refuses one (another process holds it in exclusive-process mode, its memory is full) sends
 the process to ``cpu`` with the driver's reason, instead of failing in ``CUDABackend``.
 """
@@ -133,7 +133,7 @@ def _gpu_context_problem() -> str | None:
     """
     from numba import cuda
 
-    from vtnumba.backend.device_choice import choose_cuda_device
+    from vtnumba.device_rule import choose_cuda_device
 
     try:
         count = len(cuda.gpus)

@@ -1,81 +1,14 @@
-"""Which GPU this process uses: one per MPI rank of the node, unless told otherwise.
+"""Which GPU this process uses, chosen once: :mod:`vtnumba.device_rule`'s rule, applied.
 
-An ``mpiexec -n 4`` job on a node with four GPUs should put one rank on each, not all four
-on GPU 0 (where they would share its SMs and memory while three GPUs idle).  MPI programs
-on GPUs settle this the same way: a rank's *node-local* rank (its place among the ranks on
-its own machine) picks the device, modulo the number of devices, so ranks share GPUs evenly
-when there are more ranks than GPUs -- e.g. two ranks on the one GPU of a laptop or of the
-H200 machine, which is how vtnumba's TPSP and peer tests run there.
-
-The node-local rank comes from the variables the launcher sets for each process
-(:data:`LOCAL_RANK_VARIABLES`: MPICH's Hydra sets ``MPI_LOCALRANKID``, Open MPI
-``OMPI_COMM_WORLD_LOCAL_RANK``, Slurm ``SLURM_LOCALID``), not from an MPI call: the backend
-layer sits below :mod:`vtnumba.dist`, and the device must be known before MPI is set up.
-Outside a launcher there is no local rank, and the process uses device 0.
-
-``VTNUMBA_DEVICE=N`` puts every rank of the job on device ``N`` instead (``local``, the
-default, is the rule above).  Ranks on different GPUs still share their peer buffers: CUDA
-IPC opens a peer's memory on another GPU with peer access enabled.  ``CUDA_VISIBLE_DEVICES``
-keeps its usual meaning -- it renumbers the devices a process sees, and indices here count
-the visible ones.
-
-Only the ``cuda`` target asks: the simulator has one device, and the ``cpu`` target none.
+The rule (one GPU per node-local rank, or ``VTNUMBA_DEVICE``) lives in the core layer, so
+the target's choice can use it too; it is re-exported here, where the backend asks for the
+process's device: :func:`process_cuda_device` asks the driver for the device count only on
+the ``cuda`` target -- the simulator has one device, and the ``cpu`` target none.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
-#: The launchers' per-process "which of this node's ranks am I" variables, in the order asked.
-LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MV2_COMM_WORLD_LOCAL_RANK",
-                        "PMI_LOCAL_RANK", "LOCAL_RANK")
-
-
-@dataclass(frozen=True)
-class DeviceChoice:
-    """The CUDA device index this process uses, and a sentence saying why."""
-
-    #: The device's index among the visible CUDA devices.
-    index: int
-    #: Why this device (which variable decided it, or what the node-local rank was).
-    reason: str
-
-
-def node_local_rank(environ=None) -> tuple[int, str] | None:
-    """``(rank among this node's processes, the variable that said so)``, or None outside a launcher."""
-    environ = os.environ if environ is None else environ
-    for name in LOCAL_RANK_VARIABLES:
-        value = environ.get(name, "").strip()
-        if value.isdigit():
-            return int(value), name
-    return None
-
-
-def choose_cuda_device(device_count: int, environ=None) -> DeviceChoice:
-    """The device for this process among ``device_count`` visible ones (module docstring).
-
-    Raises ValueError naming ``VTNUMBA_DEVICE`` when it is neither ``local`` nor the index of
-    a visible device, and naming ``device_count`` when there is no device to choose.
-    """
-    environ = os.environ if environ is None else environ
-    if not isinstance(device_count, int) or device_count < 1:
-        raise ValueError(f"device_count={device_count!r}: expected at least one visible CUDA device")
-    asked = environ.get("VTNUMBA_DEVICE", "local").strip().lower() or "local"
-    if asked != "local":
-        if not asked.isdigit() or int(asked) >= device_count:
-            raise ValueError(f"VTNUMBA_DEVICE={environ.get('VTNUMBA_DEVICE')!r} is not a device here; expected "
-                             f"'local' (one device per node-local rank) or an index from 0 to {device_count - 1} "
-                             f"({device_count} visible CUDA device(s))")
-        return DeviceChoice(int(asked), f"VTNUMBA_DEVICE={asked}")
-    local = node_local_rank(environ)
-    if local is None:
-        return DeviceChoice(0, "no launcher's node-local rank: device 0")
-    rank, variable = local
-    index = rank % device_count
-    shared = " (ranks share devices: more ranks than devices)" if rank >= device_count else ""
-    return DeviceChoice(index, f"node-local rank {rank} ({variable}) of {device_count} visible device(s){shared}")
-
+from vtnumba.device_rule import LOCAL_RANK_VARIABLES, DeviceChoice, choose_cuda_device, node_local_rank
 
 _chosen: DeviceChoice | None = None
 
@@ -102,4 +35,5 @@ def process_cuda_device() -> DeviceChoice:
     return _chosen
 
 
-__all__ = ["DeviceChoice", "LOCAL_RANK_VARIABLES", "choose_cuda_device", "node_local_rank", "process_cuda_device"]
+# (DeviceChoice, LOCAL_RANK_VARIABLES, choose_cuda_device and node_local_rank stay importable from here.)
+__all__ = ["process_cuda_device"]
