@@ -138,9 +138,10 @@ class PeerBuffers:
         everyone = [(struct.unpack("<q", b[:8])[0], b[8:].decode()) for b in allgather_bytes(mine, group, timeout_s)]
         kinds = [k for _, k in everyone]
         if len(set(kinds)) != 1:
+            each = ", ".join(f"rank {r}: {_TRANSPORT_WORDS.get(k, k)}" for r, k in enumerate(kinds))
             raise ValueError(f"PeerBuffers: the ranks of group {group.name!r} run on different targets, whose memory "
-                             "cannot be shared (" + ", ".join(f"rank {r}: {_TRANSPORT_WORDS.get(k, k)}" for r, k in enumerate(kinds))
-                             + "); run every rank on the same target (vtnumba info says each one's, and why)")
+                             f"cannot be shared ({each}); run every rank on the same target (vtnumba info says each "
+                             "one's, and why)")
         sizes = [n for n, _ in everyone]
         if len(set(sizes)) != 1:
             raise ValueError(f"PeerBuffers(nbytes=...) must be the same on every rank of group {group.name!r}; got "
