@@ -73,42 +73,46 @@ def test_choosing_the_cuda_target_asks_for_every_hardware_queue_unless_the_user_
 def test_auto_takes_the_cpu_target_when_the_gpu_found_will_not_make_a_context():
     # A GPU that is there but refuses a context (held by another process in exclusive-process
     # mode, out of memory): 'auto' must say so and run on cpu, not pick cuda and fail later.
-    # The driver is played by stand-ins: one GPU whose select_device raises as the driver would.
+    # The driver is played by stand-ins: two GPUs, whose primary contexts the driver refuses.
     code = """
 import os, vtnumba.target as t
 from numba import cuda
+from cuda.bindings import driver as cu
 t.gpu_usable = lambda: (True, "CUDA GPU found: Stand-in H200")
-cuda.gpus = [object()]
-asked = []
-def refuse(index):
-    asked.append((index, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")))
-    raise RuntimeError("CUDA_ERROR_DEVICE_UNAVAILABLE: busy or unavailable")
-cuda.select_device = refuse
+cuda.gpus = [object(), object()]
+calls = []
+cu.cuInit = lambda flags: calls.append("init") or (cu.CUresult.CUDA_SUCCESS,)
+cu.cuDeviceGet = lambda i: calls.append(("get", i, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))) or \
+    (cu.CUresult.CUDA_SUCCESS, 7)
+cu.cuDevicePrimaryCtxRetain = lambda dev: calls.append(("retain", dev)) or (RETAIN, None)
+cu.cuDevicePrimaryCtxRelease = lambda dev: calls.append(("release", dev)) or (cu.CUresult.CUDA_SUCCESS,)
 choice = t.select_target("auto")
-print(choice.name); print(choice.reason); print(asked); print(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+print(choice.name); print(choice.reason); print(calls); print(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
 """
     env = {k: v for k, v in ENV.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**env, "VTNUMBA_DEVICE": "local"}, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr
-    name, reason, asked, connections = proc.stdout.strip().splitlines()
-    assert name == "cpu", proc.stdout
-    assert reason == ("auto: CUDA GPU found: Stand-in H200, but cuda:0 would not make a CUDA context (RuntimeError: "
-                      "CUDA_ERROR_DEVICE_UNAVAILABLE: busy or unavailable); using the cpu target"), reason
-    # It asked on the process's own device, after asking for the hardware queues (which the
-    # driver reads when the context is made) -- and left the environment as it was.
-    assert asked == "[(0, '32')]" and connections == "None", proc.stdout
-    # A GPU whose context can be made is the cuda target, on that context's device.
-    ok = code.replace('raise RuntimeError("CUDA_ERROR_DEVICE_UNAVAILABLE: busy or unavailable")', "pass")
-    proc = subprocess.run([sys.executable, "-c", ok], capture_output=True, text=True, timeout=120,
-                          env={**env, "MPI_LOCALRANKID": "0"}, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[:2] == ["cuda", "auto: CUDA GPU found: Stand-in H200"], proc.stdout
-    assert proc.stdout.splitlines()[3] == "32", proc.stdout
+
+    def run(script, **extra):
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                              env={**env, **extra}, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip().splitlines()
+
+    name, reason, calls, connections = run(code.replace("RETAIN", "cu.CUresult.CUDA_ERROR_DEVICE_UNAVAILABLE"),
+                                           MPI_LOCALRANKID="1")
+    assert name == "cpu", reason
+    assert reason == ("auto: CUDA GPU found: Stand-in H200, but cuda:1 would not make a CUDA context "
+                      "(cuDevicePrimaryCtxRetain: CUDA_ERROR_DEVICE_UNAVAILABLE); using the cpu target"), reason
+    # It asked on the process's own device (node-local rank 1: GPU 1), after asking for the
+    # hardware queues (which the driver reads when the context is made) -- and left the
+    # environment as it was.
+    assert calls == "['init', ('get', 1, '32'), ('retain', 7)]" and connections == "None", calls
+    # A GPU whose context can be made is the cuda target; the probe's context is let go again
+    # (numba's memory manager may still be chosen before the process's first real context).
+    name, reason, calls, connections = run(code.replace("RETAIN", "cu.CUresult.CUDA_SUCCESS"))
+    assert (name, reason, connections) == ("cuda", "auto: CUDA GPU found: Stand-in H200", "32")
+    assert calls == "['init', ('get', 0, '32'), ('retain', 7), ('release', 7)]", calls
     # A driver that cannot even list its GPUs: the cpu target too, saying so.
-    broken = code.replace("cuda.gpus = [object()]", "class Gpus:\n    def __len__(self):\n"
+    broken = code.replace("cuda.gpus = [object(), object()]", "class Gpus:\n    def __len__(self):\n"
                           "        raise RuntimeError('driver gone')\ncuda.gpus = Gpus()")
-    proc = subprocess.run([sys.executable, "-c", broken], capture_output=True, text=True, timeout=120,
-                          env=env, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0 and proc.stdout.splitlines()[0] == "cpu", proc.stdout + proc.stderr
-    assert "but listing the GPUs failed (RuntimeError: driver gone)" in proc.stdout, proc.stdout
+    name, reason, _, _ = run(broken)
+    assert name == "cpu" and "but listing the GPUs failed (RuntimeError: driver gone)" in reason, reason

@@ -13,10 +13,11 @@ to probe for a GPU, and why the CLI parses ``--target`` before importing anythin
 
 ``VTNUMBA_TARGET=auto|cuda|cudasim|cpu`` sets the default; ``select_target()`` (called by
 the CLI with its ``--target`` flag) overrides it.  ``auto`` means ``cuda`` when a GPU is
-usable, else ``cpu`` -- and *usable* means more than present: ``auto`` makes the process's
-CUDA context on the GPU it would use (:mod:`vtnumba.device_rule`), so a GPU that
-refuses one (another process holds it in exclusive-process mode, its memory is full) sends
-the process to ``cpu`` with the driver's reason, instead of failing in ``CUDABackend``.
+usable, else ``cpu`` -- and *usable* means more than present: ``auto`` has the driver make
+a CUDA context on the GPU the process would use (:mod:`vtnumba.device_rule`), and let it go,
+so a GPU that refuses one (another process holds it in exclusive-process mode, its memory is
+full) sends the process to ``cpu`` with the driver's reason, instead of failing in
+``CUDABackend``.
 """
 
 from __future__ import annotations
@@ -121,15 +122,17 @@ def gpu_usable() -> tuple[bool, str]:
 
 
 def _gpu_context_problem() -> str | None:
-    """Make this process's CUDA context now, on the GPU the cuda target would give it; None
-    if that worked, else what went wrong.
+    """Can this process make a CUDA context on the GPU the cuda target would give it?  None if
+    it can, else what went wrong.
 
     Finding a GPU is not being able to use it: a GPU in exclusive-process mode that another
     process holds, or one whose memory is full, refuses a new context.  ``auto`` asks here,
-    while it can still choose ``cpu``.  The context is the one the process then runs on (the
-    same device, current on this thread), so nothing is made twice, and no rank makes one on
-    a GPU that is not its own.  A bad ``VTNUMBA_DEVICE`` is the user's error, not the GPU's: it
-    raises.
+    while it can still choose ``cpu``, on the process's own GPU (no rank touches another's).
+    The context is made and let go again -- numba makes it anew when the process first uses
+    the GPU, a fraction of a second once -- because numba's memory manager must be chosen
+    before a context exists (:func:`vtnumba.memory.install_numba_memory_manager`), and the
+    target is chosen before that.  A bad ``VTNUMBA_DEVICE`` is the user's error, not the GPU's:
+    it raises.
     """
     from numba import cuda
 
@@ -141,14 +144,35 @@ def _gpu_context_problem() -> str | None:
         return f"listing the GPUs failed ({type(exc).__name__}: {exc})"
     index = choose_cuda_device(count).index
     previous = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    ask_for_cuda_connections()  # (read when the context is made: see below)
+    ask_for_cuda_connections()  # (the driver reads it when a context is made: before the first one)
     try:
-        cuda.select_device(index)
+        problem = _primary_context_problem(index)
     except Exception as exc:  # noqa: BLE001
-        # Not the cuda target after all: leave the environment as it was.
-        if previous is None:
-            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
-        return f"cuda:{index} would not make a CUDA context ({type(exc).__name__}: {exc})"
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem is None:
+        return None
+    if previous is None:  # not the cuda target after all: leave the environment as it was
+        os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    return f"cuda:{index} would not make a CUDA context ({problem})"
+
+
+def _primary_context_problem(index: int) -> str | None:
+    """Retain GPU ``index``'s primary context (the one numba uses) and release it again; None
+    if the driver made it, else the driver's error.  Released by the last holder, a primary
+    context is destroyed, its memory with it."""
+    from cuda.bindings import driver as cu  # (numba-cuda's own binding to the driver)
+
+    ok = cu.CUresult.CUDA_SUCCESS
+    (err,) = cu.cuInit(0)  # (every call returns a tuple, its error first)
+    if err != ok:
+        return f"cuInit: {err.name}"
+    err, device = cu.cuDeviceGet(index)
+    if err != ok:
+        return f"cuDeviceGet({index}): {err.name}"
+    err, _ = cu.cuDevicePrimaryCtxRetain(device)
+    if err != ok:
+        return f"cuDevicePrimaryCtxRetain: {err.name}"
+    cu.cuDevicePrimaryCtxRelease(device)
     return None
 
 
