@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--norm-shape", type=_norm_shape_arg, default=None, metavar="ROWSxH",
                         help="shape of the norm benchmarks (default 8192x4096; on the host 1024x1024 with --quick)")
     parser.add_argument("--ptxas", action="store_true",
-                        help="report registers/shared memory/spills per kernel (nvJitLink, else ptxas on PATH)")
+                        help="report registers/shared memory/spills per kernel (nvJitLink, else ptxas on PATH), "
+                             "and with nvdisasm installed where a kernel's spills land in its main loop")
     from vtnumba.bench.runner import positive_int
 
     parser.add_argument("--device-matmul-sizes", type=positive_int, nargs="+", default=None, metavar="N",
