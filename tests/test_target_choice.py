@@ -9,7 +9,11 @@ import sys
 
 import pytest
 
-ENV = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
+# (Nor which GPU a launcher or the user would give the process: the cases below set their own.)
+ENV = {k: v for k, v in os.environ.items()
+       if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET", "VTNUMBA_DEVICE", "MPI_LOCALRANKID",
+                    "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MV2_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK",
+                    "LOCAL_RANK")}
 
 
 def _python(code: str, **env):
@@ -87,6 +91,7 @@ cu.cuDeviceGet = lambda i: calls.append(("get", i, os.environ.get("CUDA_DEVICE_M
 cu.cuDevicePrimaryCtxRetain = lambda dev: calls.append(("retain", dev)) or (RETAIN, None)
 cu.cuDevicePrimaryCtxRelease = lambda dev: calls.append(("release", dev)) or (cu.CUresult.CUDA_SUCCESS,)
 choice = t.select_target("auto")
+assert t.select_target("auto") is choice  # chosen once: asking again probes nothing
 print(choice.name); print(choice.reason); print(calls); print(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
 """
     env = {k: v for k, v in ENV.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
@@ -116,3 +121,10 @@ print(choice.name); print(choice.reason); print(calls); print(os.environ.get("CU
                           "        raise RuntimeError('driver gone')\ncuda.gpus = Gpus()")
     name, reason, _, _ = run(broken)
     assert name == "cpu" and "but listing the GPUs failed (RuntimeError: driver gone)" in reason, reason
+    # A VTNUMBA_DEVICE that names no GPU is the user's error, not a reason to fall back: a
+    # TargetError, which the programs turn into a usage message.
+    proc = subprocess.run([sys.executable, "-c", code.replace("RETAIN", "cu.CUresult.CUDA_SUCCESS")],
+                          capture_output=True, text=True, timeout=120, env={**env, "VTNUMBA_DEVICE": "5"},
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1 and "vtnumba.target.TargetError: VTNUMBA_DEVICE='5' is not a device here" \
+        in proc.stderr, proc.stderr

@@ -54,7 +54,8 @@ _choice: TargetChoice | None = None
 
 
 class TargetError(ValueError):
-    """An unknown target name (``--target`` or ``VTNUMBA_TARGET``)."""
+    """An unknown target name (``--target`` or ``VTNUMBA_TARGET``), or, for ``auto`` on a
+    machine with a GPU, a ``VTNUMBA_DEVICE`` that names no GPU there."""
 
 
 def _validate(name: str, where: str) -> str:
@@ -132,7 +133,7 @@ def _gpu_context_problem() -> str | None:
     the GPU, a fraction of a second once -- because numba's memory manager must be chosen
     before a context exists (:func:`vtnumba.memory.install_numba_memory_manager`), and the
     target is chosen before that.  A bad ``VTNUMBA_DEVICE`` is the user's error, not the GPU's:
-    it raises.
+    it raises :class:`TargetError`.
     """
     from numba import cuda
 
@@ -142,7 +143,10 @@ def _gpu_context_problem() -> str | None:
         count = len(cuda.gpus)
     except Exception as exc:  # noqa: BLE001 - whatever the driver says is the reason
         return f"listing the GPUs failed ({type(exc).__name__}: {exc})"
-    index = choose_cuda_device(count).index
+    try:
+        index = choose_cuda_device(count).index
+    except ValueError as exc:  # a bad VTNUMBA_DEVICE: the user's to fix, so no fallback
+        raise TargetError(str(exc)) from None
     previous = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     ask_for_cuda_connections()  # (the driver reads it when a context is made: before the first one)
     try:
@@ -204,6 +208,10 @@ def select_target(name: str | None = None, *, source: str = "target") -> TargetC
     source = source if name is not None else "VTNUMBA_TARGET"
     requested = _validate(name if name is not None else os.environ.get("VTNUMBA_TARGET", "auto"), source)
 
+    if requested == "auto" and _choice is not None:
+        # Already chosen: 'auto' accepts it.  (Probing again could answer differently -- a GPU
+        # freed since -- and make a context on a GPU this process does not use.)
+        return _choice
     if requested == "auto":
         ok, why = gpu_usable()
         if ok:

@@ -553,6 +553,35 @@ def test_a_queued_calls_timeout_bounds_its_handshake(tp, shm_unchanged):
         assert all(COMM.allgather(sig.broken is not None))
 
 
+def test_a_refused_queued_call_waits_its_own_timeout_in_the_handshake(tp, shm_unchanged):
+    # Rank 0 refuses its arguments (a wrong out) with timeout_s=1; its peers arrive later.  Its
+    # refusal still joins the handshake -- for its own second, not the channel's 20 s.
+    be = CPUBackend()
+    late = 4.0
+    with dist.PeerBuffers(4096, tp, be, timeout_s=TIMEOUT) as pb, \
+            dist.QueuedSignals(tp, be, timeout_s=TIMEOUT) as sig:
+        x = np.ones((2 * tp.size, 4), np.float32)
+        out = np.zeros((3, 4) if tp.rank == 0 else (2, 4), np.float32)
+        COMM.Barrier()
+        t0 = time.perf_counter()
+        ended = []
+
+        def call():
+            try:
+                if tp.rank:
+                    time.sleep(late)
+                dist.reduce_scatter(pb, x, out, sig, timeout_s=1.0 if tp.rank == 0 else None)
+            finally:
+                ended.append(time.perf_counter() - t0)
+
+        errs = errors_everywhere(call)
+        took = COMM.allgather(ended[0])
+        assert errs[0].startswith("ValueError: out has shape (3, 4)"), errs  # its own error, not the wait's
+        assert took[0] < late, f"rank 0 refused after {took[0]:.1f} s; its timeout_s was 1 s"
+        assert all(e != "no exception" for e in errs[1:]), errs
+        assert max(took[1:]) < late + TIMEOUT / 2, took
+
+
 @pytest.mark.parametrize("threaded", [False, True])
 def test_a_rank_failing_inside_a_queued_call_fails_every_rank_and_poisons_the_channel(tp, threaded, monkeypatch,
                                                                                      shm_unchanged):

@@ -333,14 +333,14 @@ def _exchange_queued(pb, sigs: QueuedSignals, ready: str, meta: tuple, write_fn,
         flags.timeout_s = default_timeout
 
 
-def _validated(pb, signals, check, queue):
+def _validated(pb, signals, check, queue, timeout_s=None):
     """Run the local argument checks.  On failure this rank still takes part in the step's
     bookkeeping -- it uses up the epoch, marks it consumed and stamps an abort -- so peers
     that passed their checks fail fast instead of timing out, and the channel stays usable
     for the next call whether one rank or every rank failed.  (Queued signals: it takes
     part in the call's handshake instead, saying it refused.)"""
     if isinstance(signals, QueuedSignals) and not signals.closed:
-        return _validated_queued(pb, signals, check, queue)
+        return _validated_queued(pb, signals, check, queue, timeout_s)
     _check_pair(pb, signals)
     try:
         result = check()
@@ -352,11 +352,12 @@ def _validated(pb, signals, check, queue):
     return result, (queue if queue is not None else pb.queue)
 
 
-def _validated_queued(pb, sigs: QueuedSignals, check, queue):
+def _validated_queued(pb, sigs: QueuedSignals, check, queue, timeout_s=None):
     """:func:`_validated` for queued signals: a rank that refuses the call -- its arguments,
     its pairing, or a channel a failed call left unusable -- still joins the call's handshake
     and says so, so every peer refuses too at once (also a peer whose part of a failed call
-    had finished), and no rank's call counter runs ahead of the others'."""
+    had finished), and no rank's call counter runs ahead of the others'.  Its handshake waits
+    the call's ``timeout_s``, unless that is what was refused (then the channel's)."""
     code = _OP_BROKEN if sigs.broken else _OP_REFUSED
     try:
         sigs.check_usable()
@@ -364,7 +365,11 @@ def _validated_queued(pb, sigs: QueuedSignals, check, queue):
         result = check()
     except BaseException:
         try:
-            sigs.flags.handshake((code,))
+            wait = check_seconds("timeout_s", timeout_s) if timeout_s is not None else None
+        except (TypeError, ValueError):
+            wait = None
+        try:
+            sigs.flags.handshake((code,), wait)
         except Exception as exc:  # noqa: BLE001 - our own error is the one to report
             sigs.poison(f"the handshake of a refused call failed on rank {sigs.group.rank}: "
                         f"{type(exc).__name__}: {exc}")
@@ -403,7 +408,7 @@ def reduce_scatter(pb, x, out, signals, *, offset: int = 0, queue=None, timeout_
                              f"pb has nbytes={pb.nbytes}")
         return T, H, R, dt
 
-    (T, H, R, dt), q = _validated(pb, signals, check, queue)
+    (T, H, R, dt), q = _validated(pb, signals, check, queue, timeout_s)
     g = pb.group
     nbytes = T * H * dt.itemsize
     nrows = max(0, min(R, T - g.rank * R))  # 0 for a rank whose whole block is padding (T < tp)
@@ -474,7 +479,7 @@ def all_gather(pb, x_shard, out, signals, *, offset: int = 0, queue=None, timeou
                              f"buffer; pb has nbytes={pb.nbytes}")
         return R, H, T, dt, in_place
 
-    (R, H, T, dt, in_place), q = _validated(pb, signals, check, queue)
+    (R, H, T, dt, in_place), q = _validated(pb, signals, check, queue, timeout_s)
     g = pb.group
     row_bytes = H * dt.itemsize
     mine = max(0, min(R, T - g.rank * R))  # my rows that land in out (the rest is padding)

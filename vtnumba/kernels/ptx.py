@@ -268,12 +268,10 @@ def ptxas_usage(ptx: str, arch: str, ptxas: str | None = None) -> dict:
 
 # ---------------------------------------------------------------------------- where the spills land
 def find_nvdisasm() -> str | None:
-    """``nvdisasm`` (the CUDA disassembler): on PATH, else from pip's ``nvidia-cuda-nvdisasm``
-    wheel (the test extra installs it: ``nvidia/cu13/bin``, or ``nvidia/cuda_nvdisasm/bin`` for
-    CUDA 12's wheel).  None if neither is there."""
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
+    """``nvdisasm`` (the CUDA disassembler): from pip's ``nvidia-cuda-nvdisasm`` wheel (the test
+    extra installs it: ``nvidia/cu13/bin``, or ``nvidia/cuda_nvdisasm/bin`` for CUDA 12's wheel),
+    which matches the pip nvJitLink that links the cubins -- an older toolkit's ``nvdisasm`` may
+    not read them -- else one on PATH.  None if neither is there."""
     import importlib.util
 
     spec = importlib.util.find_spec("nvidia")
@@ -282,7 +280,7 @@ def find_nvdisasm() -> str | None:
             path = os.path.join(root, sub, "bin", "nvdisasm")
             if os.access(path, os.X_OK):
                 return path
-    return None
+    return shutil.which("nvdisasm")
 
 
 def disassemble(cubin: bytes, nvdisasm: str) -> str:
@@ -313,8 +311,8 @@ def read_sass(text: str) -> dict:
     traffic is a ``cuda.local.array`` the compiler could not keep in registers), and a branch
     to an earlier address closes a loop.  Returned: ``instructions``; ``fma`` (FFMA/HFMA2/
     DFMA); ``spill_stores`` / ``spill_loads`` (instructions); ``loops``; ``spills_in_loops``;
-    and ``hot_loop``, the main loop -- the one with the most FMAs (the smallest such, if they
-    nest; without FMAs in any loop, the one with the most instructions) -- with its addresses,
+    and ``hot_loop``, the main loop -- the smallest loop holding at least 90 % of the most FMAs
+    any loop holds (without FMAs in any loop, the one with the most instructions) -- with its addresses,
     ``instructions``, ``fma`` and ``spill_loads``/``spill_stores``: the spill traffic the
     kernel pays on every turn of its main loop.
     """
@@ -353,14 +351,18 @@ def read_sass(text: str) -> dict:
 
     whole = tally(0, instrs[-1][0]) if instrs else tally(0, -1)
     in_loops = sum(spill and any(lo <= a <= hi for lo, hi in loops) for a, _, spill in instrs)
-    hot, hot_key = None, None
-    for lo, hi in loops:
-        t = tally(lo, hi)
-        # The most FMAs (the smallest such loop, if they nest); a kernel without FMA loops (a
-        # memory-bound one): the loop with the most instructions.
-        key = (t["fma"], -t["instructions"]) if t["fma"] else (0, t["instructions"])
-        if hot_key is None or key > hot_key:
-            hot, hot_key = {**t, "start": f"{lo:#06x}", "end": f"{hi:#06x}"}, key
+    tallies = [(lo, hi, tally(lo, hi)) for lo, hi in loops]
+    most = max((t["fma"] for _, _, t in tallies), default=0)
+    if most:
+        # The smallest loop that holds (nearly) all of the most FMAs any loop has: an outer loop
+        # around it, with a few FMAs of its own, is not the one a turn of the math repeats.
+        candidates = [(t["instructions"], lo, hi, t) for lo, hi, t in tallies if t["fma"] >= 0.9 * most]
+    else:  # a kernel without FMA loops (a memory-bound one): the largest loop
+        candidates = [(-t["instructions"], lo, hi, t) for lo, hi, t in tallies]
+    hot = None
+    if candidates:
+        _, lo, hi, t = min(candidates, key=lambda c: c[0])
+        hot = {**t, "start": f"{lo:#06x}", "end": f"{hi:#06x}"}
     return {**whole, "loops": len(loops), "spills_in_loops": in_loops, "hot_loop": hot}
 
 
