@@ -401,7 +401,7 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-ptx", action="store_true", help="include the PTX text in the output")
     parser.add_argument("--sass", action="store_true",
                         help="also say where the spills land: count spill instructions in the machine code, in "
-                             "loops and in the main (most-FMA) loop (nvJitLink and nvdisasm)")
+                             "loops and in the main loop, the one the FMAs repeat in (nvJitLink and nvdisasm)")
     parser.add_argument("--keep-sass", action="store_true", help="with --sass: include the SASS text in the output")
     args = parser.parse_args(argv)
     nvdisasm = None
