@@ -524,44 +524,17 @@ def test_a_queued_call_refuses_an_out_its_kernel_cannot_write_and_the_channel_go
         collectively(ok)
 
 
-def test_a_queued_calls_timeout_bounds_its_handshake(tp, shm_unchanged):
-    # Rank 0 calls with a short timeout_s; the others arrive later than it.  Rank 0 must give
-    # up after its own deadline, not the channel's, and its peers then fail at once.
-    be = CPUBackend()
-    late = 4.0
-    with dist.PeerBuffers(4096, tp, be, timeout_s=TIMEOUT) as pb, \
-            dist.QueuedSignals(tp, be, timeout_s=TIMEOUT) as sig:
-        x, out = np.ones((2 * tp.size, 4), np.float32), np.zeros((2, 4), np.float32)
-        COMM.Barrier()
-        t0 = time.perf_counter()
-        ended = []
-
-        def call():
-            try:
-                if tp.rank:
-                    time.sleep(late)
-                dist.reduce_scatter(pb, x, out, sig, timeout_s=1.0 if tp.rank == 0 else None)
-            finally:
-                ended.append(time.perf_counter() - t0)
-
-        errs = errors_everywhere(call)
-        took = COMM.allgather(ended[0])
-        assert errs[0].startswith("WaitTimeout: ") and "timed out after 1 s waiting for flag 'call'" in errs[0], errs
-        assert took[0] < late, f"rank 0 gave up after {took[0]:.1f} s; its timeout_s was 1 s"
-        assert all(e != "no exception" for e in errs[1:]), errs
-        assert max(took[1:]) < late + TIMEOUT / 2, took  # the peers saw rank 0's abort, not their deadline
-        assert all(COMM.allgather(sig.broken is not None))
-
-
-def test_a_refused_queued_call_waits_its_own_timeout_in_the_handshake(tp, shm_unchanged):
-    # Rank 0 refuses its arguments (a wrong out) with timeout_s=1; its peers arrive later.  Its
-    # refusal still joins the handshake -- for its own second, not the channel's 20 s.
+@pytest.mark.parametrize("rank0_refuses", [False, True])
+def test_a_queued_calls_timeout_bounds_its_handshake(tp, rank0_refuses, shm_unchanged):
+    # Rank 0 calls with timeout_s=1; the others arrive 4 s later.  Rank 0 must give up after
+    # its own second, not the channel's 20 s -- also when it refuses its arguments (a wrong
+    # out), whose refusal still joins the handshake -- and its peers then fail at once.
     be = CPUBackend()
     late = 4.0
     with dist.PeerBuffers(4096, tp, be, timeout_s=TIMEOUT) as pb, \
             dist.QueuedSignals(tp, be, timeout_s=TIMEOUT) as sig:
         x = np.ones((2 * tp.size, 4), np.float32)
-        out = np.zeros((3, 4) if tp.rank == 0 else (2, 4), np.float32)
+        out = np.zeros((3, 4) if rank0_refuses and tp.rank == 0 else (2, 4), np.float32)
         COMM.Barrier()
         t0 = time.perf_counter()
         ended = []
@@ -576,10 +549,20 @@ def test_a_refused_queued_call_waits_its_own_timeout_in_the_handshake(tp, shm_un
 
         errs = errors_everywhere(call)
         took = COMM.allgather(ended[0])
-        assert errs[0].startswith("ValueError: out has shape (3, 4)"), errs  # its own error, not the wait's
-        assert took[0] < late, f"rank 0 refused after {took[0]:.1f} s; its timeout_s was 1 s"
-        assert all(e != "no exception" for e in errs[1:]), errs
-        assert max(took[1:]) < late + TIMEOUT / 2, took
+        if rank0_refuses:
+            assert errs[0].startswith("ValueError: out has shape (3, 4)"), errs  # its own error, not the wait's
+        else:
+            assert errs[0].startswith("WaitTimeout: ") and "timed out after 1 s waiting for flag 'call'" in errs[0]
+        assert took[0] < late, f"rank 0 gave up after {took[0]:.1f} s; its timeout_s was 1 s"
+        assert all("rank 0" in e for e in errs[1:]), errs  # its refusal, or its abort
+        assert max(took[1:]) < late + TIMEOUT / 2, took  # the peers saw rank 0's abort, not their deadline
+        # Rank 0's channel is unusable (its handshake gave up); a peer that found its refusal
+        # learns at its next call, which every rank then refuses at once.
+        assert COMM.allgather(sig.broken is not None)[0]
+        t0 = time.perf_counter()
+        errs = errors_everywhere(lambda: dist.reduce_scatter(pb, x, np.zeros((2, 4), np.float32), sig))
+        assert all(e.startswith("RuntimeError: ") and "unusable after a failed call" in e for e in errs), errs
+        assert time.perf_counter() - t0 < TIMEOUT / 2
 
 
 @pytest.mark.parametrize("threaded", [False, True])
