@@ -1,6 +1,9 @@
 """The copy engine's batched_copy: many (src, dst, nbytes) descriptors in one queued call, vs. its host
 reference -- and the address check that turns a bad pointer into an error instead of a crash."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -431,3 +434,61 @@ def test_a_driver_without_the_bound_batch_function_falls_back_to_one_copy_per_de
     copies.clear()
     copy_engine._cuda_batched_copy(0, ([0x1000, 0x2000], [0x3000, 0x4000], [64, 32]), "stream")  # no warning now
     assert copies == [(0x3000, 0x1000, 64), (0x4000, 0x2000, 32)]
+
+
+def test_runs_inline_only_where_a_queue_would_copy_on_the_spot_unwatched(device_backend):
+    """Who may run checked_host_copy itself: the cpu target's synchronous queues, with nobody
+    watching -- not threaded queues, not the simulator or a GPU, not under tracing."""
+    from vtnumba import trace
+    from vtnumba.memory.copy_engine import runs_inline
+
+    sync, threaded, other = CPUBackend(), CPUBackend(threaded=True), CPUBackend()
+    try:
+        q = sync.create_queue("q")
+        assert runs_inline(sync) and runs_inline(sync, q)
+        assert not runs_inline(sync, other.create_queue("not its own"))
+        assert not runs_inline(threaded) and not runs_inline(device_backend)
+        with trace.recording():
+            assert not runs_inline(sync, q)
+        sync.destroy_queue(q)
+        assert not runs_inline(sync, q)
+    finally:
+        for be in (sync, threaded, other):
+            be.close()
+    assert not runs_inline(sync)  # a closed backend copies nothing
+
+
+def test_host_copy_now_copies_the_first_count_descriptors_or_nothing(rng):
+    from vtnumba.memory.copy_engine import host_copy_now
+
+    src = rng.integers(0, 256, 300, dtype=np.uint8)
+    dst = np.full(300, POISON, np.uint8)
+    with registered(src), registered(dst):
+        s = np.array([src.ctypes.data, src.ctypes.data + 100, 0], np.uint64)
+        d = np.array([dst.ctypes.data + 7, dst.ctypes.data + 150, 0], np.uint64)
+        n = np.array([50, 101, 4], np.uint64)  # the third (a null pair) lies past count
+        assert host_copy_now(s, d, n, 2) == 151
+        np.testing.assert_array_equal(dst[7:57], src[:50])
+        np.testing.assert_array_equal(dst[150:251], src[100:201])
+        assert (dst[:7] == POISON).all() and (dst[57:150] == POISON).all() and (dst[251:] == POISON).all()
+        before = dst.copy()
+        n[1] = 151  # now runs 1 byte past dst's end
+        with pytest.raises(ValueError, match=r"dst_ptrs\[1\]"):
+            host_copy_now(s, d, n, 2)
+        np.testing.assert_array_equal(dst, before)  # descriptor 0 was fine, but nothing was copied
+
+
+def test_the_host_loops_are_cached_on_disk_not_compiled_per_process(tmp_path):
+    """memmove is called by name (an LLVM intrinsic), not through a process-specific function
+    pointer, so numba's disk cache holds the loops: a second process loads them."""
+    code = ("from vtnumba.memory.copy_engine import prepare, checked_host_copy, _memmove_loop\n"
+            "prepare()\n"
+            "print(sum(checked_host_copy.stats.cache_hits.values()), sum(_memmove_loop.stats.cache_hits.values()))\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+            for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    first, second = ([int(word) for word in r.stdout.split()] for r in runs)
+    assert first == [0, 0], "a fresh cache directory cannot hold them yet"
+    assert all(hits > 0 for hits in second), f"the second process compiled again: cache hits {second}"

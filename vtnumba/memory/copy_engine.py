@@ -59,12 +59,13 @@ descriptor does the slower, vectorised numpy check run, to say which one and why
 from __future__ import annotations
 
 import ctypes
-import threading
 import warnings
 import weakref
 
 import numba
 import numpy as np
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from vtnumba import trace
 from vtnumba.backend.address_ranges import LIVE
@@ -72,7 +73,8 @@ from vtnumba.backend.arrays import address_of as _array_address
 from vtnumba.backend.base import Backend, Buffer, Queue, observing_uses
 
 __all__ = ["batched_copy", "batched_copy_reference", "check_descriptors", "check_ranges", "address_of",
-           "cuda_batch_api_available", "prepare", "host_batched_copy", "is_live", "live_address"]
+           "cuda_batch_api_available", "prepare", "host_batched_copy", "is_live", "live_address", "runs_inline",
+           "checked_host_copy", "host_copy_now", "live_table", "raise_bad_descriptor"]
 
 # --------------------------------------------------------------------------- validation
 _U64, _I64 = np.dtype(np.uint64), np.dtype(np.int64)
@@ -179,15 +181,37 @@ def _validated_total(src: np.ndarray, dst: np.ndarray, sz: np.ndarray, scan=None
     starts, _, reach, _ = LIVE._table()  # the sorted live ranges, cached by LIVE between changes
     total = (scan or _scan)(src, dst, sz, starts, reach)
     if total < 0:
-        # Something is wrong (and nothing was copied): let the thorough checks say what,
-        # naming the descriptor.
-        _null_error(src, dst, sz)
-        LIVE.check("src_ptrs", src, sz)
-        LIVE.check("dst_ptrs", dst, sz)
-        i = -1 - total  # the table changed in between (another thread freed or registered memory)
-        raise ValueError(f"descriptor {i} (src_ptrs[{i}]={int(src[i]):#x}, dst_ptrs[{i}]={int(dst[i]):#x}, "
-                         f"sizes[{i}]={int(sz[i])}) left live memory while it was being checked")
+        raise_bad_descriptor(src, dst, sz, -1 - total)
     return int(total)
+
+
+def raise_bad_descriptor(src: np.ndarray, dst: np.ndarray, sz: np.ndarray, i: int) -> None:
+    """A compiled check found descriptor ``i`` bad (and nothing was copied): let the thorough
+    checks say what, naming the descriptor -- a null address, or a range outside live memory."""
+    _null_error(src, dst, sz)
+    LIVE.check("src_ptrs", src, sz)
+    LIVE.check("dst_ptrs", dst, sz)
+    # The thorough checks passed: the table changed in between (another thread freed or registered memory).
+    raise ValueError(f"descriptor {i} (src_ptrs[{i}]={int(src[i]):#x}, dst_ptrs[{i}]={int(dst[i]):#x}, "
+                     f"sizes[{i}]={int(sz[i])}) left live memory while it was being checked")
+
+
+def host_copy_now(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, count: int) -> int:
+    """Check and copy the first ``count`` descriptors of three uint64 arrays on the host, now, on
+    this thread (:func:`checked_host_copy`); the bytes copied.  ValueError naming a bad
+    descriptor, and then nothing was copied.  For callers that know the copy runs inline
+    (:func:`runs_inline`) and built the arrays themselves."""
+    total = checked_host_copy(src, dst, sizes, count, *live_table())
+    if total < 0:
+        raise_bad_descriptor(src[:count], dst[:count], sizes[:count], -1 - total)
+    return total
+
+
+def live_table() -> tuple[np.ndarray, np.ndarray]:
+    """The sorted live ranges as two uint64 arrays, ``(starts, reach)`` -- what the compiled
+    checks search (:func:`checked_host_copy`); cached by LIVE until memory is registered or freed."""
+    starts, _, reach, _ = LIVE._table()
+    return starts, reach
 
 
 def check_ranges(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
@@ -259,11 +283,6 @@ def address_of(obj) -> int:
 
 
 # --------------------------------------------------------------------------- host loop
-_host_loop = None
-_checked_host_loop = None
-_host_loop_lock = threading.Lock()
-
-
 def _python_loop(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
     # ctypes.memmove releases the GIL for each call; fine for a handful of descriptors.
     for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
@@ -271,67 +290,66 @@ def _python_loop(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
             ctypes.memmove(d, s, n)
 
 
-def _get_host_loop():
-    """Compile (once per process) the nogil njit loop over libc memmove."""
-    if _host_loop is None:
-        _compile_host_loops()
-    return _host_loop
+@intrinsic
+def _memmove(typingctx, dst, src, nbytes):  # pragma: no cover - compiled
+    """``memmove(dst, src, nbytes)`` on raw addresses, inside compiled code.
+
+    Emitted as LLVM's ``llvm.memmove`` intrinsic, which becomes a call to libc's ``memmove``
+    *by name*: unlike a ctypes function pointer (an address that differs from process to
+    process), nothing process-specific is baked into the machine code, so the loops below
+    are cached on disk like any other and a new process loads them instead of compiling.
+    """
+    if not all(isinstance(t, types.Integer) for t in (dst, src, nbytes)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        d, s, n = args
+        cgutils.raw_memmove(builder, builder.inttoptr(d, cgutils.voidptr_t), builder.inttoptr(s, cgutils.voidptr_t),
+                            n, 1)
+        return context.get_dummy_value()
+
+    return types.void(dst, src, nbytes), codegen
 
 
-def _get_checked_host_loop():
-    """The same loop preceded by the live-range check (:func:`_scan`), in one compiled call:
-    what a synchronous queue runs -- the check and the copy back to back, on this thread."""
-    if _checked_host_loop is None:
-        _compile_host_loops()
-    return _checked_host_loop
+@numba.njit(nogil=True, cache=True)
+def _memmove_loop(src, dst, sizes):  # pragma: no cover - compiled; tested through batched_copy
+    for i in range(src.shape[0]):
+        if sizes[i] != 0:
+            _memmove(dst[i], src[i], sizes[i])
 
 
-def _compile_host_loops() -> None:
-    global _host_loop, _checked_host_loop
-    with _host_loop_lock:
-        if _host_loop is not None:
-            return
-        libc = ctypes.CDLL(None)
-        memmove = libc.memmove
-        memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        memmove.restype = ctypes.c_void_p
+@numba.njit(nogil=True, cache=True)
+def checked_host_copy(src, dst, sizes, count, starts, reach):  # pragma: no cover - compiled
+    """The first ``count`` descriptors, checked and then copied on the host, in one compiled call.
 
-        # Not cached on disk: the function pointer of memmove is baked into the
-        # machine code, and it differs from process to process (ASLR).
-        @numba.njit(nogil=True)
-        def _memmove_loop(src, dst, sizes):
-            for i in range(src.shape[0]):
-                if sizes[i] != 0:
-                    memmove(dst[i], src[i], sizes[i])
-
-        @numba.njit(nogil=True)
-        def _checked_memmove_loop(src, dst, sizes, starts, reach):
-            # Nothing is touched unless every descriptor passed: a bad one returns -1 - i
-            # before the first byte moves.  (One call instead of two: on a synchronous
-            # queue each Python-level call is a measurable part of a 1 MiB copy.)
-            total = _scan(src, dst, sizes, starts, reach)
-            if total >= 0:
-                _memmove_loop(src, dst, sizes)
-            return total
-
-        _checked_host_loop = _checked_memmove_loop
-        _host_loop = _memmove_loop
+    What a synchronous queue runs: the live-range check (:func:`_scan`, against ``starts``
+    and ``reach`` from :func:`live_table`) and the copy back to back, on the calling thread,
+    without the GIL.  Nothing is touched unless every descriptor passed: returns the bytes
+    copied, or ``-1 - i`` for the first bad descriptor ``i`` (see :func:`raise_bad_descriptor`).
+    (One call instead of two: on a synchronous queue each Python-level call is a measurable
+    part of a 1 MiB copy.)  Callable from other compiled code, too.
+    """
+    src, dst, sizes = src[:count], dst[:count], sizes[:count]
+    total = _scan(src, dst, sizes, starts, reach)
+    if total >= 0:
+        _memmove_loop(src, dst, sizes)
+    return total
 
 
 def prepare(backend: Backend | None = None) -> None:
-    """Compile the host loops now (about a second, once per process) if ``backend`` copies on
-    the host -- so the first timed copy does not include the compilation."""
+    """Load the compiled host loops now (compiled on the first run on a machine, about a second;
+    from numba's disk cache afterwards) -- so the first timed copy does not include it."""
     if backend is None or _plan(backend).host:
-        _get_checked_host_loop()
         src = np.zeros(1, np.uint64)
-        _checked_host_loop(src, src, src, src, src)  # numba compiles on the first call, not at definition
-    live_address(np.zeros(1, np.uint8), 1)  # (from numba's disk cache, after the first run)
+        checked_host_copy(src, src, src, 1, src, src)  # numba compiles on the first call, not at definition
+        _memmove_loop(src, src, src)
+    live_address(np.zeros(1, np.uint8), 1)
 
 
 def host_batched_copy(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
     """Run a validated uint64 descriptor list on the host, now, without the GIL."""
     if src.size:
-        _get_host_loop()(src, dst, sizes)
+        _memmove_loop(src, dst, sizes)
 
 
 # --------------------------------------------------------------------------- CUDA driver path
@@ -476,6 +494,19 @@ def _runs_on_host(backend: Backend) -> bool:
     return _plan(backend).host
 
 
+def runs_inline(backend: Backend, queue: Queue | None = None) -> bool:
+    """Would a copy queued on ``queue`` (a queue of ``backend``, or None) run right now, on this
+    thread, with nobody watching -- so that the caller may run :func:`checked_host_copy` itself?
+
+    True on the cpu target's synchronous queues, where every queued operation runs on the
+    spot; False on threaded queues, on GPUs and in the simulator (which runs copies under
+    its launch lock), and whenever tracing or a hazard checker is on (they must see the copy
+    go through ``Backend.submit``) or the queue is not ``backend``'s.
+    """
+    return (_plan(backend).inline and trace.RECORDER is None and not observing_uses() and not backend.closed
+            and (queue is None or (queue.backend is backend and not queue.destroyed)))
+
+
 def batched_copy(src_ptrs, dst_ptrs, sizes, queue: Queue | None = None, backend: Backend | None = None, *,
                  src_access_order: str = "stream") -> int:
     """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` for every i, as one call.
@@ -492,14 +523,11 @@ def batched_copy(src_ptrs, dst_ptrs, sizes, queue: Queue | None = None, backend:
     be = backend if backend is not None and _last_plan[0]() is backend else _resolve(backend)  # (checked before)
     if queue is not None and not isinstance(queue, Queue):
         raise TypeError(f"queue must be a vtnumba Queue or None, got {type(queue).__name__}")
-    plan = _plan(be)
-    if (plan.inline and trace.RECORDER is None and not observing_uses() and not be.closed
-            and (queue is None or (queue.backend is be and not queue.destroyed))):
+    if runs_inline(be, queue):
         # A synchronous queue would run the copy right now, on this thread: do just that,
-        # the checks and the copy in one compiled call.  (Tracing, a hazard checker, or a
-        # queue that is not this backend's take the general path below, which records,
-        # reports or refuses as usual.)
-        return _validated_total(src, dst, sz, _checked_host_loop or _get_checked_host_loop())
+        # the checks and the copy in one compiled call.
+        return host_copy_now(src, dst, sz, sz.size)
+    plan = _plan(be)
     total = _validated_total(src, dst, sz)
     if sz.size == 0:
         return 0
@@ -510,8 +538,7 @@ def batched_copy(src_ptrs, dst_ptrs, sizes, queue: Queue | None = None, backend:
         uses = [(int(p), int(n)) for p, n in zip(np.concatenate([src, dst]).tolist(), np.concatenate([sz, sz]).tolist())
                 if n] if observing_uses() else ()
         if plan.host:
-            loop = _get_host_loop()  # compile here, on the caller, not inside the queued work
-            be.submit(q, lambda _stream: loop(src, dst, sz), "batched_copy", uses=uses,
+            be.submit(q, lambda _stream: _memmove_loop(src, dst, sz), "batched_copy", uses=uses,
                       descriptors=int(sz.size), bytes=total)
         else:
             # The driver reads the descriptors during the call: hand it Python lists made now.
