@@ -56,3 +56,62 @@ def test_what_would_run_the_loop_past_its_arrays_is_refused(count, n_used, total
         words = f"count={count}"
     with pytest.raises(ValueError, match=words):
         bufs.add_block_runs(count, ids, n_used, 10, 0, 0, BLOCK, total, True)
+
+
+@pytest.mark.parametrize("flat_is_src", [True, False])
+def test_copy_block_runs_builds_what_add_block_runs_builds_and_copies_it(rng, flat_is_src):
+    """The one-call path of synchronous queues: the same descriptors as add_block_runs, and the
+    bytes the copy engine's reference moves with them -- into a poisoned destination."""
+    from vtnumba.backend.address_ranges import registered
+    from vtnumba.backend.cpu import CPUBackend
+    from vtnumba.memory.copy_engine import batched_copy_reference
+
+    be = CPUBackend()
+    pool = DescriptorBufferPool()
+    block = 48  # (not a power of two: addresses off any alignment a loop might assume)
+    region = rng.integers(-128, 128, 120 * block, dtype=np.int8)
+    flat = rng.integers(-128, 128, 50 * block, dtype=np.int8)
+    with registered(region), registered(flat):
+        for _ in range(10):
+            n = int(rng.integers(1, 50))
+            ids = np.sort(rng.choice(120, size=n, replace=False)).astype(np.int64)
+            rng.shuffle(ids[: n // 3])
+            total = int((n - 1) * block + rng.integers(1, block + 1))
+            region_got, flat_got = region.copy(), flat.copy()
+            region_want, flat_want = region.copy(), flat.copy()
+            with registered(region_got), registered(flat_got), registered(region_want), registered(flat_want):
+                got, want = pool.acquire(n), pool.acquire(n)
+                count = got.copy_block_runs(ids, n, 120, region_got.ctypes.data, flat_got.ctypes.data, block, total,
+                                            flat_is_src)
+                ref = want.add_block_runs(0, ids, n, 120, region_want.ctypes.data, flat_want.ctypes.data, block,
+                                          total, flat_is_src)
+                batched_copy_reference(want.src_ptrs[:ref], want.dst_ptrs[:ref], want.sizes[:ref], backend=be)
+                assert count == ref
+                assert (got.sizes[:count] == want.sizes[:ref]).all()
+                np.testing.assert_array_equal(region_got, region_want)
+                np.testing.assert_array_equal(flat_got, flat_want)
+                changed = (region_got != region) if flat_is_src else (flat_got != flat)
+                assert changed.any(), "random bytes were copied over random bytes: something must differ"
+    be.close()
+
+
+def test_copy_block_runs_copies_nothing_when_an_id_or_an_address_is_bad(rng):
+    from vtnumba.backend.address_ranges import registered
+    from vtnumba.ec.descriptors import BadBlockId
+
+    bufs = DescriptorBufferPool().acquire(8)
+    region = np.full(8 * BLOCK, 7, np.int8)
+    flat = rng.integers(-128, 128, 4 * BLOCK, dtype=np.int8)
+    with registered(region), registered(flat):
+        with pytest.raises(BadBlockId) as info:
+            bufs.copy_block_runs(np.array([1, 2, 9, 3], np.int64), 4, 8, region.ctypes.data, flat.ctypes.data,
+                                 BLOCK, 4 * BLOCK, True)
+        assert info.value.index == 2 and info.value.block_id == 9
+        assert (region == 7).all()
+        # A region base that is not live memory: the address check refuses it, naming the descriptor.
+        with pytest.raises(ValueError, match="dst_ptrs"):
+            bufs.copy_block_runs(np.arange(4, dtype=np.int64), 4, 8, region.ctypes.data + 5 * BLOCK,
+                                 flat.ctypes.data, BLOCK, 4 * BLOCK, True)
+        assert (region == 7).all()
+    with pytest.raises(ValueError, match="n_used=5"):  # the same fit checks as add_block_runs
+        bufs.copy_block_runs(np.arange(4, dtype=np.int64), 5, 8, 0, 0, BLOCK, 5 * BLOCK, True)

@@ -54,6 +54,54 @@ def threaded():
     be.close()
 
 
+def spy_on_copies(monkeypatch) -> list:
+    """Record the descriptor count of every copy the worker makes -- queued (batched_copy) or run
+    on the spot on synchronous cpu queues (host_copy_now, DescriptorBuffers.copy_block_runs)."""
+    from vtnumba.ec.descriptors import DescriptorBuffers
+
+    calls = []
+    batched, now, block_runs = worker_mod.batched_copy, worker_mod.host_copy_now, DescriptorBuffers.copy_block_runs
+
+    def spy_batched(*args, **kw):
+        calls.append(len(args[2]))
+        return batched(*args, **kw)
+
+    def spy_now(src, dst, sizes, count):
+        calls.append(count)
+        return now(src, dst, sizes, count)
+
+    def spy_block_runs(self, *args):
+        n = block_runs(self, *args)
+        calls.append(n)
+        return n
+
+    monkeypatch.setattr(worker_mod, "batched_copy", spy_batched)
+    monkeypatch.setattr(worker_mod, "host_copy_now", spy_now)
+    monkeypatch.setattr(DescriptorBuffers, "copy_block_runs", spy_block_runs)
+    return calls
+
+
+def refuse_copies(monkeypatch) -> None:
+    """Make every copy the worker attempts fail before anything is copied, as the copy engine's
+    address check does."""
+    from vtnumba.ec.descriptors import DescriptorBuffers
+
+    def refuse(*args, **kwargs):
+        raise ValueError("refused for the test")
+
+    monkeypatch.setattr(worker_mod, "batched_copy", refuse)
+    monkeypatch.setattr(worker_mod, "host_copy_now", refuse)
+    monkeypatch.setattr(DescriptorBuffers, "copy_block_runs", refuse)
+
+
+def nothing_borrowed(w) -> bool:
+    """Every copy queue and descriptor buffer the worker made is back where it keeps idle ones: in
+    its pools, or -- on synchronous queues, where a copy is over when its call returns -- held
+    for the next step."""
+    kept = sum(b is not None for b in w._kept_bufs)
+    return len(w._queue_pool) == len(w._all_queues) and len(w._buf_pool) + kept == w._buf_pool.allocations
+
+
 class Env:
     """A region poisoned with SENTINEL, a worker on it, and helpers to make device outputs."""
 
@@ -212,21 +260,12 @@ def test_oversize_check_survives_python_O():
     assert "refused: encoder_cache['h'] has 3 rows" in out.stdout
 
 
-def test_several_hashes_one_batched_copy(backend, env_factory, rng):
+def test_several_hashes_one_batched_copy(backend, env_factory, rng, monkeypatch):
     env = env_factory(backend)
     outs = {h: rng.standard_normal((r, env.hidden)).astype(np.float32) for h, r in (("a", 2), ("b", 3), ("c", 1))}
-    calls = []
-    real = worker_mod.batched_copy
-
-    def spy(*args, **kw):
-        calls.append(len(args[2]))
-        return real(*args, **kw)
-
-    worker_mod.batched_copy = spy
-    try:
-        save(env, outs, {"a": [3, 4], "b": [9, 10, 11], "c": [5]})
-    finally:
-        worker_mod.batched_copy = real
+    calls = spy_on_copies(monkeypatch)
+    save(env, outs, {"a": [3, 4], "b": [9, 10, 11], "c": [5]})
+    monkeypatch.undo()
     assert calls == [3], "expected ONE batched copy with one descriptor per run"
     assert complete(env.worker).completed_saves == ["a", "b", "c"]
     assert env.worker.stats["save"]["transfers"] == 1
@@ -287,8 +326,10 @@ def test_descriptor_buffers_are_reused(backend, env_factory, rng):
         save(env, {"h": out}, {"h": [2 * step, 2 * step + 1]})
         complete(env.worker)
     pool = env.worker._buf_pool
-    assert pool.allocations == 1 and pool.reuses == 4
-    assert len(env.worker._all_queues) == 1, "the copy queue should be recycled too"
+    assert pool.allocations == 1, "one descriptor buffer should serve every step"
+    assert pool.reuses == (0 if env.worker.synchronous else 4)  # (synchronous: the worker keeps it)
+    assert len(env.worker._all_queues) <= 1, "the copy queue should be recycled too"
+    assert nothing_borrowed(env.worker)
 
 
 def test_synchronous_copies_are_reported_once_by_the_next_poll(env_factory, rng):
@@ -302,7 +343,7 @@ def test_synchronous_copies_are_reported_once_by_the_next_poll(env_factory, rng)
         save(env, {"a": out, "b": out[:1]}, {"a": [4, 5, 6], "b": [9]})
         w = env.worker
         assert w.inflight() == (1, 0)                       # one batched copy for the step's two saves
-        assert len(w._buf_pool) == 1 and len(w._queue_pool) == 1  # already recycled
+        assert nothing_borrowed(w)                          # already recycled
         assert w.stats["save"]["transfers"] == 1 and w.stats["save"]["entries"] == 2
         assert w.stats["save"]["descriptors"] == 2 and w.stats["save"]["bytes"] == 4 * env.bs
         np.testing.assert_array_equal(env.region.blocks[4:7].reshape(-1), as_bytes(out))
@@ -323,21 +364,21 @@ def test_synchronous_copies_are_reported_once_by_the_next_poll(env_factory, rng)
 def test_a_load_whose_copy_is_refused_hands_out_nothing_and_keeps_nothing(backend, env_factory, monkeypatch):
     """The views are cut before the copy; if the copy is refused, none reaches the caller's
     cache, and the buffer, descriptors, queue and events all go back."""
-    import vtnumba.ec.worker as worker_module
 
     env = env_factory(backend)
     w = env.worker
-
-    def refuse(*args, **kwargs):
-        raise ValueError("refused for the test")
-
-    monkeypatch.setattr(worker_module, "batched_copy", refuse)
+    refuse_copies(monkeypatch)
     cache = {"old": "untouched"}
     with pytest.raises(ValueError, match="refused for the test"):
         w.start_load_caches(cache, ECConnectorMetadata(loads={"a": (1, [0, 1]), "b": (2, [5])}))
     assert cache == {"old": "untouched"}
     assert w.inflight() == (0, 0) and w.build_connector_worker_meta() is None
-    assert w._destinations.pending() == [] and len(w._buf_pool) == 1 and len(w._queue_pool) == 1
+    assert w._destinations.pending() == [] and nothing_borrowed(w)
+    cache = {"old": "untouched"}
+    with pytest.raises(ValueError, match="refused for the test"):  # a one-entry step, too (cpu: the copy on the spot)
+        w.start_load_caches(cache, ECConnectorMetadata(loads={"a": (1, [0, 1])}))
+    assert cache == {"old": "untouched"} and w.inflight() == (0, 0) and w.build_connector_worker_meta() is None
+    assert w._destinations.pending() == [] and nothing_borrowed(w)
     monkeypatch.undo()
     env.region.blocks[0:2] = 3
     w.start_load_caches(cache, ECConnectorMetadata(loads={"a": (3, [0, 1])}))  # and the worker carries on
@@ -347,17 +388,12 @@ def test_a_load_whose_copy_is_refused_hands_out_nothing_and_keeps_nothing(backen
 
 def test_a_save_whose_copy_is_refused_is_dropped_and_the_worker_carries_on(backend, env_factory, monkeypatch,
                                                                              rng):
-    import vtnumba.ec.worker as worker_module
     from vtnumba.memory.copy_engine import live_address
 
     env = env_factory(backend)
     w = env.worker
     out = rng.standard_normal((2, env.hidden)).astype(np.float32)
-
-    def refuse(*args, **kwargs):
-        raise ValueError("refused for the test")
-
-    monkeypatch.setattr(worker_module, "batched_copy", refuse)
+    refuse_copies(monkeypatch)
     meta = ECConnectorMetadata(saves={"h": [0, 1]})
     w.save_caches({"h": out}, "h", meta)  # the caller's own array: registered for the copy
     assert live_address(out, out.nbytes)[1]
@@ -365,7 +401,7 @@ def test_a_save_whose_copy_is_refused_is_dropped_and_the_worker_carries_on(backe
         w.flush_saves()
     assert w.inflight() == (0, 0) and w.build_connector_worker_meta() is None
     assert not live_address(out, out.nbytes)[1], "the output's registration must be undone"
-    assert len(w._buf_pool) == 1 and len(w._queue_pool) == 1
+    assert nothing_borrowed(w)
     assert (env.region.blocks == SENTINEL).all()
     monkeypatch.undo()
     save(env, {"h": out}, {"h": [0, 1]})

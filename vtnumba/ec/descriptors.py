@@ -38,6 +38,7 @@ import numba
 import numpy as np
 
 from vtnumba.backend.arrays import is_int
+from vtnumba.memory.copy_engine import checked_host_copy, live_table, raise_bad_descriptor
 
 __all__ = ["coalesce_runs", "DescriptorBuffers", "DescriptorBufferPool", "BadBlockId", "RepeatedBlockId", "NO_MARKS",
            "prepare_descriptors"]
@@ -122,6 +123,19 @@ def _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size
 NO_MARKS = np.zeros(0, np.uint32)
 
 
+@numba.njit(nogil=True, cache=True)
+def _fill_and_copy(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes, src, dst, sizes,
+                   flat_is_src, marks, starts, reach):  # pragma: no cover - compiled
+    # One entry's descriptors from slot 0, then the live-range check and the copy, in one
+    # compiled call.  Returns (descriptors, bytes copied); descriptors < 0 is _fill_block_runs'
+    # code for a bad id, bytes < 0 checked_host_copy's for a bad descriptor (nothing copied).
+    count = _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
+                             src, dst, sizes, 0, flat_is_src, False, marks, 1)
+    if count < 0:
+        return count, 0
+    return count, checked_host_copy(src, dst, sizes, count, starts, reach)
+
+
 class BadBlockId(ValueError):
     """A block id outside the region (raised by :meth:`DescriptorBuffers.add_block_runs`)."""
 
@@ -147,6 +161,7 @@ def prepare_descriptors() -> None:
     ids = np.zeros(1, np.int64)
     out = np.zeros(1, np.uint64)
     _fill_block_runs(ids, 1, 1, 0, 0, 1, 1, out, out.copy(), out.copy(), 0, True, True, NO_MARKS, 1)
+    _fill_and_copy(ids, 0, 1, 0, 0, 1, 0, out, out.copy(), out.copy(), True, NO_MARKS, out, out)
 
 
 class DescriptorBuffers(NamedTuple):
@@ -195,6 +210,34 @@ class DescriptorBuffers(NamedTuple):
         step number): every id is marked with the epoch, and one marked already raises
         :class:`RepeatedBlockId` -- two writes of one block in a step (nothing written).
         """
+        self._check_fit(count, ids, n_used, block_size, total_bytes)
+        new = _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
+                               self.src_ptrs, self.dst_ptrs, self.sizes, count, flat_is_src, merge, marks, epoch)
+        if new < 0:
+            self._raise_bad_id(ids, -1 - new, num_blocks)
+        return new
+
+    def copy_block_runs(self, ids: np.ndarray, n_used: int, num_blocks: int, region_base: int, flat_base: int,
+                        block_size: int, total_bytes: int, flat_is_src: bool) -> int:
+        """One entry's block runs -- as :meth:`add_block_runs` writes them from slot 0 -- copied at once,
+        on the host, by this thread; returns the number of descriptors.
+
+        For a caller whose copy would run on the spot anyway (a synchronous queue, see
+        :func:`~vtnumba.memory.copy_engine.runs_inline`): building the descriptors, checking
+        every address against live memory and copying are one compiled call.  Raises
+        :class:`BadBlockId`, or the copy engine's ValueError for a descriptor outside live
+        memory, and then nothing was copied.
+        """
+        self._check_fit(0, ids, n_used, block_size, total_bytes)
+        count, total = _fill_and_copy(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
+                                      self.src_ptrs, self.dst_ptrs, self.sizes, flat_is_src, NO_MARKS, *live_table())
+        if count < 0:
+            self._raise_bad_id(ids, -1 - count, num_blocks)
+        if total < 0:
+            raise_bad_descriptor(self.src_ptrs[:count], self.dst_ptrs[:count], self.sizes[:count], -1 - total)
+        return count
+
+    def _check_fit(self, count: int, ids: np.ndarray, n_used: int, block_size: int, total_bytes: int) -> None:
         # The compiled loop writes by index without bounds checks: refuse what would take it
         # past the arrays (cheap next to the call itself).
         if not 0 <= n_used <= ids.shape[0] or count < 0 or count + n_used > self.sizes.shape[0] \
@@ -203,14 +246,13 @@ class DescriptorBuffers(NamedTuple):
                              f"{ids.shape[0]} ids of {block_size} bytes and {self.sizes.shape[0]} descriptor slots; "
                              "expected n_used <= len(ids), count + n_used <= capacity and the last used block "
                              "partly filled")
-        new = _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
-                               self.src_ptrs, self.dst_ptrs, self.sizes, count, flat_is_src, merge, marks, epoch)
-        if new < 0:
-            i = -1 - new
-            if i >= ids.shape[0]:
-                raise RepeatedBlockId(i - ids.shape[0], int(ids[i - ids.shape[0]]))
-            raise BadBlockId(i, int(ids[i]), num_blocks)
-        return new
+
+    @staticmethod
+    def _raise_bad_id(ids: np.ndarray, i: int, num_blocks: int) -> None:
+        # _fill_block_runs' code: i < len(ids) is a bad id, beyond it an id already written this step.
+        if i >= ids.shape[0]:
+            raise RepeatedBlockId(i - ids.shape[0], int(ids[i - ids.shape[0]]))
+        raise BadBlockId(i, int(ids[i]), num_blocks)
 
 
 class DescriptorBufferPool:

@@ -166,18 +166,21 @@ class LoadDestinations:
 
     def _reuse_spare(self, nbytes: int) -> LoadDestination | None:
         """Synchronous queues: the spare, now this load's buffer, if it fits (else None)."""
-        if self._spare is None and self._live:
-            with self._lock:
-                prev = self._live[0] if len(self._live) == 1 else None
-            if prev is not None:
-                # The usual step: the buffer the previous step's views just let go of (the
-                # caller dropped them before asking for more) becomes the spare now, not at the
-                # next poll -- _free checks, under its lock, that its copy and views are done.
-                # Reusing it at once keeps one buffer, warm in the cache, instead of two.
-                self._free(prev)
-            else:
-                self.reclaim()  # (the same, for several live buffers)
         with self._lock:  # (a report on another thread may be making a buffer the spare)
+            if self._spare is None and len(self._live) == 1:
+                prev = self._live[0]
+                if prev.copy_done and nbytes <= prev.capacity and prev.views_dead and not observing_uses():
+                    # The usual step: the one buffer, whose views the previous step's caller just
+                    # dropped before asking for more.  Its step is over, and it serves this one
+                    # as it is -- in place, warm in the cache, one buffer instead of two.
+                    self.freed_count += 1
+                    self.spare_reuses += 1
+                    prev.nbytes = nbytes
+                    prev.copy_done = False
+                    return prev
+        if self._spare is None and self._live:
+            self.reclaim()  # several buffers, or one that does not fit: the free ones become the spare
+        with self._lock:
             spare, self._spare = self._spare, None
         if spare is None:
             return None
@@ -213,7 +216,7 @@ class LoadDestinations:
                 raise ValueError(f"views of {total} rows of {row_bytes} bytes do not fit the {dest.capacity}-byte "
                                  "load buffer")
             rows = np.ndarray((total, hidden), dtype, dest._owner)
-            if len(row_counts) == 1 and not self._simulator:
+            if not self._simulator and len(row_counts) == 1:
                 return [rows]  # the usual step: one entry, the whole array
             out, r = [], 0
             for k in row_counts:

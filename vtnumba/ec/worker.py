@@ -59,9 +59,13 @@ short, each piece on purpose:
   operation runs on the spot, on this thread, so the compute queue has finished its work
   before a save is issued and a copy has finished when ``batched_copy`` returns.  Events
   would fire at the very moment they are recorded; the worker records none, times the
-  copy with the host clock, and -- since nothing is in flight -- gives the step's
-  descriptor buffers and queue straight back to their pools and files the completions
-  for the next report (no :class:`Transfer`, nothing to poll).  The rules are the same --
+  copy with the host clock, and files the completions for the next report (no
+  :class:`Transfer`, nothing to poll).  Since nothing is in flight once a call returns,
+  each direction keeps one descriptor buffer for all its steps; and on the cpu target,
+  where a copy queue would only run the copy on the spot, the worker runs it itself
+  (:func:`~vtnumba.memory.copy_engine.runs_inline`): no queue, the address check and the
+  copy in one compiled call -- for a one-entry load, together with building the
+  descriptors (:meth:`~vtnumba.ec.DescriptorBuffers.copy_block_runs`).  The rules are the same --
   a completion is still reported by :meth:`build_connector_worker_meta`, after the copy,
   exactly once -- they just need no machinery;
 * on **asynchronous queues** (threaded cpu queues, a real GPU) nothing of that holds, and
@@ -91,7 +95,7 @@ from vtnumba.ec.destination import LoadDestination, LoadDestinations
 from vtnumba.ec.metadata import ECConnectorMetadata, ECWorkerMetadata
 from vtnumba.ec.region import ECSharedRegion, block_id_array
 from vtnumba.memory import CachingAllocator
-from vtnumba.memory.copy_engine import batched_copy, live_address, prepare
+from vtnumba.memory.copy_engine import batched_copy, host_copy_now, live_address, prepare, runs_inline
 
 __all__ = ["ECWorker", "Transfer"]
 
@@ -214,6 +218,9 @@ class ECWorker:
         self._own_compute_queue = compute_queue is None
         self.compute_queue = compute_queue if compute_queue is not None else backend.create_queue("ec-compute")
         self._buf_pool = DescriptorBufferPool()
+        # Synchronous queues: a copy is over when its call returns, so each direction keeps one
+        # descriptor buffer for all its steps instead of borrowing from the pool (index 0 saves, 1 loads).
+        self._kept_bufs: list[DescriptorBuffers | None] = [None, None]
         # Compile the host copy loop and the descriptor builder now, not inside the first timed step.
         prepare(backend)
         prepare_descriptors()
@@ -270,6 +277,20 @@ class ECWorker:
         self._all_queues.append(q)
         return q
 
+    def _acquire_descriptors(self, direction: int, n: int) -> DescriptorBuffers:
+        """Room for ``n`` descriptors of a step in ``direction`` (0 saves, 1 loads)."""
+        if not self.synchronous:
+            return self._buf_pool.acquire(n)  # in flight after the call: back only once its copy finished
+        bufs = self._kept_bufs[direction]
+        if bufs is None or len(bufs.sizes) < n:
+            bufs = self._kept_bufs[direction] = self._buf_pool.acquire(n)
+        return bufs
+
+    def _release_descriptors(self, bufs: DescriptorBuffers) -> None:
+        """Descriptors no copy will read any more (kept by the worker on synchronous queues)."""
+        if not self.synchronous:
+            self._buf_pool.release(bufs)
+
     def _acquire_event(self) -> Event:
         return self._event_pool.pop() if self._event_pool else self.backend.create_event()
 
@@ -316,8 +337,7 @@ class ECWorker:
             if self._save_marks is None:  # (4 bytes a block, allocated by the first save: loaders need none)
                 self._save_marks = np.zeros(region.num_blocks, np.uint32)
             self._save_epoch = self._save_epoch % 0xFFFFFFFF + 1  # 1 .. 2**32-1 (0 is "never")
-            bufs = self._save_bufs = self._buf_pool.acquire(sum(map(len, saves.values())))
-            self._save_queue = self._acquire_queue()
+            bufs = self._save_bufs = self._acquire_descriptors(0, sum(map(len, saves.values())))
             self._save_t0 = t0
         count = self._save_count
         try:
@@ -352,7 +372,7 @@ class ECWorker:
         """Give the step's save batch back -- descriptors, queue, output registrations -- and
         start an empty one (after a synchronous copy, or when the batch is dropped)."""
         if self._save_bufs is not None:
-            self._buf_pool.release(self._save_bufs)
+            self._release_descriptors(self._save_bufs)
         if self._save_queue is not None:
             self._queue_pool.append(self._save_queue)
         for token in self._save_ranges:
@@ -374,10 +394,49 @@ class ECWorker:
             if self._save_bufs is not None:
                 self._release_save_batch()
             return
-        bufs, q, n = self._save_bufs, self._save_queue, self._save_count
+        bufs, n = self._save_bufs, self._save_count
         hashes, nbytes = self._save_mm_hashes, self._save_bytes
         be = self.backend
         t0 = perf_counter_ns()
+        gate = start = end = None
+        try:
+            if self.synchronous and runs_inline(be):
+                # The cpu target's synchronous queues: a copy queue would run the copy on the
+                # spot, on this thread -- so run it here, the address checks and the copy in
+                # one compiled call, and skip the queue.
+                host_copy_now(bufs.src_ptrs, bufs.dst_ptrs, bufs.sizes, n)
+            else:
+                start, end, gate = self._queue_saves(bufs, n)
+        except BaseException:
+            # Refused before anything was copied (or interrupted before it was queued): the
+            # step's saves are dropped -- nothing will report them -- and the worker carries on.
+            self._release_save_batch()
+            raise
+        if end is None:
+            # Synchronous queues: the compute queue's work already ran, and the step's copy
+            # is finished now -- no gate, no events, nothing to keep.  The completions wait for
+            # the next report; the resources go straight back.
+            t1 = perf_counter_ns()
+            self._finished_now(0, hashes, nbytes, n, (t1 - t0) / 1e6)
+            self._release_save_batch()
+        else:
+            t1 = perf_counter_ns()
+            # Until the end event fires, the descriptors and the outputs stay referenced.
+            self._inflight_saves.append(Transfer(
+                "save", start, end, hashes, bufs, self._save_queue, nbytes, n, gate_event=gate,
+                keepalive=self._save_sources, ranges=self._save_ranges))
+            self._save_mm_hashes, self._save_sources, self._save_ranges = [], [], []
+            self._save_bufs = self._save_queue = None
+            self._save_count = self._save_bytes = 0
+        if trace.RECORDER is not None:
+            trace.record("ec.flush_saves", "ec", "host", t0, t1, entries=len(hashes), bytes=nbytes, descriptors=n)
+        self.step_us["save"].append((t1 - self._save_t0) / 1e3)
+
+    def _queue_saves(self, bufs: DescriptorBuffers, n: int) -> tuple:
+        """The step's batched save copy on a pooled copy queue; its ``(start, end, gate)`` events
+        (all None on a synchronous queue, where it ran on the spot)."""
+        be = self.backend
+        q = self._save_queue = self._acquire_queue()
         gate = start = end = None
         try:
             if not self.synchronous:
@@ -394,31 +453,11 @@ class ECWorker:
                 be.record_event(start, q)
             batched_copy(bufs.src_ptrs[:n], bufs.dst_ptrs[:n], bufs.sizes[:n], queue=q, backend=be)
         except BaseException:
-            # Refused before anything was copied (or interrupted before it was queued): the
-            # step's saves are dropped -- nothing will report them -- and the worker carries on.
             self._event_pool.extend(e for e in (gate, start, end) if e is not None)
-            self._release_save_batch()
             raise
-        if end is None:
-            # Synchronous queues: the compute queue's work already ran, and the copy is
-            # finished now -- no gate, no events, nothing to keep.  The completions wait for
-            # the next report; the resources go straight back.
-            t1 = perf_counter_ns()
-            self._finished_now(0, hashes, nbytes, n, (t1 - t0) / 1e6)
-            self._release_save_batch()
-        else:
+        if end is not None:  # (the copy is queued: from here on, its end event says when it is over)
             be.record_event(end, q)
-            t1 = perf_counter_ns()
-            # Until the end event fires, the descriptors and the outputs stay referenced.
-            self._inflight_saves.append(Transfer(
-                "save", start, end, hashes, bufs, q, nbytes, n, gate_event=gate,
-                keepalive=self._save_sources, ranges=self._save_ranges))
-            self._save_mm_hashes, self._save_sources, self._save_ranges = [], [], []
-            self._save_bufs = self._save_queue = None
-            self._save_count = self._save_bytes = 0
-        if trace.RECORDER is not None:
-            trace.record("ec.flush_saves", "ec", "host", t0, t1, entries=len(hashes), bytes=nbytes, descriptors=n)
-        self.step_us["save"].append((t1 - self._save_t0) / 1e3)
+        return start, end, gate
 
     def _finished_now(self, direction: int, completions: list, num_bytes: int, num_descriptors: int,
                       ms: float) -> None:
@@ -462,8 +501,11 @@ class ECWorker:
         # completes), block ids -- in the order they are copied.
         if len(loads) == 1:  # the usual step: one entry, nothing to sort
             (h, (tid, ids)), = loads.items()
-            hashes, tids, id_arrays = [h], [tid], [_block_id_array(ids, h, "loads")]
-            total_blocks = id_arrays[0].size
+            ids = _block_id_array(ids, h, "loads")
+            if self.synchronous and runs_inline(self.backend):
+                return self._load_now(encoder_cache, h, tid, ids)
+            hashes, tids, id_arrays = [h], [tid], [ids]
+            total_blocks = ids.size
         else:
             items = [(h, tid, _block_id_array(ids, h, "loads")) for h, (tid, ids) in loads.items()]
             # Sorted by first block: entries adjacent in the region land adjacent in the
@@ -478,7 +520,7 @@ class ECWorker:
         q = self._acquire_queue()
         nbytes = total_blocks * block_size
         dest = self._destinations.allocate(nbytes, q)
-        bufs = self._buf_pool.acquire(total_blocks)
+        bufs = self._acquire_descriptors(1, total_blocks)
         n, flat = 0, dest.ptr
         try:
             for h, ids in zip(hashes, id_arrays):
@@ -489,7 +531,7 @@ class ECWorker:
                 flat += k * block_size
         except BadBlockId as exc:
             # Nothing was copied: everything taken for this step goes back, unused.
-            self._buf_pool.release(bufs)
+            self._release_descriptors(bufs)
             self._queue_pool.append(q)
             self._destinations.cancel(dest)
             raise ValueError(f"loads[{h!r}] contains block id {exc.block_id}, outside the region's "
@@ -515,7 +557,7 @@ class ECWorker:
             # views go unused, and everything taken for this step goes back.
             del views[:]
             self._event_pool.extend(e for e in (start, end) if e is not None)
-            self._buf_pool.release(bufs)
+            self._release_descriptors(bufs)
             self._queue_pool.append(q)
             self._destinations.cancel(dest)
             raise
@@ -523,7 +565,7 @@ class ECWorker:
             # Done on return (see flush_saves): report at the next poll, recycle now.
             self._finished_now(1, tids, nbytes, n, (perf_counter_ns() - c0) / 1e6)
             self._destinations.copy_finished(dest)
-            self._buf_pool.release(bufs)
+            self._release_descriptors(bufs)
             self._queue_pool.append(q)
         else:
             be.record_event(end, q)
@@ -538,6 +580,36 @@ class ECWorker:
                 # ...and so does the default stream, where a caller that never saw the worker's
                 # compute queue launches its kernels and reads the views back (copy_to_host).
                 be.order_default_stream_after(self.compute_queue)
+
+    def _load_now(self, encoder_cache: dict, mm_hash: str, tid: int, ids: np.ndarray) -> None:
+        """The usual step on the cpu target's synchronous queues -- one entry -- done on the spot:
+        building its descriptors, checking their addresses and copying are one compiled call on
+        this thread (:meth:`~vtnumba.ec.DescriptorBuffers.copy_block_runs`); no copy queue, and
+        nothing left to recycle.  Same rules as the general path below: nothing reaches
+        ``encoder_cache`` unless the copy was made, and the report comes at the next poll."""
+        k = ids.size
+        block_size = self.block_size
+        nbytes = k * block_size
+        region = self._region
+        dest = self._destinations.allocate(nbytes, self.compute_queue)
+        bufs = self._acquire_descriptors(1, k)
+        # Cut before the copy, while this step's objects are still in the CPU's caches (a copy
+        # of a few MiB evicts them).
+        view, = self._destinations.views(dest, self.dtype, self.hidden_size, [k])
+        c0 = perf_counter_ns()
+        try:
+            n = bufs.copy_block_runs(ids, k, region.num_blocks, region.base_ptr, dest.ptr, block_size, nbytes, False)
+        except BaseException as exc:
+            del view  # (nothing was copied: the buffer has no user, and goes back)
+            self._destinations.cancel(dest)
+            if isinstance(exc, BadBlockId):
+                raise ValueError(f"loads[{mm_hash!r}] contains block id {exc.block_id}, outside the region's "
+                                 f"0..{region.num_blocks - 1}") from None
+            raise
+        c1 = perf_counter_ns()
+        self._destinations.copy_finished(dest)
+        encoder_cache[mm_hash] = view
+        self._finished_now(1, [tid], nbytes, n, (c1 - c0) / 1e6)
 
     @staticmethod
     def _release_sources(t: Transfer) -> None:
