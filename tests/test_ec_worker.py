@@ -70,8 +70,8 @@ def spy_on_copies(monkeypatch) -> list:
         calls.append(count)
         return now(src, dst, sizes, count)
 
-    def spy_block_runs(self, *args):
-        n = block_runs(self, *args)
+    def spy_block_runs(self, *args, **kw):
+        n = block_runs(self, *args, **kw)
         calls.append(n)
         return n
 
@@ -1029,3 +1029,75 @@ def test_reports_name_their_rank_and_count_once_per_rank(cpu, env_factory):
     assert s.update_connector_output(report).released == [] and s.stats["stale_reports"] == 1
     other = ECWorkerMetadata(completed_loads=[tid], load_ranks=[0])
     assert s.update_connector_output(other).released == ["h"]
+
+
+# ------------------------------------------------------------------------------ cpu: copies on the spot
+def test_a_steps_only_save_is_copied_by_save_caches_and_reported_after_the_flush(env_factory, rng, monkeypatch):
+    """On the cpu target's synchronous queues a step's only save is its whole batch: save_caches
+    copies it (one compiled call), flush_saves files it, the next poll reports it -- once."""
+    be = CPUBackend()
+    try:
+        env = env_factory(be)
+        w = env.worker
+        out = rng.standard_normal((3, env.hidden)).astype(np.float32)
+        enc = {"h": env.device(out)}  # a backend buffer's view: live memory, no registration needed
+        meta = ECConnectorMetadata(saves={"h": [7, 8, 9, 11]})  # an entry sized larger than the output
+        calls = spy_on_copies(monkeypatch)
+        w.save_caches(enc, "h", meta)
+        assert calls == [1], "save_caches should have copied the step's one save"
+        np.testing.assert_array_equal(env.region.blocks[7:10].reshape(-1), as_bytes(out))
+        assert (env.region.blocks[11] == SENTINEL).all()
+        assert w.inflight() == (0, 0) and w.build_connector_worker_meta() is None  # not filed before the flush
+        w.flush_saves()
+        assert calls == [1], "the flush must not copy it again"
+        assert w.inflight() == (1, 0)
+        assert complete(w).completed_saves == ["h"] and w.build_connector_worker_meta() is None
+        assert w.stats["save"]["transfers"] == 1 and w.stats["save"]["bytes"] == 3 * env.bs
+        assert w.history[-1][:4] == ("save", 1, 3 * env.bs, 1) and nothing_borrowed(w)
+    finally:
+        env.close()
+        be.close()
+
+
+def test_a_save_refused_on_the_spot_raises_in_save_caches_and_the_worker_carries_on(env_factory, rng, monkeypatch):
+    be = CPUBackend()
+    try:
+        env = env_factory(be)
+        w = env.worker
+        out = rng.standard_normal((2, env.hidden)).astype(np.float32)
+        enc = {"h": env.device(out)}
+        refuse_copies(monkeypatch)
+        with pytest.raises(ValueError, match="refused for the test"):
+            w.save_caches(enc, "h", ECConnectorMetadata(saves={"h": [0, 1]}))
+        w.flush_saves()  # nothing left to flush
+        assert w.inflight() == (0, 0) and w.build_connector_worker_meta() is None and nothing_borrowed(w)
+        assert (env.region.blocks == SENTINEL).all()
+        monkeypatch.undo()
+        save(env, {"h": out}, {"h": [0, 1]})  # the same blocks again: the refused step left no marks behind
+        assert complete(w).completed_saves == ["h"]
+        np.testing.assert_array_equal(env.region.blocks[0:2].reshape(-1), as_bytes(out))
+    finally:
+        env.close()
+        be.close()
+
+
+def test_a_save_copied_on_the_spot_but_not_flushed_joins_the_next_steps_batch(env_factory, rng, monkeypatch):
+    """A caller that skips a flush: the next step's flush files both entries, and copies only the
+    one that was not copied yet.  (Its descriptors must fit the first step's batch, sized from that
+    step's metadata: here an entry of 4 blocks whose output fills 2.)"""
+    be = CPUBackend()
+    try:
+        env = env_factory(be)
+        w = env.worker
+        a, b = rng.standard_normal((2, env.hidden)).astype(np.float32), rng.standard_normal((1, env.hidden))
+        calls = spy_on_copies(monkeypatch)
+        w.save_caches({"a": env.device(a)}, "a", ECConnectorMetadata(saves={"a": [0, 1, 2, 3]}))
+        save(env, {"b": b.astype(np.float32)}, {"b": [6]})
+        assert calls == [1, 1], "each entry copied once"
+        assert sorted(complete(w).completed_saves) == ["a", "b"]
+        np.testing.assert_array_equal(env.region.blocks[0:2].reshape(-1), as_bytes(a))
+        np.testing.assert_array_equal(env.region.blocks[6].reshape(-1), as_bytes(b.astype(np.float32)))
+        assert (env.region.blocks[2:6] == SENTINEL).all()
+    finally:
+        env.close()
+        be.close()

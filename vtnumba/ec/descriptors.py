@@ -125,12 +125,12 @@ NO_MARKS = np.zeros(0, np.uint32)
 
 @numba.njit(nogil=True, cache=True)
 def _fill_and_copy(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes, src, dst, sizes,
-                   flat_is_src, marks, starts, reach):  # pragma: no cover - compiled
+                   flat_is_src, marks, epoch, starts, reach):  # pragma: no cover - compiled
     # One entry's descriptors from slot 0, then the live-range check and the copy, in one
     # compiled call.  Returns (descriptors, bytes copied); descriptors < 0 is _fill_block_runs'
     # code for a bad id, bytes < 0 checked_host_copy's for a bad descriptor (nothing copied).
     count = _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
-                             src, dst, sizes, 0, flat_is_src, False, marks, 1)
+                             src, dst, sizes, 0, flat_is_src, False, marks, epoch)
     if count < 0:
         return count, 0
     return count, checked_host_copy(src, dst, sizes, count, starts, reach)
@@ -161,7 +161,7 @@ def prepare_descriptors() -> None:
     ids = np.zeros(1, np.int64)
     out = np.zeros(1, np.uint64)
     _fill_block_runs(ids, 1, 1, 0, 0, 1, 1, out, out.copy(), out.copy(), 0, True, True, NO_MARKS, 1)
-    _fill_and_copy(ids, 0, 1, 0, 0, 1, 0, out, out.copy(), out.copy(), True, NO_MARKS, out, out)
+    _fill_and_copy(ids, 0, 1, 0, 0, 1, 0, out, out.copy(), out.copy(), True, NO_MARKS, 1, out, out)
 
 
 class DescriptorBuffers(NamedTuple):
@@ -218,19 +218,21 @@ class DescriptorBuffers(NamedTuple):
         return new
 
     def copy_block_runs(self, ids: np.ndarray, n_used: int, num_blocks: int, region_base: int, flat_base: int,
-                        block_size: int, total_bytes: int, flat_is_src: bool) -> int:
+                        block_size: int, total_bytes: int, flat_is_src: bool, marks: np.ndarray = NO_MARKS,
+                        epoch: int = 1) -> int:
         """One entry's block runs -- as :meth:`add_block_runs` writes them from slot 0 -- copied at once,
         on the host, by this thread; returns the number of descriptors.
 
         For a caller whose copy would run on the spot anyway (a synchronous queue, see
         :func:`~vtnumba.memory.copy_engine.runs_inline`): building the descriptors, checking
         every address against live memory and copying are one compiled call.  Raises
-        :class:`BadBlockId`, or the copy engine's ValueError for a descriptor outside live
-        memory, and then nothing was copied.
+        :class:`BadBlockId` or :class:`RepeatedBlockId` (with ``marks``), or the copy engine's
+        ValueError for a descriptor outside live memory, and then nothing was copied.
         """
         self._check_fit(0, ids, n_used, block_size, total_bytes)
         count, total = _fill_and_copy(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
-                                      self.src_ptrs, self.dst_ptrs, self.sizes, flat_is_src, NO_MARKS, *live_table())
+                                      self.src_ptrs, self.dst_ptrs, self.sizes, flat_is_src, marks, epoch,
+                                      *live_table())
         if count < 0:
             self._raise_bad_id(ids, -1 - count, num_blocks)
         if total < 0:

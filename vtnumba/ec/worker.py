@@ -239,6 +239,10 @@ class ECWorker:
         self._save_queue: Queue | None = None
         self._save_count = 0
         self._save_bytes = 0
+        # Descriptors of the batch already copied by save_caches (a step's only save on the cpu
+        # target, see save_caches), and the host time that took.
+        self._save_copied = 0
+        self._save_copy_ns = 0
         self._save_mm_hashes: list[str] = []
         self._save_sources: list = []
         self._save_ranges: list = []
@@ -303,7 +307,10 @@ class ECWorker:
         """Write copy descriptors for ``encoder_cache[mm_hash]`` into this step's save batch.
 
         Nothing is copied yet: :meth:`flush_saves` issues the whole batch as one copy.  The
-        output is kept referenced until that copy has finished.
+        output is kept referenced until that copy has finished.  (One exception, which changes
+        nothing a caller sees: on the cpu target's synchronous queues a step's only save *is*
+        its whole batch, and the queue would copy it on the spot -- so it is copied here, in
+        the compiled call that builds its descriptors, and :meth:`flush_saves` files it.)
         """
         t0 = perf_counter_ns()
         if self._shut_down:
@@ -345,9 +352,17 @@ class ECWorker:
                 raise RuntimeError(f"save_caches({mm_hash!r}): this step's saves need more than the "
                                    f"{len(bufs.sizes)} descriptors sized from the metadata; pass the same "
                                    "connector_metadata to every save_caches call of a step")
-            self._save_count = bufs.add_block_runs(count, ids, n_used, region.num_blocks, region.base_ptr,
-                                                   src_addr, block_size, total_bytes, True,
-                                                   marks=self._save_marks, epoch=self._save_epoch)
+            if fresh and src_live and len(saves) == 1 and self.synchronous and runs_inline(self.backend):
+                # The step's one save, copied now (see the docstring): nothing left for the flush but the report.
+                c0 = perf_counter_ns()
+                self._save_count = self._save_copied = bufs.copy_block_runs(
+                    ids, n_used, region.num_blocks, region.base_ptr, src_addr, block_size, total_bytes, True,
+                    marks=self._save_marks, epoch=self._save_epoch)
+                self._save_copy_ns = perf_counter_ns() - c0
+            else:
+                self._save_count = bufs.add_block_runs(count, ids, n_used, region.num_blocks, region.base_ptr,
+                                                       src_addr, block_size, total_bytes, True,
+                                                       marks=self._save_marks, epoch=self._save_epoch)
         except BaseException as exc:
             if fresh:  # nothing of this step is in the batch yet: give its resources back
                 self._release_save_batch()
@@ -378,7 +393,7 @@ class ECWorker:
         for token in self._save_ranges:
             unregister(token)
         self._save_bufs, self._save_queue = None, None
-        self._save_count, self._save_bytes = 0, 0
+        self._save_count = self._save_bytes = self._save_copied = self._save_copy_ns = 0
         self._save_mm_hashes, self._save_sources, self._save_ranges = [], [], []
 
     def flush_saves(self) -> None:
@@ -399,14 +414,17 @@ class ECWorker:
         be = self.backend
         t0 = perf_counter_ns()
         gate = start = end = None
+        done = self._save_copied  # descriptors save_caches already copied (see there)
         try:
-            if self.synchronous and runs_inline(be):
+            if done == n:
+                pass
+            elif self.synchronous and runs_inline(be):
                 # The cpu target's synchronous queues: a copy queue would run the copy on the
                 # spot, on this thread -- so run it here, the address checks and the copy in
                 # one compiled call, and skip the queue.
-                host_copy_now(bufs.src_ptrs, bufs.dst_ptrs, bufs.sizes, n)
+                host_copy_now(bufs.src_ptrs[done:], bufs.dst_ptrs[done:], bufs.sizes[done:], n - done)
             else:
-                start, end, gate = self._queue_saves(bufs, n)
+                start, end, gate = self._queue_saves(bufs, done, n)
         except BaseException:
             # Refused before anything was copied (or interrupted before it was queued): the
             # step's saves are dropped -- nothing will report them -- and the worker carries on.
@@ -417,7 +435,7 @@ class ECWorker:
             # is finished now -- no gate, no events, nothing to keep.  The completions wait for
             # the next report; the resources go straight back.
             t1 = perf_counter_ns()
-            self._finished_now(0, hashes, nbytes, n, (t1 - t0) / 1e6)
+            self._finished_now(0, hashes, nbytes, n, (t1 - t0 + self._save_copy_ns) / 1e6)
             self._release_save_batch()
         else:
             t1 = perf_counter_ns()
@@ -432,9 +450,9 @@ class ECWorker:
             trace.record("ec.flush_saves", "ec", "host", t0, t1, entries=len(hashes), bytes=nbytes, descriptors=n)
         self.step_us["save"].append((t1 - self._save_t0) / 1e3)
 
-    def _queue_saves(self, bufs: DescriptorBuffers, n: int) -> tuple:
-        """The step's batched save copy on a pooled copy queue; its ``(start, end, gate)`` events
-        (all None on a synchronous queue, where it ran on the spot)."""
+    def _queue_saves(self, bufs: DescriptorBuffers, first: int, n: int) -> tuple:
+        """The step's batched save copy -- descriptors ``first .. n-1`` -- on a pooled copy queue;
+        its ``(start, end, gate)`` events (all None on a synchronous queue, where it ran on the spot)."""
         be = self.backend
         q = self._save_queue = self._acquire_queue()
         gate = start = end = None
@@ -451,7 +469,7 @@ class ECWorker:
                 be.queue_wait_event(q, gate)
                 start, end = self._acquire_event(), self._acquire_event()
                 be.record_event(start, q)
-            batched_copy(bufs.src_ptrs[:n], bufs.dst_ptrs[:n], bufs.sizes[:n], queue=q, backend=be)
+            batched_copy(bufs.src_ptrs[first:n], bufs.dst_ptrs[first:n], bufs.sizes[first:n], queue=q, backend=be)
         except BaseException:
             self._event_pool.extend(e for e in (gate, start, end) if e is not None)
             raise
