@@ -71,14 +71,23 @@ def coalesce_runs(block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.
     return slots, ids[slots], num
 
 
+#: _fill_block_runs' answer when its arguments would take its loop past the arrays.
+_DOES_NOT_FIT = -(1 << 62)
+
+
 @numba.njit(nogil=True, cache=True)
 def _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
                      src, dst, sizes, count, flat_is_src, merge, marks, epoch):  # pragma: no cover - compiled
+    # The loop below writes by index without bounds checks: first refuse what would take it
+    # past the arrays (here, where it costs nothing, rather than in Python before the call).
+    n = ids.shape[0]
+    if n_used < 0 or n_used > n or count < 0 or count + n_used > sizes.shape[0] or total_bytes < 0 \
+            or total_bytes > n_used * block_size or total_bytes <= (n_used - 1) * block_size:
+        return _DOES_NOT_FIT
     # Every id must name a block of the region, the ones past the output's end too (they
     # were allocated to this entry; a bad one means bad metadata).  Returns -1 - index of
     # the first bad id, -1 - (len(ids) + index) of the first id already written this step
     # (see below), or the new descriptor count.
-    n = ids.shape[0]
     for i in range(n):
         if ids[i] < 0 or ids[i] >= num_blocks:
             return -1 - i
@@ -210,11 +219,10 @@ class DescriptorBuffers(NamedTuple):
         step number): every id is marked with the epoch, and one marked already raises
         :class:`RepeatedBlockId` -- two writes of one block in a step (nothing written).
         """
-        self._check_fit(count, ids, n_used, block_size, total_bytes)
         new = _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
                                self.src_ptrs, self.dst_ptrs, self.sizes, count, flat_is_src, merge, marks, epoch)
         if new < 0:
-            self._raise_bad_id(ids, -1 - new, num_blocks)
+            self._refused(new, ids, count, n_used, num_blocks, block_size, total_bytes)
         return new
 
     def copy_block_runs(self, ids: np.ndarray, n_used: int, num_blocks: int, region_base: int, flat_base: int,
@@ -229,29 +237,24 @@ class DescriptorBuffers(NamedTuple):
         :class:`BadBlockId` or :class:`RepeatedBlockId` (with ``marks``), or the copy engine's
         ValueError for a descriptor outside live memory, and then nothing was copied.
         """
-        self._check_fit(0, ids, n_used, block_size, total_bytes)
         count, total = _fill_and_copy(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
                                       self.src_ptrs, self.dst_ptrs, self.sizes, flat_is_src, marks, epoch,
                                       *live_table())
         if count < 0:
-            self._raise_bad_id(ids, -1 - count, num_blocks)
+            self._refused(count, ids, 0, n_used, num_blocks, block_size, total_bytes)
         if total < 0:
             raise_bad_descriptor(self.src_ptrs[:count], self.dst_ptrs[:count], self.sizes[:count], -1 - total)
         return count
 
-    def _check_fit(self, count: int, ids: np.ndarray, n_used: int, block_size: int, total_bytes: int) -> None:
-        # The compiled loop writes by index without bounds checks: refuse what would take it
-        # past the arrays (cheap next to the call itself).
-        if not 0 <= n_used <= ids.shape[0] or count < 0 or count + n_used > self.sizes.shape[0] \
-                or not 0 <= total_bytes <= n_used * block_size or total_bytes <= (n_used - 1) * block_size:
+    def _refused(self, code: int, ids: np.ndarray, count: int, n_used: int, num_blocks: int, block_size: int,
+                 total_bytes: int) -> None:
+        """Raise for _fill_block_runs' negative answer ``code`` (nothing was written)."""
+        if code == _DOES_NOT_FIT:
             raise ValueError(f"add_block_runs: n_used={n_used}, count={count}, total_bytes={total_bytes} do not fit "
                              f"{ids.shape[0]} ids of {block_size} bytes and {self.sizes.shape[0]} descriptor slots; "
                              "expected n_used <= len(ids), count + n_used <= capacity and the last used block "
                              "partly filled")
-
-    @staticmethod
-    def _raise_bad_id(ids: np.ndarray, i: int, num_blocks: int) -> None:
-        # _fill_block_runs' code: i < len(ids) is a bad id, beyond it an id already written this step.
+        i = -1 - code  # i < len(ids): a bad id; beyond it, an id already written this step
         if i >= ids.shape[0]:
             raise RepeatedBlockId(i - ids.shape[0], int(ids[i - ids.shape[0]]))
         raise BadBlockId(i, int(ids[i]), num_blocks)
