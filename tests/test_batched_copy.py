@@ -492,3 +492,24 @@ def test_the_host_loops_are_cached_on_disk_not_compiled_per_process(tmp_path):
     first, second = ([int(word) for word in r.stdout.split()] for r in runs)
     assert first == [0, 0], "a fresh cache directory cannot hold them yet"
     assert all(hits > 0 for hits in second), f"the second process compiled again: cache hits {second}"
+
+
+def test_checked_host_copy_checks_only_the_sides_it_is_asked_to(rng):
+    """CHECK_DST: a source the caller vouches for (an array it holds) needs no registration; the
+    destination is still checked, and a null address on either side is still refused."""
+    from vtnumba.memory.copy_engine import CHECK_BOTH, CHECK_DST, CHECK_SRC, checked_host_copy, live_table
+
+    src = rng.integers(0, 256, 64, dtype=np.uint8)       # never registered
+    dst = np.full(64, POISON, np.uint8)
+    s = np.array([src.ctypes.data], np.uint64)
+    d = np.array([dst.ctypes.data], np.uint64)
+    n = np.array([64], np.uint64)
+    with registered(dst):
+        assert checked_host_copy(s, d, n, 1, *live_table(), CHECK_BOTH) == -1  # src not live: refused
+        assert checked_host_copy(s, d, n, 1, *live_table(), CHECK_SRC) == -1
+        assert (dst == POISON).all()
+        assert checked_host_copy(s, d, n, 1, *live_table(), CHECK_DST) == 64
+        np.testing.assert_array_equal(dst, src)
+        null = np.zeros(1, np.uint64)
+        assert checked_host_copy(null, d, n, 1, *live_table(), CHECK_DST) == -1  # a null source: still refused
+    assert checked_host_copy(s, d, n, 1, *live_table(), CHECK_DST) == -1  # dst no longer live

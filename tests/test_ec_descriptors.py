@@ -115,3 +115,24 @@ def test_copy_block_runs_copies_nothing_when_an_id_or_an_address_is_bad(rng):
         assert (region == 7).all()
     with pytest.raises(ValueError, match="n_used=5"):  # the same fit checks as add_block_runs
         bufs.copy_block_runs(np.arange(4, dtype=np.int64), 5, 8, 0, 0, BLOCK, 5 * BLOCK, True)
+
+
+def test_copy_block_runs_with_an_unregistered_flat_side_checks_the_region_side(rng):
+    """check_flat=False: the output (flat side) is an array the caller holds, never registered;
+    the region side is still checked."""
+    from vtnumba.backend.address_ranges import registered
+
+    bufs = DescriptorBufferPool().acquire(8)
+    region = np.full(8 * BLOCK, 7, np.int8)
+    flat = rng.integers(-128, 128, 4 * BLOCK, dtype=np.int8)  # not registered
+    ids = np.array([2, 3, 6, 7], np.int64)
+    with registered(region):
+        with pytest.raises(ValueError, match="src_ptrs"):  # checked as usual, the flat side is refused
+            bufs.copy_block_runs(ids, 4, 8, region.ctypes.data, flat.ctypes.data, BLOCK, 4 * BLOCK, True)
+        assert (region == 7).all()
+        assert bufs.copy_block_runs(ids, 4, 8, region.ctypes.data, flat.ctypes.data, BLOCK, 4 * BLOCK, True,
+                                    check_flat=False) == 2
+        np.testing.assert_array_equal(region.reshape(8, BLOCK)[[2, 3, 6, 7]].reshape(-1), flat)
+    with pytest.raises(ValueError, match="dst_ptrs"):  # the region side, no longer live: refused
+        bufs.copy_block_runs(ids, 4, 8, region.ctypes.data, flat.ctypes.data, BLOCK, 4 * BLOCK, True,
+                             check_flat=False)

@@ -394,7 +394,8 @@ def test_a_save_whose_copy_is_refused_is_dropped_and_the_worker_carries_on(backe
     w = env.worker
     out = rng.standard_normal((2, env.hidden)).astype(np.float32)
     refuse_copies(monkeypatch)
-    meta = ECConnectorMetadata(saves={"h": [0, 1]})
+    # Two saves scheduled (one made): the step's batch is copied by the flush on every target.
+    meta = ECConnectorMetadata(saves={"h": [0, 1], "later": [5]})
     w.save_caches({"h": out}, "h", meta)  # the caller's own array: registered for the copy
     assert live_address(out, out.nbytes)[1]
     with pytest.raises(ValueError, match="refused for the test"):
@@ -1036,19 +1037,27 @@ def test_reports_name_their_rank_and_count_once_per_rank(cpu, env_factory):
 
 
 # ------------------------------------------------------------------------------ cpu: copies on the spot
-def test_a_steps_only_save_is_copied_by_save_caches_and_reported_after_the_flush(env_factory, rng, monkeypatch):
+@pytest.mark.parametrize("output", ["caller's array", "backend buffer"])
+def test_a_steps_only_save_is_copied_by_save_caches_and_reported_after_the_flush(env_factory, rng, monkeypatch,
+                                                                                   output):
     """On the cpu target's synchronous queues a step's only save is its whole batch: save_caches
     copies it (one compiled call), flush_saves files it, the next poll reports it -- once."""
+    from vtnumba.memory.copy_engine import live_address
+
     be = CPUBackend()
     try:
         env = env_factory(be)
         w = env.worker
         out = rng.standard_normal((3, env.hidden)).astype(np.float32)
-        enc = {"h": env.device(out)}  # a backend buffer's view: live memory, no registration needed
+        # A backend buffer's view is live memory; the caller's own array is not, and is not
+        # registered either: the copy checks only the region's side of it.
+        enc = {"h": env.device(out) if output == "backend buffer" else out}
         meta = ECConnectorMetadata(saves={"h": [7, 8, 9, 11]})  # an entry sized larger than the output
         calls = spy_on_copies(monkeypatch)
         w.save_caches(enc, "h", meta)
         assert calls == [1], "save_caches should have copied the step's one save"
+        if output == "caller's array":
+            assert not live_address(out, out.nbytes)[1], "nothing to register for a copy made on the spot"
         np.testing.assert_array_equal(env.region.blocks[7:10].reshape(-1), as_bytes(out))
         assert (env.region.blocks[11] == SENTINEL).all()
         assert w.inflight() == (0, 0) and w.build_connector_worker_meta() is None  # not filed before the flush

@@ -38,7 +38,14 @@ import numba
 import numpy as np
 
 from vtnumba.backend.arrays import is_int
-from vtnumba.memory.copy_engine import checked_host_copy, live_table, raise_bad_descriptor
+from vtnumba.memory.copy_engine import (
+    CHECK_BOTH,
+    CHECK_DST,
+    CHECK_SRC,
+    checked_host_copy,
+    live_table,
+    raise_bad_descriptor,
+)
 
 __all__ = ["coalesce_runs", "DescriptorBuffers", "DescriptorBufferPool", "BadBlockId", "RepeatedBlockId", "NO_MARKS",
            "prepare_descriptors"]
@@ -134,15 +141,16 @@ NO_MARKS = np.zeros(0, np.uint32)
 
 @numba.njit(nogil=True, cache=True)
 def _fill_and_copy(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes, src, dst, sizes,
-                   flat_is_src, marks, epoch, starts, reach):  # pragma: no cover - compiled
-    # One entry's descriptors from slot 0, then the live-range check and the copy, in one
-    # compiled call.  Returns (descriptors, bytes copied); descriptors < 0 is _fill_block_runs'
-    # code for a bad id, bytes < 0 checked_host_copy's for a bad descriptor (nothing copied).
+                   flat_is_src, marks, epoch, starts, reach, sides):  # pragma: no cover - compiled
+    # One entry's descriptors from slot 0, then the live-range check of ``sides`` and the
+    # copy, in one compiled call.  Returns (descriptors, bytes copied); descriptors < 0 is
+    # _fill_block_runs' code for a bad id, bytes < 0 checked_host_copy's for a bad descriptor
+    # (nothing copied).
     count = _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
                              src, dst, sizes, 0, flat_is_src, False, marks, epoch)
     if count < 0:
         return count, 0
-    return count, checked_host_copy(src, dst, sizes, count, starts, reach)
+    return count, checked_host_copy(src, dst, sizes, count, starts, reach, sides)
 
 
 class BadBlockId(ValueError):
@@ -170,7 +178,7 @@ def prepare_descriptors() -> None:
     ids = np.zeros(1, np.int64)
     out = np.zeros(1, np.uint64)
     _fill_block_runs(ids, 1, 1, 0, 0, 1, 1, out, out.copy(), out.copy(), 0, True, True, NO_MARKS, 1)
-    _fill_and_copy(ids, 0, 1, 0, 0, 1, 0, out, out.copy(), out.copy(), True, NO_MARKS, 1, out, out)
+    _fill_and_copy(ids, 0, 1, 0, 0, 1, 0, out, out.copy(), out.copy(), True, NO_MARKS, 1, out, out, CHECK_BOTH)
 
 
 class DescriptorBuffers(NamedTuple):
@@ -227,7 +235,7 @@ class DescriptorBuffers(NamedTuple):
 
     def copy_block_runs(self, ids: np.ndarray, n_used: int, num_blocks: int, region_base: int, flat_base: int,
                         block_size: int, total_bytes: int, flat_is_src: bool, marks: np.ndarray = NO_MARKS,
-                        epoch: int = 1) -> int:
+                        epoch: int = 1, check_flat: bool = True) -> int:
         """One entry's block runs -- as :meth:`add_block_runs` writes them from slot 0 -- copied at once,
         on the host, by this thread; returns the number of descriptors.
 
@@ -236,14 +244,18 @@ class DescriptorBuffers(NamedTuple):
         every address against live memory and copying are one compiled call.  Raises
         :class:`BadBlockId` or :class:`RepeatedBlockId` (with ``marks``), or the copy engine's
         ValueError for a descriptor outside live memory, and then nothing was copied.
+        ``check_flat=False``: the flat side is an array the caller holds (``flat_base`` read
+        from it, ``total_bytes`` within it), so only the region side is checked -- an output
+        the copy engine has never heard of needs no registration.
         """
+        sides = CHECK_BOTH if check_flat else (CHECK_DST if flat_is_src else CHECK_SRC)
         count, total = _fill_and_copy(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
                                       self.src_ptrs, self.dst_ptrs, self.sizes, flat_is_src, marks, epoch,
-                                      *live_table())
+                                      *live_table(), sides)
         if count < 0:
             self._refused(count, ids, 0, n_used, num_blocks, block_size, total_bytes)
         if total < 0:
-            raise_bad_descriptor(self.src_ptrs[:count], self.dst_ptrs[:count], self.sizes[:count], -1 - total)
+            raise_bad_descriptor(self.src_ptrs[:count], self.dst_ptrs[:count], self.sizes[:count], -1 - total, sides)
         return count
 
     def _refused(self, code: int, ids: np.ndarray, count: int, n_used: int, num_blocks: int, block_size: int,

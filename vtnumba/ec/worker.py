@@ -347,17 +347,21 @@ class ECWorker:
             bufs = self._save_bufs = self._acquire_descriptors(0, sum(map(len, saves.values())))
             self._save_t0 = t0
         count = self._save_count
+        # The step's one save, on the cpu target: copied now (see the docstring).  An output the
+        # copy engine does not know is fine here: it is a numpy array held during the copy, and
+        # _check_output bounded the bytes read by its shape -- only the region side needs checking.
+        copy_now = fresh and len(saves) == 1 and (src_live or type(src) is np.ndarray) and self.synchronous \
+            and runs_inline(self.backend)
         try:
             if count + ids.size > len(bufs.sizes):
                 raise RuntimeError(f"save_caches({mm_hash!r}): this step's saves need more than the "
                                    f"{len(bufs.sizes)} descriptors sized from the metadata; pass the same "
                                    "connector_metadata to every save_caches call of a step")
-            if fresh and src_live and len(saves) == 1 and self.synchronous and runs_inline(self.backend):
-                # The step's one save, copied now (see the docstring): nothing left for the flush but the report.
+            if copy_now:  # nothing left for the flush but the report
                 c0 = perf_counter_ns()
                 self._save_count = self._save_copied = bufs.copy_block_runs(
                     ids, n_used, region.num_blocks, region.base_ptr, src_addr, block_size, total_bytes, True,
-                    marks=self._save_marks, epoch=self._save_epoch)
+                    marks=self._save_marks, epoch=self._save_epoch, check_flat=src_live)
                 self._save_copy_ns = perf_counter_ns() - c0
             else:
                 self._save_count = bufs.add_block_runs(count, ids, n_used, region.num_blocks, region.base_ptr,
@@ -374,7 +378,7 @@ class ECWorker:
                                  "step already writes -- for this entry or another: one entry's rows would "
                                  "silently replace the other's; every saved block must be distinct") from None
             raise
-        if not src_live:
+        if not src_live and not copy_now:
             # The copy runs later, by address, and the copy engine checks every address it
             # touches against live memory: declare an output it does not know (an array the
             # caller made) live until the copy has finished.  Backend buffers already are.

@@ -74,7 +74,8 @@ from vtnumba.backend.base import Backend, Buffer, Queue, observing_uses
 
 __all__ = ["batched_copy", "batched_copy_reference", "check_descriptors", "check_ranges", "address_of",
            "cuda_batch_api_available", "prepare", "host_batched_copy", "is_live", "live_address", "runs_inline",
-           "checked_host_copy", "host_copy_now", "live_table", "raise_bad_descriptor"]
+           "checked_host_copy", "host_copy_now", "live_table", "raise_bad_descriptor", "CHECK_SRC",
+           "CHECK_DST", "CHECK_BOTH"]
 
 # --------------------------------------------------------------------------- validation
 _U64, _I64 = np.dtype(np.uint64), np.dtype(np.int64)
@@ -107,21 +108,29 @@ def _null_error(src: np.ndarray, dst: np.ndarray, sz: np.ndarray) -> None:
                              "expected a valid address for every non-empty copy")
 
 
+#: Which side of each descriptor :func:`checked_host_copy` checks against live memory.
+CHECK_SRC, CHECK_DST, CHECK_BOTH = 1, 2, 3
+
+
 @numba.njit(nogil=True, cache=True)
-def _scan(src, dst, sizes, starts, reach):  # pragma: no cover - compiled; tested through batched_copy
+def _scan(src, dst, sizes, starts, reach, sides=CHECK_BOTH):  # pragma: no cover - compiled; tested via batched_copy
     # One pass over a validated-shape batch: a null address with a non-zero size, or a byte
     # range outside every live range (binary search: the last range starting at or before
     # the address must reach its end), stops the scan.  Returns the total byte count, or
-    # -1 - i for the first bad descriptor i.
+    # -1 - i for the first bad descriptor i.  ``sides``: which addresses to check (see
+    # checked_host_copy).
     total = 0
     m = starts.shape[0]
     for i in range(sizes.shape[0]):
         n = sizes[i]
         if n == 0:
             continue
-        for p in (src[i], dst[i]):
+        for side in range(2):
+            p = src[i] if side == 0 else dst[i]
             if p == 0:
                 return -1 - i
+            if not (sides >> side) & 1:
+                continue  # (this side's range is the caller's to vouch for: see checked_host_copy)
             lo, hi = 0, m
             while lo < hi:  # first range starting after p
                 mid = (lo + hi) // 2
@@ -185,12 +194,14 @@ def _validated_total(src: np.ndarray, dst: np.ndarray, sz: np.ndarray, scan=None
     return int(total)
 
 
-def raise_bad_descriptor(src: np.ndarray, dst: np.ndarray, sz: np.ndarray, i: int) -> None:
-    """A compiled check found descriptor ``i`` bad (and nothing was copied): let the thorough
-    checks say what, naming the descriptor -- a null address, or a range outside live memory."""
+def raise_bad_descriptor(src: np.ndarray, dst: np.ndarray, sz: np.ndarray, i: int, sides: int = CHECK_BOTH) -> None:
+    """A compiled check of ``sides`` found descriptor ``i`` bad (and nothing was copied): let the
+    thorough checks say what, naming the descriptor -- a null address, or a range outside live memory."""
     _null_error(src, dst, sz)
-    LIVE.check("src_ptrs", src, sz)
-    LIVE.check("dst_ptrs", dst, sz)
+    if sides & CHECK_SRC:
+        LIVE.check("src_ptrs", src, sz)
+    if sides & CHECK_DST:
+        LIVE.check("dst_ptrs", dst, sz)
     # The thorough checks passed: the table changed in between (another thread freed or registered memory).
     raise ValueError(f"descriptor {i} (src_ptrs[{i}]={int(src[i]):#x}, dst_ptrs[{i}]={int(dst[i]):#x}, "
                      f"sizes[{i}]={int(sz[i])}) left live memory while it was being checked")
@@ -319,7 +330,7 @@ def _memmove_loop(src, dst, sizes):  # pragma: no cover - compiled; tested throu
 
 
 @numba.njit(nogil=True, cache=True)
-def checked_host_copy(src, dst, sizes, count, starts, reach):  # pragma: no cover - compiled
+def checked_host_copy(src, dst, sizes, count, starts, reach, sides=CHECK_BOTH):  # pragma: no cover - compiled
     """The first ``count`` descriptors, checked and then copied on the host, in one compiled call.
 
     What a synchronous queue runs: the live-range check (:func:`_scan`, against ``starts``
@@ -328,9 +339,14 @@ def checked_host_copy(src, dst, sizes, count, starts, reach):  # pragma: no cove
     copied, or ``-1 - i`` for the first bad descriptor ``i`` (see :func:`raise_bad_descriptor`).
     (One call instead of two: on a synchronous queue each Python-level call is a measurable
     part of a 1 MiB copy.)  Callable from other compiled code, too.
+
+    ``sides`` (:data:`CHECK_BOTH`, :data:`CHECK_SRC` or :data:`CHECK_DST`): a caller whose
+    ranges on one side lie, by construction, inside an array it holds -- its address read
+    from the array, its size bounded by the array's -- may check only the other side.  An
+    unchecked side is still refused when it is a null address.
     """
     src, dst, sizes = src[:count], dst[:count], sizes[:count]
-    total = _scan(src, dst, sizes, starts, reach)
+    total = _scan(src, dst, sizes, starts, reach, sides)
     if total >= 0:
         _memmove_loop(src, dst, sizes)
     return total
