@@ -50,7 +50,10 @@ The check is built to cost little next to the copy: one compiled (``numba.njit``
 the descriptors does a binary search of each address in the sorted table of live ranges and
 looks for null addresses -- well under a microsecond for the encoder cache's usual batch of
 one run per entry, and machine-code speed for thousands.  Only when it finds a bad
-descriptor does the slower, vectorised numpy check run, to say which one and why.
+descriptor does the slower, vectorised numpy check run, to say which one and why.  (One
+narrowing, for callers that build descriptors themselves: :func:`checked_host_copy` may be
+told to check one side only, when the other side's ranges lie inside an array the caller
+holds -- the encoder-cache worker copying a numpy output it was handed.)
 
 :func:`batched_copy_reference` is the host reference with the same signature: one
 ``ctypes.memmove`` per descriptor, in the calling thread.
