@@ -148,7 +148,10 @@ lesson.check(ok, "pinned entries stay, eviction happens only when it makes room"
 # hands the step's outputs to the producer's worker, which turns every run of consecutive
 # blocks into ONE copy descriptor (three arrays: source addresses, destination addresses,
 # byte counts) and moves them all with one ``batched_copy`` on a pooled queue -- after the
-# compute queue, which produced them.  The worker checks each output first: its dtype and
+# compute queue, which produced them.  (On the cpu target's synchronous queues, which would
+# run the copy on the spot anyway, the worker runs that one copy itself, without a queue;
+# a step with a single save is even copied by ``save_caches``, in the compiled call that
+# builds its descriptors.)  The worker checks each output first: its dtype and
 # row width must be the region's, and it must fit its blocks (else a ValueError).  Finding
 # the runs is a few numpy operations (the worker runs a compiled version of the same split,
 # checked against this one in the tests):
