@@ -420,8 +420,8 @@ class ECWorker:
         gate = start = end = None
         done = self._save_copied  # descriptors save_caches already copied (see there)
         try:
-            if done == n:
-                pass
+            if done and done == n:
+                pass  # all of it (a step's only save on the cpu target)
             elif self.synchronous and runs_inline(be):
                 # The cpu target's synchronous queues: a copy queue would run the copy on the
                 # spot, on this thread -- so run it here, the address checks and the copy in
