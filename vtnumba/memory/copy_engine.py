@@ -185,13 +185,16 @@ def check_descriptors(src_ptrs, dst_ptrs, sizes) -> tuple[np.ndarray, np.ndarray
     return src, dst, sz
 
 
-def _validated_total(src: np.ndarray, dst: np.ndarray, sz: np.ndarray, scan=None) -> int:
-    """Null and live-range checks of a shape-checked batch; its total byte count.
+def live_table() -> tuple[np.ndarray, np.ndarray]:
+    """The sorted live ranges as two uint64 arrays, ``(starts, reach)`` -- what the compiled
+    checks search (:func:`checked_host_copy`); cached by LIVE until memory is registered or freed."""
+    starts, _, reach, _ = LIVE._table()
+    return starts, reach
 
-    ``scan``: the compiled pass to run (:func:`_scan`, or the checked copy loop, which also
-    copies when every descriptor passed)."""
-    starts, _, reach, _ = LIVE._table()  # the sorted live ranges, cached by LIVE between changes
-    total = (scan or _scan)(src, dst, sz, starts, reach)
+
+def _validated_total(src: np.ndarray, dst: np.ndarray, sz: np.ndarray) -> int:
+    """Null and live-range checks of a shape-checked batch (nothing copied); its total byte count."""
+    total = _scan(src, dst, sz, *live_table())
     if total < 0:
         raise_bad_descriptor(src, dst, sz, -1 - total)
     return int(total)
@@ -221,13 +224,6 @@ def host_copy_now(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, count: in
     return total
 
 
-def live_table() -> tuple[np.ndarray, np.ndarray]:
-    """The sorted live ranges as two uint64 arrays, ``(starts, reach)`` -- what the compiled
-    checks search (:func:`checked_host_copy`); cached by LIVE until memory is registered or freed."""
-    starts, _, reach, _ = LIVE._table()
-    return starts, reach
-
-
 def check_ranges(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
     """ValueError unless every non-empty descriptor reads and writes inside live memory
     (:data:`vtnumba.backend.address_ranges.LIVE`); the arguments are equal-length uint64 arrays."""
@@ -253,8 +249,7 @@ def is_live(address: int, nbytes: int) -> bool:
     """Is ``[address, address + nbytes)`` inside one range of live memory this process knows
     (:data:`vtnumba.backend.address_ranges.LIVE`)?  A compiled binary search: cheap enough to
     ask once per step (the encoder-cache worker asks it before registering an output)."""
-    starts, _, reach, _ = LIVE._table()
-    return _covered(address, nbytes, starts, reach)
+    return _covered(address, nbytes, *live_table())
 
 
 @numba.njit(nogil=True, cache=True)
@@ -273,9 +268,7 @@ def live_address(arr, nbytes: int) -> tuple[int, bool]:
     call instead of two (the encoder-cache worker asks both of every output it saves, and
     right after a large copy has evicted the CPU's caches each call costs microseconds)."""
     if type(arr) is np.ndarray and arr.ndim and arr.size and arr.flags.c_contiguous:
-        starts, _, reach, _ = LIVE._table()
-        address, live = _live_data_address(arr.view(np.uint8), nbytes, starts, reach)
-        return address, live
+        return _live_data_address(arr.view(np.uint8), nbytes, *live_table())
     address = address_of(arr)
     return address, is_live(address, nbytes)
 
