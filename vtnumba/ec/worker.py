@@ -166,6 +166,12 @@ def _check_output(src, mm_hash: str, region: ECSharedRegion, num_blocks: int) ->
     return total
 
 
+def _bad_load_id(mm_hash: str, exc: BadBlockId) -> ValueError:
+    """The error a load reports for a block id outside the region (nothing was copied)."""
+    return ValueError(f"loads[{mm_hash!r}] contains block id {exc.block_id}, outside the region's "
+                      f"0..{exc.num_blocks - 1}")
+
+
 def _block_id_array(block_ids, mm_hash: str, kind: str) -> np.ndarray:
     """``block_ids`` of ``kind[mm_hash]`` as a 1-D C-contiguous int64 array (see
     :func:`~vtnumba.ec.region.block_id_array`).  Their *range* is checked where the
@@ -556,8 +562,7 @@ class ECWorker:
             self._release_descriptors(bufs)
             self._queue_pool.append(q)
             self._destinations.cancel(dest)
-            raise ValueError(f"loads[{h!r}] contains block id {exc.block_id}, outside the region's "
-                             f"0..{num_blocks - 1}") from None
+            raise _bad_load_id(h, exc) from None
         # Per-hash views of the contiguous buffer, as [rows, hidden] in the model dtype --
         # cut now, while this step's objects are still in the CPU's caches (a copy of a few
         # MiB evicts them), and handed out once the copy has been issued without an error.
@@ -607,7 +612,7 @@ class ECWorker:
         """The usual step on the cpu target's synchronous queues -- one entry -- done on the spot:
         building its descriptors, checking their addresses and copying are one compiled call on
         this thread (:meth:`~vtnumba.ec.DescriptorBuffers.copy_block_runs`); no copy queue, and
-        nothing left to recycle.  Same rules as the general path below: nothing reaches
+        nothing left to recycle.  Same rules as the general path above: nothing reaches
         ``encoder_cache`` unless the copy was made, and the report comes at the next poll."""
         k = ids.size
         block_size = self.block_size
@@ -625,8 +630,7 @@ class ECWorker:
             del view  # (nothing was copied: the buffer has no user, and goes back)
             self._destinations.cancel(dest)
             if isinstance(exc, BadBlockId):
-                raise ValueError(f"loads[{mm_hash!r}] contains block id {exc.block_id}, outside the region's "
-                                 f"0..{region.num_blocks - 1}") from None
+                raise _bad_load_id(mm_hash, exc) from None
             raise
         c1 = perf_counter_ns()
         self._destinations.copy_finished(dest)
