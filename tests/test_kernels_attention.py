@@ -7,6 +7,8 @@ fixture).  Inputs are fresh random numbers, outputs are filled with NaN first, a
 sentence lengths are odd on purpose (1, 7, 33, several sentences of different lengths).
 """
 
+import time
+
 import numpy as np
 import pytest
 from attention_reference import attention64
@@ -122,6 +124,31 @@ def test_kernel_block_size_does_not_change_the_result(device_backend, rng, threa
         launch_fn=lambda stream: launch_attention(d_qkv, d_bias, d_off, nh, d, max(lengths), d_out, stream,
                                                   threads=threads))
     np.testing.assert_allclose(device_backend.to_host(d_out), host, rtol=0, atol=_tolerance(qkv, bias, nh, d))
+
+
+def test_offsets_written_by_queued_work_are_read_after_it(rng):
+    """Without max_len, attention reads the offsets on the calling thread: with a queue, only
+    once the work queued before it -- here, what writes the offsets -- has finished (a
+    threaded cpu queue; on a GPU the same holds for the backend's streams)."""
+    lengths = (4, 1, 6)
+    qkv, bias, truth = _case(rng, lengths, 2, 3)
+    offsets = np.zeros_like(truth)  # not offsets yet: the queued work writes them
+    be = CPUBackend(threaded=True)
+    try:
+        q = be.create_queue("attention")
+
+        def write_offsets(_stream):
+            time.sleep(0.2)  # still running when attention() is called
+            offsets[:] = truth
+
+        be.submit(q, write_offsets, name="write offsets")
+        out = attention(qkv, offsets, 2, 3, bias=bias, queue=q)  # (read too early: a ValueError)
+        be.synchronize(q)
+    finally:
+        be.close()
+    expected = np.full_like(out, np.nan)
+    attention_host(qkv, bias, truth, 2, 3, max(lengths), expected)
+    np.testing.assert_array_equal(out, expected)
 
 
 def test_errors_name_the_argument(device_backend, rng):

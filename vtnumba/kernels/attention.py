@@ -43,7 +43,7 @@ import numba
 import numpy as np
 
 from vtnumba.backend.arrays import check_int, host_view, to_host
-from vtnumba.kernels._common import HOST, check_array, common_kind, empty, run
+from vtnumba.kernels._common import HOST, _resolve_backend, check_array, common_kind, empty, run
 
 _F32 = (np.float32,)
 
@@ -203,8 +203,9 @@ def attention(qkv, offsets, num_heads: int, head_dim: int, *, bias=None, out=Non
 
     ``offsets`` (int64 ``[B + 1]``) lives where ``qkv`` does (numpy with numpy, a device
     array with device arrays).  ``max_len`` is the longest sentence: computed from
-    ``offsets`` when None (on a GPU that reads the offsets back; the model passes it).
-    ``workspace`` (host only) holds the temporaries; allocated when None.
+    ``offsets`` when None (on a GPU that reads the offsets back; the model passes it) --
+    with a ``queue``, after the work queued on it has finished, since that work may be what
+    writes the offsets.  ``workspace`` (host only) holds the temporaries; allocated when None.
     """
     kind = common_kind({"qkv": qkv, "offsets": offsets, "bias": bias, "out": out})
     num_heads = check_int("num_heads", num_heads, min_value=1)
@@ -218,6 +219,12 @@ def attention(qkv, offsets, num_heads: int, head_dim: int, *, bias=None, out=Non
         raise ValueError(f"offsets has shape {tuple(offsets.shape)}; expected [B + 1] with B >= 1 sentences")
     if bias is not None:
         check_array("bias", bias, ndim=1, dtypes=_F32, shape=(3 * K,))
+    if max_len is None and queue is not None:
+        # The offsets are read now, on this thread, but the work queued before this call runs
+        # later (a threaded cpu queue, a GPU stream -- and on a GPU copy_to_host reads on the
+        # default stream, which does not wait for the backend's non-blocking streams): if that
+        # work writes the offsets, reading them first would see stale values.  Let it finish.
+        _resolve_backend(kind, queue, backend).synchronize(queue)
     if max_len is None or kind == HOST or host_view(offsets) is not None:
         # (Where the offsets can be read without a copy -- the host, the simulator -- they are
         # always checked; on a GPU only when max_len is not given, as reading them back syncs.)
