@@ -275,6 +275,56 @@ def test_close_after_destroy_distributed_releases_locally(shm_clean):
     assert pb.closed
 
 
+def test_a_failing_unmap_still_unmaps_the_rest_reaches_the_barriers_and_raises(group, shm_clean, monkeypatch):
+    """close() unmaps every peer even when one unmap fails, still meets the other ranks at both
+    barriers (so none waits for it until a timeout), frees its own memory, and then raises."""
+    pb = dist.PeerBuffers(64, group, CPUBackend())
+    closed, barriers = [], []
+
+    class Mapping:
+        def __init__(self, name, fails):
+            self.name, self.fails = name, fails
+
+        def close(self):
+            closed.append(self.name)
+            if self.fails:
+                raise RuntimeError(f"unmap of {self.name} failed")
+
+    pb._imports = [Mapping("a", True), Mapping("b", False), Mapping("c", True)]
+    real_barrier = dist.peer_buffers.barrier
+    monkeypatch.setattr(dist.peer_buffers, "barrier", lambda g, t: (barriers.append(t), real_barrier(g, t)))
+    with pytest.raises(RuntimeError, match="unmap of a failed"):  # the first error
+        pb.close()
+    assert closed == ["a", "b", "c"] and len(barriers) == 2
+    assert pb.closed and pb._export is None and pb._imports == []
+    pb.close()  # idempotent
+
+
+def test_an_unmap_failing_after_a_failed_open_still_frees_and_is_told(group, shm_clean, monkeypatch):
+    """An open that fails is undone -- unmap, barrier, free -- even when the unmap fails too;
+    the open's error is raised, with a note about the unmap."""
+    class Mapping:
+        def close(self):
+            raise RuntimeError("unmap failed")
+
+    def open_one_then_fail(self, handles, nbytes):
+        self._imports.append(Mapping())
+        raise PeerAccessError("cannot open the next peer")
+
+    released = []
+    real_release = dist.PeerBuffers._release_local
+    monkeypatch.setattr(dist.PeerBuffers, "_open_peers", open_one_then_fail)
+    monkeypatch.setattr(dist.PeerBuffers, "_release_local", lambda self: (released.append(1), real_release(self)))
+    with pytest.raises(PeerAccessError, match="cannot open the next peer") as info:
+        dist.PeerBuffers(64, group, CPUBackend())
+    chain, exc = [], info.value  # (the note is on the agreed error, the cause of the one raised)
+    while exc is not None:
+        chain += getattr(exc, "__notes__", [])
+        exc = exc.__cause__
+    assert any("unmapping the peers' memory afterwards failed too: RuntimeError('unmap failed')" in n for n in chain)
+    assert released, "the rank's own memory must be freed"
+
+
 def test_exception_inside_the_with_block_still_cleans_up(group, shm_clean):
     with pytest.raises(ZeroDivisionError):
         with dist.PeerBuffers(64, group, CPUBackend()) as pb:

@@ -106,9 +106,14 @@ class CudaIpcImport:
     def close(self) -> None:
         """Unmap the peer's buffer (``cuIpcCloseMemHandle``) and drop ``array``; idempotent."""
         if self._ipc is not None:
+            from vtnumba.backend.cuda import current_context
+
             self.array = None  # drop the view before the mapping goes away
             ipc, self._ipc = self._ipc, None
-            ipc.close()  # cuIpcCloseMemHandle
+            # cuIpcCloseMemHandle needs this process's context current on the calling thread,
+            # which a teardown on a thread that never touched the GPU does not have.
+            current_context()
+            ipc.close()
 
 
 __all__ = ["CudaIpcExport", "CudaIpcImport", "IPC_HANDLE_BYTES"]

@@ -195,9 +195,14 @@ class PeerBuffers:
             err = exc
         try:
             agree_errors(err, group, context="PeerBuffers open", exc_type=_OpenFailed, timeout_s=timeout_s)
-        except BaseException:
+        except BaseException as open_error:
             # Undo in the safe order: close peers' memory, wait until every rank did, free mine.
-            self._close_peers()
+            # (An unmap that fails too must not keep this rank from the barrier, nor its memory
+            # from being freed: the open's error is the one raised, and says so.)
+            try:
+                self._close_peers()
+            except Exception as unmap_error:
+                open_error.add_note(f"unmapping the peers' memory afterwards failed too: {unmap_error!r}")
             try:
                 barrier(group, timeout_s)
             finally:
@@ -252,11 +257,19 @@ class PeerBuffers:
         self._peers = peers
 
     def _close_peers(self) -> None:
+        """Unmap every peer's memory; if an unmap fails, the others are still unmapped, and the
+        first error is raised after them."""
         self._peers = []
         self._view_cache = {}
         imports, self._imports = self._imports, []
+        first_error = None
         for imp in imports:
-            imp.close()
+            try:
+                imp.close()
+            except Exception as exc:  # (not BaseException: an interrupt stops the teardown here)
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
 
     def _release_local(self) -> None:
         self._local = None
@@ -376,8 +389,12 @@ class PeerBuffers:
             try:
                 if not getattr(self.group, "freed", False):
                     barrier(self.group, self.timeout_s)  # nobody reads or writes any buffer any more
-                    self._close_peers()
-                    barrier(self.group, self.timeout_s)  # nobody maps my memory any more
+                    try:
+                        self._close_peers()
+                    finally:
+                        # Reached even when an unmap failed: the peers must not wait here for a
+                        # rank that will never come (the error is raised after the barrier).
+                        barrier(self.group, self.timeout_s)  # nobody maps my memory any more
                 # else: destroy_distributed() already ran, so the ranks cannot coordinate any
                 # more; releasing our own mappings is all that is left (the shm names are long
                 # gone, so nothing leaks either way).
