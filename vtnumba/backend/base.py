@@ -393,6 +393,17 @@ class Backend(abc.ABC):
             buf._range()  # unregister now (the finalizer runs at most once)
         self._free(buf)
 
+    def flush_frees(self) -> None:
+        """Hand back now the memory this process has let go of but the device runtime still holds.
+
+        On a GPU :meth:`free` only drops the array: numba queues its ``cuMemFree`` and runs the
+        queue in batches, from whichever later call tips it over -- so the cost of a free lands
+        on some other call.  Call this after :meth:`free` where the code that frees must pay
+        (a benchmark of the stock allocation path).  Inside :meth:`defer_frees` it does
+        nothing: holding the frees back is what that block is for.  A no-op where memory is
+        host memory.
+        """
+
     def alloc_pinned(self, nbytes: int) -> Buffer:
         """Page-locked host memory (0 bytes still returns a valid, freeable block)."""
         self._check_open()

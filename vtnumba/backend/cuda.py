@@ -457,6 +457,11 @@ class CUDABackend(Backend):
         """numba's ``defer_cleanup`` on a real GPU (see :meth:`Backend.defer_frees`)."""
         return contextlib.nullcontext() if self.simulator else _cuda().defer_cleanup()
 
+    def flush_frees(self) -> None:
+        """Run numba's queued frees now, on a real GPU (see :meth:`Backend.flush_frees`)."""
+        if not self.simulator:
+            current_context().deallocations.clear()  # (does nothing inside defer_frees)
+
     def _read_flag_word(self, flags, index: int, timeout_s: float = 10.0) -> int:
         """The word's value now, read past a stuck stream: a copy on the side queue into a
         pinned word, waited for by polling (see :meth:`Backend.read_flag_word`)."""

@@ -7,6 +7,8 @@ Per block size (512 B .. 64 MiB by default) and per case, one "op" is timed:
   is the stock path, ``backend.alloc`` + ``backend.free`` each time (``cudaMalloc``/
   ``cudaFree`` on a GPU, ``np.empty`` on the host); ``allocator miss`` is the allocator
   with ``empty_cache()`` after every free, i.e. its bookkeeping *plus* a backend allocation.
+  On a GPU numba batches its ``cudaFree`` calls and runs them from whichever later call
+  tips the batch over, so both ops end with ``backend.flush_frees()``: each pays its own free.
 * **alloc+fill+free** -- the same, with the block's first write (a ``memset`` of all of it,
   synchronised) inside the op.  Fresh host memory pays page faults on first touch; cached
   memory was touched before.  That, not the call itself, is most of what caching saves on
@@ -64,6 +66,7 @@ def _bench_size(backend, q, n: int, repeat: int, fill: bool) -> dict[str, Stats]
             b = backend.alloc(n)
             touch(b)
             backend.free(b)
+            backend.flush_frees()  # (numba would run the cudaFree later, inside another op)
 
     def miss():
         for _ in range(ops):
@@ -71,6 +74,7 @@ def _bench_size(backend, q, n: int, repeat: int, fill: bool) -> dict[str, Stats]
             touch(b)
             alloc.free(b)
             alloc.empty_cache()
+            backend.flush_frees()
 
     out = {}
     out["uncached (backend.alloc+free)"] = _per_op(measure(uncached, repeat=repeat, warmup=1), ops)
