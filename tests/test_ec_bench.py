@@ -115,3 +115,11 @@ def test_gpu_runs_say_whether_the_region_was_pinned():
     producer, consumer = ec.pin_notes({"producer": {ok}, "consumer": {ok, refused}})
     assert producer.endswith(": pinned (cuMemHostRegister)")
     assert consumer.startswith(f"region memory, consumer mapping: NOT PINNED ({refused})"), consumer
+
+
+def test_link_bandwidths_on_a_cuda_backend(device_backend):
+    """On a GPU the save and load rows are also set against the host link -- large pinned D2H and
+    H2D copies -- not the host's memcpy (in the simulator the copies are tiny: the path only)."""
+    rates = ec.link_bandwidths(device_backend, 1 << 20)
+    assert set(rates) == {"save", "load"} and all(r > 0 for r in rates.values())
+
