@@ -144,6 +144,8 @@ PLUGIN_SCRIPT = textwrap.dedent("""
     assert addr == block.ptr and block.nbytes == 1000
     info = mm.get_memory_info()
     assert info.total == 8 << 20 and info.free == (8 << 20) - 1024, info
+    # As numba's own manager does: pending host frees are batched by the device's memory size.
+    assert mm.deallocations.memory_capacity == 8 << 20
     del p
     gc.collect()                               # numba's finalizer runs: the free is queued
     assert mm.core.allocator.stats()["active_blocks"] == 1

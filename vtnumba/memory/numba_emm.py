@@ -19,8 +19,13 @@ What numba's plugin interface gives, and what it does not (shared notes §6, NBE
   Blocks of a named queue that other queues use still need ``record_stream`` (see
   :func:`record_stream_array`).
 * The plugin must be set **before the first CUDA context** and cannot be switched later.
-* IPC keeps working through numba's ``GetIpcHandleMixin``, because segments come from
-  plain ``cuMemAlloc`` (the handle names the segment; the offset travels with it).
+* IPC works through numba's ``GetIpcHandleMixin``, because segments come from plain
+  ``cuMemAlloc`` (the handle names the segment; the offset travels with it) -- with one
+  limit: a process can open a given handle only once, and blocks carved from one segment
+  share its handle, so two such blocks exported to the same peer cannot both be opened
+  there (``CUDA_ERROR_ALREADY_MAPPED``).  Peer buffers (:class:`vtnumba.dist.PeerBuffers`)
+  of a few hundred KiB are such blocks: with the plugin installed, a second one on the
+  same rank can fail to open, and peer memory then falls back as when it is unavailable.
 * The simulator has no EMM at all; the plugin's logic (:class:`_EMMCore`) is therefore
   written against vtnumba's Backend and unit-tested with the cpu backend.
 """
@@ -179,6 +184,11 @@ def numba_memory_manager_class():
         def _get_core(self) -> _EMMCore:
             if self._core is None:
                 self._core = _make_core()
+                # What numba's own manager does in initialize: size the queue of pending host
+                # frees (pinned buffers) by the device's memory.  Left unset, its byte threshold
+                # is 0 and every pinned free runs at once, from whatever call dropped the array.
+                if self.deallocations.memory_capacity == drv._SizeNotSet:
+                    self.deallocations.memory_capacity = self._core.memory_info()[1]
             return self._core
 
         def memalloc(self, size):
