@@ -427,13 +427,34 @@ def test_a_driver_without_the_bound_batch_function_falls_back_to_one_copy_per_de
                         (cu.CUresult.CUDA_SUCCESS,))
     monkeypatch.setattr(copy_engine, "_cuda_context", lambda: None)
     monkeypatch.setattr(copy_engine, "_cuda_batch_ok", True)  # as if the version check had passed
+    stream = 0x7F00  # a queue's stream (not the legacy NULL stream, which the batch API refuses)
     with pytest.warns(RuntimeWarning, match="cuMemcpyBatchAsync is not usable with this driver"):
-        copy_engine._cuda_batched_copy(0, ([0x1000, 0x2000], [0x3000, 0x4000], [64, 32]), "stream")
+        copy_engine._cuda_batched_copy(stream, ([0x1000, 0x2000], [0x3000, 0x4000], [64, 32]), "stream")
     assert copies == [(0x3000, 0x1000, 64), (0x4000, 0x2000, 32)]
     assert copy_engine._cuda_batch_ok is False
     copies.clear()
-    copy_engine._cuda_batched_copy(0, ([0x1000, 0x2000], [0x3000, 0x4000], [64, 32]), "stream")  # no warning now
+    copy_engine._cuda_batched_copy(stream, ([0x1000, 0x2000], [0x3000, 0x4000], [64, 32]), "stream")  # no warning
     assert copies == [(0x3000, 0x1000, 64), (0x4000, 0x2000, 32)]
+
+
+def test_a_batch_on_the_legacy_null_stream_is_copied_one_by_one(monkeypatch, recwarn):
+    # cuMemcpyBatchAsync refuses stream 0 (the legacy default stream): a queue there -- the numba
+    # memory-manager plugin's default pool -- must not try it at all, nor turn it off for others.
+    pytest.importorskip("cuda.bindings")
+    from cuda.bindings import driver as cu
+
+    from vtnumba.memory import copy_engine
+
+    batches, copies = [], []
+    monkeypatch.setattr(cu, "cuMemcpyBatchAsync",
+                        lambda *a: batches.append(a) or (cu.CUresult.CUDA_ERROR_INVALID_VALUE,))
+    monkeypatch.setattr(cu, "cuMemcpyAsync", lambda d, s, n, h: copies.append((int(d), int(s), n, int(h))) or
+                        (cu.CUresult.CUDA_SUCCESS,))
+    monkeypatch.setattr(copy_engine, "_cuda_context", lambda: None)
+    monkeypatch.setattr(copy_engine, "_cuda_batch_ok", True)
+    copy_engine._cuda_batched_copy(0, ([0x1000, 0x2000], [0x3000, 0x4000], [64, 32]), "stream")
+    assert batches == [] and copies == [(0x3000, 0x1000, 64, 0), (0x4000, 0x2000, 32, 0)]
+    assert copy_engine._cuda_batch_ok is True and not recwarn.list
 
 
 def test_runs_inline_only_where_a_queue_would_copy_on_the_spot_unwatched(device_backend):

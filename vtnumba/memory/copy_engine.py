@@ -429,7 +429,9 @@ def _cuda_batched_copy(stream, lists, src_access_order: str) -> None:
         return
     _cuda_context()  # the driver calls below need one current on this thread
     h = _stream_handle(stream)
-    if n > 1 and cuda_batch_api_available():
+    # (The batch API refuses the legacy NULL stream -- a queue on stream 0, such as the numba
+    # memory-manager plugin's default pool, would fail the call every time: it copies one by one.)
+    if n > 1 and int(h) != 0 and cuda_batch_api_available():
         try:
             res = cu.cuMemcpyBatchAsync([cu.CUdeviceptr(p) for p in dst], [cu.CUdeviceptr(p) for p in src],
                                         list(sizes), n, _batch_attrs(cu, src_access_order), [0], 1, h)
