@@ -280,7 +280,8 @@ backend.destroy_queue(q)
 #
 # ``bash scripts/gpu_check.sh`` does the whole check on a GPU machine in one call: it
 # makes a virtual environment from the machine's Python, installs the wheels that
-# ``bash scripts/gpu_wheels.sh`` downloaded into ``.whl/`` (for machines without network),
+# ``bash scripts/gpu_wheels.sh`` downloaded into ``.whl/`` (for machines without network;
+# ``.whl/`` is git-ignored, so whatever copies the tree there must take it along),
 # prints ``vtnumba info``, runs the quick benchmarks at the sizes of the project's GPU aims
 # (and judges each aim in its summary), the TPSP model, the MPI tests with two ranks
 # sharing the one GPU (CUDA IPC between two processes), and every test file on the
