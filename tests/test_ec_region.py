@@ -54,6 +54,28 @@ def test_create_layout_mode_and_cleanup(engine):
     region.cleanup()  # twice is harmless
 
 
+def test_a_region_dropped_without_cleanup_leaves_no_live_range(engine):
+    """The copy engine accepts addresses of live memory only: once a region nobody cleaned up is
+    unmapped (its last reference gone), its blocks must stop counting as live -- while a view of
+    them is still held, they still are."""
+    import gc
+
+    from vtnumba.memory.copy_engine import is_live
+
+    region = create_ec_shared_region(engine_id=engine, hidden_size=8, dtype="float32", region_bytes=4096,
+                                     create=True, anonymous=True)
+    ptr, nbytes = region.base_ptr, region.total_bytes
+    view = region.blocks[1:3]
+    assert is_live(ptr, nbytes)
+    del region
+    gc.collect()
+    assert is_live(ptr, nbytes), "a view still maps the blocks"
+    view[:] = 7  # (still mapped: writable)
+    del view
+    gc.collect()
+    assert not is_live(ptr, nbytes), "the unmapped blocks are still registered as live memory"
+
+
 def test_opener_sees_creator_writes_and_only_creator_unlinks(engine, rng):
     with create_ec_shared_region(engine_id=engine, hidden_size=8, dtype="float32", region_bytes=4096,
                                  create=True) as creator:

@@ -267,7 +267,7 @@ class ECSharedRegion:
         self._base: np.ndarray | None = None
         self.blocks: np.ndarray | None = None  #: the ``int8`` view ``[num_blocks, block_size_bytes]``
         self._base_ptr = 0
-        self._range: int | None = None
+        self._range: weakref.finalize | None = None  # the blocks' live-range registration
         self.label = self.path or f"anonymous region vtnumba_ec_{config.engine_id}"
         try:
             if config.create:
@@ -440,8 +440,12 @@ class ECSharedRegion:
         # The address is asked for on every transfer; reading it through numpy's ctypes
         # helper costs a microsecond or so each time, and it never changes while mapped.
         self._base_ptr = int(self.blocks.ctypes.data)
-        # The blocks are live memory for batched copies (which check every address they touch).
-        self._range = register(self.blocks.ctypes.data, self.blocks.nbytes, f"encoder-cache {self.label}")
+        # The blocks are live memory for batched copies (which check every address they touch)
+        # -- for as long as the mapping exists: a region dropped without cleanup() is unmapped
+        # when the last view of it goes, and its range must go with it, or the copy engine
+        # would pass an address that no longer maps to anything.
+        token = register(self.blocks.ctypes.data, self.blocks.nbytes, f"encoder-cache {self.label}")
+        self._range = weakref.finalize(self._mmap, unregister, token)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -560,7 +564,7 @@ class ECSharedRegion:
                 except Exception as exc:  # noqa: BLE001 - re-raised below, after the teardown
                     failure = failure or exc
         if self._range is not None:
-            unregister(self._range)
+            self._range()  # (unregisters now; a finalizer called by hand is detached)
             self._range = None
         if self._unpin is not None:
             self._unpin()  # (runs once: a finalizer called by hand is detached)
