@@ -529,7 +529,7 @@ for f in "${TEST_FILES[@]}"; do
     rerun_alone+=("$name")
   fi
 done
-passed=0 failed=0 errors=0 skipped=0 bad_files=() bad_paths=() not_run=() cuda_error_file=""
+passed=0 failed=0 errors=0 skipped=0 bad_files=() bad_paths=() not_run=() cut_off=() cuda_error_file=""
 {
   echo "serial tests, VTNUMBA_TARGET=$VTNUMBA_TARGET, one pytest process per file ($JOBS at once)"
   echo
@@ -553,6 +553,8 @@ for f in "${TEST_FILES[@]}"; do
   errors=$((errors + $(count 'errors?' "$line"))); skipped=$((skipped + $(count skipped "$line")))
   if [ "$rc" = skip ]; then
     not_run+=("$name")
+  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # stopped by timeout at the stage's end: unfinished, not failed
+    cut_off+=("$name")
   elif [ "$rc" != 0 ] && [ "$rc" != 5 ]; then  # 5: the file collected no test
     bad_files+=("$name")
     bad_paths+=("$f")
@@ -561,10 +563,11 @@ for f in "${TEST_FILES[@]}"; do
     fi
   fi
 done
-[ ${#bad_files[@]} -eq 0 ] && [ ${#not_run[@]} -eq 0 ] && st=ok || st=FAILED
+[ ${#bad_files[@]} -eq 0 ] && [ ${#not_run[@]} -eq 0 ] && [ ${#cut_off[@]} -eq 0 ] && st=ok || st=FAILED
 detail="$passed passed, $failed failed, $errors errors, $skipped skipped"
 [ ${#bad_files[@]} -gt 0 ] && detail+="; failing files: ${bad_files[*]}"
 [ ${#not_run[@]} -gt 0 ] && detail+="; not run (time): ${not_run[*]}"
+[ ${#cut_off[@]} -gt 0 ] && detail+="; cut off at the stage's time limit: ${cut_off[*]}"
 [ ${#rerun_alone[@]} -gt 0 ] && detail+="; run again alone (they watch /dev/shm): ${rerun_alone[*]}"
 note "serial tests (${#TEST_FILES[@]} files)" "$st" $((SECONDS - t0)) "$detail"
 
