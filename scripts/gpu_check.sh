@@ -98,6 +98,14 @@ note() {
   LINES+=("$(printf '%-28s %-8s %5s s  %s' "$1" "$2" "$3" "$4")")
   [ "$2" = FAILED ] && FAILED=1
   echo ">> $1: $2 ($3 s) $4"
+  RUNNING=""
+  write_summary
+}
+# running STAGE LIMIT: the summary says what runs now, until its note -- so a run killed from
+# outside (past the budget) still says where it was
+RUNNING=""
+running() {
+  RUNNING="running when this was written: $1 (from $((SECONDS - START)) s, for at most $2 s)"
   write_summary
 }
 # limit WANT: WANT seconds, or less if the budget is nearly spent (0 = no time left)
@@ -122,6 +130,7 @@ write_summary() {
   [ -d "$RESULTS" ] || return 0
   {
     printf '%s\n' "${LINES[@]+"${LINES[@]}"}"
+    [ -n "${RUNNING:-}" ] && echo "$RUNNING"
     [ -s "$WORK/aims.txt" ] && { echo; cat "$WORK/aims.txt"; }
     [ -s "$WORK/figures.txt" ] && { echo; cat "$WORK/figures.txt"; }
     echo
@@ -325,9 +334,10 @@ bench() {  # bench NAME WANT_S CMD...: one benchmark, appended to 4-benchmarks.l
   if [ "$lim" -eq 0 ]; then note "$name" FAILED 0 "not run: time budget spent"; return 1; fi
   t=$SECONDS
   echo "==================================================================== $name: $*" >> "$BENCH_LOG"
-  timeout -k 10 "$lim" "$@" > "$WORK/bench.out" 2>&1
-  rc=$?
-  cat "$WORK/bench.out" >> "$BENCH_LOG"
+  running "$name" "$lim"
+  # Into the results as it comes (tee), so that a run stopped from outside keeps what it printed.
+  timeout -k 10 "$lim" "$@" 2>&1 | tee -a "$BENCH_LOG" > "$WORK/bench.out"
+  rc=${PIPESTATUS[0]}
   echo "---- exit $rc in $((SECONDS - t)) s" >> "$BENCH_LOG"
   BENCH_SECS=$((SECONDS - t))
   return $rc
@@ -459,6 +469,7 @@ lim=$(limit 120)
 if [ "$lim" -eq 0 ]; then
   note "MPI tests (2 ranks)" skipped 0 "time budget spent"
 else
+  running "MPI tests (2 ranks)" "$lim"
   # Each rank writes its own log: two ranks' output interleaved on one stream is unreadable.
   timeout -k 10 "$lim" mpiexec -n 2 bash -c \
     'exec "$0" -m mpi4py -m pytest -p no:cacheprovider -q -rfEs --timeout=120 --timeout-method=thread \
@@ -490,6 +501,7 @@ else
   TEST_FILES=(tests/test_*.py)
 fi
 stage_end=$(( SECONDS + $(limit 150) ))
+running "serial tests" $(( stage_end - SECONDS ))
 mkdir -p "$WORK/serial"
 run_file() {  # run_file FILE: one pytest process; writes $WORK/serial/NAME.{log,rc}
   local f=$1 name left t
