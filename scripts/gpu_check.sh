@@ -597,6 +597,7 @@ if [ -n "$sanitize_file" ]; then
   elif [ "$lim" -eq 0 ]; then
     note "sanitizer" skipped 0 "time budget spent ($sanitize_file)"
   else
+    running "sanitizer" "$lim"
     timeout -k 10 "$lim" compute-sanitizer --tool memcheck --print-limit 20 \
       "$PY" -m pytest -p no:cacheprovider -q -rfE --timeout="$lim" --timeout-method=thread "$sanitize_file" \
       > "$RESULTS/6-sanitizer.log" 2>&1
@@ -622,6 +623,7 @@ elif [ "$lim" -eq 0 ]; then
   note "ptxas resources" skipped 0 "time budget spent"
 else
   echo "==================================================================== ptxas resources (sm_90)" >> "$BENCH_LOG"
+  running "ptxas resources" "$lim"
   timeout -k 10 "$lim" "$PY" -m vtnumba.kernels.ptx --cc 90 --ptxas >> "$BENCH_LOG" 2>&1
   rc=$?
   [ $rc -eq 0 ] && st=ok || st=FAILED
