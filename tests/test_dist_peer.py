@@ -231,7 +231,7 @@ def test_peer_buffers_bad_sizes(group, bad, exc, match, shm_clean):
 
 
 def test_peer_buffers_bad_arguments(group):
-    with pytest.raises(TypeError, match="group must be a live ProcessGroup"):
+    with pytest.raises(TypeError, match="group must be a vtnumba ProcessGroup"):
         dist.PeerBuffers(64, "tp")
     with pytest.raises(TypeError, match="backend must be a vtnumba Backend"):
         dist.PeerBuffers(64, group, backend="cpu")

@@ -19,6 +19,7 @@ from vtnumba.tpsp import (
     CudaTPSPBackend,
     HostTPSPBackend,
     TPSPConfig,
+    TPSPOp,
     regular_matmul_ar_norm,
     regular_matmul_rs_norm_ag,
     shard_residual,
@@ -190,6 +191,16 @@ def test_the_regular_forwards_refuse_calls_the_ranks_disagree_on(group):
             regular_matmul_rs_norm_ag(group, f(T, 4), w, b, f(2, H), nw, 1e-5)
     with pytest.raises(ValueError, match="called it with different shapes"):
         regular_matmul_ar_norm(group, f(4 + me, 4), w, b, f(4 + me, H), nw, 1e-5, norm="rms" if me else "layer")
+    # Not an array at all (x=None on rank 1, through the op a model calls): a TypeError there,
+    # and the others hear of it at once (left waiting, they would raise WaitTimeout instead).
+    op = TPSPOp(None, "bad-input", group=group, timeout_s=20)
+    x = None if me == 1 else f(T, 4)
+    if me == 1:
+        with pytest.raises(TypeError, match="x must be an array, got NoneType"):
+            op(x, w, b, f(2, H), nw, 1e-5)
+    else:
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of group .* refused their arguments"):
+            op(x, w, b, f(2, H), nw, 1e-5)
 
     def ok():
         got, _ = regular_matmul_rs_norm_ag(group, f(T, 4), w, b, f(2, H), nw, 1e-5)

@@ -70,9 +70,8 @@ from mpi4py import MPI
 from vtnumba import trace
 from vtnumba.backend.arrays import (DEVICE, HOST, array_kind, cdiv, check_seconds, host_view, is_c_contiguous, is_int,
                                     to_host)
-from vtnumba.dist.comm import DEFAULT, wait_request
-from vtnumba.dist.groups import ProcessGroup
 from vtnumba.backend.polling import WaitTimeout
+from vtnumba.dist.comm import DEFAULT, check_group, wait_request
 from vtnumba.dist.peer_buffers import PeerBuffers
 from vtnumba.dist.queue_flags import QueueFlags, QueueFlagsError
 from vtnumba.dist.signals import PeerSignals
@@ -523,12 +522,6 @@ def _back_to(dst, host: np.ndarray) -> None:
     dst.copy_to_device(host)
 
 
-def _check_group(group) -> None:
-    if not isinstance(group, ProcessGroup):
-        raise TypeError(f"group must be a vtnumba ProcessGroup (init_distributed(), new_group()), "
-                        f"got {type(group).__name__}")
-
-
 def _run_mpi(group, what: str, blocking, nonblocking, timeout_s) -> None:
     with trace.span(what, "mpi", f"mpi:{group.name}"):
         if timeout_s is None:
@@ -543,7 +536,7 @@ def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT):
     ``timeout_s=None`` makes the plain blocking call (the stock baseline the benchmark
     times); a number uses the non-blocking call and raises RuntimeError after it.
     """
-    _check_group(group)
+    check_group(group)
     T, H = _check_2d("x", x)
     tp = group.size
     R = cdiv(T, tp)
@@ -571,7 +564,7 @@ def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT):
 
 def mpi_all_gather(x_shard, out, group, *, timeout_s: float | None = DEFAULT):
     """Same contract as :func:`all_gather`, with ``MPI_Allgather`` on ``group.comm``."""
-    _check_group(group)
+    check_group(group)
     R, H = _check_2d("x_shard", x_shard)
     T, oH = _check_2d("out", out)
     tp = group.size

@@ -90,7 +90,7 @@ def wait_request(req: MPI.Request, group, what: str, timeout_s: float = DEFAULT)
 
 def barrier(group, timeout_s: float = DEFAULT) -> None:
     """A barrier over ``group`` that raises RuntimeError (naming group and rank) after ``timeout_s``."""
-    _check_group(group)
+    check_group(group)
     with trace.span("barrier", "mpi", f"mpi:{group.name}"):
         wait_request(group.cpu_comm.Ibarrier(), group, "barrier", timeout_s)
 
@@ -100,7 +100,7 @@ def all_ranks_ready(ok: bool, group, timeout_s: float = DEFAULT) -> bool:
 
     The agreement of vLLM's ``CudaTPSPBackend.open()``: an all-reduce with MIN of 0/1.  Every rank must call it.
     """
-    _check_group(group)
+    check_group(group)
     send = np.array([1 if ok else 0], dtype=np.int32)
     recv = np.zeros(1, dtype=np.int32)
     with trace.span("all_ranks_ready", "mpi", f"mpi:{group.name}", ok=bool(ok)):
@@ -116,7 +116,7 @@ def allreduce_max(value: float, group, what: str, timeout_s: float = DEFAULT) ->
     board cannot reach it; this one is a non-blocking all-reduce polled by :func:`wait_request`
     (``what`` names it in the timeout's message).
     """
-    _check_group(group)
+    check_group(group)
     # NaN reaches every rank as NaN: MPI's MAX compares, and every comparison with NaN is
     # false, so a NaN on one rank would be dropped there and kept elsewhere -- ranks that
     # agree on nothing.  It travels as a flag of its own.
@@ -133,7 +133,7 @@ def allgather_bytes(data: bytes, group, timeout_s: float = DEFAULT) -> list[byte
     Raw bytes, never pickles: what travels is exactly what the caller packed (a shm name, a
     64-byte CUDA IPC handle), which keeps the wire format explicit and version-proof.
     """
-    _check_group(group)
+    check_group(group)
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
     payload = np.frombuffer(bytes(data), dtype=np.uint8)
@@ -183,12 +183,17 @@ def agree_errors(error: BaseException | str | None, group, *, context: str = "",
     raise exc_type(f"{prefix}failed on {len(failures)} of {group.size} ranks of group {group.name!r} -- {parts}")
 
 
-def _check_group(group) -> None:
+def check_group(group) -> None:
+    """TypeError unless ``group`` is a :class:`~vtnumba.dist.ProcessGroup`; RuntimeError once it
+    was freed.  (Duck-typed on ``cpu_comm``: :mod:`vtnumba.dist.groups` imports this module.)
+    Every collective calls it first, so a wrong ``group`` is named here instead of failing
+    inside mpi4py with an "invalid communicator"."""
     if getattr(group, "cpu_comm", None) is None:
-        raise TypeError(f"group must be a live ProcessGroup, got {group!r}")
+        raise TypeError(f"group must be a vtnumba ProcessGroup (init_distributed(), new_group()), "
+                        f"got {type(group).__name__}")
     if getattr(group, "freed", False):
         raise RuntimeError(f"group {group.name!r} was freed (destroy_distributed() ran); call init_distributed() "
                            "again and use the group it returns")
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT", "set_default_timeout", "default_timeout", "resolve_timeout", "wait_request", "barrier", "all_ranks_ready", "allgather_bytes", "agree_errors"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT", "set_default_timeout", "default_timeout", "resolve_timeout", "wait_request", "barrier", "all_ranks_ready", "allgather_bytes", "agree_errors", "check_group"]

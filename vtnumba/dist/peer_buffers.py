@@ -39,7 +39,7 @@ import numpy as np
 
 from vtnumba.backend.arrays import address_of, check_shape, is_int
 from vtnumba.backend.base import Backend, check_nbytes
-from vtnumba.dist.comm import DEFAULT, agree_errors, allgather_bytes, barrier, resolve_timeout
+from vtnumba.dist.comm import DEFAULT, agree_errors, allgather_bytes, barrier, check_group, resolve_timeout
 from vtnumba.dist.shm import ShmSegment
 
 
@@ -92,8 +92,7 @@ class PeerBuffers:
     def __init__(self, nbytes: int, group, backend: Backend | None = None, *,
                  timeout_s: float = DEFAULT, _fail_on_rank: int | None = None,
                  _fail_stage: str = "open"):
-        if getattr(group, "cpu_comm", None) is None or getattr(group, "freed", False):
-            raise TypeError(f"group must be a live ProcessGroup, got {group!r}")
+        check_group(group)
         if backend is None:
             from vtnumba.backend.default import default_backend
 

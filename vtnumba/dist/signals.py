@@ -45,7 +45,7 @@ import numpy as np
 from vtnumba.backend.arrays import check_seconds, is_int
 from vtnumba.backend.atomics import load_acquire, store_release
 from vtnumba.backend.polling import WaitTimeout, poll_until
-from vtnumba.dist.comm import DEFAULT, agree_errors, allgather_bytes, resolve_timeout
+from vtnumba.dist.comm import DEFAULT, agree_errors, allgather_bytes, check_group, resolve_timeout
 
 DEFAULT_NAMES = ("inbox_ready", "gather_ready", "consumed")
 META_SLOTS = 8
@@ -82,8 +82,7 @@ class PeerSignals:
     def __init__(self, group, names=DEFAULT_NAMES, backend=None, *, timeout_s: float = DEFAULT):
         from vtnumba.dist.peer_buffers import PeerBuffers
 
-        if getattr(group, "cpu_comm", None) is None:
-            raise TypeError(f"group must be a live ProcessGroup, got {group!r}")
+        check_group(group)
         names_t, err = flag_names_error(names)
         agree_errors(err, group, context="PeerSignals", timeout_s=timeout_s)
         mine = "\x00".join(names_t).encode()
@@ -266,6 +265,8 @@ class PeerSignals:
     def set_meta(self, values, bank: int = 0) -> None:
         """Publish up to 8 ints in this rank's own area (visible to a peer after it sees a later flag)."""
         self._check_open()
+        if isinstance(values, (str, bytes)) or not all(is_int(v) for v in values):
+            raise TypeError(f"values={values!r} must be a sequence of at most {META_SLOTS} ints")
         values = [int(v) for v in values]
         if len(values) > META_SLOTS:
             raise ValueError(f"set_meta takes at most {META_SLOTS} values, got {len(values)}")

@@ -22,6 +22,14 @@ from vtnumba.tpsp.norm_type import get_tpsp_norm_type
 from vtnumba.tpsp.regular import regular_matmul_rs_norm_ag
 
 
+def _tokens(x) -> int | None:
+    """``T``, the number of rows of ``x``; None when ``x`` has no rows to count (None, a list, a scalar)."""
+    shape = getattr(x, "shape", None)
+    if not isinstance(shape, tuple) or not shape:
+        return None
+    return int(shape[0])
+
+
 class TPSPOp:
     """``op(x, w, bias, residual, norm_weight, eps, norm_bias=None, *, out=None, new_residual=None)``."""
 
@@ -48,8 +56,11 @@ class TPSPOp:
         return self.context is not None and self.context.profile.is_active(num_tokens)
 
     def __call__(self, x, w, bias, residual, norm_weight, eps, norm_bias=None, *, out=None, new_residual=None):
-        T = int(x.shape[0])
-        fused = self.uses_tpsp(T)
+        T = _tokens(x)
+        # Something that is not an array takes the regular path, whose argument check names it
+        # (TypeError) and -- unlike an error raised here -- tells the other ranks, which are
+        # already waiting in that path's first collective.
+        fused = T is not None and self.uses_tpsp(T)
         try:
             if fused:
                 self.fused_calls += 1

@@ -42,7 +42,7 @@ from mpi4py import MPI
 from vtnumba import trace
 from vtnumba.backend.arrays import array_kind, check_eps, empty, host_view
 from vtnumba.dist import mpi_all_gather, mpi_reduce_scatter
-from vtnumba.dist.comm import DEFAULT, wait_request
+from vtnumba.dist.comm import DEFAULT, check_group, wait_request
 from vtnumba.kernels import fused_add_layer_norm, fused_add_rms_norm, linear
 from vtnumba.tpsp.norm_type import LAYER, get_tpsp_norm_type
 from vtnumba.tpsp.pipeline import check_call, check_tpsp_array
@@ -71,7 +71,7 @@ def _agree_on_call(group, what: str, check, timeout_s, agree: bool):
     shape = (0, 0, "rms")
     try:
         result, shape = check()
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # any failure, not only a refused argument: the peers must hear of it, or they hang
         error = exc
     if agree and group is not None and group.size > 1:
         mine = np.array([int(error is not None), shape[0], shape[1], _NORM_CODES.get(shape[2], -1)], np.int64)
@@ -104,6 +104,8 @@ def regular_matmul_rs_norm_ag(group, x, w, bias, residual, norm_weight, eps, nor
     with the same ``T`` and ``H``.  ``out``/``new_residual`` are filled when given (else
     allocated); ``new_residual`` may be ``residual`` itself.
     """
+    check_group(group)  # (no group, no peers to tell: raised here, on this rank alone)
+
     def check():
         shape, checked_eps = check_call(x, w, bias, residual, norm_weight, eps, norm_bias, norm, group.size,
                                         out=out, new_residual=new_residual)
@@ -147,6 +149,9 @@ def regular_matmul_ar_norm(group, x, w, bias, residual, norm_weight, eps, norm_b
     ``residual`` is the *full* ``[T, H]`` residual, replicated on every rank.  The partial
     ``x @ W.T`` is all-reduced, then every rank adds bias + residual and normalises all rows.
     """
+    if group is not None:
+        check_group(group)
+
     def check():
         kind = get_tpsp_norm_type(norm)
         check_tpsp_array("x", x, (None, None))
