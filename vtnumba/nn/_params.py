@@ -27,6 +27,23 @@ def _upload(host: np.ndarray):
     return default_backend(default_cuda_device()).asarray(np.ascontiguousarray(host, dtype=np.float32))
 
 
+def check_input(layer, name: str, x, features: int, meaning: str, dtypes=(np.float32,)) -> None:
+    """``x`` must be a 2-D ``[tokens, features]`` array of one of ``dtypes`` for ``layer``.
+
+    Checked by the module before its kernel sees it, so that a wrong input is named as the
+    caller named it (``x``), with the size this module was built for -- not by the kernel's
+    own argument names (``y``, ``a``), nor as a mismatch of the module's weight, which the
+    caller never passed.
+    """
+    from vtnumba.backend.arrays import array_kind, check_array
+
+    array_kind(name, x)  # a list, None: TypeError naming it
+    shape = tuple(x.shape)
+    if len(shape) != 2 or shape[1] != features:
+        raise ValueError(f"{name} has shape {shape}; {layer!r} takes [tokens, {meaning}] = [?, {features}]")
+    check_array(name, x, ndim=2, dtypes=dtypes)
+
+
 class Params:
     """Mixin: ``self.param(name, like)`` is parameter ``name`` in the same memory as ``like``."""
 
@@ -49,4 +66,4 @@ class Params:
         return cache[name]
 
 
-__all__ = ["Params", "is_host"]
+__all__ = ["Params", "is_host", "check_input"]

@@ -24,8 +24,11 @@ from __future__ import annotations
 import numpy as np
 
 from vtnumba.backend.arrays import check_int, is_int
+from vtnumba.dist.comm import check_group
 from vtnumba.kernels import add_bias, linear
-from vtnumba.nn._params import Params
+from vtnumba.nn._params import Params, check_input
+
+_IN_DTYPES = (np.float32, np.float16)  # what the matmul kernels take (they accumulate in float32)
 
 
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -53,12 +56,22 @@ def _tp(tp_size, tp_rank) -> tuple[int, int]:
     return tp_size, check_int("tp_rank", tp_rank, min_value=0, max_value=tp_size - 1)
 
 
+def _float32_array(name: str, value) -> np.ndarray:
+    """``value`` (an array, nested lists) as float32; TypeError naming ``name`` if it holds no numbers."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name}={value!r} must be an array of numbers")
+    try:
+        return np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be an array of numbers ({exc})") from None
+
+
 def _full_weight(weight, out_features: int, in_features: int, seed: int) -> np.ndarray:
     if weight is None:
         rng = np.random.default_rng(seed)
         return (rng.standard_normal((out_features, in_features), dtype=np.float32)
                 / np.float32(np.sqrt(in_features)))
-    w = np.asarray(weight, dtype=np.float32)
+    w = _float32_array("weight", weight)
     if w.shape != (out_features, in_features):
         raise ValueError(f"weight has shape {w.shape}; expected (out_features, in_features) = "
                          f"({out_features}, {in_features})")
@@ -66,13 +79,13 @@ def _full_weight(weight, out_features: int, in_features: int, seed: int) -> np.n
 
 
 def _full_bias(bias, out_features: int, seed: int) -> np.ndarray | None:
-    if bias is False or bias is None:
-        return None
-    if bias is True:
+    if bias is None or isinstance(bias, (bool, np.bool_)):
+        if not bias:
+            return None
         return np.random.default_rng(seed + 1).standard_normal(out_features, dtype=np.float32) * np.float32(0.1)
-    if isinstance(bias, (int, float, np.number)):  # (a bool was handled above)
+    if isinstance(bias, (int, float, np.number, str, bytes)):
         raise TypeError(f"bias={bias!r} must be True, False, None or an array of out_features={out_features} values")
-    b = np.asarray(bias, dtype=np.float32)
+    b = _float32_array("bias", bias)
     if b.shape != (out_features,):
         raise ValueError(f"bias has shape {b.shape}; expected (out_features,) = ({out_features},)")
     return b
@@ -89,7 +102,8 @@ def check_layer_group(layer, group) -> None:
     """ValueError unless ``group`` is the tensor-parallel group ``layer`` was built for: a layer
     holding the shard of rank r of tp, summed over a group of another size (or at another
     rank), gives a wrong answer without any error -- e.g. tp_size=1 (the full weight) on 3
-    ranks triples it."""
+    ranks triples it.  (TypeError when ``group`` is not a ProcessGroup at all.)"""
+    check_group(group)
     if group.size != layer.tp_size or group.rank != layer.tp_rank:
         raise ValueError(f"{type(layer).__name__} was built for rank {layer.tp_rank} of tp_size={layer.tp_size} "
                          f"but is run on rank {group.rank} of group {group.name!r} with {group.size} ranks; build "
@@ -128,6 +142,7 @@ class ColumnParallelLinear(Params):
         elementwise pass (BERT: bias + GELU, or the QKV bias inside attention); the bias
         in the input's memory is ``self.param("bias", x)``.
         """
+        check_input(self, "x", x, self.in_features, "in_features", _IN_DTYPES)
         return linear(x, self.param("weight", x), self.param("bias", x) if add_bias else None, out=out)
 
     def __repr__(self) -> str:
@@ -160,6 +175,8 @@ class RowParallelLinear(Params):
 
     def partial(self, x_local, out=None):
         """This rank's partial sum ``x_local @ W_local.T`` (no bias, no communication)."""
+        check_input(self, "x_local", x_local, self.input_size_per_partition, "input_size_per_partition",
+                    _IN_DTYPES)
         return linear(x_local, self.param("weight", x_local), None, out=out)
 
     def __call__(self, x_local, group=None):

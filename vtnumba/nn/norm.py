@@ -16,7 +16,7 @@ import numpy as np
 
 from vtnumba.backend.arrays import check_eps, check_int
 from vtnumba.kernels import fused_add_layer_norm, fused_add_rms_norm
-from vtnumba.nn._params import Params
+from vtnumba.nn._params import Params, check_input
 
 
 def _vector(value, hidden: int, default: float, name: str, seed: int | None) -> np.ndarray:
@@ -44,6 +44,7 @@ class RMSNorm(Params):
         self.bias = None  # RMSNorm has no bias (TPSP refuses a norm bias with RMSNorm)
 
     def __call__(self, x, residual=None, *, out=None, new_residual=None):
+        check_input(self, "x", x, self.hidden_size, "hidden_size")
         out_, new_res = fused_add_rms_norm(x, residual, self.param("weight", x), self.eps, out=out,
                                            new_residual=new_residual)
         return out_ if residual is None else (out_, new_res)
@@ -65,6 +66,7 @@ class LayerNorm(Params):
         self.bias = _vector(bias, self.hidden_size, 0.0, "bias", None if seed is None else seed + 1)
 
     def __call__(self, x, residual=None, *, out=None, new_residual=None):
+        check_input(self, "x", x, self.hidden_size, "hidden_size")
         out_, new_res = fused_add_layer_norm(x, residual, self.param("weight", x), self.param("bias", x), self.eps,
                                              out=out, new_residual=new_residual)
         return out_ if residual is None else (out_, new_res)
