@@ -890,6 +890,28 @@ def test_bad_input(backend, env_factory, rng):
         ECWorker("region", backend=backend)
     with pytest.raises(ValueError, match="max_inflight=-1"):
         env.worker.wait(-1)
+    # The wrong containers: named before anything is touched (the region's blocks unchanged).
+    meta = ECConnectorMetadata(saves={"h": [0]}, loads={"h": (0, [0])})
+    with pytest.raises(TypeError, match="connector_metadata must be the ECConnectorMetadata"):
+        env.worker.save_caches(out, "h", None)
+    with pytest.raises(TypeError, match="encoder_cache must be a dict of mm_hash -> encoder output, got list"):
+        env.worker.save_caches([out["h"]], "h", meta)
+    with pytest.raises(TypeError, match="connector_metadata must be the ECConnectorMetadata"):
+        env.worker.start_load_caches({}, {"h": (0, [0])})
+    with pytest.raises(TypeError, match="encoder_cache must be a dict of mm_hash -> encoder output, got list"):
+        env.worker.start_load_caches([], meta)
+    assert env.worker.inflight() == (0, 0) and (env.region.blocks == SENTINEL).all()
+    workers_before = len(env.region._workers)
+    with pytest.raises(TypeError, match="allocator must be 'auto', None or a CachingAllocator; object has no "
+                                        "allocate, free, record_stream, process_events"):
+        ECWorker(env.region, backend=backend, allocator=object())
+    with pytest.raises(TypeError, match="dtype='foo' is not a numpy dtype"):
+        ECWorker(env.region, backend=backend, dtype="foo")
+    assert len(env.region._workers) == workers_before  # a refused worker was never registered
+    with pytest.raises(TypeError, match="backend must be a vtnumba Backend or None, got str"):
+        env.region.pin_memory("cpu")
+    with pytest.raises(TypeError, match="cache must be an EmbeddingCache or None, got str"):
+        ECScheduler("producer", 8, cache="c")
 
 
 GPU_VIEW_TRACKING = r'''

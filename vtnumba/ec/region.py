@@ -23,10 +23,10 @@ Two ways to share the memory
   of the same user can open by engine id -- the way to go when producer and consumer are
   not MPI peers and only agree on a name.  The price: between the creator's ``open`` and
   its :meth:`~ECSharedRegion.unlink` a name exists, and a creator that dies in that window
-  must not leave it behind: an ``atexit`` hook unlinks it after an *exception*, and the
-  standard library's resource tracker (a process that outlives the creator, see
-  :mod:`vtnumba.memory.shared_files`) after a *kill* -- ``SIGKILL``, or the ``SIGTERM`` that
-  ``timeout`` and ``mpiexec`` send, under which no exit hook runs.
+  must not leave it behind: an ``atexit`` hook unlinks it after an *exception*, and a
+  janitor process (one that outlives the creator, in a session of its own, see
+  :mod:`vtnumba.memory.shared_files`) moments after a *kill* -- ``SIGKILL``, or the
+  ``SIGTERM`` that ``timeout`` and ``mpiexec`` send, under which no exit hook runs.
 * **anonymous** (``anonymous=True``, what the endpoints use): the creator makes the memory
   with ``memfd_create`` -- shared memory that never has a name in ``/dev/shm`` at all, so
   no crash at any moment can leave a file behind.  Openers reach it through the creator's
@@ -164,6 +164,11 @@ class ECRegionConfig:
 
     def __post_init__(self) -> None:
         _check_engine_id(self.engine_id)
+        for flag in ("create", "anonymous"):  # ("no" is a true string: it would create a region)
+            value = getattr(self, flag)
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{flag}={value!r} must be True or False")
+            object.__setattr__(self, flag, bool(value))
         check_int("hidden_size", self.hidden_size, min_value=1)
         object.__setattr__(self, "dtype", _numpy_dtype(self.dtype))
         if self.region_bytes is None:
@@ -501,6 +506,8 @@ class ECSharedRegion:
             from vtnumba.backend.default import default_backend
 
             backend = default_backend()
+        if getattr(backend, "capabilities", None) is None:  # (what it asks of a Backend, so stand-ins work)
+            raise TypeError(f"backend must be a vtnumba Backend or None, got {type(backend).__name__}")
         if backend.capabilities.host_addressable:
             self.pin_status = "no-op: no real GPU in use (cpu target or simulator), host memory needs no registration"
             return False

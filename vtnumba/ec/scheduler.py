@@ -66,6 +66,8 @@ class ECScheduler:
         self.num_blocks = int(num_blocks)
         self.is_producer = role in ("producer", "both")
         self.is_consumer = role in ("consumer", "both")
+        if cache is not None and not isinstance(cache, EmbeddingCache):
+            raise TypeError(f"cache must be an EmbeddingCache or None, got {type(cache).__name__}")
         if cache is not None and cache.num_blocks != self.num_blocks:
             raise ValueError(f"cache has {cache.num_blocks} blocks but num_blocks={num_blocks}")
         # A consumer-only scheduler has no cache: the producer owns the blocks and the pins.

@@ -87,7 +87,7 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.address_ranges import register, unregister
-from vtnumba.backend.arrays import array_kind, check_int, is_c_contiguous
+from vtnumba.backend.arrays import array_kind, check_int, is_c_contiguous, numeric_dtype
 from vtnumba.backend.base import Backend, Buffer, Event, Queue
 from vtnumba.ec.descriptors import (BadBlockId, DescriptorBufferPool, DescriptorBuffers, RepeatedBlockId,
                                     prepare_descriptors)
@@ -182,6 +182,19 @@ def _block_id_array(block_ids, mm_hash: str, kind: str) -> np.ndarray:
     return block_id_array(block_ids, f"{kind}[{mm_hash!r}]")
 
 
+def _not_metadata(connector_metadata) -> TypeError:
+    return TypeError(f"connector_metadata must be the ECConnectorMetadata of this step (the scheduler's "
+                     f"build_connector_meta()), got {type(connector_metadata).__name__}")
+
+
+def _not_a_cache(encoder_cache) -> TypeError:
+    return TypeError(f"encoder_cache must be a dict of mm_hash -> encoder output, got {type(encoder_cache).__name__}")
+
+
+# What a load-buffer allocator must offer (LoadDestinations calls them): CachingAllocator's methods.
+_ALLOCATOR_METHODS = ("allocate", "free", "record_stream", "process_events")
+
+
 class ECWorker:
     """The worker side of the encoder-cache connector (see module docstring)."""
 
@@ -198,17 +211,28 @@ class ECWorker:
             backend = default_backend()
         if not isinstance(backend, Backend):
             raise TypeError(f"backend must be a Backend, got {type(backend).__name__}")
+        # Every argument is checked before anything is done (the region told of this worker,
+        # its memory pinned), so a refused worker leaves nothing behind.
+        # The model dtype: loads reinterpret raw int8 blocks as it.  The region records it.
+        model_dtype = region.dtype if dtype is None else numeric_dtype("dtype", dtype)
+        if model_dtype != region.dtype:
+            raise ValueError(f"dtype={model_dtype.name} differs from the region's dtype={region.dtype.name}")
+        if compute_queue is not None and (not isinstance(compute_queue, Queue) or compute_queue.backend is not backend):
+            raise ValueError(f"compute_queue={compute_queue!r} must be a Queue of this worker's backend ({backend.name})")
+        if isinstance(allocator, str):
+            if allocator != "auto":
+                raise ValueError(f"allocator={allocator!r}; expected 'auto', None or a CachingAllocator")
+        elif allocator is not None:
+            missing = [m for m in _ALLOCATOR_METHODS if not callable(getattr(allocator, m, None))]
+            if missing:
+                raise TypeError(f"allocator must be 'auto', None or a CachingAllocator; {type(allocator).__name__} "
+                                f"has no {', '.join(missing)}")
         self.backend = backend
         self._region = region
         region._workers.add(self)  # its cleanup waits for this worker's copies in flight
-        # The model dtype: loads reinterpret raw int8 blocks as it.  The region records it.
-        self.dtype = np.dtype(region.dtype if dtype is None else dtype)
-        if self.dtype != region.dtype:
-            raise ValueError(f"dtype={self.dtype.name} differs from the region's dtype={region.dtype.name}")
+        self.dtype = model_dtype
         self.hidden_size = region.hidden_size
         self.block_size = region.block_size_bytes
-        if compute_queue is not None and (not isinstance(compute_queue, Queue) or compute_queue.backend is not backend):
-            raise ValueError(f"compute_queue={compute_queue!r} must be a Queue of this worker's backend ({backend.name})")
         caps = backend.capabilities
         # Synchronous queues run every operation on the spot (see the module docstring):
         # no events needed, the copy is done when batched_copy returns.
@@ -234,8 +258,6 @@ class ECWorker:
         # vLLM's come from torch's; allocator=None uses backend.alloc per load instead.
         self._own_allocator = isinstance(allocator, str)
         if self._own_allocator:
-            if allocator != "auto":
-                raise ValueError(f"allocator={allocator!r}; expected 'auto', None or a CachingAllocator")
             allocator = CachingAllocator(backend)
         self.allocator = allocator
         self._destinations = LoadDestinations(backend, self.compute_queue, allocator,
@@ -323,11 +345,17 @@ class ECWorker:
             self._check_live("save_caches")
         if not self.is_save_rank:
             return
-        saves = connector_metadata.saves
-        block_ids = saves.get(mm_hash)
+        try:
+            saves = connector_metadata.saves
+            block_ids = saves.get(mm_hash)
+        except AttributeError:
+            raise _not_metadata(connector_metadata) from None
         if block_ids is None:
             return  # not scheduled for saving (already cached, or no room)
-        src = encoder_cache.get(mm_hash)
+        try:
+            src = encoder_cache.get(mm_hash)
+        except AttributeError:
+            raise _not_a_cache(encoder_cache) from None
         if src is None:
             raise KeyError(f"save_caches: mm_hash {mm_hash!r} is scheduled for saving but encoder_cache has no "
                            "output for it")
@@ -515,9 +543,14 @@ class ECWorker:
         t0 = perf_counter_ns()
         if self._shut_down:
             self._check_live("start_load_caches")
-        loads = connector_metadata.loads
+        try:
+            loads = connector_metadata.loads
+        except AttributeError:
+            raise _not_metadata(connector_metadata) from None
         if not loads:
             return
+        if not isinstance(encoder_cache, dict):  # (the loads are stored into it)
+            raise _not_a_cache(encoder_cache)
         self._start_loads(encoder_cache, loads)
         t1 = perf_counter_ns()
         if trace.RECORDER is not None:
