@@ -30,7 +30,7 @@ from vtnumba.backend.base import (
 )
 from vtnumba.backend.cpu import CPUBackend
 from vtnumba.backend.default import default_backend, default_cuda_device, default_device
-from vtnumba.backend.device import CPU, MAX_DEVICES_PER_TYPE, Device, DeviceType
+from vtnumba.backend.device import CPU, MAX_DEVICES_PER_TYPE, Device, DeviceType, as_device
 from vtnumba.backend.dtype import DType, as_dtype, check_dtype_supported, supported_dtypes
 from vtnumba.backend.registry import (
     DeviceResourceOps,
@@ -47,7 +47,7 @@ from vtnumba.backend.registry import (
 
 __all__ = [
     "Backend", "Buffer", "Capabilities", "FLAG_MAX", "Event", "add_use_observer", "remove_use_observer", "GraphHandle", "Queue", "check_nbytes", "CPUBackend", "CPU",
-    "MAX_DEVICES_PER_TYPE", "Device", "DeviceType", "DType", "as_dtype", "check_dtype_supported",
+    "MAX_DEVICES_PER_TYPE", "Device", "DeviceType", "as_device", "DType", "as_dtype", "check_dtype_supported",
     "supported_dtypes", "DeviceResourceOps", "alloc", "create_queue", "destroy_queue", "free", "get_backend",
     "register_backend", "registered_devices", "try_get_backend", "unregister_backend", "default_backend",
     "default_device", "default_cuda_device",

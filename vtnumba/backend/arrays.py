@@ -116,6 +116,19 @@ def check_eps(eps) -> float:
     return eps
 
 
+def numeric_dtype(name: str, dtype) -> np.dtype:
+    """``dtype`` as a numpy dtype that raw memory can hold (a number type: bool, int, float,
+    complex); TypeError naming ``name`` for anything else -- a typo like ``"foo"``, ``object``,
+    strings, records."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name}={dtype!r} is not a numpy dtype; expected a number type such as float32") from None
+    if dt.hasobject or dt.itemsize == 0 or dt.kind not in "biufc":
+        raise TypeError(f"{name}={dt} cannot view raw memory; expected a number type such as float32")
+    return dt
+
+
 def check_shape(name: str, shape) -> tuple[int, ...]:
     """A shape: an int or a sequence of non-negative ints (``-1`` and other negatives refused)."""
     dims = (shape,) if is_int(shape) else shape

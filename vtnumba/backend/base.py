@@ -49,7 +49,7 @@ import numpy as np
 from vtnumba import trace
 from vtnumba.backend import address_ranges
 from vtnumba.backend.arrays import (address_of, check_int, check_nbytes, check_seconds, check_shape, host_view,
-                                    is_c_contiguous, is_int)
+                                    is_c_contiguous, is_int, numeric_dtype)
 from vtnumba.backend.device import Device, DeviceType
 
 _ids = itertools.count(1)
@@ -178,9 +178,7 @@ class Buffer:
 
     def _view_args(self, dtype, shape, offset, what: str) -> tuple[np.dtype, tuple, int, int]:
         """``view``'s arguments checked against this memory's ``nbytes``: ``(dtype, shape, count, offset)``."""
-        dtype = np.dtype(dtype)
-        if dtype.hasobject or dtype.itemsize == 0:
-            raise TypeError(f"dtype={dtype} cannot view raw memory; expected a numeric dtype such as float32")
+        dtype = numeric_dtype("dtype", dtype)
         offset = check_nbytes("offset", offset)
         if offset > self.nbytes:
             raise ValueError(f"offset={offset} is past the end of {what} #{self.id} ({self.nbytes} bytes)")
@@ -337,7 +335,7 @@ class Backend(abc.ABC):
 
     def empty(self, shape, dtype=np.float32):
         """A new uninitialised array of ``shape`` in this backend's memory (kernel-usable)."""
-        return self._empty(check_shape("shape", shape), np.dtype(dtype))
+        return self._empty(check_shape("shape", shape), numeric_dtype("dtype", dtype))
 
     def to_host(self, arr) -> np.ndarray:
         """``arr``'s contents as a numpy array: the memory itself where the host can address it

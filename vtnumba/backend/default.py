@@ -14,8 +14,8 @@ from __future__ import annotations
 import threading
 
 from vtnumba.backend.base import Backend
-from vtnumba.backend.device import CPU, Device, DeviceType
-from vtnumba.backend.registry import _key, register_backend, try_get_backend
+from vtnumba.backend.device import CPU, Device, DeviceType, as_device
+from vtnumba.backend.registry import register_backend, try_get_backend
 from vtnumba.target import current_target
 
 _lock = threading.Lock()
@@ -41,7 +41,7 @@ def default_backend(device: Device | DeviceType | str | None = None) -> Backend:
     if device is None:
         device = default_device()
     else:
-        device = Device(*_key(device))  # a DeviceType or "cpu" means its device 0; TypeError otherwise
+        device = as_device(device)  # a DeviceType or "cuda" means its device 0; "cuda:1" its device 1
     with _lock:
         backend = try_get_backend(device)
         if backend is None or backend.closed:

@@ -58,4 +58,21 @@ class Device:
         return f"{self.type.value}:{self.index}"
 
 
+def as_device(device) -> Device:
+    """``device`` as a :class:`Device`: a Device as it is, a DeviceType as its device 0, or a
+    string as PyTorch writes devices -- ``"cpu"``, ``"cuda"`` (device 0) or ``"cuda:1"``."""
+    if isinstance(device, Device):
+        return device
+    if isinstance(device, DeviceType):
+        return Device(device, 0)
+    if isinstance(device, str):
+        kind, colon, index = device.partition(":")
+        try:
+            return Device(kind, int(index) if colon else 0)
+        except ValueError:
+            raise ValueError(f"device={device!r} is not a device; expected 'cpu', 'cuda' or 'cuda:N' with "
+                             f"0 <= N < {MAX_DEVICES_PER_TYPE}") from None
+    raise TypeError(f"device={device!r} must be a Device, a DeviceType, or a string like 'cpu', 'cuda' or 'cuda:1'")
+
+
 CPU = Device(DeviceType.CPU, 0)

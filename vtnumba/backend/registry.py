@@ -13,23 +13,15 @@ from __future__ import annotations
 import threading
 
 from vtnumba.backend.base import Backend, Buffer, Queue
-from vtnumba.backend.device import MAX_DEVICES_PER_TYPE, Device, DeviceType
+from vtnumba.backend.device import MAX_DEVICES_PER_TYPE, Device, DeviceType, as_device
 
 _registry: dict[tuple[DeviceType, int], Backend] = {}
 _lock = threading.Lock()
 
 
 def _key(device) -> tuple[DeviceType, int]:
-    if isinstance(device, Device):
-        return device.type, device.index
-    if isinstance(device, DeviceType):
-        return device, 0
-    if isinstance(device, str):
-        try:
-            return DeviceType(device.lower()), 0
-        except ValueError:
-            pass
-    raise TypeError(f"device={device!r} must be a Device or a DeviceType")
+    d = as_device(device)
+    return d.type, d.index
 
 
 def register_backend(device, backend: Backend, *, replace: bool = True) -> None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
+from vtnumba.backend.arrays import is_int
 from vtnumba.dist import failures
 from vtnumba.dist.comm import agree_errors
 
@@ -179,13 +180,13 @@ def init_distributed(tp_size: int | None = None, comm: MPI.Comm | None = None) -
         err = None
         if tp_size is None:
             tp = n
-        elif isinstance(tp_size, bool) or not isinstance(tp_size, int):
+        elif not is_int(tp_size):
             err, tp = TypeError(f"tp_size={tp_size!r} must be an int"), None
         elif not 1 <= tp_size <= n or n % tp_size:
             err, tp = ValueError(f"tp_size={tp_size} must divide the world size {n} (a value in 1..{n} "
                                  f"with {n} % tp_size == 0)"), None
         else:
-            tp = tp_size
+            tp = tp_size = int(tp_size)  # (a numpy integer, too)
         try:
             _agree_args(world, err, (tp_size,), "init_distributed")
         except BaseException:

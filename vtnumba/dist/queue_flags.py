@@ -71,7 +71,7 @@ class QueueFlags:
     """32-bit epoch flags in peer memory, raised and awaited in queue order (collective constructor).
 
     ``backend`` is the data backend (its queues do the writes and waits; its peer memory
-    holds the words).  ``host_signals`` is an open :class:`PeerSignals` of the same group
+    holds the words; None: the default backend).  ``host_signals`` is an open :class:`PeerSignals` of the same group
     used for abort stamps (one is made and owned if not given).
     """
 
@@ -86,6 +86,7 @@ class QueueFlags:
         self._index = {name: k for k, name in enumerate(names_t)}
         words = len(names_t) * group.size
         self._pb = PeerBuffers(words * 4, group, backend, timeout_s=timeout_s)
+        self.backend = self._pb.backend  # (backend=None: the default backend, which PeerBuffers chose)
         # Each rank's flag area as a flat uint32 array of the backend's kind (index = group rank).
         self._areas = self._pb.views(np.uint32, (words,))
         self._zero_own_area()

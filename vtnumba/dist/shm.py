@@ -29,7 +29,7 @@ opened (a sandbox without a shared procfs): a ``/dev/shm/vtnumba-*`` file made w
 (``secrets.token_hex``), opened by peers with ``O_NOFOLLOW`` (a symlink planted at the name
 is refused) after checking it is this user's and mode ``0600``, and unlinked as soon as every
 peer has mapped it -- with an ``atexit`` hook for a Python-level failure in between, and the
-resource tracker of :mod:`vtnumba.memory.shared_files` for a kill (nothing of ours runs then).
+janitor process of :mod:`vtnumba.memory.shared_files` for a kill (nothing of ours runs then).
 
 Arrays handed out are ``np.frombuffer(mmap)``: zero-copy views.  In the simulator they are
 wrapped as ``FakeCUDAArray`` by the caller, because the simulator copies plain numpy
@@ -50,6 +50,7 @@ from vtnumba.memory.shared_files import create_private_file, private_file_proble
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "vtnumba-"
 _NAME = re.compile(r"vtnumba-[A-Za-z0-9_.-]{1,160}")
+_TAG = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # what a creator may put into its segments' names
 
 def _check_name(name: str) -> str:
     # Names come from peers; refuse anything that could point outside /dev/shm.
@@ -100,6 +101,9 @@ class ShmSegment:
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
             raise ValueError(f"nbytes={nbytes!r} must be a positive int for a shared-memory segment")
         nbytes = int(nbytes)
+        if not isinstance(tag, str) or not _TAG.fullmatch(tag):
+            raise ValueError(f"tag={tag!r} must be a short name of letters, digits, '_' and '-' (it goes into the "
+                             "segment's name)")
         name = _check_name(f"{NAME_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(16)}")
         if not named:
             fd = os.memfd_create(name, os.MFD_CLOEXEC)
@@ -127,6 +131,9 @@ class ShmSegment:
         """Map a peer's segment from its handle; checks it is a vtnumba segment of exactly ``nbytes``."""
         if not isinstance(handle, str):
             raise TypeError(f"handle must be a str, got {type(handle).__name__}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+            raise TypeError(f"nbytes={nbytes!r} must be an int (the segment's size, as its creator made it)")
+        nbytes = int(nbytes)
         kind, _, rest = handle.partition(":")
         if kind == "fd":
             fd, name, path = cls._open_descriptor(rest)

@@ -184,9 +184,14 @@ def run(kind: str, name: str, queue, backend, host_fn: Callable[[], None],
     """
     if backend is not None:
         from vtnumba.backend.base import Backend
+        from vtnumba.backend.device import DeviceType
 
         if not isinstance(backend, Backend):  # (without a queue it is not otherwise used: say so now)
             raise TypeError(f"backend must be a vtnumba Backend or None, got {type(backend).__name__}")
+        if queue is None and (backend.device_type is DeviceType.CPU) != (kind == HOST):
+            # (Nothing would use it, but the caller meant the work for it: a silent mismatch.)
+            what = "numpy arrays run on a cpu backend" if kind == HOST else "device arrays run on a cuda backend"
+            raise TypeError(f"backend={backend.name} does not serve these arrays: {what}")
     if queue is not None:
         backend = _resolve_backend(kind, queue, backend)
         # ``uses``: the arrays the work touches, for the hazard checker (see Backend.submit).

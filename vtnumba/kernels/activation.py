@@ -62,7 +62,7 @@ _B8, _B6, _B4, _B2, _B0 = (
 
 
 # ---------------------------------------------------------------------------- host reference
-@numba.njit(cache=True, fastmath=True, inline="always")
+@numba.njit(**HOST_JIT, inline="always")  # (no "nnan" fast-math flag, numpy's error model: erf(NaN) is NaN)
 def fast_erf(x):
     """erf by Eigen's float32 rational approximation, evaluated in float64 (see the module docstring).
 

@@ -69,6 +69,10 @@ class AttentionWorkspace(NamedTuple):
     @staticmethod
     def shapes(num_sentences: int, max_len: int, num_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
         """Field name -> shape, for a caller that allocates the arrays itself (e.g. from a StepArena)."""
+        num_sentences = check_int("num_sentences", num_sentences, min_value=0)
+        max_len = check_int("max_len", max_len, min_value=0)
+        num_heads = check_int("num_heads", num_heads, min_value=1)
+        head_dim = check_int("head_dim", head_dim, min_value=1)
         blocks = (num_sentences, num_heads, max_len, head_dim)
         return {"q": blocks, "k": blocks, "v": blocks, "scores": (num_sentences, num_heads, max_len, max_len),
                 "ctx": blocks}
@@ -229,7 +233,7 @@ def attention(qkv, offsets, num_heads: int, head_dim: int, *, bias=None, out=Non
         # (Where the offsets can be read without a copy -- the host, the simulator -- they are
         # always checked; on a GPU only when max_len is not given, as reading them back syncs.)
         longest = _check_offsets(to_host(offsets), T)
-        if max_len is not None and int(max_len) != longest:
+        if max_len is not None and check_int("max_len", max_len, min_value=1) != longest:
             raise ValueError(f"max_len={max_len} but the longest sentence in offsets has {longest} tokens")
         max_len = longest
     max_len = check_int("max_len", max_len, min_value=1)

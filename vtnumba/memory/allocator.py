@@ -45,7 +45,7 @@ import time
 
 import numpy as np
 
-from vtnumba.backend.arrays import cdiv, check_seconds
+from vtnumba.backend.arrays import cdiv, check_int, check_seconds
 from vtnumba.backend.base import Backend, Buffer, Queue, check_nbytes
 from vtnumba.memory import hazards as _hazards
 
@@ -63,6 +63,10 @@ _seg_ids = itertools.count(1)
 
 def round_size(nbytes: int, min_block: int = MIN_BLOCK) -> int:
     """The size class of a request: ``nbytes`` rounded up to a multiple of ``min_block``."""
+    if type(nbytes) is not int or type(min_block) is not int or nbytes < 0 or min_block < 1:
+        # (The allocator's own calls pass ints it has checked: only a call from outside gets here.)
+        nbytes = check_nbytes("nbytes", nbytes)
+        min_block = check_int("min_block", min_block, min_value=1)
     return cdiv(nbytes, min_block) * min_block
 
 

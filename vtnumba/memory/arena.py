@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtnumba.backend.arrays import cdiv, check_shape
+from vtnumba.backend.arrays import cdiv, check_shape, numeric_dtype
 from vtnumba.backend.base import Backend, check_nbytes
 
 ALIGN = 64  # cache line on the host; >= what any vector load on the GPU needs
@@ -61,7 +61,7 @@ class StepArena:
         """
         self._check_open()
         nbytes = check_nbytes("nbytes", nbytes)
-        dtype = np.dtype(np.uint8 if dtype is None else dtype)
+        dtype = numeric_dtype("dtype", np.uint8 if dtype is None else dtype)
         if shape is None:
             if nbytes % dtype.itemsize:
                 raise ValueError(f"nbytes={nbytes} is not a multiple of dtype {dtype.name}'s itemsize "

@@ -8,7 +8,7 @@ process target decides (:func:`vtnumba.default_device`).
 
 from __future__ import annotations
 
-from vtnumba.backend.device import Device, DeviceType
+from vtnumba.backend.device import Device, DeviceType, as_device
 
 
 def _as_device(device) -> Device:
@@ -16,17 +16,7 @@ def _as_device(device) -> Device:
         from vtnumba.backend import default_device
 
         return default_device()
-    if isinstance(device, Device):
-        return device
-    if isinstance(device, DeviceType):
-        return Device(device, 0)
-    if isinstance(device, str):
-        kind, _, index = device.partition(":")
-        try:
-            return Device(kind, int(index) if index else 0)
-        except ValueError as exc:
-            raise ValueError(f"device={device!r} is not a device; expected 'cpu', 'cuda' or 'cuda:N'") from exc
-    raise TypeError(f"device={device!r} must be a Device, a DeviceType, a string like 'cuda:0', or None")
+    return as_device(device)
 
 
 def get_tpsp_backend(group_name: str = "tp", device=None, **kwargs):

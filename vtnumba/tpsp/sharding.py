@@ -72,7 +72,11 @@ def unshard_residual(shards, num_tokens: int) -> np.ndarray:
         raise ValueError("shards is empty; expected one [R, H] shard per rank")
     R = shard_rows(num_tokens, len(arrays))  # (checks num_tokens: an int >= 1)
     for r, a in enumerate(arrays):
-        if a.ndim != 2 or a.shape != (R, arrays[0].shape[1]):
+        if a.ndim != 2:
+            raise ValueError(f"shards[{r}] has shape {a.shape}; expected a 2-D [R, H] shard with R = "
+                             f"ceil(num_tokens={num_tokens} / {len(arrays)} shards) = {R}")
+    for r, a in enumerate(arrays):
+        if a.shape != (R, arrays[0].shape[1]):
             raise ValueError(f"shards[{r}] has shape {a.shape}; expected [R, H] = [{R}, {arrays[0].shape[-1]}] "
                              f"(R = ceil(num_tokens={num_tokens} / {len(arrays)} shards)) like every shard")
     return np.concatenate(arrays, axis=0)[:num_tokens]
