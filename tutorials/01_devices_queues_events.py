@@ -12,7 +12,7 @@ Next: :doc:`02_async_copies_pinned`.
 
 Run it::
 
-    mpiexec -n 2 python tutorials/01_devices_queues_events.py            # cpu target
+    mpiexec -n 2 python tutorials/01_devices_queues_events.py            # default target (cpu without a GPU)
     mpiexec -n 2 python tutorials/01_devices_queues_events.py --target cudasim
 
 Key insight: a queue runs its own work in order, two queues run in no particular order,

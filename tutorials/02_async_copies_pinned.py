@@ -38,7 +38,7 @@ from vtnumba.kernels import fused_add_rms_norm  # noqa: E402
 
 backend = CPUBackend(threaded=True) if lesson.target == "cpu" else default_backend()
 H = 256 if lesson.target == "cudasim" else 1024   # float32 values per row
-ROWS = 16 if lesson.target == "cudasim" else 4096  # the simulator runs ~10,000 CUDA threads a second
+ROWS = 16 if lesson.target == "cudasim" else 4096  # the simulator runs thousands of CUDA threads a second
 n, nbytes = ROWS * H, ROWS * H * 4
 h2d_q, d2h_q = backend.create_queue("h2d"), backend.create_queue("d2h")
 pinned_in, pinned_out = backend.alloc_pinned(nbytes), backend.alloc_pinned(nbytes)

@@ -13,7 +13,7 @@ Next: :doc:`04_matmul_ladder`.
 
 Run it::
 
-    mpiexec -n 2 python tutorials/03_caching_allocator.py            # cpu target
+    mpiexec -n 2 python tutorials/03_caching_allocator.py            # default target (cpu without a GPU)
     mpiexec -n 2 python tutorials/03_caching_allocator.py --target cudasim
     python tutorials/03_caching_allocator.py                         # one rank
 

@@ -15,7 +15,7 @@ kernel takes from :doc:`02_async_copies_pinned`.  Next: :doc:`05_fused_add_rmsno
 
 Run it::
 
-    mpiexec -n 2 python tutorials/04_matmul_ladder.py                 # cpu: host path + PTX
+    mpiexec -n 2 python tutorials/04_matmul_ladder.py                 # default target; on cpu: host path + PTX
     mpiexec -n 2 python tutorials/04_matmul_ladder.py --target cudasim  # the ladder, tiny shapes
     mpiexec -n 2 python tutorials/04_matmul_ladder.py --target cuda     # the ladder, GFLOP/s
     python tutorials/04_matmul_ladder.py                              # one rank
@@ -336,8 +336,9 @@ lesson.say("done")
 #   mixed with device arrays.  vtnumba refuses it: numba would silently copy the numpy
 #   array to the device and back, which breaks peer buffers and queue order.  Use
 #   ``cuda.to_device`` (or a backend buffer's ``view``) for every argument.
-# * The simulator is slow (about 10,000 CUDA threads per second): keep shapes tiny there;
-#   a 256 x 256 matmul would take minutes.
+# * The simulator is slow (a few thousand to a few tens of thousands of CUDA threads per
+#   second, depending on the kernel and the machine): keep shapes tiny there; a 256 x 256
+#   matmul would take minutes.
 # * GFLOP/s from one call on a GPU include the first-call compilation: warm up first
 #   (``measure(..., warmup=1)`` does).
 # * ``cuda.compile_ptx`` fails with the simulator on (``NUMBA_ENABLE_CUDASIM=1``) and

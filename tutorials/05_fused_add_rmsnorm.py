@@ -14,7 +14,7 @@ arithmetic).  Next: :doc:`06_peer_buffers`.
 
 Run it::
 
-    mpiexec -n 2 python tutorials/05_fused_add_rmsnorm.py            # cpu target
+    mpiexec -n 2 python tutorials/05_fused_add_rmsnorm.py            # default target (cpu without a GPU)
     mpiexec -n 2 python tutorials/05_fused_add_rmsnorm.py --target cudasim
     python tutorials/05_fused_add_rmsnorm.py                         # one rank
 

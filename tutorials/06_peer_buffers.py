@@ -17,7 +17,7 @@ order queues within a process; here flags order ranks).  Next:
 
 Run it::
 
-    mpiexec -n 2 python tutorials/06_peer_buffers.py            # cpu target
+    mpiexec -n 2 python tutorials/06_peer_buffers.py            # default target (cpu without a GPU)
     mpiexec -n 2 python tutorials/06_peer_buffers.py --target cudasim
     mpiexec -n 2 python tutorials/06_peer_buffers.py --target cuda  # CUDA IPC
 

@@ -13,7 +13,7 @@ Last, both are timed from 256 KiB to 16 MiB against ``MPI_Reduce_scatter_block``
 
 Run it::
 
-    mpiexec -n 2 python tutorials/07_reduce_scatter_all_gather.py            # cpu target
+    mpiexec -n 2 python tutorials/07_reduce_scatter_all_gather.py            # default target (cpu without a GPU)
     mpiexec -n 2 python tutorials/07_reduce_scatter_all_gather.py --target cudasim
 
 Key insight: with peer memory a collective is "write my part where everyone can see it,

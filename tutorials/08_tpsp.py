@@ -16,7 +16,7 @@ Next: :doc:`09_encoder_cache`.
 
 Run it::
 
-    mpiexec -n 2 python tutorials/08_tpsp.py                # cpu target
+    mpiexec -n 2 python tutorials/08_tpsp.py                # default target (cpu without a GPU)
     mpiexec -n 2 python tutorials/08_tpsp.py --target cudasim
 
 Key insight: after the reduce-scatter each rank owns only ``R = ceil(T / tp)`` token rows,
@@ -356,12 +356,13 @@ lesson.say("done: the fused op equals the float64 layer and the regular forward,
 # * The timeline: on each rank the compute queue's four matmuls and the exchange queue's
 #   reduces, gathers and flag writes, one after another, with red waits wherever one rank
 #   got ahead of the other.
-# * ``fused / regular`` above 1 on the cpu target -- 1.4 to 2.5 on a 2-core laptop, a call
-#   of a few tenths of a millisecond either way: at this size the fused op's handshake,
-#   queue operations and flags are Python work that the regular forward's two MPI calls do
-#   not have -- with the reason printed next to it; the verdict says whether the difference
-#   is within the noise of the rounds.  (``vtnumba bench tpsp``, with its larger layer,
-#   finds the two within the noise from a few hundred tokens on: there the matmul dominates.)
+# * ``fused / regular`` around 1.0 to 1.2 on the cpu target (measured on a 2-core machine),
+#   a call of a few tenths of a millisecond either way: at this size fusion saves little,
+#   and the fused op's handshake, queue operations and flags are Python work that the
+#   regular forward's two MPI calls do not have -- with the reason printed next to it; the
+#   verdict says whether the difference is within the noise of the rounds, as it often is.
+#   (``vtnumba bench tpsp``, with its larger layer, finds the two within the noise from a
+#   few hundred tokens on: there the matmul dominates.)
 # * ``TPSP unavailable for 'declined' ...`` (a warning from rank 0), then ``None`` on every
 #   rank: the ranks fell back together.
 #

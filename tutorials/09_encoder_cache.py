@@ -15,7 +15,7 @@ Next: :doc:`10_running_on_a_gpu`.
 
 Run it::
 
-    mpiexec -n 2 python tutorials/09_encoder_cache.py               # cpu target
+    mpiexec -n 2 python tutorials/09_encoder_cache.py               # default target (cpu without a GPU)
     mpiexec -n 2 python tutorials/09_encoder_cache.py --target cudasim
     mpiexec -n 3 python tutorials/09_encoder_cache.py               # two consumer ranks
 

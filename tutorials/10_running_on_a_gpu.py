@@ -16,7 +16,7 @@ measures what the lessons taught.
 
 Run it::
 
-    mpiexec -n 2 python tutorials/10_running_on_a_gpu.py              # cpu target
+    mpiexec -n 2 python tutorials/10_running_on_a_gpu.py              # default target (cpu without a GPU)
     mpiexec -n 2 python tutorials/10_running_on_a_gpu.py --target cudasim
     mpiexec -n 2 python tutorials/10_running_on_a_gpu.py --target cuda  # on a GPU machine
     bash scripts/gpu_check.sh                                         # the full GPU check
@@ -330,8 +330,10 @@ lesson.say("done")
 # Common issues
 # -------------
 #
-# * ``--target cuda`` on a machine without a driver fails when the first kernel launches;
-#   ``vtnumba info`` (or ``--target auto``) tells you what the process can see.
+# * ``--target cuda`` on a machine without a usable GPU fails when the backend is made:
+#   ``RuntimeError: CUDABackend: no usable CUDA GPU (use VTNUMBA_TARGET=cpu or cudasim)``.
+#   ``vtnumba info`` (or ``--target auto``) tells you what the process can see;
+#   ``vtnumba --target cuda info`` prints its ``gpu`` line and an ``error`` line and exits 1.
 # * ``NUMBA_ENABLE_CUDASIM=1`` left in the environment turns ``numba.cuda`` into the
 #   simulator for the whole process: ``auto`` then never finds the GPU.
 # * numba's IPC pickling is broken with cuda-bindings 13.5 (an ``AttributeError`` about

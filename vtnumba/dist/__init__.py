@@ -6,7 +6,8 @@ Reading order (each module is one concept):
   ``get_tp_group``;
 * :mod:`~vtnumba.dist.comm`         -- ``all_ranks_ready`` (vLLM TPSP's agreement), ``barrier``
   with a timeout, ``allgather_bytes``, ``allreduce_max``, ``agree_errors``;
-* :mod:`~vtnumba.dist.shm`          -- POSIX shared-memory segments (cpu / cudasim peer memory);
+* :mod:`~vtnumba.dist.shm`          -- shared-memory segments, anonymous (``memfd``; a named ``/dev/shm``
+  file only where ``/proc/<pid>/fd`` cannot be opened): cpu / cudasim peer memory;
 * :mod:`~vtnumba.dist.cuda_ipc`     -- CUDA IPC handles as raw bytes (real-GPU peer memory);
 * :mod:`~vtnumba.dist.peer_buffers` -- ``PeerBuffers``: symmetric memory over either transport;
 * :mod:`~vtnumba.dist.signals`      -- ``PeerSignals``: host-side epoch flags with timeouts;
