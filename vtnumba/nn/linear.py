@@ -28,9 +28,6 @@ from vtnumba.dist.comm import check_group
 from vtnumba.kernels import add_bias, linear
 from vtnumba.nn._params import Params, check_input
 
-_IN_DTYPES = (np.float32, np.float16)  # what the matmul kernels take (they accumulate in float32)
-
-
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
     """``[start, stop)`` of part ``index`` when ``total`` items are split into ``parts`` near-equal parts."""
     for name, v in (("total", total), ("parts", parts), ("index", index)):
@@ -142,7 +139,7 @@ class ColumnParallelLinear(Params):
         elementwise pass (BERT: bias + GELU, or the QKV bias inside attention); the bias
         in the input's memory is ``self.param("bias", x)``.
         """
-        check_input(self, "x", x, self.in_features, "in_features", _IN_DTYPES)
+        check_input(self, "x", x, self.in_features, "in_features")
         return linear(x, self.param("weight", x), self.param("bias", x) if add_bias else None, out=out)
 
     def __repr__(self) -> str:
@@ -175,8 +172,7 @@ class RowParallelLinear(Params):
 
     def partial(self, x_local, out=None):
         """This rank's partial sum ``x_local @ W_local.T`` (no bias, no communication)."""
-        check_input(self, "x_local", x_local, self.input_size_per_partition, "input_size_per_partition",
-                    _IN_DTYPES)
+        check_input(self, "x_local", x_local, self.input_size_per_partition, "input_size_per_partition")
         return linear(x_local, self.param("weight", x_local), None, out=out)
 
     def __call__(self, x_local, group=None):
