@@ -613,3 +613,36 @@ def test_a_capture_in_progress_is_never_synchronized_and_is_discarded_on_teardow
     assert b.calls[-3:] == [("begin", "cap"), ("discard", "cap"), ("destroy", ("graph", "cap"))]
     b.close()              # twice: harmless, nothing destroyed twice
     assert len(b.calls) == 7
+
+
+def test_a_host_function_waiting_for_its_own_threaded_queue_is_an_error_not_a_hang():
+    """The worker would wait for itself forever (found by a lifecycle probe: synchronize,
+    destroy_queue or close inside a host function hung the caller too).  A GPU refuses CUDA
+    calls from a host function the same way."""
+    b = CPUBackend(threaded=True)
+    q = b.create_queue()
+    for inside in (lambda: b.synchronize(q), lambda: b.synchronize(), lambda: b.destroy_queue(q)):
+        b.launch_host_func(q, inside)
+        with pytest.raises(RuntimeError, match=r"a host function running on queue .* waited for that same queue"):
+            b.synchronize(q)
+    b.close()
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["cpu", "cpu-threaded"])
+def test_close_finishes_closing_when_queued_work_failed(threaded):
+    """close() raised the queued error and stayed half-open (closed False, workers running):
+    only a second close() closed it.  Now it closes, then raises."""
+    import threading
+
+    before = threading.active_count()
+    b = CPUBackend(threaded=threaded)
+    q = b.create_queue()
+    if threaded:
+        b.launch_host_func(q, lambda: 1 / 0)
+        with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+            b.close()
+    else:
+        b.close()
+    assert b.closed and threading.active_count() == before
+    with pytest.raises(RuntimeError, match="was closed"):
+        b.create_queue()

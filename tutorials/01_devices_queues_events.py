@@ -58,7 +58,7 @@ lesson.check(get_backend(backend.device) is backend, "registry by device and by 
 #
 # .. vt-source:: vtnumba.backend.cpu._CPUQueue.put
 #
-# .. vt-source:: vtnumba.backend.cpu._CPUQueue._run
+# .. vt-source:: vtnumba.backend.cpu._work
 #
 # We use the threaded backend to *see* ordering: we hold a queue at a gate (a host
 # function that waits) and look at an event recorded behind it.  ``query_event`` never

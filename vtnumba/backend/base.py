@@ -894,12 +894,16 @@ class Backend(abc.ABC):
         self._capturing.clear()
         if self._default_graph is not None and not self._default_graph.destroyed:
             self.destroy_graph(self._default_graph)
-        self._synchronize_all()
-        # The flag side queue is the backend's own (the callers' queues stay theirs to destroy).
-        side, self._side_queue = self._side_queue, None
-        if side is not None and not side.destroyed:
-            self.destroy_queue(side)
-        self.closed = True
+        try:
+            self._synchronize_all()
+        finally:
+            # Closed even when queued work failed: the error is this call's to raise, but a
+            # backend left half-open (its workers running, closed False) needed a second close().
+            self.closed = True
+            # The flag side queue is the backend's own (the callers' queues stay theirs to destroy).
+            side, self._side_queue = self._side_queue, None
+            if side is not None and not side.destroyed:
+                self.destroy_queue(side)  # (closed: released without another synchronize)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -913,8 +917,9 @@ class Backend(abc.ABC):
         if not isinstance(q, Queue):
             raise TypeError(f"q must be a Queue, got {type(q).__name__}")
         if q.backend is not self:
-            raise ValueError(f"q={q} belongs to another backend ({q.backend.name} on {q.backend.device}), "
-                             f"not {self.name} on {self.device}")
+            raise ValueError(f"q={q} belongs to another backend object ({q.backend.name} on {q.backend.device}), "
+                             f"not this {self.name} on {self.device}: a queue works only with the backend that "
+                             "created it")
         if q.destroyed or q.id not in self._queues:
             raise RuntimeError(f"q={q.name} was destroyed; create a new queue")
 

@@ -19,6 +19,7 @@ import mmap
 import os
 import queue as _queue
 import threading
+import weakref
 
 import numpy as np
 
@@ -72,6 +73,20 @@ class _CPUEvent(Event):
         self.mark.fire()  # never recorded = complete, as in CUDA
 
 
+def _work(ops: _queue.SimpleQueue, queue_ref) -> None:
+    """A threaded queue's worker: run its operations in order until told to stop (None)."""
+    while True:
+        item = ops.get()
+        queue = queue_ref() if item is not None else None
+        if queue is None:  # stopped, or the queue was dropped without close()
+            return
+        queue._execute(*item)
+        queue._finished_one()
+        # Nothing of the queue (or of the work, whose closures may hold buffers) stays
+        # referenced while the worker waits for the next operation.
+        del item, queue
+
+
 class _CPUQueue(Queue):
     """A host queue.  In threaded mode it owns a worker thread and a FIFO of operations."""
 
@@ -84,8 +99,13 @@ class _CPUQueue(Queue):
         self._ops: _queue.SimpleQueue | None = None
         if threaded:
             self._ops = _queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._run, name=f"vtnumba-{self.name}", daemon=True)
+            # The worker holds this queue only weakly: a queue (and its backend) dropped without
+            # close() is collected, and the finalizer then ends the worker.  A strong reference
+            # kept queue, backend and thread alive for the rest of the process.
+            self._thread = threading.Thread(target=_work, args=(self._ops, weakref.ref(self)),
+                                            name=f"vtnumba-{self.name}", daemon=True)
             self._thread.start()
+            weakref.finalize(self, self._ops.put, None)
 
     # Work runs either inline (sync mode) or on the worker; both paths trace the same way.
     def _execute(self, name: str, fn, args: dict, marker: bool = False) -> None:
@@ -116,18 +136,18 @@ class _CPUQueue(Queue):
             self._submitted += 1
         self._ops.put((name, fn, args or {}, marker))
 
-    def _run(self) -> None:
-        while True:
-            item = self._ops.get()
-            if item is None:
-                return
-            self._execute(*item)
-            with self._cond:
-                self._completed += 1
-                self._cond.notify_all()
+    def _finished_one(self) -> None:
+        with self._cond:
+            self._completed += 1
+            self._cond.notify_all()
 
     def drain(self) -> None:
         if self._ops is not None:
+            if threading.current_thread() is self._thread:
+                # A host function of this queue waiting for the queue: it would wait for itself
+                # forever.  (A GPU refuses CUDA calls from a host function the same way.)
+                raise RuntimeError(f"a host function running on queue {self.name} waited for that same queue; "
+                                   "it can only finish after the function returns -- synchronize from outside")
             with self._cond:
                 self._cond.wait_for(lambda: self._completed == self._submitted)
         if self.error is not None:
@@ -141,7 +161,8 @@ class _CPUQueue(Queue):
     def stop(self) -> None:
         if self._ops is not None:
             self._ops.put(None)
-            self._thread.join()
+            if threading.current_thread() is not self._thread:  # (the worker itself ends after this op)
+                self._thread.join()
 
 
 class CPUBackend(Backend):
@@ -220,8 +241,16 @@ class CPUBackend(Backend):
             rec.add("synchronize", "host", "host", t0, trace.now_ns(), {"queue": q.name})
 
     def _synchronize_all(self) -> None:
+        # Every queue is drained even when one raises (close() relies on it); the first error
+        # is raised after.
+        first = None
         for q in list(self._all_queues.values()):
-            q.drain()
+            try:
+                q.drain()
+            except BaseException as exc:  # (re-raised below, after the other queues)
+                first = first or exc
+        if first is not None:
+            raise first
 
     def _submit(self, q, fn, name, trace_args) -> None:
         q.put(name, lambda: fn(None), trace_args)
@@ -269,6 +298,8 @@ class CPUBackend(Backend):
     def close(self) -> None:
         if self.closed:
             return
-        super().close()
-        for q in list(self._all_queues.values()):
-            q.stop()
+        try:
+            super().close()
+        finally:  # (the workers stop even when queued work failed: close() raises that after)
+            for q in list(self._all_queues.values()):
+                q.stop()

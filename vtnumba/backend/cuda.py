@@ -401,11 +401,13 @@ class CUDABackend(Backend):
 
     def close(self) -> None:
         """:meth:`Backend.close`, then destroy the idle streams kept for reuse."""
-        super().close()
-        with self._lock:
-            idle, self._idle_streams = self._idle_streams, {p: [] for p in QUEUE_PRIORITIES}
-        for handle in (h for handles in idle.values() for h in handles):
-            self._destroy_stream(handle)
+        try:
+            super().close()
+        finally:  # (closed even when queued work failed, see Backend.close)
+            with self._lock:
+                idle, self._idle_streams = self._idle_streams, {p: [] for p in QUEUE_PRIORITIES}
+            for handle in (h for handles in idle.values() for h in handles):
+                self._destroy_stream(handle)
 
     def _synchronize(self, q) -> None:
         if not self.simulator:
