@@ -646,3 +646,24 @@ def test_close_finishes_closing_when_queued_work_failed(threaded):
     assert b.closed and threading.active_count() == before
     with pytest.raises(RuntimeError, match="was closed"):
         b.create_queue()
+
+
+def test_a_threaded_backend_dropped_without_close_ends_its_workers():
+    """The worker held its queue, and so the backend, strongly: each backend dropped without
+    close() kept its threads (and itself) for the life of the process."""
+    import gc
+    import threading
+    import time
+
+    before = threading.active_count()
+    for _ in range(5):
+        b = CPUBackend(threaded=True)
+        q = b.create_queue()
+        b.launch_host_func(q, lambda: None)
+        b.synchronize(q)
+        del b, q
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before
