@@ -95,6 +95,38 @@ def test_batching_and_order_do_not_change_outputs(encoder, ref):
     assert np.abs(together[3] - together[4]).max() < 1e-6
 
 
+def test_an_encoder_serves_one_thread_at_a_time(weights, ref):
+    """Two threads in one encoder wrote each other's activations in the shared step arena (58
+    of 60 outputs wrong in a probe, without an error).  While one thread is inside, another is
+    refused at once; the first one's result is untouched."""
+    enc = MiniLMEncoder(weights=weights)
+    inside, leave = threading.Event(), threading.Event()
+    real = enc.model._embed
+
+    def held_embed(batch, step):  # the first thread stops inside its forward
+        inside.set()
+        assert leave.wait(60)
+        return real(batch, step)
+
+    enc.model._embed = held_embed
+    got = []
+    first = threading.Thread(target=lambda: got.append(enc.encode(ref["texts"])))
+    first.start()
+    try:
+        assert inside.wait(60)
+        for call in (lambda: enc.encode(["another text"]), lambda: enc.tokenize(["another text"]),
+                     lambda: enc.model.forward(pack_batch([np.array([101, 102])]))):
+            with pytest.raises(RuntimeError, match="is already running a call on another thread: its forwards "
+                                                   "share one step arena"):
+                call()
+    finally:
+        leave.set()
+        first.join(60)
+    assert np.abs(got[0] - ref["emb"]).max() < TOL
+    del enc.model._embed
+    assert np.abs(enc.encode(ref["texts"]) - ref["emb"]).max() < TOL  # and free again after
+
+
 def test_encode_is_pool_of_encode_tokens_bit_for_bit(encoder, ref):
     # The encoder-cache consumer pools the token outputs it loads with the same function.
     hidden = encoder.encode_tokens(ref["texts"]).hidden_states

@@ -118,6 +118,19 @@ def test_bad_input_on_one_rank_raises_on_every_rank(weights):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_an_encoder_on_a_freed_group_says_so(weights):
+    # After destroy_distributed() its group's communicators are gone: MPI's own error was
+    # "Invalid communicator ... Null communicator" from inside the input agreement.
+    from vtnumba.dist import destroy_distributed, init_distributed
+
+    enc = MiniLMEncoder(init_distributed(), weights=weights, timeout_s=60)
+    assert enc.encode(["hello"]).shape == (1, 384)
+    destroy_distributed()
+    with pytest.raises(RuntimeError, match=r"group 'tp' was freed \(destroy_distributed\(\) ran\)"):
+        enc.encode(["hello"])
+
+
+@pytest.mark.mpi(min_size=2)
 def test_different_texts_on_different_ranks_are_refused(weights):
     enc = MiniLMEncoder(COMM, weights=weights, timeout_s=60)
     with pytest.raises(RuntimeError, match="given different texts"):

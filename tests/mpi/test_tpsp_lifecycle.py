@@ -341,3 +341,34 @@ def test_cuda_backend_checks_on_the_device(group, device_backend):
         assert h.closed
 
     collectively(body)
+
+
+def test_a_handle_serves_one_thread_at_a_time(backend, group):
+    """Threads sharing a handle stepped its flags' epochs out of order ('flags are epoch
+    counters and must not decrease') and broke it on every rank.  A second thread is now
+    refused before it touches anything, and the handle is not broken by it."""
+    import threading
+
+    def body():
+        h = _open(backend, group, name="threads")
+        a = _inputs(group)
+        errors = []
+
+        def second_thread():
+            try:
+                _call(backend, h, a)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
+        with h.caller:  # as if another thread of this rank were inside a call
+            t = threading.Thread(target=second_thread)
+            t.start()
+            t.join(30)
+        assert len(errors) == 1 and "TPSP handle 'threads' is already running a call on another thread" in errors[0]
+        assert h.broken is None
+        out, _ = _call(backend, h, a)  # every rank's next call pairs up as before
+        assert np.isfinite(out).all()
+        backend.close(h)
+
+    collectively(body)
+

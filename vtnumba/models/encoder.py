@@ -34,7 +34,8 @@ import numpy as np
 from mpi4py import MPI
 
 from vtnumba.backend.arrays import is_int
-from vtnumba.dist.comm import DEFAULT, resolve_timeout, wait_request
+from vtnumba.backend.single_caller import SingleCaller
+from vtnumba.dist.comm import DEFAULT, check_group, resolve_timeout, wait_request
 from vtnumba.models.minilm import MiniLMModel, check_tp_size, pool_embedding
 from vtnumba.models.minilm_batch import pack_batch
 from vtnumba.models.minilm_tokenizer import MiniLMTokenizer
@@ -81,6 +82,10 @@ class MiniLMEncoder:
             a longer text does: ``"truncate"`` (with a warning) or ``"error"``.
         timeout_s: how long any MPI exchange may wait before raising (default: the process's
             default timeout, :func:`vtnumba.dist.comm.default_timeout`).
+
+    One thread at a time: a call from a second thread while one runs raises RuntimeError
+    (:class:`~vtnumba.backend.single_caller.SingleCaller`) -- the forwards share one step
+    arena, and with tp > 1 every rank must make the collectives in the same order.
     """
 
     def __init__(
@@ -122,6 +127,8 @@ class MiniLMEncoder:
         self._regular = RegularReduceNorm(self.group, timeout_s=self.timeout_s)
         self.tokenizer = MiniLMTokenizer(self.weights.model_dir, max_seq_length=max_seq_length, on_long=on_long)
         self.model = MiniLMModel(self.weights, reduce_norm=self._regular, group=self.group, backend=backend)
+        self._caller = SingleCaller("this MiniLMEncoder", "its forwards share one step arena (and, with tp > 1, "
+                                    "every rank must make its collectives in the same order)")
         self.mode = "regular"
         if reduce_norm is not None:
             self.model.set_reduce_norm(reduce_norm)
@@ -157,6 +164,7 @@ class MiniLMEncoder:
             if error is not None:
                 raise error
             return
+        check_group(self.group)  # (freed by destroy_distributed(): said here, not by MPI as a null communicator)
         if token_ids is not None:
             lengths = np.asarray([t.size for t in token_ids], dtype=np.int64)
             crc = zlib.crc32(np.concatenate(token_ids).tobytes(), zlib.crc32(lengths.tobytes()))
@@ -185,13 +193,14 @@ class MiniLMEncoder:
 
         ``batch_size`` is only validated here, so that a bad one fails in the agreement too.
         """
-        try:
-            _check_batch_size(batch_size)
-            ids, err = self.tokenizer.encode(texts), None
-        except (TypeError, ValueError) as exc:
-            ids, err = None, exc
-        self._agree(err, ids, batch_size)
-        return ids
+        with self._caller:
+            try:
+                _check_batch_size(batch_size)
+                ids, err = self.tokenizer.encode(texts), None
+            except (TypeError, ValueError) as exc:
+                ids, err = None, exc
+            self._agree(err, ids, batch_size)
+            return ids
 
     # -- forward --------------------------------------------------------------------------
     def _check_ids(self, token_ids) -> list[np.ndarray]:
@@ -215,13 +224,14 @@ class MiniLMEncoder:
 
         Collective when tp > 1, like :meth:`tokenize`: the ranks agree on the ids first.
         """
-        try:
-            ids, err = self._check_ids(token_ids), None
-            _check_batch_size(batch_size)
-        except (TypeError, ValueError) as exc:
-            ids, err = None, exc
-        self._agree(err, ids, batch_size)
-        return self._forward_ids(ids, batch_size)
+        with self._caller:
+            try:
+                ids, err = self._check_ids(token_ids), None
+                _check_batch_size(batch_size)
+            except (TypeError, ValueError) as exc:
+                ids, err = None, exc
+            self._agree(err, ids, batch_size)
+            return self._forward_ids(ids, batch_size)
 
     def _forward_ids(self, ids: list[np.ndarray], batch_size: int) -> list[np.ndarray]:
         order = sorted(range(len(ids)), key=lambda i: -ids[i].size)  # longest first, like sentence-transformers
@@ -237,8 +247,9 @@ class MiniLMEncoder:
 
     def encode_tokens(self, texts: Sequence[str], batch_size: int = 64) -> TokenOutputs:
         """Per-text token-level outputs and token ids (the encoder cache's unit of storage)."""
-        ids = self.tokenize(texts, batch_size)
-        return TokenOutputs(self._forward_ids(ids, batch_size), ids)
+        with self._caller:  # (held from the ids to the copies out of the step arena)
+            ids = self.tokenize(texts, batch_size)
+            return TokenOutputs(self._forward_ids(ids, batch_size), ids)
 
     def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
         """Sentence embeddings ``[n, H]`` float32: mean over real tokens, L2-normalised."""

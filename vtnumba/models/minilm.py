@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vtnumba.backend.arrays import check_int, is_int
+from vtnumba.backend.single_caller import SingleCaller
 from vtnumba.kernels import activation, attention, gather_rows
 from vtnumba.models.minilm_batch import PackedBatch
 from vtnumba.models.minilm_weights import LayerWeights, MiniLMConfig, MiniLMWeights
@@ -190,6 +191,7 @@ class MiniLMModel:
                       "local_width": self.local_heads * cfg.head_dim,
                       "local_intermediate": self.layers[0].intermediate.output_size_per_partition}
         self.buffers = StepBuffers(backend)
+        self._caller = SingleCaller("this MiniLMModel", "its forwards share one step arena")
 
     def row_parallel_projections(self) -> list[tuple[str, RowParallelLinear, LayerNorm]]:
         """``(name, projection, norm)`` for each row-parallel projection + LayerNorm, in forward order.
@@ -265,11 +267,12 @@ class MiniLMModel:
         self._check_batch(batch)
         n = len(self.layers) if num_layers is None else check_int("num_layers", num_layers, min_value=0,
                                                                    max_value=len(self.layers))
-        step = self.buffers.start(batch, self._dims, self.tp, self.rank)
-        cur = self._embed(batch, step)
-        for i in range(n):
-            cur = self._layer(i, cur, step)
-        return step.rows(cur)
+        with self._caller:
+            step = self.buffers.start(batch, self._dims, self.tp, self.rank)
+            cur = self._embed(batch, step)
+            for i in range(n):
+                cur = self._layer(i, cur, step)
+            return step.rows(cur)
 
     def embed(self, batch: PackedBatch):
         """The hidden state after the embeddings and their LayerNorm (``forward_view`` with no layers)."""
@@ -278,8 +281,9 @@ class MiniLMModel:
     def forward(self, batch: PackedBatch, num_layers: int | None = None) -> np.ndarray:
         """``last_hidden_state`` of the packed batch, ``[T, H]`` float32 numpy in memory of its own
         (``num_layers``: run only the first n).  On a device this is the forward's one download."""
-        host = self.backend.to_host(self.forward_view(batch, num_layers))
-        return host.copy() if self.backend.capabilities.host_addressable else host
+        with self._caller:  # (until the result is out of the step arena)
+            host = self.backend.to_host(self.forward_view(batch, num_layers))
+            return host.copy() if self.backend.capabilities.host_addressable else host
 
     def close(self) -> None:
         """Give the step arena back to the backend (the next forward makes a new one)."""

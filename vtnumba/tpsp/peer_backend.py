@@ -31,6 +31,7 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.arrays import cdiv, is_int
+from vtnumba.backend.single_caller import SingleCaller
 from vtnumba.dist import agree_errors, all_ranks_ready, allgather_bytes, get_group
 from vtnumba.dist.comm import DEFAULT, resolve_timeout
 from vtnumba.tpsp.backend import TPSPBackend
@@ -80,6 +81,8 @@ class TPSPHandle:
         #: raises: close the handle and open a new one).
         self.broken: str | None = None
         self.calls = 0
+        # One call at a time: a call writes the workspace and steps the flags' epochs.
+        self.caller = SingleCaller(f"TPSP handle {name!r}", "a call writes its workspace and steps its flags")
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("broken" if self.broken else "open")
@@ -295,6 +298,10 @@ class PeerTPSPBackend(TPSPBackend):
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} for group {self.group_name!r} is closed")
         h = self._handle(handle)
+        with h.caller:  # (a second thread is refused before it touches anything: the call in progress goes on)
+            return self._call(h, x, w, bias, residual, norm_weight, eps, norm_bias, norm, config, out, new_residual)
+
+    def _call(self, h, x, w, bias, residual, norm_weight, eps, norm_bias, norm, config, out, new_residual):
         ws = h.workspace
         try:
             cfg = self._resolve_config(h, config)
