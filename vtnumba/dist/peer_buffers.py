@@ -99,6 +99,8 @@ class PeerBuffers:
             backend = default_backend()
         if not isinstance(backend, Backend):
             raise TypeError(f"backend must be a vtnumba Backend, got {type(backend).__name__}")
+        if backend.closed:
+            raise RuntimeError(f"backend {backend.name} on {backend.device} was closed; make a new backend")
         if _fail_stage not in ("export", "open"):
             raise ValueError(f"_fail_stage={_fail_stage!r} must be 'export' or 'open'")
         self.group = group

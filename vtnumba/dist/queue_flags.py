@@ -189,6 +189,7 @@ class QueueFlags:
         (:meth:`~vtnumba.backend.Backend.read_flag_word`): this runs for error messages while a
         stream may be stuck on these very words, and a plain device-to-host copy has no deadline.
         """
+        self._check_open()
         area = self._areas[self.group.rank]
         words = host_view(area)
         if words is None:
@@ -198,6 +199,8 @@ class QueueFlags:
 
     def missing(self) -> str:
         """The awaited flags that have not arrived (for error messages), or a note that all have."""
+        if self.closed:  # (used while reporting another error: it must not raise one of its own)
+            return "unknown (the flags were closed)"
         try:
             got = self.received()
         except RuntimeError as exc:  # (a device read that did not finish: the message goes on without it)
@@ -413,6 +416,8 @@ class QueueFlags:
         """Store :data:`RELEASED` into every word this rank's queues may wait on (its own area)
         and into its own source word in every peer's area, so no stream stays blocked on a flag
         (see :meth:`fail` for the order a failing rank uses)."""
+        if self.closed:  # nothing left to release: close() ran after every queue had finished
+            return
         me, n = self.group.rank, self.group.size
         with self.backend.defer_frees():  # (see fail)
             for r in range(n):

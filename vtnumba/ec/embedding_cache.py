@@ -180,6 +180,11 @@ class EmbeddingCache:
         with self._lock:
             return any(not e.ready or e.pinned for e in self._entries.values())
 
+    def not_ready(self) -> list[str]:
+        """Keys whose save has not been confirmed (their blocks are held, nothing can read them)."""
+        with self._lock:
+            return [k for k, e in self._entries.items() if not e.ready]
+
     def eviction_order(self) -> list[str]:
         """Keys that would be evicted, in the order they would go."""
         with self._lock:

@@ -248,8 +248,22 @@ class ECScheduler:
         return self.cache is not None and self.cache.has_held_entries()
 
     def shutdown(self) -> None:
-        """Forget everything scheduled and not yet confirmed (the workers have stopped)."""
+        """Forget everything scheduled and not yet confirmed (the workers have stopped).
+
+        Its blocks come back too: an entry whose save was never confirmed is discarded, and
+        (``both``) the pins of this scheduler's own loads are dropped -- otherwise those blocks
+        stayed held for good and :meth:`has_pending_work` stayed True.  Reads granted to a
+        remote consumer (:meth:`grant_read`) stay pinned until its :meth:`release_read`.
+        """
         with self._lock:
+            own_loads = [h for h, _, _ in self._load_acks.values()]  # (scheduled or dispatched, not released)
             self._pending_saves.clear()
             self._pending_loads.clear()
             self._load_acks.clear()
+            if self.cache is None:
+                return
+            if self.role == "both":
+                for mm_hash in own_loads:
+                    self.cache.unpin(mm_hash)
+            for mm_hash in self.cache.not_ready():
+                self.cache.discard(mm_hash)

@@ -753,7 +753,11 @@ class ECWorker:
         """Drain in-flight copies, then release queues, events and unreferenced load buffers."""
         if self._shut_down:
             return
-        self.wait()
+        # A backend closed first (a teardown in that order) already finished every copy, and
+        # refuses all work: only this worker's own bookkeeping is left to release.
+        live = not self.backend.closed
+        if live:
+            self.wait()
         self._shut_down = True
         # The copies are done; their completions are dropped (nobody is stepping any more)
         # and their resources return to the pools, to be destroyed below.
@@ -766,15 +770,17 @@ class ECWorker:
         self._inflight_loads.clear()
         if self._save_bufs is not None:  # descriptors written but never flushed: dropped
             self._release_save_batch()
-        self._destinations.drain()
-        if self._own_allocator:
-            self.allocator.empty_cache()  # views still alive keep their own bytes (numpy base)
+        if live:
+            self._destinations.drain()
+            if self._own_allocator:
+                self.allocator.empty_cache()  # views still alive keep their own bytes (numpy base)
         for q in self._all_queues:
-            self.backend.destroy_queue(q)
+            self.backend.destroy_queue(q)  # (after close() as well: only released then)
         self._all_queues.clear()
         self._queue_pool.clear()
-        for e in self._event_pool:
-            self.backend.destroy_event(e)
+        if live:
+            for e in self._event_pool:
+                self.backend.destroy_event(e)
         self._event_pool.clear()
         if self._own_compute_queue:
             self.backend.destroy_queue(self.compute_queue)

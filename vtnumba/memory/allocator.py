@@ -559,6 +559,9 @@ class CachingAllocator:
                              f"not to this allocator's backend {self.backend.name} on {self.backend.device}")
         if queue.destroyed:
             raise RuntimeError(f"{name}={queue.name} was destroyed")
+        if self.backend.closed:  # (a cached block would still be handed out: refuse as the backend does)
+            raise RuntimeError(f"this allocator's backend {self.backend.name} on {self.backend.device} was closed; "
+                               "make a new backend and allocator")
 
     def _check_block(self, name: str, block) -> None:
         if not isinstance(block, Block):

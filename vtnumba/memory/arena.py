@@ -105,6 +105,9 @@ class StepArena:
     def _check_open(self) -> None:
         if self._slab is None:
             raise RuntimeError("StepArena was closed; create a new one")
+        if self.backend.closed:  # (its slab would still hand out views: refuse as the backend does)
+            raise RuntimeError(f"StepArena's backend {self.backend.name} on {self.backend.device} was closed; make "
+                               "a new backend and arena")
 
     def __repr__(self) -> str:
         return f"<StepArena {self.used}/{self.capacity} B used, step {self.steps}>"
