@@ -7,10 +7,13 @@ on one rank fails the test on every rank instead of leaving a peer blocked.
 """
 
 
+import time
+
 import pytest
 
 from mpi_helpers import COMM, collectively
 from vtnumba import dist
+from vtnumba.backend.polling import WaitTimeout
 from vtnumba.dist.peer_buffers import PeerAccessError
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120)]
@@ -152,6 +155,15 @@ def test_barrier_that_a_peer_never_joins_times_out(fresh):
             err = "no timeout"
         except RuntimeError as exc:
             err = str(exc)
+        # The group now knows it can never match up again: the next collectives (a teardown's
+        # chain of barriers, say) raise at once instead of each waiting out its timeout.
+        t0 = time.monotonic()
+        for later in (lambda: dist.barrier(probe, timeout_s=30), lambda: dist.allgather_bytes(b"x", probe, 30),
+                      lambda: dist.agree_errors(None, probe, timeout_s=30)):
+            with pytest.raises(WaitTimeout, match=r"no collective on group 'probe' .* was attempted: an earlier "
+                                                  r"barrier on it timed out after 0.3 s"):
+                later()
+        assert time.monotonic() - t0 < 5
     COMM.Barrier()
     if me != 0:
         dist.barrier(probe, timeout_s=10)  # completes rank 0's abandoned request, so nothing dangles

@@ -15,6 +15,8 @@ polling), so a peer that never arrives produces a clear ``RuntimeError`` after
 ``timeout_s`` instead of a hang.  MPI cannot cancel a collective that a peer never joined,
 so after such a timeout the communicator is unusable: the error says so, and the right
 reaction is to abort the job (``python -m mpi4py`` does that for an uncaught exception).
+The group remembers it (``ProcessGroup.unusable``): every later collective on it raises at
+once, so a teardown's chain of barriers after a lost peer takes one timeout, not one each.
 """
 
 from __future__ import annotations
@@ -81,11 +83,22 @@ def wait_request(req: MPI.Request, group, what: str, timeout_s: float = DEFAULT)
     cores than ranks), then short sleeps so a long wait does not burn a core.
     """
     timeout_s = resolve_timeout(timeout_s)
-    poll_until(req.Test, timeout_s,
-               lambda waited: f"{what} on {_describe(group)} timed out after {timeout_s:g} s: at least one peer "
-                              "rank never joined (it crashed, hangs, or took another code path). The MPI request "
-                              "cannot be cancelled, so this communicator is unusable; abort the job.",
-               error=WaitTimeout)
+    earlier = getattr(group, "unusable", None)
+    if earlier:
+        # A teardown runs one collective step after another (close: barrier, unmap, barrier...):
+        # each waiting out its own timeout for a peer that is gone made it take minutes.
+        raise WaitTimeout(f"{what} on {_describe(group)} was not attempted: {earlier}, so the group's "
+                          "communicators can no longer match up; abort the job.")
+    try:
+        poll_until(req.Test, timeout_s,
+                   lambda waited: f"{what} on {_describe(group)} timed out after {timeout_s:g} s: at least one peer "
+                                  "rank never joined (it crashed, hangs, or took another code path). The MPI request "
+                                  "cannot be cancelled, so this communicator is unusable; abort the job.",
+                   error=WaitTimeout)
+    except WaitTimeout:
+        if group is not None:
+            group.unusable = f"an earlier {what} on it timed out after {timeout_s:g} s"
+        raise
 
 
 def barrier(group, timeout_s: float = DEFAULT) -> None:
@@ -194,6 +207,9 @@ def check_group(group) -> None:
     if getattr(group, "freed", False):
         raise RuntimeError(f"group {group.name!r} was freed (destroy_distributed() ran); call init_distributed() "
                            "again and use the group it returns")
+    if getattr(group, "unusable", None):  # (checked again by wait_request: a request posted without this check)
+        raise WaitTimeout(f"no collective on {_describe(group)} was attempted: {group.unusable}, so the "
+                          "group's communicators can no longer match up; abort the job.")
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT", "set_default_timeout", "default_timeout", "resolve_timeout", "wait_request", "barrier", "all_ranks_ready", "allgather_bytes", "agree_errors", "check_group"]

@@ -73,6 +73,11 @@ class ProcessGroup:
     size: int = field(init=False)
     #: True once :func:`destroy_distributed` has freed the group's communicators; do not use it after.
     freed: bool = field(default=False, init=False)
+    #: None while usable; once a collective on the group timed out, what timed out.  The MPI
+    #: request of a timed-out collective cannot be cancelled, so the group's communicators can
+    #: never match up again: every later collective on it raises at once (see
+    #: :func:`~vtnumba.dist.comm.wait_request`) instead of waiting out its own timeout.
+    unusable: str | None = field(default=None, init=False)
 
     def __post_init__(self):
         self.rank = self.comm.Get_rank()
