@@ -260,6 +260,32 @@ def test_a_tutorial_ends_when_one_rank_fails(tmp_path, how, wait, limit):
         assert "timed out after 3 s" in out and "rank 1 is stopped (SIGSTOP): ended it (SIGKILL)" in out, out
 
 
+_LAST_STEP = '''"""A lesson whose rank 1 stops after its last collective step, while rank 0 finishes."""
+import os
+import signal
+
+from vtnumba.apps.tutorial import start
+
+lesson = start("a lesson that ends")
+lesson.check(True, "everyone is here")
+if lesson.rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)
+lesson.say("rank 0 is done")
+'''
+
+
+def test_a_tutorial_ends_when_a_rank_stops_after_its_last_step(tmp_path):
+    # Rank 0 had nothing left to wait for but MPI_Finalize, which a stopped peer keeps waiting
+    # for good: the job never ended.  A lesson that went well now leaves by the exit barrier.
+    script = tmp_path / "lesson.py"
+    script.write_text(_LAST_STEP)
+    proc, elapsed, out = _run_cmd([MPIEXEC, "-n", "2", sys.executable, str(script), "--target", "cpu",
+                                   "--timeout", "3"])
+    assert proc.returncode != 0 and elapsed < 30, (elapsed, out)
+    assert "rank 0 is done" in out and "a rank did not leave within 3 s" in out, out
+    assert "rank 1 is stopped (SIGSTOP): ended it (SIGKILL)" in out, out
+
+
 @pytest.fixture
 def weights():
     """The MiniLM checkpoint the embed jobs load (looked up here first: skipped where it is not

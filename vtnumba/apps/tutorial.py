@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import bisect
 import contextlib
 import hashlib
@@ -455,8 +456,10 @@ def _end_together_on_failure(timeout_s: float) -> None:
     set_default_timeout(timeout_s)
     failures.install()
     previous = sys.excepthook
+    failed = []
 
     def hook(exc_type, exc, tb):
+        failed.append(exc)
         if isinstance(exc, Exception):
             failures.arm_exit_watchdog(timeout_s)  # from here on, nothing may keep this rank alive
         if not getattr(exc, "caused_by_peer", False):
@@ -467,7 +470,15 @@ def _end_together_on_failure(timeout_s: float) -> None:
             # does not return if one never does.
             failures.exit_after_failure(timeout_s)
 
+    def at_the_end():
+        # A lesson that went well ends with the same exit barrier: a peer stopped after its
+        # last collective step (a debugger, SIGSTOP) kept this rank's MPI_Finalize waiting for
+        # good.  (Registered after mpi4py's own exit handler, so it runs before MPI_Finalize.)
+        if not failed:
+            failures.end_together(timeout_s)
+
     sys.excepthook = hook
+    atexit.register(at_the_end)
 
 
 def start(description: str, extra_args=None) -> Lesson:

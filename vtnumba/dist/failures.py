@@ -267,6 +267,14 @@ def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
             os._exit(code)
 
 
+def end_together(timeout_s: float = DEFAULT, code: int = 0) -> int:
+    """A *successful* rank's way out, for a script that has no ``main()`` for
+    :func:`run_collectively` (a tutorial): the exit barrier, returning ``code`` when every
+    rank arrives -- else, a peer being stopped or hung, which would keep this rank's
+    ``MPI_Finalize`` waiting for good, it ends the stopped peers and leaves without it."""
+    return _leave_together(timeout_s, code, succeeded=True)
+
+
 def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
     """Run ``main()`` -> exit code on every rank; on any failure, report it to the peers, print
     one line naming the rank and the phase, and leave with :func:`exit_after_failure`."""
@@ -281,4 +289,4 @@ def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
 
 
 __all__ = ["EXIT_GRACE_S", "PeerFailed", "FailureBoard", "phase", "current_phase", "install", "uninstall", "report",
-           "end_stopped_peers", "arm_exit_watchdog", "exit_after_failure", "run_collectively"]
+           "end_stopped_peers", "arm_exit_watchdog", "exit_after_failure", "end_together", "run_collectively"]
