@@ -116,6 +116,16 @@ def test_pipeline_demo_stopped_consumer_ends_within_the_timeout(weights):
     assert vtnumba_shm() == before
 
 
+def test_pipeline_demo_consumer_stopped_in_setup_is_named_by_the_producer(weights):
+    # The other encoder rank used to wait for encoder rank 0 no longer than rank 0 waited for
+    # the consumer, and timed out at the same moment, blaming rank 0 for the consumer's stop.
+    proc = vt("demo", "--target", "cpu", "--timeout", "3", "--inject", "stop:2:opened", timeout=120)
+    assert proc.returncode != 0
+    assert said(proc, 0, "rank 0 gave up waiting for rank 2 after 3 s"), proc.stderr
+    assert said(proc, 1, "because rank 0 failed"), proc.stderr
+    assert not said(proc, 1, "timed out"), proc.stderr
+
+
 def test_pipeline_demo_killed_producer_leaves_nothing(weights):
     before = vtnumba_shm()
     # The kill ends the job at once; --timeout only bounds the consumer's wait for the region's

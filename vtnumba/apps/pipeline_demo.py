@@ -197,6 +197,11 @@ class _Pipeline:
         from vtnumba.dist.comm import barrier, wait_request
 
         enc, group = self.tpe.encoder, self.tpe.group
+        # Encoder rank 0 gets here only once the consumer has answered its region (the
+        # endpoint's setup, a wait of up to wait_for_consumer): the other encoder ranks wait that
+        # long plus one timeout, so that a stopped consumer is named by rank 0, which times out
+        # first, and not rank 0 by them.
+        barrier(group, self.wait_for_consumer + self.timeout)
         ids = enc.tokenize(self.corpus)
         tokens = sum(len(t) for t in ids)
         modes = ["regular"] + (["tpsp"] if self.tpe.tpsp_enabled else [])
