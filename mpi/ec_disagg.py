@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--region-fraction", type=positive_number, default=0.06,
                    help="region size as a fraction of all entries' bytes (small = eviction pressure) (default 0.06)")
     p.add_argument("--region-mib", type=positive_number, default=None,
-                   help="region size in MiB (overrides the fraction)")
+                   help="region size in MiB (overrides the fraction; at least the largest entry: "
+                        "max-rows x hidden x dtype)")
     p.add_argument("--saves-per-step", type=positive_int, default=3, help="entries the encoder tries to save per step (default 3)")
     p.add_argument("--loads-per-step", type=positive_int, default=2, help="entries the consumer asks for per step (default 2)")
     p.add_argument("--seed", type=non_negative_int, default=0,
@@ -332,11 +333,18 @@ def _main(args) -> int:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() < 2:  # (a usage error, said once: not a failure of rank 0)
+        parser.error("needs at least 2 ranks (an encoder and a consumer): mpiexec -n 2 python mpi/ec_disagg.py")
+    largest = args.max_rows * args.hidden * np.dtype(args.dtype).itemsize
+    if args.region_mib is not None and args.region_mib * (1 << 20) < largest:
+        parser.error(f"--region-mib={args.region_mib:g} is smaller than the largest entry ({largest / 2**20:.3g} MiB: "
+                     f"--max-rows={args.max_rows} rows of --hidden={args.hidden} x {args.dtype}), which could never "
+                     "be saved")
     if args.inject is not None:
         # Only now is the job's size known: refuse a fault whose rank never passes its point
         # (rank 0 is the producer, rank 1 the consumer leader, the rest its other consumer ranks).
-        from mpi4py import MPI
-
         from vtnumba.ec.endpoints import points_passed
 
         size = MPI.COMM_WORLD.Get_size()

@@ -108,6 +108,16 @@ def test_a_fault_that_could_never_fire_is_refused_once_under_mpiexec(spec, words
     assert "OK" not in p.stdout
 
 
+@pytest.mark.parametrize("ranks, args, words", [
+    (2, ["--region-mib", "0.0001"], "--region-mib=0.0001 is smaller than the largest entry"),  # was enlarged silently
+    (1, [], "needs at least 2 ranks (an encoder and a consumer)"),  # was '[rank 0] failed while running'
+])
+def test_a_job_that_cannot_run_is_a_usage_error_said_once(ranks, args, words):
+    p = _run(ranks, *SMALL, *args, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.count(words) == 1 and "Traceback" not in p.stderr and "failed" not in p.stderr, p.stderr
+
+
 def test_a_fault_the_run_never_reached_fails_the_job_at_its_end():
     # 16 entries may take fewer than 16 save steps: the spec is legal, the run decides -- and a
     # fault that never fired must not let a fault test pass without testing anything.
