@@ -341,3 +341,13 @@ def test_a_huge_timeout_still_arms_the_exit_watchdog():
         arm_exit_watchdog(1e10)
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def test_a_failure_without_a_message_says_what_it_was():
+    # Ctrl-C (SIGINT from mpiexec) printed '[rank r] failed while running: KeyboardInterrupt: '.
+    from vtnumba.dist import failures
+
+    assert failures.report(KeyboardInterrupt()).endswith(
+        "failed while running: KeyboardInterrupt: interrupted (Ctrl-C, or SIGINT from mpiexec)")
+    assert failures.report(RuntimeError()).endswith("failed while running: RuntimeError: no message")
+    assert failures.report(ValueError("bad x")).endswith("failed while running: ValueError: bad x")

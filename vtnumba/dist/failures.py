@@ -167,7 +167,9 @@ def report(exc: BaseException) -> str:
         return f"[rank {rank}] stopped while {where}, because {exc.text}"
     if getattr(exc, "caused_by_peer", False):
         return f"[rank {rank}] stopped while {where}, because {exc}"
-    what = f"failed while {where}: {type(exc).__name__}: {exc}"
+    # (An exception without a message -- KeyboardInterrupt from Ctrl-C -- says what it is instead.)
+    detail = str(exc) or {KeyboardInterrupt: "interrupted (Ctrl-C, or SIGINT from mpiexec)"}.get(type(exc), "no message")
+    what = f"failed while {where}: {type(exc).__name__}: {detail}"
     if board is not None:
         try:
             board.post(f"rank {rank} {what}")

@@ -81,7 +81,7 @@ class TPSPOp:
             when = f"fused from {threshold} tokens" if threshold else "TPSP disabled"
             raise type(exc)(f"{exc} [TPSPOp {self.name!r}: this rank was called with T={T} tokens and took the "
                             f"{'fused' if fused else 'regular'} path ({when}); every rank of the group must be "
-                            "called with the same T]") from exc
+                            "called with the same T -- or, if they were, the peer is stopped or hung]") from exc
 
     def __repr__(self) -> str:
         mode = "regular only" if self.context is None else \
