@@ -66,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline: search queries (default: built-in ones)")
     p.add_argument("--no-tpsp", action="store_true", help="pipeline: encode with the regular forward only")
     p.add_argument("--timeout", type=float, default=None,
-                   help="pipeline: seconds any wait for another rank may take before the demo gives up "
-                        "(default: vtnumba.dist.DEFAULT_TIMEOUT_S = 60)")
+                   help="pipeline: seconds a wait for another rank may take before the demo gives up "
+                        "(default: vtnumba.dist.DEFAULT_TIMEOUT_S = 60); a wait that spans the awaited "
+                        "rank's own wait gets that much longer, so the rank waiting directly for a stopped "
+                        "one names it")
     p.add_argument("--fail-at", type=int, default=None, help=argparse.SUPPRESS)  # test hook: consumer raises
     # Test hook (vtnumba.ec.endpoints.FaultInjection): how:rank:point[@n], e.g. stop:2:loading.
     p.add_argument("--inject", default=None, help=argparse.SUPPRESS)
