@@ -51,3 +51,13 @@ def test_a_blank_text_is_refused_before_the_model_loads():
     assert proc.returncode == 2, err
     assert err.count("vtnumba embed: error: TEXT argument 2 ('  ') is empty; expected a text with at least one word") \
         == 1, err
+
+
+def test_a_rank_count_that_does_not_divide_the_heads_is_said_once_before_loading():
+    # It was '[rank r] failed while loading the model: ValueError: tp_size=5 ...' from every rank.
+    proc = _embed(b"a fine sentence", mpiexec=5)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 2, err
+    assert err.count("vtnumba embed: error: tp_size=5 does not divide the model's 12 attention heads; expected one "
+                     "of [1, 2, 3, 4, 6, 12]") == 1, err
+    assert "loading all-MiniLM-L6-v2" not in err and "failed" not in err, err

@@ -8,7 +8,8 @@ prints, on rank 0, one embedding per text -- or, with ``--json``, a list of
 Bad input ends the command with status 2 and one message on rank 0, on every rank alike:
 each rank gets the same arguments, and the encoder's ranks agree on its input before any
 forward.  A TEXT whose bytes are not UTF-8 (the shell passes bytes; Python keeps the ones
-it cannot decode as lone surrogates) is refused before the model is even loaded.
+it cannot decode as lone surrogates) is refused before the model is even loaded, and so is
+a rank count that does not divide the heads (read from the model's config alone).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def run_embed(args) -> int:
 
     from vtnumba.dist import destroy_distributed, init_distributed, phase
     from vtnumba.faults import parse_inject
+    from vtnumba.models import MiniLMConfig, check_tp_size, find_minilm_dir
     from vtnumba.models.tp_runtime import TensorParallelEncoder
 
     group = init_distributed()
@@ -64,6 +66,14 @@ def run_embed(args) -> int:
         except ValueError as exc:
             raise InputRejected(str(exc)) from None
         hook = hook or (lambda _point: None)
+        # The job's size is the tensor-parallel size: one that does not divide the model's heads
+        # is refused by every rank alike, from the config alone -- before loading the weights,
+        # and said once (it was a failure printed by every rank, after loading).
+        config = MiniLMConfig.from_dir(find_minilm_dir())
+        try:
+            check_tp_size(group.size, config)
+        except ValueError as exc:
+            raise InputRejected(f"{exc} -- run it with mpiexec -n set to one of those") from None
         # Progress on rank 0, to stderr (stdout is the result, e.g. --json): loading and the
         # first call's kernel compilation take seconds.
         say = (lambda text: print(text, file=sys.stderr, flush=True)) if group.rank == 0 else (lambda text: None)
