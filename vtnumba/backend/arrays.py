@@ -116,16 +116,16 @@ def check_eps(eps) -> float:
     return eps
 
 
-def numeric_dtype(name: str, dtype) -> np.dtype:
+def numeric_dtype(name: str, dtype, use: str = "view raw memory") -> np.dtype:
     """``dtype`` as a numpy dtype that raw memory can hold (a number type: bool, int, float,
     complex); TypeError naming ``name`` for anything else -- a typo like ``"foo"``, ``object``,
-    strings, records."""
+    strings, records, datetimes.  ``use`` says what it was meant for, in the message."""
     try:
         dt = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"{name}={dtype!r} is not a numpy dtype; expected a number type such as float32") from None
     if dt.hasobject or dt.itemsize == 0 or dt.kind not in "biufc":
-        raise TypeError(f"{name}={dt} cannot view raw memory; expected a number type such as float32")
+        raise TypeError(f"{name}={dt} cannot {use}; expected a number type such as float32")
     return dt
 
 

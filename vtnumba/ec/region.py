@@ -71,7 +71,7 @@ from typing import Any
 import numpy as np
 
 from vtnumba.backend.address_ranges import register, unregister
-from vtnumba.backend.arrays import check_int, is_int
+from vtnumba.backend.arrays import check_int, is_int, numeric_dtype
 from vtnumba.memory.shared_files import create_private_file, private_file_problem, unlink_private_file
 
 __all__ = ["ECRegionConfig", "ECRegionHandle", "ECSharedRegion", "ECRegionError", "create_ec_shared_region",
@@ -112,15 +112,7 @@ def _numpy_dtype(dtype) -> np.dtype:
     if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
         raise TypeError(f"dtype={dtype!r}: numpy has no bfloat16, so the host cannot reinterpret the region's "
                         "bytes as it; store bfloat16 embeddings as float16 or float32")
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype={dtype!r} is not a numpy dtype; expected e.g. 'float16' or 'float32'") from None
-    if dt.hasobject or dt.itemsize == 0 or dt.kind not in "biufc":
-        # (strings, structured records, datetimes: not the rows of an embedding)
-        raise TypeError(f"dtype={dt} cannot hold embeddings; expected a fixed-size numeric dtype such as "
-                        "float16 or float32")
-    return dt
+    return numeric_dtype("dtype", dtype, use="hold embeddings")
 
 
 @dataclass(frozen=True)
