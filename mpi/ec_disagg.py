@@ -39,7 +39,7 @@ import os
 import sys
 from collections import deque
 
-from vtnumba.apps.processes import RankZeroErrorsParser, share_cores_between_local_ranks
+from vtnumba.apps.processes import RankZeroErrorsParser, choose_target, share_cores_between_local_ranks
 from vtnumba.bench.runner import non_negative_int, positive_int, positive_number
 
 share_cores_between_local_ranks()  # before numpy loads its BLAS
@@ -353,9 +353,7 @@ def main(argv=None) -> int:
             args.inject.check_fires(size, lambda r: points_passed(r, PRODUCER, range(1, size), args.entries))
         except ValueError as exc:
             parser.error(str(exc))  # printed by rank 0; every rank exits 2
-    from vtnumba.target import select_target
-
-    select_target(args.target, source="--target")  # before anything imports numba.cuda
+    choose_target(parser, args.target)  # before anything imports numba.cuda
     from vtnumba.dist import run_collectively
     from vtnumba.dist.comm import set_default_timeout
 

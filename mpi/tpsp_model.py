@@ -35,7 +35,7 @@ import warnings
 
 
 def parse_args(argv=None):
-    from vtnumba.apps.processes import RankZeroErrorsParser
+    from vtnumba.apps.processes import RankZeroErrorsParser, choose_target
     from vtnumba.bench.runner import non_negative_int
 
     # (A usage error is printed by rank 0 only; every rank exits with status 2.)
@@ -86,6 +86,7 @@ def parse_args(argv=None):
             args.inject = FaultInjection.parse(args.inject, inject_passes(args.repeat), MPI.COMM_WORLD.Get_size())
         except ValueError as exc:
             p.error(str(exc))
+    choose_target(p, args.target)  # last: a usage error, and before anything imports numba.cuda
     return args
 
 
@@ -100,12 +101,12 @@ def inject_passes(repeat: int) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
     from vtnumba.apps.processes import share_cores_between_local_ranks
-    from vtnumba.target import select_target
+    from vtnumba.target import current_target
 
-    share_cores_between_local_ranks()  # before numpy loads its BLAS
-    target = select_target(args.target, source="--target")  # before anything imports numba.cuda
+    share_cores_between_local_ranks()  # before numpy loads its BLAS (choosing the target may load it)
+    args = parse_args(argv)
+    target = current_target()  # (chosen by parse_args)
     from vtnumba.dist import run_collectively
 
     return run_collectively(lambda: _run(args, target, args.inject), timeout_s=args.timeout)

@@ -44,6 +44,53 @@ def test_info_on_the_cuda_target_without_a_gpu_says_why_instead_of_a_traceback()
     assert "needs a usable GPU; run with --target cpu" in proc.stdout
 
 
+@pytest.mark.skipif(ON_GPU, reason="checks the message a machine without a GPU gets")
+@pytest.mark.parametrize("how", ["--target", "VTNUMBA_TARGET"])
+def test_the_cuda_target_without_a_gpu_is_a_usage_error_said_once_before_anything_runs(how):
+    # Every rank on this machine sees the same driver: rank 0 says it once, status 2, before
+    # the demo loads its model (it was every rank's own RuntimeError, after loading).
+    args, env = (("demo", "--target", "cuda"), None) if how == "--target" else (("demo",), {"VTNUMBA_TARGET": "cuda"})
+    proc = run_cli(*args, env_extra=env, mpiexec=2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert out.count(f"{how}=cuda, but this process finds no usable CUDA GPU") == 1, out
+    assert "use --target cpu or cudasim" in out and "loading the model" not in out and "Traceback" not in out
+
+
+def test_the_cuda_check_is_left_to_each_rank_when_the_job_spans_machines(monkeypatch):
+    # Ranks on other machines may have a GPU: one that left with a usage error here would keep
+    # them waiting, so each finds out when its backend is made (a failure the others hear).
+    import argparse
+
+    from vtnumba.apps import processes
+    from vtnumba.target import TargetChoice
+
+    monkeypatch.setattr("vtnumba.target.gpu_usable", lambda: (False, "no CUDA driver (libcuda) found"))
+    monkeypatch.setattr("vtnumba.target.select_target", lambda name, source: TargetChoice("cuda", f"{source}=cuda"))
+
+    class Refused(Exception):
+        pass
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise Refused(message)
+
+    for env, refused in (({"PMI_SIZE": "4", "MPI_LOCALNRANKS": "4"}, True),
+                         ({"PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"}, False),
+                         ({"PMI_SIZE": "4"}, False),
+                         ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, True),
+                         ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, False)):
+        for var in ("PMI_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+            monkeypatch.delenv(var, raising=False)
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        if refused:
+            with pytest.raises(Refused, match=r"--target=cuda, but this process finds no usable CUDA GPU \(no CUDA"):
+                processes.choose_target(Parser(), "cuda")
+        else:
+            assert processes.choose_target(Parser(), "cuda").name == "cuda", env
+
+
 def test_info_cudasim_and_auto_reason():
     sim = json.loads(run_cli("info", "--json", "--target", "cudasim").stdout)
     assert sim["target"] == "cudasim" and sim["simulator"] is True

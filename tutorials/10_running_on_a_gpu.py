@@ -330,7 +330,10 @@ lesson.say("done")
 # Common issues
 # -------------
 #
-# * ``--target cuda`` on a machine without a usable GPU fails when the backend is made:
+# * ``--target cuda`` on a machine without a usable GPU is refused before anything runs, as a
+#   usage error (status 2, said once by rank 0): ``--target=cuda, but this process finds no
+#   usable CUDA GPU (no CUDA driver (libcuda) found); use --target cpu or cudasim``.  From
+#   Python, ``select_target("cuda")`` is accepted and making the backend fails instead:
 #   ``RuntimeError: CUDABackend: no usable CUDA GPU (use VTNUMBA_TARGET=cpu or cudasim)``.
 #   ``vtnumba info`` (or ``--target auto``) tells you what the process can see;
 #   ``vtnumba --target cuda info`` prints its ``gpu`` line and an ``error`` line and exits 1.

@@ -15,7 +15,12 @@ import os
 import shutil
 import sys
 
-from vtnumba.apps.processes import RankZeroErrorsParser, check_output_folder, share_cores_between_local_ranks
+from vtnumba.apps.processes import (
+    RankZeroErrorsParser,
+    check_output_folder,
+    choose_target,
+    share_cores_between_local_ranks,
+)
 from vtnumba.bench.runner import positive_seconds
 from vtnumba.target import TARGETS, TargetError, select_target
 
@@ -39,7 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``vtnumba`` argument parser: one subcommand per program, each with ``--target``."""
     # The benchmark suites add their own flags; their modules load numpy, so main() has
     # shared the cores between ranks before this runs.
-    from vtnumba.bench.runner import BENCH_HELP, BENCH_SUITES, add_common_arguments, add_suite_arguments
+    from vtnumba.bench.runner import (
+        BENCH_HELP,
+        BENCH_SUITES,
+        add_common_arguments,
+        add_suite_arguments,
+    )
 
     parser = RankZeroErrorsParser(  # under mpiexec a usage error is printed once, not per rank
         prog="vtnumba",
@@ -123,11 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    # Choose the target first: nothing below may import numba.cuda before this line.
-    try:
-        select_target(_chosen_target(parser, args), source="--target")
-    except TargetError as exc:
-        parser.error(str(exc))
+    # Choose the target first: nothing below may import numba.cuda before this line.  (info
+    # is how to find out why cuda is not usable: it takes the cuda target as it is, and says.)
+    if args.command == "info":
+        try:
+            select_target(_chosen_target(parser, args), source="--target")
+        except TargetError as exc:
+            parser.error(str(exc))
+    else:
+        choose_target(parser, _chosen_target(parser, args))
 
     usage_error = _command_parser(parser, args).error
     if args.command == "info":

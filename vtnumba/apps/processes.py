@@ -10,8 +10,9 @@ does it by itself: ``import vtnumba`` changes nothing in the process.  An explic
 ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` always wins.
 
 Command lines under ``mpiexec``: :class:`RankZeroErrorsParser` prints a usage error once,
-and :func:`check_output_folder` refuses an output folder that cannot be written *before*
-the run, not after minutes of it.
+:func:`check_output_folder` refuses an output folder that cannot be written *before* the
+run, not after minutes of it, and :func:`choose_target` refuses ``--target cuda`` on a
+machine without a usable GPU before anything is loaded.
 """
 
 import argparse
@@ -49,6 +50,43 @@ class RankZeroErrorsParser(argparse.ArgumentParser):
         super().error(message)
 
 
+def _all_ranks_on_this_machine() -> bool:
+    """Whether every rank of the job runs on this machine (always so outside ``mpiexec``), from
+    what ``mpiexec`` tells each rank: MPICH's ``PMI_SIZE`` and ``MPI_LOCALNRANKS``, Open MPI's
+    ``OMPI_COMM_WORLD_SIZE`` and ``OMPI_COMM_WORLD_LOCAL_SIZE``.  Unknown counts say no."""
+    for world_var, local_var in (("PMI_SIZE", "MPI_LOCALNRANKS"),
+                                 ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")):
+        if world_var in os.environ:
+            return os.environ.get(local_var) == os.environ[world_var]
+    return world_rank() is None
+
+
+def choose_target(parser: argparse.ArgumentParser, name: str | None, *, source: str = "--target"):
+    """:func:`vtnumba.target.select_target` for a program: a bad name, or the ``cuda`` target
+    (asked for by ``source`` or ``VTNUMBA_TARGET``) where this process finds no usable GPU,
+    is a usage error (status 2).  Returns the :class:`~vtnumba.target.TargetChoice`.
+
+    Without the GPU check, every rank failed on its own when it made its backend -- after
+    loading its model -- and printed the same error.  Ranks on one machine see the same
+    driver, so there all of them refuse alike and rank 0 says it once.  Ranks spread over
+    machines may disagree (a GPU on some): there each finds out when its backend is made,
+    a failure the others hear at once -- a rank that left here would leave the GPU
+    machines' ranks waiting for it until their timeout.
+    """
+    from vtnumba.target import TargetError, gpu_usable, select_target
+
+    try:
+        choice = select_target(name, source=source)
+    except TargetError as exc:
+        parser.error(str(exc))
+    if choice.name == "cuda" and not choice.reason.startswith("auto") and _all_ranks_on_this_machine():
+        usable, why = gpu_usable()
+        if not usable:
+            parser.error(f"{choice.reason}, but this process finds no usable CUDA GPU ({why}); use --target cpu "
+                         "or cudasim ('vtnumba info' says what this process finds)")
+    return choice
+
+
 def check_output_folder(flag: str, folder) -> None:
     """ValueError naming ``flag`` unless ``folder`` exists or can be made, and a file can be
     written in it -- asked by trying (as root, ``os.access`` says yes to nearly anything)."""
@@ -63,4 +101,4 @@ def check_output_folder(flag: str, folder) -> None:
                          "expected a folder this user can create files in") from None
 
 
-__all__ = ["RankZeroErrorsParser", "check_output_folder", "share_cores_between_local_ranks"]
+__all__ = ["RankZeroErrorsParser", "check_output_folder", "choose_target", "share_cores_between_local_ranks"]

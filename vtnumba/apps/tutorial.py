@@ -48,7 +48,7 @@ from pathlib import Path
 
 from vtnumba.apps.processes import share_cores_between_local_ranks
 from vtnumba.bench.runner import positive_seconds
-from vtnumba.target import TARGETS, select_target
+from vtnumba.target import TARGETS
 
 # A tutorial imports this module first, before numpy: share the cores between the ranks now.
 share_cores_between_local_ranks()
@@ -483,7 +483,7 @@ def _end_together_on_failure(timeout_s: float) -> None:
 
 def start(description: str, extra_args=None) -> Lesson:
     """Parse ``--target`` / ``--out`` (plus ``extra_args(parser)``), choose the target, join MPI."""
-    from vtnumba.apps.processes import RankZeroErrorsParser, check_output_folder
+    from vtnumba.apps.processes import RankZeroErrorsParser, check_output_folder, choose_target
 
     parser = RankZeroErrorsParser(description=description)  # a usage error is printed by rank 0 only
     parser.add_argument("--target", choices=TARGETS, default=None, help="cpu, cudasim, cuda or auto")
@@ -502,7 +502,7 @@ def start(description: str, extra_args=None) -> Lesson:
         check_output_folder("--out", out_root / Path(script).stem)
     except ValueError as exc:
         parser.error(str(exc))
-    choice = select_target(args.target, source="--target")
+    choice = choose_target(parser, args.target)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
