@@ -264,6 +264,64 @@ def test_device_frees_wait_until_a_capture_ends(backend):
     backend.free(dst)
 
 
+def test_each_gpu_call_on_a_new_thread_makes_the_process_gpu_current_first(backend):
+    # numba makes *device 0's* context current on a thread that has none, so on a rank that runs
+    # on cuda:1 an event, an allocation or a defer_cleanup made first thing on a new thread landed
+    # on the wrong GPU, and numba's own copies found no context.  Each call below runs first on a
+    # thread of its own, and must have made this process's GPU current (vtnumba's current_context).
+    if not hasattr(backend, "streams_created") or backend.capabilities.simulator:
+        pytest.skip(f"{backend.name} has no CUDA contexts (real GPUs only)")
+    import threading
+
+    from vtnumba.backend import cuda as cuda_backend
+
+    q = backend.create_queue("threads")
+    buf, host = backend.alloc(64), np.arange(16, dtype=np.float32)
+    dev_arr = backend.asarray(host)
+    def deferred_nothing():
+        with backend.defer_frees():
+            pass
+
+    calls = {
+        "alloc": lambda: backend.free(backend.alloc(64)),
+        "alloc_pinned": lambda: backend.free(backend.alloc_pinned(64)),
+        "empty": lambda: backend.empty((4,), np.float32),
+        "asarray": lambda: backend.asarray(host),
+        "to_host": lambda: backend.to_host(dev_arr),
+        "create_event": lambda: backend.create_event(),
+        "defer_frees": deferred_nothing,
+        "order_after_default_stream": lambda: backend.order_after_default_stream(q),
+        "order_default_stream_after": lambda: backend.order_default_stream_after(q),
+        "memset": lambda: (backend.memset(q, buf, 1, 64), backend.synchronize(q)),
+        "copy": lambda: (backend.copy(q, buf, host, 64), backend.synchronize(q)),
+    }
+    for name, call in calls.items():
+        seen = {}
+
+        def first_call_on_a_new_thread(call=call, seen=seen):
+            call()
+            seen["ready"] = getattr(cuda_backend._thread_context, "ready", False)
+
+        t = threading.Thread(target=first_call_on_a_new_thread)
+        t.start()
+        t.join()
+        assert seen.get("ready"), f"{name} on a new thread did not go through current_context()"
+    backend.free(buf)
+    backend.destroy_queue(q)
+
+
+def test_a_stream_that_cannot_be_destroyed_is_warned_of_not_raised(monkeypatch):
+    # After a fatal GPU error every cuStreamDestroy fails: raised from close()'s cleanup it
+    # left the other streams alive and hid the error that mattered.
+    from cuda.bindings import driver as cu
+
+    from vtnumba.backend.cuda import CUDABackend
+
+    monkeypatch.setattr(cu, "cuStreamDestroy", lambda handle: (cu.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,))
+    with pytest.warns(RuntimeWarning, match="cuStreamDestroy failed .CUDA_ERROR_ILLEGAL_ADDRESS."):
+        CUDABackend._destroy_stream(object())
+
+
 def test_queue_priority(backend):
     normal, high = backend.create_queue("normal"), backend.create_queue("comm", priority="high")
     assert (normal.priority, high.priority) == ("normal", "high")

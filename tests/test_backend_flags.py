@@ -171,6 +171,30 @@ def test_read_flag_word_reads_a_word_now(backend):
         backend.read_flag_word(flags, 0, timeout_s=0)
 
 
+def test_threads_reading_flag_words_at_once_each_get_their_own(backend):
+    # A GPU reads a word through one pinned word of the backend's: two readers at once each got
+    # the other's copy, and a wait taken for arrived was never released.
+    import threading
+
+    flags = _flags(backend)
+    for k in range(4):
+        backend.release_flag_word(flags, k, 100 + k, timeout_s=5)
+    wrong: list = []
+
+    def reader(k):
+        for _ in range(50):
+            got = backend.read_flag_word(flags, k)
+            if got != 100 + k:
+                wrong.append((k, got))
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong, wrong[:5]
+
+
 def test_queue_flags_report_a_release_that_timed_out_as_their_own_error():
     # QueueFlags releases device words through the backend (the path only a GPU takes) and
     # names the rank when that release cannot finish.

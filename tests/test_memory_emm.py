@@ -155,6 +155,17 @@ PLUGIN_SCRIPT = textwrap.dedent("""
     assert p2.device_pointer_value == addr, (hex(p2.device_pointer_value), hex(addr))
     with mm.defer_cleanup():
         pass
+    # A deferral makes no core (it may run in a host function, where CUDA calls are not
+    # allowed); a core made while one lasts still holds its frees until it ends.
+    fresh = cls(context=None)
+    with fresh.defer_cleanup():
+        assert fresh._core is None, "defer_cleanup made the allocator"
+        q3 = fresh.memalloc(1000)
+        held = fresh.core.allocator.live_blocks()[-1]
+        del q3
+        gc.collect()
+        assert fresh.core.drain() == 0 and not held.freed, "the free ran inside the deferral"
+    assert fresh.core.drain() == 1 and held.freed
     s = mm.core.allocator.stats()
     assert s["cache_hits"] >= 1 and s["active_blocks"] == 1, s
     del p2

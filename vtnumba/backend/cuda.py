@@ -45,6 +45,7 @@ import ctypes
 import itertools
 import threading
 import time
+import warnings
 
 import numpy as np
 
@@ -72,6 +73,17 @@ def _cuda():
     from numba import cuda
 
     return cuda
+
+
+def _gpu():
+    """``numba.cuda`` with this process's GPU current on the calling thread: numba's calls make
+    device 0's context current on a thread that has none (see :func:`current_context`), so
+    every numba call of the real-GPU paths goes through here -- an allocation, an event or a
+    ``defer_cleanup`` made first thing on a new thread would otherwise land on GPU 0, and a
+    driver call numba makes without asking (a copy, a memset) would find no context at all."""
+    if not getattr(_thread_context, "ready", False):
+        current_context()
+    return _cuda()
 
 
 #: The GPU this process's CUDA backends run on (the first real one made chooses it); None before.
@@ -220,6 +232,10 @@ class CUDABackend(Backend):
         self._queues_by_id: dict[int, _CUDAQueue] = {}
         self._memops_ok = True  # stream memory operations; False once the driver refused one
         self._flag_readback = None  # a pinned word that _read_flag_word copies a flag word into
+        # One reader of that word at a time: two threads past their deadlines at once (or one
+        # asking QueueFlags.missing) would each read the other's copy -- a wait taken for
+        # arrived would never be released, and its queue never drain.
+        self._readback_lock = threading.Lock()
         #: Streams of destroyed queues, idle, for the next queues of the same priority.
         self._idle_streams: dict[str, list] = {p: [] for p in QUEUE_PRIORITIES}
         #: Streams this backend has created (a real GPU's; recycled ones count once).
@@ -256,20 +272,22 @@ class CUDABackend(Backend):
     def _asarray(self, host: np.ndarray):
         if self.simulator:
             return wrap_host_memory(host.copy())
-        arr = _cuda().to_device(host)
+        arr = _gpu().to_device(host)
         # The copy went through the legacy default stream, which vtnumba's (non-blocking)
         # queues do not wait for: finish it here, so "synchronous" really means done.
-        _cuda().default_stream().synchronize()
+        _gpu().default_stream().synchronize()
         return arr
 
     def _empty(self, shape, dtype):
         if self.simulator:
             return wrap_host_memory(np.empty(shape, dtype=dtype))
-        return _cuda().device_array(shape, dtype=dtype)
+        return _gpu().device_array(shape, dtype=dtype)
 
     def _to_host(self, arr) -> np.ndarray:
         if not is_device_array(arr):
             raise TypeError(f"{self.name} cannot read {type(arr).__module__}.{type(arr).__name__} on the host")
+        if not self.simulator:
+            _gpu()
         return arr.copy_to_host()
 
     # ---------------------------------------------------------------- memory
@@ -277,7 +295,7 @@ class CUDABackend(Backend):
         if self.simulator:
             host = aligned_empty(nbytes)
             return Buffer(self, self.device, nbytes, wrap_host_memory(host), ptr=host.ctypes.data, owner=host)
-        arr = _cuda().device_array(max(nbytes, 1), dtype=np.uint8)[:nbytes]
+        arr = _gpu().device_array(max(nbytes, 1), dtype=np.uint8)[:nbytes]
         ptr = arr.__cuda_array_interface__["data"][0] if nbytes else 0
         return Buffer(self, self.device, nbytes, arr, ptr=ptr)
 
@@ -285,7 +303,7 @@ class CUDABackend(Backend):
         if self.simulator:
             host = aligned_empty(nbytes)
             return Buffer(self, self.device, nbytes, host, pinned=True, ptr=host.ctypes.data)
-        host = _cuda().pinned_array(max(nbytes, 1), dtype=np.uint8)[:nbytes]
+        host = _gpu().pinned_array(max(nbytes, 1), dtype=np.uint8)[:nbytes]
         return Buffer(self, self.device, nbytes, host, pinned=True, ptr=host.ctypes.data)
 
     def _free(self, buf: Buffer) -> None:
@@ -307,6 +325,7 @@ class CUDABackend(Backend):
             return
         from numba.cuda.cudadrv import driver
 
+        _gpu()  # (numba's memset calls the driver directly: this thread needs the context current)
         view = buf.array[offset:offset + nbytes]
         with trace.span("memset", "queue", f"cuda:{q.name}", bytes=nbytes):
             driver.device_memset(view, value, nbytes, stream=q.stream)
@@ -320,6 +339,7 @@ class CUDABackend(Backend):
             dh, sh = sim_host_view(d), sim_host_view(s)
             self._run_sim(q, "copy", lambda: np.copyto(dh, sh), {"bytes": nbytes})
             return
+        _gpu()  # (numba's copies call the driver directly: this thread needs the context current)
         d_dev, s_dev = is_device_array(d), is_device_array(s)
         with trace.span("copy", "queue", f"cuda:{q.name}", bytes=nbytes):
             if d_dev != s_dev and q.flag_waits and not _page_locked(s if d_dev else d):
@@ -352,7 +372,7 @@ class CUDABackend(Backend):
                 handle = idle.pop() if idle else None
             if handle is None:
                 handle = self._new_stream(priority)
-            q = _CUDAQueue(self, name, _cuda().external_stream(int(handle)), handle)
+            q = _CUDAQueue(self, name, _gpu().external_stream(int(handle)), handle)
         self._queues_by_id[q.id] = q
         return q
 
@@ -397,7 +417,13 @@ class CUDABackend(Backend):
         from cuda.bindings import driver as cu
 
         (err,) = cu.cuStreamDestroy(handle)  # (work still queued on it finishes first, in the driver)
-        _check_cu(err, "cuStreamDestroy")
+        if err != cu.CUresult.CUDA_SUCCESS:
+            # Teardown goes on: after a fatal GPU error (an illegal address) every destroy
+            # fails the same way, and raising here -- in close()'s or destroy_queue's cleanup
+            # -- would leave the other streams and hide the error that mattered.  The stream
+            # goes with the context.
+            warnings.warn(f"cuStreamDestroy failed ({err.name}); the stream is released with the CUDA context",
+                          RuntimeWarning, stacklevel=3)
 
     def close(self) -> None:
         """:meth:`Backend.close`, then destroy the idle streams kept for reuse."""
@@ -432,7 +458,7 @@ class CUDABackend(Backend):
             # The legacy default stream (numba's launches without a queue), not the whole
             # context: cuCtxSynchronize would also wait for other backends' streams, whose
             # flag waits nobody polls here.
-            _cuda().default_stream().synchronize()
+            _gpu().default_stream().synchronize()
             for q in list(self._queues_by_id.values()):  # non-blocking streams: each on its own
                 if q.stream is not None:
                     q.stream.synchronize()
@@ -457,7 +483,7 @@ class CUDABackend(Backend):
 
     def defer_frees(self):
         """numba's ``defer_cleanup`` on a real GPU (see :meth:`Backend.defer_frees`)."""
-        return contextlib.nullcontext() if self.simulator else _cuda().defer_cleanup()
+        return contextlib.nullcontext() if self.simulator else _gpu().defer_cleanup()
 
     def flush_frees(self) -> None:
         """Run numba's queued frees now, on a real GPU (see :meth:`Backend.flush_frees`)."""
@@ -471,11 +497,12 @@ class CUDABackend(Backend):
 
         with self.defer_frees():  # (the stream may be stuck: no free may wait for it)
             q = self._prepare_flag_rescue()
-            word = self._flag_readback
-            (err,) = cu.cuMemcpyDtoHAsync(word.ctypes.data, address_of(flags) + 4 * index, 4, q.handle)
-            _check_cu(err, "cuMemcpyDtoHAsync(flag word)")
-            self._finish_side_queue(q, timeout_s, f"reading flag word {index}")
-        return int(word[0])
+            with self._readback_lock:
+                word = self._flag_readback
+                (err,) = cu.cuMemcpyDtoHAsync(word.ctypes.data, address_of(flags) + 4 * index, 4, q.handle)
+                _check_cu(err, "cuMemcpyDtoHAsync(flag word)")
+                self._finish_side_queue(q, timeout_s, f"reading flag word {index}")
+                return int(word[0])
 
     def _prepare_flag_rescue(self) -> Queue:
         """Make what a stuck stream's rescue needs -- the side queue (returned) and the pinned
@@ -485,7 +512,7 @@ class CUDABackend(Backend):
         q = self._flag_side_queue()
         with self._lock:
             if self._flag_readback is None:
-                self._flag_readback = _cuda().pinned_array(1, np.uint32)
+                self._flag_readback = _gpu().pinned_array(1, np.uint32)
         return q
 
     def _wait_out_flag_waits(self, done, waits: list, who: str) -> None:
@@ -529,7 +556,7 @@ class CUDABackend(Backend):
         self._check_queue(q)
         if self.simulator:
             return
-        cuda = _cuda()
+        cuda = _gpu()
         ev = cuda.event(timing=False)
         ev.record(cuda.default_stream())
         ev.wait(q.stream)
@@ -541,7 +568,7 @@ class CUDABackend(Backend):
         self._check_queue(q)
         if self.simulator:
             return
-        cuda = _cuda()
+        cuda = _gpu()
         ev = cuda.event(timing=False)
         ev.record(q.stream)
         ev.wait(cuda.default_stream())
@@ -575,13 +602,13 @@ class CUDABackend(Backend):
                     dict(trace_args or {}, timing="host launch (queue held by a flag wait or capturing)"))
             return
         # With tracing on, bracket the launch with events so the span is device time.
-        start, end = _cuda().event(), _cuda().event()
+        start, end = _gpu().event(), _gpu().event()
         start.record(q.stream)
         fn(q.stream)
         end.record(q.stream)
         end.synchronize()
         t_end = trace.now_ns()
-        ms = _cuda().event_elapsed_time(start, end)
+        ms = _gpu().event_elapsed_time(start, end)
         rec.add(name, "queue", f"cuda:{q.name}", t_end - int(ms * 1e6), t_end, trace_args)
 
     def _launch_host_func(self, q, fn, name) -> None:
@@ -686,7 +713,7 @@ class CUDABackend(Backend):
 
     # ---------------------------------------------------------------- events
     def _create_event(self, blocking, timing) -> Event:
-        native = None if self.simulator else _cuda().event(timing=timing)
+        native = None if self.simulator else _gpu().event(timing=timing)
         return _CUDAEvent(self, blocking, timing, native)
 
     def _destroy_event(self, e) -> None:
@@ -726,7 +753,7 @@ class CUDABackend(Backend):
             return (end.mark.time_ns - start.mark.time_ns) / 1e6
         self._synchronize_event(end)
         self._synchronize_event(start)
-        return float(_cuda().event_elapsed_time(start.native, end.native))
+        return float(_gpu().event_elapsed_time(start.native, end.native))
 
     # ---------------------------------------------------------------- graphs (real GPU)
     def _begin_capture(self, q):

@@ -128,13 +128,16 @@ class _EMMCore:
     @contextlib.contextmanager
     def defer_cleanup(self):
         """numba's defer_cleanup: while active, finalized blocks stay queued."""
-        with self._defer_lock:
-            self._defer += 1
+        self.hold_frees(1)
         try:
             yield
         finally:
-            with self._defer_lock:
-                self._defer -= 1
+            self.hold_frees(-1)
+
+    def hold_frees(self, n: int) -> None:
+        """Count ``n`` more (or, negative, fewer) deferrals under way: frees wait while any is."""
+        with self._defer_lock:
+            self._defer += n
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes: cached free memory counts as free."""
@@ -175,6 +178,9 @@ def numba_memory_manager_class():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)   # numba instantiates once with context=None
             self._core: _EMMCore | None = None
+            # Deferrals under way that began before the core existed (see defer_cleanup).
+            self._defers_before_core = 0
+            self._core_lock = threading.Lock()
 
         def initialize(self):
             # The allocator is built at the first memalloc instead: creating the backend
@@ -183,12 +189,15 @@ def numba_memory_manager_class():
 
         def _get_core(self) -> _EMMCore:
             if self._core is None:
-                self._core = _make_core()
+                core = _make_core()
                 # What numba's own manager does in initialize: size the queue of pending host
                 # frees (pinned buffers) by the device's memory.  Left unset, its byte threshold
                 # is 0 and every pinned free runs at once, from whatever call dropped the array.
                 if self.deallocations.memory_capacity == drv._SizeNotSet:
-                    self.deallocations.memory_capacity = self._core.memory_info()[1]
+                    self.deallocations.memory_capacity = core.memory_info()[1]
+                with self._core_lock:  # deferrals already under way hold its frees too
+                    core.hold_frees(self._defers_before_core)
+                    self._core = core
             return self._core
 
         def memalloc(self, size):
@@ -221,8 +230,26 @@ def numba_memory_manager_class():
 
         @contextlib.contextmanager
         def defer_cleanup(self):
-            with super().defer_cleanup(), self._get_core().defer_cleanup():
-                yield
+            # No core is made here: this may run inside a host function, on the driver's
+            # thread, where making one (a backend, a stream, cuMemGetInfo) is not allowed.
+            # Before the core exists nothing of its needs holding back; the deferral is
+            # counted, and a core made while it lasts starts out holding its frees.
+            with self._core_lock:
+                core = self._core
+                if core is None:
+                    self._defers_before_core += 1
+                else:
+                    core.hold_frees(1)
+            try:
+                with super().defer_cleanup():
+                    yield
+            finally:
+                with self._core_lock:
+                    if core is None:
+                        self._defers_before_core -= 1
+                    held = core or self._core  # (a core made meanwhile counted this deferral)
+                    if held is not None:
+                        held.hold_frees(-1)
 
         @property
         def core(self) -> _EMMCore:
