@@ -155,6 +155,32 @@ def test_segment_close_with_live_view_and_checks(shm_clean):
         a.close()
 
 
+@pytest.mark.parametrize("named", [False, True])
+def test_a_segment_dropped_without_close_gives_back_its_descriptor_and_name(shm_clean, named):
+    # A dropped anonymous creator kept its descriptor (its memory with it), a named one its
+    # /dev/shm file, until the process ended.
+    import gc
+
+    def descriptors():
+        return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")}
+
+    before = descriptors()
+    seg = shm.ShmSegment.create(4096, tag="drop", named=named)
+    peer = shm.ShmSegment.attach(seg.handle, 4096)
+    name = seg.name
+    assert any(name in d for d in descriptors() - before) or (named and _mine())
+    del peer  # an opener holds nothing to give back: no warning
+    gc.collect()
+    with pytest.warns(ResourceWarning, match=f"shm segment {name} was garbage-collected without close"):
+        del seg
+        gc.collect()
+    assert not any(name in d for d in descriptors())  # (and shm_clean checks the name is gone)
+    with shm.ShmSegment.create(64, named=named) as seg:  # the way not to drop one
+        seg.array[:] = 1
+    assert seg.linked is False and not _mine()
+
+
 def test_a_segment_too_large_to_map_says_how_much_was_asked_for():
     with pytest.raises(OSError, match=r"could not allocate 1125899906842624 bytes \(1.05e\+06 GiB\)"):
         shm.ShmSegment.create(1 << 50)

@@ -67,13 +67,53 @@ def test_a_region_dropped_without_cleanup_leaves_no_live_range(engine):
     ptr, nbytes = region.base_ptr, region.total_bytes
     view = region.blocks[1:3]
     assert is_live(ptr, nbytes)
-    del region
-    gc.collect()
+    with pytest.warns(ResourceWarning, match="without close"):
+        del region
+        gc.collect()
     assert is_live(ptr, nbytes), "a view still maps the blocks"
     view[:] = 7  # (still mapped: writable)
     del view
     gc.collect()
     assert not is_live(ptr, nbytes), "the unmapped blocks are still registered as live memory"
+
+
+def _open_descriptors():
+    return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")}
+
+
+@pytest.mark.parametrize("anonymous", [False, True])
+def test_a_region_dropped_without_cleanup_gives_back_its_descriptor_and_name(engine, anonymous):
+    # A dropped creator kept its descriptor -- an anonymous region's memory with it -- and a named
+    # one its /dev/shm file until the process ended; an opener kept its descriptor.
+    import gc
+
+    before = _open_descriptors()
+    region = create_ec_shared_region(engine_id=engine, hidden_size=8, dtype="float32", region_bytes=4096,
+                                     create=True, anonymous=anonymous)
+    opener = open_ec_shared_region(region.handle, hidden_size=8, dtype="float32")
+    assert _open_descriptors() - before, "the region holds no descriptor to give back"
+    with pytest.warns(ResourceWarning, match=r"garbage-collected without close\(\), so vtnumba closed its descriptor"):
+        del opener
+        gc.collect()
+    what = "closed its descriptor now" if anonymous else "closed its descriptor and removed its file now"
+    with pytest.warns(ResourceWarning, match=what):
+        del region
+        gc.collect()
+    assert _open_descriptors() - before == set()
+    assert not os.path.exists(region_path(engine))  # (and the fixture checks no file is left)
+
+
+def test_a_region_cleaned_up_or_unlinked_warns_of_nothing_when_dropped(engine, recwarn):
+    import gc
+
+    for anonymous in (False, True):
+        region = create_ec_shared_region(engine_id=engine, hidden_size=8, dtype="float32", region_bytes=4096,
+                                         create=True, anonymous=anonymous)
+        region.cleanup()
+        del region
+        gc.collect()
+    assert not [w for w in recwarn if issubclass(w.category, ResourceWarning)]
 
 
 def test_opener_sees_creator_writes_and_only_creator_unlinks(engine, rng):

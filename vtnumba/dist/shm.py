@@ -31,6 +31,11 @@ is refused) after checking it is this user's and mode ``0600``, and unlinked as 
 peer has mapped it -- with an ``atexit`` hook for a Python-level failure in between, and the
 janitor process of :mod:`vtnumba.memory.shared_files` for a kill (nothing of ours runs then).
 
+A segment dropped without :meth:`ShmSegment.close` (its last reference gone) gives back what
+it still holds -- the creator's descriptor, which keeps anonymous memory alive, or a named
+segment's file -- with a ``ResourceWarning``, as an unclosed file does; ``with
+ShmSegment.create(...) as seg:`` closes it.
+
 Arrays handed out are ``np.frombuffer(mmap)``: zero-copy views.  In the simulator they are
 wrapped as ``FakeCUDAArray`` by the caller, because the simulator copies plain numpy
 kernel arguments in and back (which would hide and then clobber a peer's writes).
@@ -45,7 +50,13 @@ import secrets
 
 import numpy as np
 
-from vtnumba.memory.shared_files import create_private_file, private_file_problem, unlink_private_file
+from vtnumba.memory.shared_files import (
+    Leftovers,
+    create_private_file,
+    private_file_problem,
+    release_when_dropped,
+    unlink_private_file,
+)
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "vtnumba-"
@@ -90,7 +101,12 @@ class ShmSegment:
         self.path = path          # the /dev/shm path of a named segment, else None
         self.nbytes = nbytes
         self.owner = owner
-        self._fd = fd             # anonymous segments: the creator's descriptor, until unlink()
+        # What dropping the segment without close() would keep until the process ends: the
+        # anonymous creator's descriptor (until unlink()), a named creator's file.
+        self._left = Leftovers()
+        self._left.fd = fd
+        self._left.path = path if owner else None
+        release_when_dropped(self, self._left, f"shm segment {name}")
         self._mmap: mmap.mmap | None = mm
         self._array: np.ndarray | None = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
         self.linked = owner       # can a peer still open it (name or descriptor still there)?
@@ -189,11 +205,7 @@ class ShmSegment:
         if not (self.owner and self.linked):
             return
         self.linked = False
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
-        if self.path is not None:
-            unlink_private_file(self.path)
+        self._left.release()  # (closes the descriptor of an anonymous segment, removes a named one's file)
 
     def close(self) -> None:
         """Unmap.  If a caller still holds a view, the mapping lives on until that view dies.
@@ -210,7 +222,11 @@ class ShmSegment:
             except BufferError:
                 pass
 
+    def __enter__(self) -> "ShmSegment":
+        return self
 
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def list_segments() -> list[str]:

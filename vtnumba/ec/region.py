@@ -52,7 +52,11 @@ Lifecycle:
 * :meth:`~ECSharedRegion.unlink` (creator, once every process has mapped the region): from
   then on nobody else can open it -- a named region loses its name, an anonymous one its
   creator's descriptor.  The mappings stay valid;
-* :meth:`~ECSharedRegion.cleanup`: the creator unlinks, everyone unmaps.
+* :meth:`~ECSharedRegion.cleanup`: the creator unlinks, everyone unmaps.  A region dropped
+  without it (the last reference gone) is unmapped by ``mmap``, and its descriptor -- which
+  keeps an anonymous creator's memory alive -- and a named creator's file would stay until
+  the process ends: they are given back then, with a ``ResourceWarning``, as an unclosed
+  file does (:func:`vtnumba.memory.shared_files.release_when_dropped`).
 """
 
 from __future__ import annotations
@@ -72,7 +76,13 @@ import numpy as np
 
 from vtnumba.backend.address_ranges import register, unregister
 from vtnumba.backend.arrays import check_int, is_int, numeric_dtype
-from vtnumba.memory.shared_files import create_private_file, private_file_problem, unlink_private_file
+from vtnumba.memory.shared_files import (
+    Leftovers,
+    create_private_file,
+    private_file_problem,
+    release_when_dropped,
+    unlink_private_file,
+)
 
 __all__ = ["ECRegionConfig", "ECRegionHandle", "ECSharedRegion", "ECRegionError", "create_ec_shared_region",
            "open_ec_shared_region", "region_path", "HEADER_BYTES", "block_id_array"]
@@ -259,13 +269,16 @@ class ECSharedRegion:
         # their copies in flight finish before it unmaps -- a threaded queue or a GPU's copy
         # engine still writing an unmapped page would crash the process.
         self._workers: weakref.WeakSet = weakref.WeakSet()
-        self._fd: int | None = None
+        # The descriptor, and a named creator's file: what dropping the region without
+        # cleanup() would keep until the process ends (self._fd is the descriptor held there).
+        self._left = Leftovers()
         self._mmap: mmap.mmap | None = None
         self._base: np.ndarray | None = None
         self.blocks: np.ndarray | None = None  #: the ``int8`` view ``[num_blocks, block_size_bytes]``
         self._base_ptr = 0
         self._range: weakref.finalize | None = None  # the blocks' live-range registration
         self.label = self.path or f"anonymous region vtnumba_ec_{config.engine_id}"
+        release_when_dropped(self, self._left, self.label)
         try:
             if config.create:
                 self._create(config)
@@ -298,6 +311,7 @@ class ECSharedRegion:
                 # O_NOFOLLOW inside: a symlink planted under our name must not redirect the
                 # create; the file is unlinked at exit if this process has not done it before.
                 self._fd = create_private_file(self.path)
+                self._left.path = self.path
             except FileExistsError:
                 raise ECRegionError(
                     f"engine_id={config.engine_id!r}: {self.path} already exists -- another creator owns this "
@@ -547,7 +561,16 @@ class ECSharedRegion:
                 self._fd = None
             return True
         unlink_private_file(self.path)
+        self._left.path = None
         return True
+
+    @property
+    def _fd(self) -> int | None:
+        return self._left.fd
+
+    @_fd.setter
+    def _fd(self, fd: int | None) -> None:
+        self._left.fd = fd
 
     def _close_mapping(self) -> None:
         # Copies still in flight read or write the mapping: wait for them first.  A wait that

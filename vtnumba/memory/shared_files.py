@@ -14,7 +14,11 @@ consumer must find it by name), and this module is that one way:
   must be a regular file of this user with mode ``0600``; anything else was not made by a
   vtnumba creator of this user, and mapping it would let another user's process read or
   write our memory;
-* :func:`unlink_private_file` -- remove the name (once every peer has mapped it) and forget it.
+* :func:`unlink_private_file` -- remove the name (once every peer has mapped it) and forget it;
+* :class:`Leftovers` and :func:`release_when_dropped` -- what a segment or region dropped
+  without ``close()`` would keep until the process ends (its descriptor, which keeps an
+  anonymous creator's memory alive, and a named creator's file) is given back when it is
+  garbage-collected, with a ``ResourceWarning``, as an unclosed file does.
 
 **Killed processes.**  ``atexit`` runs on a normal exit and after an uncaught exception, but
 not when a signal kills the process: ``SIGKILL``, and ``SIGTERM`` or ``SIGHUP`` under their
@@ -48,8 +52,11 @@ import stat
 import subprocess
 import sys
 import threading
+import warnings
+import weakref
 
-__all__ = ["create_private_file", "private_file_problem", "unlink_private_file"]
+__all__ = ["Leftovers", "create_private_file", "private_file_problem", "release_when_dropped",
+           "unlink_private_file"]
 
 # The files this process created and has not unlinked yet, each with its (device, inode):
 # what a janitor that replaces one that died must be told again.
@@ -203,3 +210,46 @@ def unlink_private_file(path: str) -> None:
             del _linked[path]
             if _janitor is not None and "\n" not in path:
                 _tell_janitor(b"-" + os.fsencode(path))
+
+
+class Leftovers:
+    """What an owner of shared memory holds that garbage-collecting it would not give back: a
+    descriptor (an anonymous creator's keeps the memory alive, and every one is a slot of the
+    process's table) and, for a named creator, the file's name.  The owner keeps ``fd`` and
+    ``path`` current as it closes and unlinks them (the mapping itself is unmapped by
+    ``mmap`` when collected)."""
+
+    __slots__ = ("fd", "path")
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.path: str | None = None
+
+    def release(self) -> list[str]:
+        """Close the descriptor and unlink the name still held; returns what there was."""
+        fd, path, self.fd, self.path = self.fd, self.path, None, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if path is not None:
+            unlink_private_file(path)
+        released = ["closed its descriptor"] if fd is not None else []
+        return released + (["removed its file"] if path is not None else [])
+
+
+def _release_dropped(leftovers: Leftovers, what: str) -> None:
+    released = leftovers.release()
+    if released:
+        warnings.warn(f"{what} was garbage-collected without close(), so vtnumba {' and '.join(released)} now; call "
+                      "close() (or use a with block) when done with it", ResourceWarning, stacklevel=2)
+
+
+def release_when_dropped(owner, leftovers: Leftovers, what: str) -> weakref.finalize:
+    """Give ``leftovers`` back when ``owner`` is garbage-collected without having done it, and say
+    so (``ResourceWarning``, named by ``what``).  Not at exit: the process's end closes its
+    descriptors, and the exit hook above removes the names."""
+    finalizer = weakref.finalize(owner, _release_dropped, leftovers, what)
+    finalizer.atexit = False
+    return finalizer
