@@ -304,8 +304,9 @@ def test_registered_pages_are_unregistered_before_the_mapping_goes(engine, monke
         r.cleanup()
     else:
         r.unlink()  # (the name: so the test leaves no file; the mapping stays)
-        del r
-        gc.collect()
+        with pytest.warns(ResourceWarning, match="closed its descriptor now"):
+            del r
+            gc.collect()
     assert events == [("register", address), ("unregister", address, True)]
     mapping = regions[0].mapping()
     assert mapping is None or mapping.closed  # and then it was unmapped

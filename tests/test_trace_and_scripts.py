@@ -415,7 +415,9 @@ def test_spans_from_before_tracing_and_non_finite_args_are_not_garbage(tmp_path)
         path = trace.flush()
     finally:
         trace.disable()
-    events = [e for e in _json.loads(open(path).read(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
+    with open(path) as f:
+        text = f.read()
+    events = [e for e in _json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
               ["traceEvents"] if e["ph"] == "X"]
     assert [e["name"] for e in events] == ["late"] and rec is not None
     assert events[0]["args"] == {"ratio": "nan", "big": "inf"}
