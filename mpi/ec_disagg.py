@@ -244,11 +244,12 @@ def run(args, comm) -> dict:
     The endpoints release the region and the worker on the way out, and a failing rank
     tells the others first, so nobody waits for it.
     """
+    from vtnumba.dist.comm import dup_comm
     from vtnumba.ec import ECConsumer, ECProducer
 
     if comm.Get_size() < 2:
         raise RuntimeError("ec_disagg needs at least 2 ranks: mpiexec -n 2 python mpi/ec_disagg.py")
-    comm = comm.Dup()  # a private context: our messages cannot meet anyone else's
+    comm = dup_comm(comm, "ec_disagg's setup", args.timeout)  # a private context: our messages meet nobody else's
     rank = comm.Get_rank()
     entries = make_entries(args)
     dtype = np.dtype(args.dtype)
@@ -364,4 +365,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vtnumba.apps.processes import exit_quietly_when_interrupted
+
+    sys.exit(exit_quietly_when_interrupted(main))

@@ -258,4 +258,6 @@ def _run(args, target, inject) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vtnumba.apps.processes import exit_quietly_when_interrupted
+
+    sys.exit(exit_quietly_when_interrupted(main))

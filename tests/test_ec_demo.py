@@ -80,7 +80,7 @@ def test_config_mismatch_is_reported_by_both_ranks():
     ("--timeout", "nan", "'nan' must be a positive, finite number"),
     ("--entries", "0", "0 must be >= 1"),
     ("--max-rows", "1.5", "'1.5' is not a whole number"),
-    ("--inject", "explode:0:created", "expected (raise|kill|stop):RANK:"),
+    ("--inject", "explode:0:created", "expected (raise|kill|stop|interrupt):RANK:"),
     ("--seed", "-1", "-1 must be >= 0"),  # (numpy's "expected non-negative integer" on every rank, at run time)
 ])
 def test_bad_command_line_values_are_clear_errors(flag, value, words, capsys):

@@ -73,6 +73,44 @@ def test_a_rank_that_raises_stops_every_rank_at_once(ranks, inject, phase):
         assert f"[rank {r}] stopped while" in out and f"because rank {bad} failed while {phase}" in out, out
 
 
+@pytest.mark.parametrize("ranks, inject, phase", [(2, "interrupt:1:tpsp", "the TPSP forward, run 2 of 3"),
+                                                  (3, "interrupt:0:setup", "building the model")])
+def test_a_rank_interrupted_alone_tells_the_others_at_once(ranks, inject, phase):
+    # A Ctrl-C that reaches one rank (kill -INT of its pid): it tells the peers before its own
+    # cleanup runs -- which would otherwise wait for theirs, at another point of the collective
+    # calls, until the timeout -- and every rank says what happened.
+    proc, elapsed, out = _run(ranks, "--inject", inject, timeout_s=30)
+    bad = int(inject.split(":")[1])
+    assert proc.returncode != 0
+    assert elapsed < 25, f"the ranks waited for a timeout instead of hearing of the interrupt ({elapsed:.1f} s)"
+    assert f"[rank {bad}] failed while {phase}: KeyboardInterrupt: interrupted (Ctrl-C" in out, out
+    for r in set(range(ranks)) - {bad}:
+        assert f"[rank {r}] stopped while" in out and f"because rank {bad} was interrupted" in out, out
+    assert "Traceback" not in out, out
+
+
+def test_ctrl_c_to_every_rank_during_startup_ends_the_job_at_once():
+    # mpiexec sends SIGINT to every rank.  In the first second the ranks are still importing,
+    # or inside setup collectives that block in C (communicator creation), where no Python
+    # runs: a rank that left then kept the others there until their timeout, or for good.
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM",)}
+    env["VTNUMBA_TARGET"] = "cpu"
+    for delay in (0.3, 0.8, 1.5):
+        cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "mpi" / "tpsp_model.py"), *SMALL, "--timeout", "60"]
+        t0 = time.monotonic()
+        job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                               stdin=subprocess.DEVNULL)
+        time.sleep(delay)
+        job.send_signal(2)  # SIGINT to mpiexec, which passes it to every rank
+        try:
+            out, _ = job.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            pytest.fail(f"the job did not end within 30 s of a Ctrl-C after {delay} s: {job.communicate()[0]}")
+        assert time.monotonic() - t0 < delay + 20, out
+        assert "Traceback" not in out, out
+
+
 def test_a_killed_rank_ends_the_job():
     proc, elapsed, out = _run(2, "--inject", "kill:1:tpsp", timeout_s=30)
     assert proc.returncode != 0 and elapsed < 25, out
@@ -351,3 +389,19 @@ def test_a_failure_without_a_message_says_what_it_was():
         "failed while running: KeyboardInterrupt: interrupted (Ctrl-C, or SIGINT from mpiexec)")
     assert failures.report(RuntimeError()).endswith("failed while running: RuntimeError: no message")
     assert failures.report(ValueError("bad x")).endswith("failed while running: ValueError: bad x")
+
+
+@pytest.mark.parametrize("mpi_started, code", [(False, -2), (True, 130)])
+def test_a_ctrl_c_before_the_programs_own_handling_is_one_line(mpi_started, code):
+    # Before MPI is up a rank must die of the signal itself (mpiexec ends the job only then: the
+    # others may be inside MPI_Init); after, an exit without MPI_Finalize does it quietly.
+    script = ("import sys\n"
+              + ("from mpi4py import MPI\n" if mpi_started else "")
+              + "from vtnumba.apps.processes import exit_quietly_when_interrupted\n"
+              "def main():\n    raise KeyboardInterrupt\n"
+              "sys.exit(exit_quietly_when_interrupted(main))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == code, proc.stderr
+    who = "[rank 0] " if mpi_started else ""  # (MPI up: a singleton rank 0)
+    assert proc.stderr == f"{who}interrupted (Ctrl-C, or SIGINT from mpiexec)\n"

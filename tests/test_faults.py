@@ -16,7 +16,7 @@ def test_a_spec_reads_how_rank_point_and_nth():
 
 
 @pytest.mark.parametrize("text, points, size, words", [
-    ("raise:1:nowhere", ("here",), None, "expected (raise|kill|stop):RANK:(here)[@N]"),
+    ("raise:1:nowhere", ("here",), None, "expected (raise|kill|stop|interrupt):RANK:(here)[@N]"),
     ("raise:1", ("here",), None, "must look like kill:1:here@2"),
     ("raise:-1:here", ("here",), None, "RANK >= 0"),
     ("raise:3:here", ("here",), 3, "rank 3 does not exist; the job has ranks 0..2"),

@@ -1,8 +1,9 @@
-"""Fault injection: make one rank raise, die or stop at a named point, to test that the job still ends.
+"""Fault injection: make one rank raise, die, stop or be interrupted at a named point, to test that the job still ends.
 
 The fault tests of every multi-rank program (``mpi/*.py``, ``vtnumba demo``, ``bench``) need
 the same thing: *world rank r fails at point p* -- by raising an exception, by ``SIGKILL``
-(none of its code runs again) or by ``SIGSTOP`` (alive, never answering) -- and then check
+(none of its code runs again), by ``SIGSTOP`` (alive, never answering) or by ``SIGINT`` (a
+Ctrl-C reaching that rank alone: ``kill -INT`` of one rank's pid) -- and then check
 that every rank ends within the program's timeout, with a message that names the rank, and
 that nothing is left in ``/dev/shm``.  The programs take the spec as a hidden ``--inject``
 flag, ``how:rank:point[@n]`` (the ``n``-th pass of the point; default the first)::
@@ -24,15 +25,15 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-#: How a rank can fail: raise an exception, be killed (SIGKILL), stop (SIGSTOP).
-HOWS = ("raise", "kill", "stop")
+#: How a rank can fail: raise an exception, be killed (SIGKILL), stop (SIGSTOP), be interrupted (SIGINT).
+HOWS = ("raise", "kill", "stop", "interrupt")
 
 
 @dataclass(frozen=True)
 class FaultInjection:
     """``how:rank:point[@n]``: world rank ``rank`` fails the ``n``-th time it passes ``point``."""
 
-    how: str       #: "raise", "kill" (SIGKILL) or "stop" (SIGSTOP)
+    how: str       #: "raise", "kill" (SIGKILL), "stop" (SIGSTOP) or "interrupt" (SIGINT)
     rank: int      #: the world rank that fails
     point: str     #: where: one of the program's points
     nth: int = 1   #: at its n-th pass of ``point``
@@ -122,6 +123,11 @@ class FaultHook:
         # What this rank printed must reach the terminal before the signal lands.
         sys.stdout.flush()
         sys.stderr.flush()
+        if self.spec.how == "interrupt":
+            # The process's own SIGINT handler runs at the next bytecode and raises
+            # KeyboardInterrupt (vtnumba's tells the peers first: vtnumba.dist.failures).
+            os.kill(os.getpid(), signal.SIGINT)
+            raise KeyboardInterrupt  # (reached only where SIGINT is ignored)
         os.kill(os.getpid(), signal.SIGKILL if self.spec.how == "kill" else signal.SIGSTOP)
 
     def check_fired(self) -> None:
@@ -129,6 +135,14 @@ class FaultHook:
         if not self.fired:
             raise RuntimeError(f"--inject={self.spec._text()!r} never fired: this run passed {self.spec.point!r} "
                                f"{self.passes} time(s), not {self.spec.nth}; choose a smaller @N")
+
+
+def failure_text(exc: BaseException) -> str:
+    """``"Type: message"`` for a failure report -- and, for an exception without a message (the
+    KeyboardInterrupt of a Ctrl-C), what it is instead of nothing after the colon."""
+    detail = str(exc) or {KeyboardInterrupt: "interrupted (Ctrl-C, or SIGINT from mpiexec)"}.get(type(exc),
+                                                                                                "no message")
+    return f"{type(exc).__name__}: {detail}"
 
 
 def parse_inject(text: str | None, points: Iterable[str] | Mapping[str, int], rank: int,
@@ -139,4 +153,4 @@ def parse_inject(text: str | None, points: Iterable[str] | Mapping[str, int], ra
     return FaultInjection.parse(text, points, world_size).on_point(rank)
 
 
-__all__ = ["HOWS", "FaultInjection", "FaultHook", "parse_inject"]
+__all__ = ["HOWS", "FaultInjection", "FaultHook", "failure_text", "parse_inject"]

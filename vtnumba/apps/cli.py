@@ -19,6 +19,7 @@ from vtnumba.apps.processes import (
     RankZeroErrorsParser,
     check_output_folder,
     choose_target,
+    exit_quietly_when_interrupted,
     share_cores_between_local_ranks,
 )
 from vtnumba.bench.runner import positive_seconds
@@ -226,9 +227,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> int:
-    """The console entry point: :func:`main`, quiet when the reader closes the pipe (``vtnumba info | head``)."""
+    """The console entry point: :func:`main`, quiet when the reader closes the pipe (``vtnumba info | head``),
+    and one line for a Ctrl-C during startup (:func:`~vtnumba.apps.processes.exit_quietly_when_interrupted`)."""
     try:
-        return main()
+        return exit_quietly_when_interrupted(main)
     except BrokenPipeError:
         # The reader is gone; point stdout at /dev/null so Python's exit flush cannot fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

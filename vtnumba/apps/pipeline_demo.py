@@ -486,6 +486,7 @@ class _Progress:
 
 def _run(args, world, sizes, timeout: float, inject) -> int:
     from vtnumba.dist import destroy_distributed
+    from vtnumba.dist.comm import dup_comm
     from vtnumba.target import current_target
 
     e, c = sizes
@@ -497,7 +498,7 @@ def _run(args, world, sizes, timeout: float, inject) -> int:
               f"{'TPSP' if tpsp else 'regular forward'}) -> encoder cache -> {c} consumer "
               f"rank(s); target {target.name}", flush=True)
     say(f"loading the model (weights, tokenizer){' and opening TPSP on the encoder ranks' if tpsp else ''} ...")
-    p = _Pipeline(args, world.Dup(), timeout, inject)
+    p = _Pipeline(args, dup_comm(world, "the demo's setup", timeout), timeout, inject)
     p.setup()
     measure = prod = cons = None
     say("creating the encoder-cache region and handing it to the consumer ...")

@@ -17,6 +17,8 @@ machine without a usable GPU before anything is loaded.
 
 import argparse
 import os
+import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -87,6 +89,34 @@ def choose_target(parser: argparse.ArgumentParser, name: str | None, *, source: 
     return choice
 
 
+def exit_quietly_when_interrupted(main) -> int:
+    """``main()``, except that a Ctrl-C it lets through -- one during startup, while numpy, numba
+    and MPI load, before the program's own handling (:func:`vtnumba.dist.run_collectively`)
+    begins -- prints one line instead of a traceback per rank, and leaves at once, skipping
+    the interpreter's teardown (after an import of a compiled module was cut short it can
+    crash).
+
+    How it leaves is what makes ``mpiexec`` end the job: once MPI is initialized, an exit
+    without ``MPI_Finalize`` (status 130, as a shell reports SIGINT) does; before, only a
+    death by the signal itself does -- the other ranks may be inside ``MPI_Init``, which
+    would wait for this one for good."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        rank = world_rank()
+        who = f"[rank {rank}] " if rank is not None else ""
+        try:
+            sys.stderr.write(f"{who}interrupted (Ctrl-C, or SIGINT from mpiexec)\n")  # (one write: see failures.say)
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            mpi = sys.modules.get("mpi4py.MPI")
+            if mpi is None or not mpi.Is_initialized():
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            os._exit(130)
+
+
 def check_output_folder(flag: str, folder) -> None:
     """ValueError naming ``flag`` unless ``folder`` exists or can be made, and a file can be
     written in it -- asked by trying (as root, ``os.access`` says yes to nearly anything)."""
@@ -101,4 +131,5 @@ def check_output_folder(flag: str, folder) -> None:
                          "expected a folder this user can create files in") from None
 
 
-__all__ = ["RankZeroErrorsParser", "check_output_folder", "choose_target", "share_cores_between_local_ranks"]
+__all__ = ["RankZeroErrorsParser", "check_output_folder", "choose_target", "exit_quietly_when_interrupted",
+           "share_cores_between_local_ranks"]

@@ -465,7 +465,7 @@ def _end_together_on_failure(timeout_s: float) -> None:
         if not getattr(exc, "caused_by_peer", False):
             previous(exc_type, exc, tb)  # the traceback first: it is what the reader needs
         if isinstance(exc, Exception):
-            print(failures.report(exc), file=sys.stderr, flush=True)
+            failures.say(failures.report(exc))
             # Returns once every rank has arrived (Python then exits 1 and finalizes MPI);
             # does not return if one never does.
             failures.exit_after_failure(timeout_s)

@@ -101,6 +101,28 @@ def wait_request(req: MPI.Request, group, what: str, timeout_s: float = DEFAULT)
         raise
 
 
+def arrive(comm: MPI.Comm, what: str, timeout_s: float = DEFAULT) -> None:
+    """Wait, polling, until every rank of ``comm`` has called this: the step before setup
+    collectives that block in C (``Split``, ``Dup``, a blocking ``allgather``).  Inside those
+    nothing of Python runs -- neither a Ctrl-C (the ``SIGINT`` ``mpiexec`` sends every rank)
+    nor the failure board's watch -- so a rank that failed or was interrupted before getting
+    there would leave the others inside them for good.  Here they hear of it, or give up
+    after ``timeout_s`` (naming ``what``); once all have arrived, the blocking calls return
+    at once."""
+    poll_until(comm.Ibarrier().Test, resolve_timeout(timeout_s),
+               lambda waited: f"{what}: not every rank arrived within {waited:.0f} s (one failed, was "
+                              "stopped, or took another code path)")
+
+
+def dup_comm(comm: MPI.Comm, what: str, timeout_s: float = DEFAULT) -> MPI.Comm:
+    """``comm.Dup()`` without blocking in C: ``Idup``, polled as :func:`arrive` is."""
+    new, req = comm.Idup()
+    poll_until(req.Test, resolve_timeout(timeout_s),
+               lambda waited: f"{what}: not every rank arrived within {waited:.0f} s (one failed, was "
+                              "stopped, or took another code path)")
+    return new
+
+
 def barrier(group, timeout_s: float = DEFAULT) -> None:
     """A barrier over ``group`` that raises RuntimeError (naming group and rank) after ``timeout_s``."""
     check_group(group)
@@ -212,4 +234,5 @@ def check_group(group) -> None:
                           "group's communicators can no longer match up; abort the job.")
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT", "set_default_timeout", "default_timeout", "resolve_timeout", "wait_request", "barrier", "all_ranks_ready", "allgather_bytes", "agree_errors", "check_group"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT", "set_default_timeout", "default_timeout", "resolve_timeout", "wait_request",
+           "arrive", "dup_comm", "barrier", "all_ranks_ready", "allgather_bytes", "agree_errors", "check_group"]

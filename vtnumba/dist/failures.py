@@ -47,7 +47,8 @@ from contextlib import contextmanager
 from mpi4py import MPI
 
 from vtnumba.backend import polling
-from vtnumba.dist.comm import DEFAULT, resolve_timeout
+from vtnumba.dist.comm import DEFAULT, arrive, resolve_timeout
+from vtnumba.faults import failure_text
 
 _TAG = 31990  # below MPI_TAG_UB's guaranteed minimum (32767)
 EXIT_GRACE_S = 10.0  # how long past its exit barrier's deadline a failing rank may take to leave
@@ -106,6 +107,7 @@ class FailureBoard:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.failed_peer: PeerFailed | None = None  #: the first peer failure seen (kept, so later checks raise it again)
+        self.interrupted = False  #: this rank got a Ctrl-C (SIGINT) while the board was open (see _interrupted)
         mine = _state_and_start(os.getpid())
         #: Every rank's (host, pid, process start time): who to end if a peer is stopped (see
         #: :func:`end_stopped_peers`).  Gathered now, while every rank is known to be alive.
@@ -119,7 +121,11 @@ class FailureBoard:
                 self.comm.isend(text, dest=r, tag=_TAG).Free()
 
     def check(self) -> None:
-        """Raise PeerFailed if a peer has posted a failure (the watch every wait calls)."""
+        """Raise PeerFailed if a peer has posted a failure (the watch every wait calls) --
+        KeyboardInterrupt again if this rank was interrupted: it is leaving, and the waits of
+        its own teardown must not wait for peers that are leaving too."""
+        if self.interrupted:
+            raise KeyboardInterrupt
         if self.failed_peer is None and self.comm.iprobe(source=MPI.ANY_SOURCE, tag=_TAG):
             status = MPI.Status()
             text = self.comm.recv(source=MPI.ANY_SOURCE, tag=_TAG, status=status)
@@ -135,21 +141,56 @@ class FailureBoard:
 
 
 _board: FailureBoard | None = None
+_previous_sigint = None  # the SIGINT handler install() replaced (restored by uninstall)
 
 
-def install(comm: MPI.Comm | None = None) -> FailureBoard:
-    """Open the failure board over ``comm`` (default: the world) and watch it in every wait."""
-    global _board
+def _interrupted(signum, frame) -> None:
+    """SIGINT (Ctrl-C; ``mpiexec`` sends it to every rank) while the board is open: tell the
+    peers first, then raise KeyboardInterrupt as Python would.
+
+    Interrupted ranks stop at different points of their collective calls, and the cleanup
+    that runs on the way out (``finally`` blocks closing peer buffers, with barriers) would
+    match the others' cleanup wrongly and wait out the timeout.  With the note posted at
+    once, every wait of the others raises; :meth:`FailureBoard.check` makes this rank's own
+    waits raise too.  (Python runs this handler between bytecodes of the main thread, never
+    inside an MPI call, so posting here is safe; no lock is taken.)"""
+    board = _board
+    if board is not None and not board.interrupted:
+        board.interrupted = True
+        try:
+            board.post(f"rank {board.rank} was interrupted (Ctrl-C, or SIGINT from mpiexec)")
+        except MPI.Exception:
+            pass
+    raise KeyboardInterrupt
+
+
+def install(comm: MPI.Comm | None = None, timeout_s: float = DEFAULT) -> FailureBoard:
+    """Open the failure board over ``comm`` (default: the world) and watch it in every wait.
+
+    Opening it is a ``Dup`` and an ``allgather``, which block in C: every rank arrives first,
+    in a barrier that polls up to ``timeout_s`` (:func:`vtnumba.dist.comm.arrive`)."""
+    global _board, _previous_sigint
     if _board is None:
-        _board = FailureBoard(MPI.COMM_WORLD if comm is None else comm)
+        comm = MPI.COMM_WORLD if comm is None else comm
+        arrive(comm, "opening the failure board", timeout_s)
+        _board = FailureBoard(comm)
         polling.add_watch(_board.check)
+        # A Ctrl-C tells the peers at once (see _interrupted) -- where Python's own handler is
+        # in place (a program's or a test runner's own is left alone) and signals can be set.
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            _previous_sigint = signal.signal(signal.SIGINT, _interrupted)
     return _board
 
 
 def uninstall() -> None:
     """Close the board :func:`install` opened, if any (:func:`vtnumba.dist.destroy_distributed` calls it)."""
-    global _board
+    global _board, _previous_sigint
     board, _board = _board, None
+    if _previous_sigint is not None and threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) is _interrupted:
+            signal.signal(signal.SIGINT, _previous_sigint)
+        _previous_sigint = None
     if board is not None:
         board.close()
 
@@ -167,10 +208,8 @@ def report(exc: BaseException) -> str:
         return f"[rank {rank}] stopped while {where}, because {exc.text}"
     if getattr(exc, "caused_by_peer", False):
         return f"[rank {rank}] stopped while {where}, because {exc}"
-    # (An exception without a message -- KeyboardInterrupt from Ctrl-C -- says what it is instead.)
-    detail = str(exc) or {KeyboardInterrupt: "interrupted (Ctrl-C, or SIGINT from mpiexec)"}.get(type(exc), "no message")
-    what = f"failed while {where}: {type(exc).__name__}: {detail}"
-    if board is not None:
+    what = f"failed while {where}: {failure_text(exc)}"
+    if board is not None and not (board.interrupted and isinstance(exc, KeyboardInterrupt)):  # (told already)
         try:
             board.post(f"rank {rank} {what}")
         except MPI.Exception:  # the report is best effort: the exit protocol still ends the job
@@ -222,6 +261,13 @@ def end_stopped_peers(board: FailureBoard | None = None) -> list[int]:
     return ended
 
 
+def say(line: str) -> None:
+    """Print one line to stderr in a single ``write``: ``print`` writes the text and its newline
+    separately, so two ranks' lines sharing a terminal could run into one another."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def arm_exit_watchdog(timeout_s: float = DEFAULT) -> None:
     """Make sure this process ends: unless :func:`exit_after_failure` sees every rank agree
     first, dump every thread's stack to stderr and ``_exit(1)`` in ``timeout_s +``
@@ -259,11 +305,10 @@ def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
         if succeeded:
             code = code or 1  # this rank's part went well, the job's did not
         try:  # (whatever goes wrong while saying so -- a closed stderr -- this rank still leaves)
-            print(f"[rank {comm.Get_rank()}] a rank did not leave within {timeout_s:g} s (stopped or hung); ending "
-                  "the job without MPI_Finalize", file=sys.stderr, flush=True)
+            say(f"[rank {comm.Get_rank()}] a rank did not leave within {timeout_s:g} s (stopped or hung); ending "
+                "the job without MPI_Finalize")
             for r in end_stopped_peers(board):
-                print(f"[rank {comm.Get_rank()}] rank {r} is stopped (SIGSTOP): ended it (SIGKILL)", file=sys.stderr,
-                      flush=True)
+                say(f"[rank {comm.Get_rank()}] rank {r} is stopped (SIGSTOP): ended it (SIGKILL)")
             sys.stdout.flush()
         finally:
             os._exit(code)
@@ -279,16 +324,25 @@ def end_together(timeout_s: float = DEFAULT, code: int = 0) -> int:
 
 def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
     """Run ``main()`` -> exit code on every rank; on any failure, report it to the peers, print
-    one line naming the rank and the phase, and leave with :func:`exit_after_failure`."""
-    install()
+    one line naming the rank and the phase, and leave with :func:`exit_after_failure`.
+
+    A rank that fails before the board is open (a Ctrl-C while the ranks arrive) can tell
+    nobody, and the others may be inside a blocking setup collective where nothing of ours
+    runs: it leaves at once, without ``MPI_Finalize``, and ``mpiexec`` ends the job."""
+    board_open = False
     try:
+        install(timeout_s=timeout_s)
+        board_open = True
         code = int(main() or 0)
     except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 - every failure must reach the peers
         arm_exit_watchdog(timeout_s)  # from here on, nothing may keep this process alive
-        print(report(exc), file=sys.stderr, flush=True)
+        say(report(exc))
+        if not board_open:
+            sys.stdout.flush()
+            os._exit(1)
         return exit_after_failure(timeout_s)
     return _leave_together(timeout_s, code, succeeded=True)
 
 
 __all__ = ["EXIT_GRACE_S", "PeerFailed", "FailureBoard", "phase", "current_phase", "install", "uninstall", "report",
-           "end_stopped_peers", "arm_exit_watchdog", "exit_after_failure", "end_together", "run_collectively"]
+           "say", "end_stopped_peers", "arm_exit_watchdog", "exit_after_failure", "end_together", "run_collectively"]

@@ -41,7 +41,7 @@ from mpi4py import MPI
 
 from vtnumba.backend.arrays import is_int
 from vtnumba.dist import failures
-from vtnumba.dist.comm import agree_errors
+from vtnumba.dist.comm import agree_errors, arrive
 
 
 class GroupNotFoundError(KeyError, ValueError):
@@ -180,6 +180,9 @@ def init_distributed(tp_size: int | None = None, comm: MPI.Comm | None = None) -
             raise TypeError(f"comm must be an MPI communicator, got {comm!r}")
         n = parent.Get_size()
         world_ranks = list(range(n))
+        # Making the groups is a series of Split/Dup/allgather calls that block in C: every
+        # rank arrives first, in a barrier that polls (see arrive).
+        arrive(parent, "init_distributed")
         world = _make_group("world", parent, 0, parent.Get_rank(), world_ranks)
 
         err = None

@@ -86,6 +86,7 @@ from vtnumba.ec.region import (
 from vtnumba.ec.scheduler import ECScheduler
 from vtnumba.ec.worker import ECWorker
 from vtnumba.faults import FaultInjection as _FaultInjection
+from vtnumba.faults import failure_text
 
 __all__ = ["ECProducer", "ECConsumer", "POINTS", "FaultInjection", "points_passed"]
 
@@ -260,7 +261,7 @@ class _Endpoint:
         """
         self._failed = True
         if self._channel is not None and not isinstance(exc, PeerFailure):
-            self._channel.report_failure(f"{self.role_name}, while {self.activity}: {type(exc).__name__}: {exc}")
+            self._channel.report_failure(f"{self.role_name}, while {self.activity}: {failure_text(exc)}")
         if not self._closed:
             try:
                 self._release()
