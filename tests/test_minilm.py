@@ -39,7 +39,7 @@ from vtnumba.models import (
     shard_layer,
 )
 
-from minilm_weights import minilm_dir, minilm_reference, needs_the_target
+from minilm_weights import REFERENCE, minilm_dir, minilm_reference, needs_the_target
 
 pytestmark = needs_the_target()  # the encoder computes on the run's target
 
@@ -80,6 +80,20 @@ def test_tp1_matches_sentence_transformers(encoder, ref):
     emb = encoder.encode(ref["texts"])
     assert emb.shape == (4, 384) and emb.dtype == np.float32
     assert np.abs(emb - ref["emb"]).max() < TOL
+
+
+def test_hard_texts_match_sentence_transformers(encoder):
+    # Texts that stress the tokenizer (combining marks, CJK, emoji, control and zero-width
+    # characters, bidi controls, a 300-character word, truncation at 256) and the model
+    # (tests/data/README.md says how the reference was made).
+    d = np.load(REFERENCE.with_name("minilm_reference_more.npz"), allow_pickle=False)
+    texts, lengths = [str(t) for t in d["texts"]], d["attention_mask"].sum(axis=1)
+    with pytest.warns(TruncationWarning, match="truncated"):  # (the long text; sentence-transformers is silent)
+        ids = encoder.tokenize(texts)
+        emb = encoder.encode(texts, batch_size=7)
+    for i, (got, n) in enumerate(zip(ids, lengths)):
+        assert got.tolist() == d["input_ids"][i, :n].tolist(), f"token ids of text {i}: {texts[i][:40]!r}"
+    assert np.abs(emb - d["sentence_embeddings"]).max() < TOL
 
 
 def test_batching_and_order_do_not_change_outputs(encoder, ref):
