@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -89,6 +90,38 @@ def test_the_cuda_check_is_left_to_each_rank_when_the_job_spans_machines(monkeyp
                 processes.choose_target(Parser(), "cuda")
         else:
             assert processes.choose_target(Parser(), "cuda").name == "cuda", env
+
+
+@pytest.mark.parametrize("variable, value, says", [
+    ("VTNUMBA_CHECK_HAZARDS", "abc", "VTNUMBA_CHECK_HAZARDS='abc' is not understood; expected 1/raise, record, or 0"),
+    ("VTNUMBA_CPU_QUEUES", "bogus", "VTNUMBA_CPU_QUEUES='bogus' is not understood; expected sync or threaded"),
+])
+def test_a_bad_switch_in_the_environment_is_a_usage_error_said_once(variable, value, says):
+    # VTNUMBA_CHECK_HAZARDS=abc was a traceback per rank as a module loaded; VTNUMBA_CPU_QUEUES=bogus
+    # silently gave synchronous queues.
+    proc = run_cli("embed", "--target", "cpu", "hi", env_extra={variable: value}, mpiexec=2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert out.count(says) == 1 and "Traceback" not in out, out
+
+
+def test_the_switches_readers_name_their_variable(monkeypatch):
+    from vtnumba.backend.cpu import CPUBackend, threaded_from_env
+    from vtnumba.dist.groups import fake_node_size
+
+    for value, threaded in (("", False), ("sync", False), (" Threaded ", True)):
+        monkeypatch.setenv("VTNUMBA_CPU_QUEUES", value)
+        assert threaded_from_env() is threaded
+    monkeypatch.setenv("VTNUMBA_CPU_QUEUES", "bogus")
+    with pytest.raises(ValueError, match="VTNUMBA_CPU_QUEUES='bogus'"):
+        CPUBackend()
+    for value, size in (("", None), ("2", 2)):
+        monkeypatch.setenv("VTNUMBA_FAKE_NODE_SIZE", value)
+        assert fake_node_size() == size
+    for bad in ("abc", "0", "-1", "1.5"):
+        monkeypatch.setenv("VTNUMBA_FAKE_NODE_SIZE", bad)
+        with pytest.raises(ValueError, match=f"VTNUMBA_FAKE_NODE_SIZE='{re.escape(bad)}' must be a positive int"):
+            fake_node_size()
 
 
 def test_info_cudasim_and_auto_reason():

@@ -63,6 +63,22 @@ def _all_ranks_on_this_machine() -> bool:
     return world_rank() is None
 
 
+def check_environment(parser: argparse.ArgumentParser) -> None:
+    """Read now the ``VTNUMBA_*`` switches the library reads deep inside -- where a bad value
+    was a traceback per rank as a module loaded (``VTNUMBA_CHECK_HAZARDS``), or was taken
+    for the default (``VTNUMBA_CPU_QUEUES``): a usage error naming the variable, said once.
+    (Called by :func:`choose_target`, after the target is chosen: these modules load numba.)"""
+    try:
+        from vtnumba.memory.hazards import mode_from_env  # (a bad value raises as it loads, too)
+
+        mode_from_env()
+        from vtnumba.backend.cpu import threaded_from_env
+
+        threaded_from_env()
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def choose_target(parser: argparse.ArgumentParser, name: str | None, *, source: str = "--target"):
     """:func:`vtnumba.target.select_target` for a program: a bad name, or the ``cuda`` target
     (asked for by ``source`` or ``VTNUMBA_TARGET``) where this process finds no usable GPU,
@@ -81,6 +97,7 @@ def choose_target(parser: argparse.ArgumentParser, name: str | None, *, source: 
         choice = select_target(name, source=source)
     except TargetError as exc:
         parser.error(str(exc))
+    check_environment(parser)
     if choice.name == "cuda" and not choice.reason.startswith("auto") and _all_ranks_on_this_machine():
         usable, why = gpu_usable()
         if not usable:
@@ -131,5 +148,5 @@ def check_output_folder(flag: str, folder) -> None:
                          "expected a folder this user can create files in") from None
 
 
-__all__ = ["RankZeroErrorsParser", "check_output_folder", "choose_target", "exit_quietly_when_interrupted",
-           "share_cores_between_local_ranks"]
+__all__ = ["RankZeroErrorsParser", "check_environment", "check_output_folder", "choose_target",
+           "exit_quietly_when_interrupted", "share_cores_between_local_ranks"]

@@ -165,6 +165,15 @@ class _CPUQueue(Queue):
                 self._thread.join()
 
 
+def threaded_from_env() -> bool:
+    """``VTNUMBA_CPU_QUEUES``: ``sync`` (the default) or ``threaded``; anything else is a
+    ValueError naming the variable (a typo silently gave synchronous queues)."""
+    value = os.environ.get("VTNUMBA_CPU_QUEUES", "").strip().lower()
+    if value not in ("", "sync", "threaded"):
+        raise ValueError(f"VTNUMBA_CPU_QUEUES={value!r} is not understood; expected sync or threaded")
+    return value == "threaded"
+
+
 class CPUBackend(Backend):
     """Host memory and host queues (see the module docstring for the two queue modes)."""
 
@@ -176,7 +185,7 @@ class CPUBackend(Backend):
             raise ValueError(f"device={device} must be a CPU device for CPUBackend")
         super().__init__(device)
         if threaded is None:
-            threaded = os.environ.get("VTNUMBA_CPU_QUEUES", "sync").lower() == "threaded"
+            threaded = threaded_from_env()
         self.threaded = bool(threaded)
         self._all_queues: dict[int, _CPUQueue] = {}
 

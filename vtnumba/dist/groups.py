@@ -110,13 +110,25 @@ _state: _State | None = None
 _lock = threading.RLock()
 
 
+def fake_node_size() -> int | None:
+    """``VTNUMBA_FAKE_NODE_SIZE`` (a test hook: pretend every k consecutive ranks share a node),
+    or None; a value that is not a positive int is a ValueError naming the variable."""
+    fake = os.environ.get("VTNUMBA_FAKE_NODE_SIZE", "").strip()
+    if not fake:
+        return None
+    try:
+        k = int(fake)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ValueError(f"VTNUMBA_FAKE_NODE_SIZE={fake!r} must be a positive int (ranks per pretended node)")
+    return k
+
+
 def _node_ids(world: MPI.Comm, shared: MPI.Comm) -> list[int]:
     """One node id per world rank: the world rank of the node's first rank (or a fake layout)."""
-    fake = os.environ.get("VTNUMBA_FAKE_NODE_SIZE")
-    if fake:
-        k = int(fake)
-        if k < 1:
-            raise ValueError(f"VTNUMBA_FAKE_NODE_SIZE={fake!r} must be a positive int")
+    k = fake_node_size()
+    if k is not None:
         return [r // k for r in range(world.Get_size())]
     leader = shared.bcast(world.Get_rank(), root=0)
     return list(world.allgather(leader))

@@ -297,7 +297,9 @@ def hazard_checks_off():
         yield
 
 
-def _mode_from_env() -> str | None:
+def mode_from_env() -> str | None:
+    """``VTNUMBA_CHECK_HAZARDS``: ``"raise"``, ``"record"`` or None (off); anything else is a
+    ValueError naming the variable."""
     value = os.environ.get("VTNUMBA_CHECK_HAZARDS", "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return None
@@ -308,7 +310,7 @@ def _mode_from_env() -> str | None:
     raise ValueError(f"VTNUMBA_CHECK_HAZARDS={value!r} is not understood; expected 1/raise, record, or 0")
 
 
-_env_mode = _mode_from_env()
+_env_mode = mode_from_env()
 if _env_mode is not None:
     _stack.append(HazardChecker(_env_mode))
     _listen_while_active()
