@@ -290,6 +290,12 @@ def test_bench_tpsp_reports_paired_overheads_under_mpiexec(tmp_path):
     (["-m", "vtnumba", "bench", "kernels", "--norm-shape", "abc"],
      "argument --norm-shape: 'abc' must look like ROWSxH with positive sizes"),
     (["mpi/tpsp_model.py", "--tol", "nan"], "--tol=nan must be a finite number >= 0"),
+    # (from a CLI probe: each ran, or failed on every rank, or named an internal function)
+    (["-m", "vtnumba", "bench", "tpsp", "--quick", "--hidden", "3"], "--hidden=3 is not divisible by the 2 ranks"),
+    (["-m", "vtnumba", "bench", "memory", "--quick", "--json="], "argument --json: an empty path"),
+    (["-m", "vtnumba", "bench", "memory", "--quick", "--plot="], "argument --plot: an empty path"),
+    (["-m", "vtnumba", "trace", "--out", "", "--", "true"], "argument --out: an empty path"),
+    (["-m", "vtnumba", "embed", "--timeout", "abc", "hi"], "argument --timeout: 'abc' is not a number of seconds"),
 ])
 def test_a_bad_flag_is_named_once_under_mpiexec(cmd, says):
     # Every rank parses the same command line; only rank 0 prints the usage error, and the
@@ -302,6 +308,26 @@ def test_a_bad_flag_is_named_once_under_mpiexec(cmd, says):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert out.count(says) == 1 and out.count("usage:") == 1, out
+
+
+def test_help_under_mpiexec_is_printed_once():
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for cmd in (["-m", "vtnumba", "--help"], ["-m", "vtnumba", "bench", "--help"], ["mpi/tpsp_model.py", "--help"]):
+        proc = subprocess.run([mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", "2", sys.executable, *cmd],
+                              cwd=root, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0 and proc.stdout.count("usage:") == 1, proc.stdout + proc.stderr
+
+
+def test_bench_tpsp_in_the_simulator_keeps_the_flags_given():
+    # The simulator's tiny sizes replace the defaults only: --hidden 4 ran with H=16, unannounced.
+    from argparse import Namespace
+
+    from vtnumba.bench.tpsp import _settings
+
+    assert _settings(Namespace(tokens=[2], hidden=4, k_total=None, repeat=None), 2, "cudasim") == ([2], 4, 16, 2)
+    assert _settings(Namespace(), 2, "cudasim") == ([4, 8], 16, 16, 2)
+    assert _settings(Namespace(quick=True, hidden=64), 2, "cpu")[1:] == (64, 1024, 7)
 
 
 @pytest.mark.parametrize("argv, says", [

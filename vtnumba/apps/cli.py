@@ -22,7 +22,7 @@ from vtnumba.apps.processes import (
     exit_quietly_when_interrupted,
     share_cores_between_local_ranks,
 )
-from vtnumba.bench.runner import positive_seconds
+from vtnumba.bench.runner import path_text, positive_seconds
 from vtnumba.target import TARGETS, TargetError, select_target
 
 _TARGET_HELP = "execution target (default: $VTNUMBA_TARGET or 'auto' = cuda if a GPU is usable, else cpu)"
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                        usage="vtnumba trace [-h] [--target TARGET] [--out PREFIX] -- COMMAND ...")
     _add_target(p)
     default_prefix = os.path.join(os.environ.get("VTNUMBA_OUT_DIR") or "out", "vtnumba-trace")
-    p.add_argument("--out", default=default_prefix, metavar="PREFIX",
+    p.add_argument("--out", default=default_prefix, metavar="PREFIX", type=path_text,
                    help=f"output prefix: PREFIX.json (merged trace), PREFIX.png, PREFIX.rankN.json "
                         f"(default: {default_prefix}, in the ignored out/ folder)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command to trace, after --")
@@ -185,12 +185,13 @@ def main(argv: list[str] | None = None) -> int:
         from mpi4py import MPI
 
         from vtnumba.apps.info import collect_info
-        from vtnumba.bench.runner import check_inject, resolve_outputs, run_bench
+        from vtnumba.bench.runner import check_inject, check_suite_arguments, resolve_outputs, run_bench
         from vtnumba.dist import run_collectively, set_default_timeout
 
         json_path, plot_dir = resolve_outputs(args)
         try:
             check_inject(args, MPI.COMM_WORLD.Get_size())  # every rank refuses a bad one alike
+            check_suite_arguments(args, MPI.COMM_WORLD.Get_size())
             # Where the results go must be writable before the suites run, not after them.
             if json_path not in (None, "-"):
                 if os.path.isdir(json_path):

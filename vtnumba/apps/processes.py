@@ -39,7 +39,7 @@ def share_cores_between_local_ranks() -> None:
 
 
 class RankZeroErrorsParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors only world rank 0 prints.
+    """An ``ArgumentParser`` whose usage errors and help only world rank 0 prints.
 
     Under ``mpiexec -n N`` every rank parses the same command line, so a bad flag would print
     the same usage message N times; here the other ranks exit with the same status (2),
@@ -50,6 +50,10 @@ class RankZeroErrorsParser(argparse.ArgumentParser):
         if world_rank() not in (None, 0):
             self.exit(2)
         super().error(message)
+
+    def print_help(self, file=None):
+        if world_rank() in (None, 0):  # (``--help`` under mpiexec: once, not once per rank)
+            super().print_help(file)
 
 
 def _all_ranks_on_this_machine() -> bool:

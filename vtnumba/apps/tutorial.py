@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vtnumba.apps.processes import share_cores_between_local_ranks
-from vtnumba.bench.runner import positive_seconds
+from vtnumba.bench.runner import path_text, positive_seconds
 from vtnumba.target import TARGETS
 
 # A tutorial imports this module first, before numpy: share the cores between the ranks now.
@@ -487,7 +487,7 @@ def start(description: str, extra_args=None) -> Lesson:
 
     parser = RankZeroErrorsParser(description=description)  # a usage error is printed by rank 0 only
     parser.add_argument("--target", choices=TARGETS, default=None, help="cpu, cudasim, cuda or auto")
-    parser.add_argument("--out", default=None,
+    parser.add_argument("--out", default=None, type=path_text,
                         help=f"folder for the figures (default: ${OUT_ENV}, else $VTNUMBA_OUT_DIR/tutorials, else "
                              "out/tutorials at the repository root); they go into a subfolder named after the tutorial")
     parser.add_argument("--timeout", type=positive_seconds, default=60.0,

@@ -84,10 +84,10 @@ def default_plot_dir(quick: bool = False) -> str:
 
 def add_common_arguments(p) -> None:
     """The flags every suite takes (``--json``, ``--plot``, ``--quick``)."""
-    p.add_argument("--json", metavar="PATH", nargs="?", const=AUTO, default=None,
+    p.add_argument("--json", metavar="PATH", nargs="?", const=AUTO, default=None, type=path_text,
                    help=f"write the results as JSON to PATH ('-' for stdout; no PATH: {OUT_DIR}/bench-SUITE.json, "
                         "or bench-SUITE-quick.json with --quick)")
-    p.add_argument("--plot", metavar="DIR", nargs="?", const=AUTO, default=None,
+    p.add_argument("--plot", metavar="DIR", nargs="?", const=AUTO, default=None, type=path_text,
                    help=f"write perf_report-style PNG plots into DIR (no DIR: {default_plot_dir()}/, or "
                         f"{default_plot_dir(True)}/ with --quick)")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds, not minutes)")
@@ -116,6 +116,19 @@ def check_inject(args, world_size: int):
         raise ValueError(f"--inject={text!r}: this command runs {', '.join(runs) or 'no suite'} "
                          f"on {world_size} rank(s), not {spec.point!r}, so the fault would never fire")
     return spec
+
+
+def check_suite_arguments(args, world_size: int) -> None:
+    """Each suite this command runs on ``world_size`` ranks checks its own flags against the job
+    (a suite module's ``check_arguments(args, world_size)``, if it has one): ValueError naming
+    the flag -- a usage error said once, not a failure of every rank minutes into the run."""
+    names = ORDER if args.suite == "all" else (args.suite,)
+    for name in names:
+        if name in MULTI_RANK and world_size < 2:
+            continue  # (skipped on one rank)
+        check = getattr(importlib.import_module(f"vtnumba.bench.{name}"), "check_arguments", None)
+        if check is not None:
+            check(args, world_size)
 
 
 def _inject_hook(args, name: str, rank: int, world_size: int):
@@ -153,9 +166,21 @@ def positive_number(text: str) -> float:
     return value
 
 
+def path_text(text: str) -> str:
+    """The argparse type of a path flag: any path but an empty one (``--json=`` or ``--out ""``
+    was taken as no path at all: the run went on and wrote nothing, or wrote beside the
+    current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give one (or leave the flag out)")
+    return text
+
+
 def positive_seconds(text: str) -> float:
     """The ``--timeout`` flags' argparse type: a positive, finite number of seconds."""
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:  # (argparse's own message would name this function: "invalid positive_seconds value")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not (value > 0 and value < float("inf")):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of seconds")
     return value

@@ -79,16 +79,24 @@ def add_arguments(parser) -> None:
 def _settings(args, tp: int, target: str) -> tuple[list[int], int, int, int]:
     """``(tokens, H, K_total, rounds)`` from the flags, the defaults and the target."""
     quick = bool(getattr(args, "quick", False))
-    tokens = getattr(args, "tokens", None) or getattr(args, "sizes", None) or (QUICK_TOKENS if quick else FULL_TOKENS)
-    tokens = [int(t) for t in tokens]
-    H = getattr(args, "hidden", None) or (1024 if quick else 4096)
-    K_total = getattr(args, "k_total", None) or (1024 if quick else 4096)
+    given_tokens = getattr(args, "tokens", None) or getattr(args, "sizes", None)
+    given = (given_tokens, getattr(args, "hidden", None), getattr(args, "k_total", None), getattr(args, "repeat", None))
     # np.percentile interpolates: with n rounds the p10 lies 0.1 * (n - 1) of the way from the
     # fastest round to the next, so --quick takes seven rounds: one odd round cannot set p10/p90 alone.
-    repeat = getattr(args, "repeat", None) or (7 if quick else 11)
-    if target == "cudasim":  # the simulator runs ~7000 threads/s: keep it tiny
-        tokens, H, K_total, repeat = [4, 8], 8 * tp, 16, 2
-    return tokens, H, K_total, repeat
+    defaults = ((QUICK_TOKENS if quick else FULL_TOKENS), (1024 if quick else 4096), (1024 if quick else 4096),
+                (7 if quick else 11))
+    if target == "cudasim":  # the simulator runs ~7000 threads/s: tiny defaults (the flags given still count)
+        defaults = ([4, 8], 8 * tp, 16, 2)
+    tokens, H, K_total, repeat = (g if g else d for g, d in zip(given, defaults))
+    return [int(t) for t in tokens], H, K_total, repeat
+
+
+def check_arguments(args, world_size: int) -> None:
+    """The hidden size is split over the ranks: ValueError naming ``--hidden`` unless they divide it."""
+    H = getattr(args, "hidden", None)
+    if H is not None and H % world_size:
+        raise ValueError(f"--hidden={H} is not divisible by the {world_size} ranks (each rank normalises "
+                         f"H / {world_size} columns of the fused op's output)")
 
 
 def estimate_s(args, ranks: int):
