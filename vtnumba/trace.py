@@ -32,6 +32,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import threading
 import time
 
@@ -208,8 +209,12 @@ def _enable_from_env() -> None:
             enable(path)
             folder = os.path.dirname(os.path.abspath(path))
             os.makedirs(folder, exist_ok=True)
-            if not os.access(folder, os.W_OK):
-                raise OSError(f"{folder} is not writable")
+            # Asked by trying: as root, os.access says yes to nearly anything (/proc included).
+            try:
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
+            except OSError as exc:
+                raise OSError(f"no file can be created in {folder}: {exc.strerror or exc}") from None
         except (ValueError, OSError) as exc:
             disable()
             print(f"vtnumba: VTNUMBA_TRACE={path!r} cannot be written ({exc}); this run records no trace",
