@@ -173,7 +173,8 @@ def producer(ep, args, entries, backend, log) -> dict:
                 what="this step's ready entries and grants")
         step += 1
         if step > args.max_steps:
-            raise RuntimeError(f"producer: no progress after {args.max_steps} steps")
+            raise RuntimeError(f"producer: not done after --max-steps={args.max_steps} steps ({announced} of "
+                               f"{len(entries)} entries saved and announced)")
         msg = ep.recv(what="the consumer's next requests and releases")
     summary = ep.recv(what="the consumer's summary")
     st, w = ep.cache.stats, ep.worker.stats["save"]
@@ -212,7 +213,8 @@ def consumer(ep, args, entries) -> dict:
         done = msg["producer_done"] and not wanted and not pending
         step += 1
         if step > args.max_steps:
-            raise RuntimeError(f"consumer: no progress after {args.max_steps} steps")
+            raise RuntimeError(f"consumer: not done after --max-steps={args.max_steps} steps ({verified} entries "
+                               "loaded and verified)")
         ep.send({"requests": requests, "releases": list(loaded), "done": done},
                 what="this step's requests and releases")
         if done:
@@ -339,6 +341,12 @@ def main(argv=None) -> int:
     if MPI.COMM_WORLD.Get_size() < 2:  # (a usage error, said once: not a failure of rank 0)
         parser.error("needs at least 2 ranks (an encoder and a consumer): mpiexec -n 2 python mpi/ec_disagg.py")
     largest = args.max_rows * args.hidden * np.dtype(args.dtype).itemsize
+    from vtnumba.ec.region import available_memory_bytes
+
+    room = available_memory_bytes()
+    if args.region_mib is not None and room is not None and args.region_mib * (1 << 20) > room:
+        parser.error(f"--region-mib={args.region_mib:g}: more than this machine has free ({room / 2**20:.0f} MiB of "
+                     "memory and swap)")
     if args.region_mib is not None and args.region_mib * (1 << 20) < largest:
         parser.error(f"--region-mib={args.region_mib:g} is smaller than the largest entry ({largest / 2**20:.3g} MiB: "
                      f"--max-rows={args.max_rows} rows of --hidden={args.hidden} x {args.dtype}), which could never "

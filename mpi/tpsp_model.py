@@ -77,13 +77,17 @@ def parse_args(argv=None):
             p.error(f"--{name} must be >= 1")
     if args.chunk is not None and args.chunk < 1:
         p.error("--chunk must be >= 1")
-    if args.inject is not None:
-        from mpi4py import MPI
+    from mpi4py import MPI
 
+    ranks = MPI.COMM_WORLD.Get_size()
+    if args.hidden % ranks:
+        p.error(f"--hidden={args.hidden} is not divisible by the {ranks} ranks (each rank normalises "
+                f"H / {ranks} columns)")
+    if args.inject is not None:
         from vtnumba.faults import FaultInjection
 
         try:  # (every rank passes every point; the job's size bounds the rank)
-            args.inject = FaultInjection.parse(args.inject, inject_passes(args.repeat), MPI.COMM_WORLD.Get_size())
+            args.inject = FaultInjection.parse(args.inject, inject_passes(args.repeat), ranks)
         except ValueError as exc:
             p.error(str(exc))
     choose_target(p, args.target)  # last: a usage error, and before anything imports numba.cuda
@@ -154,9 +158,6 @@ def _run(args, target, inject) -> int:
                  f"the ranks were started with different arguments ({', '.join('--' + d for d in differ)}: "
                  + "; ".join(f"rank {r}: {', '.join(f'{d}={e[d]}' for d in differ)}" for r, e in enumerate(everyone))
                  + "); start every rank with the same command line", group, default_type=ValueError)
-    if args.hidden % tp:
-        say(f"--hidden {args.hidden} must be a multiple of the rank count {tp}")
-        return 2
     T, H = args.tokens, args.hidden
     say(f"tpsp_model: {tp} ranks, target {target.name}, {args.layers} blocks, T={T} H={H} F={args.ffn} "
         f"norm={args.norm} act={args.act}")
