@@ -312,6 +312,15 @@ def test_a_bad_flag_is_named_once_under_mpiexec(cmd, says):
     assert out.count(says) == 1 and out.count("usage:") == 1, out
 
 
+def test_an_unwritable_default_folder_names_vtnumba_out_dir():
+    # It blamed '--json /proc/x', a path the user never typed.
+    env = dict(os.environ, VTNUMBA_OUT_DIR="/proc/x")
+    proc = subprocess.run([sys.executable, "-m", "vtnumba", "bench", "memory", "--quick", "--json"], env=env,
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2
+    assert "--json (its default folder, from VTNUMBA_OUT_DIR='/proc/x') /proc/x: cannot write there" in proc.stderr
+
+
 def test_help_under_mpiexec_is_printed_once():
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -61,3 +61,15 @@ def test_a_rank_count_that_does_not_divide_the_heads_is_said_once_before_loading
     assert err.count("vtnumba embed: error: tp_size=5 does not divide the model's 12 attention heads; expected one "
                      "of [1, 2, 3, 4, 6, 12]") == 1, err
     assert "loading all-MiniLM-L6-v2" not in err and "failed" not in err, err
+
+
+def test_a_missing_model_is_said_once(tmp_path):
+    # Every rank on one machine reads the same (missing) files: it was each rank's own four-line
+    # failure, labelled 'while running'.
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
+    env["VTNUMBA_MINILM_DIR"] = str(tmp_path / "nowhere")
+    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "vtnumba", "embed", "--target", "cpu", "hi"],
+                          capture_output=True, env=env, timeout=120, stdin=subprocess.DEVNULL, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count(f"vtnumba embed: error: VTNUMBA_MINILM_DIR='{tmp_path / 'nowhere'}' is not a folder") == 1
+    assert "Traceback" not in proc.stderr

@@ -185,20 +185,27 @@ def main(argv: list[str] | None = None) -> int:
         from mpi4py import MPI
 
         from vtnumba.apps.info import collect_info
-        from vtnumba.bench.runner import check_inject, check_suite_arguments, resolve_outputs, run_bench
+        from vtnumba.bench.runner import AUTO, check_inject, check_suite_arguments, resolve_outputs, run_bench
         from vtnumba.dist import run_collectively, set_default_timeout
 
         json_path, plot_dir = resolve_outputs(args)
         try:
             check_inject(args, MPI.COMM_WORLD.Get_size())  # every rank refuses a bad one alike
             check_suite_arguments(args, MPI.COMM_WORLD.Get_size())
-            # Where the results go must be writable before the suites run, not after them.
+            # Where the results go must be writable before the suites run, not after them.  (A
+            # default path is the environment's doing when VTNUMBA_OUT_DIR is set: named so.)
+            def named(flag: str, given) -> str:
+                out_dir = os.environ.get("VTNUMBA_OUT_DIR")
+                if given in (None, AUTO) and out_dir:
+                    return f"{flag} (its default folder, from VTNUMBA_OUT_DIR={out_dir!r})"
+                return flag
+
             if json_path not in (None, "-"):
                 if os.path.isdir(json_path):
                     raise ValueError(f"--json {json_path}: is a folder; expected a file name")
-                check_output_folder("--json", os.path.dirname(os.path.abspath(json_path)))
+                check_output_folder(named("--json", args.json), os.path.dirname(os.path.abspath(json_path)))
             if plot_dir is not None:
-                check_output_folder("--plot", plot_dir)
+                check_output_folder(named("--plot", args.plot), plot_dir)
         except ValueError as exc:
             usage_error(str(exc))
 

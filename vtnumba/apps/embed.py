@@ -9,7 +9,8 @@ Bad input ends the command with status 2 and one message on rank 0, on every ran
 each rank gets the same arguments, and the encoder's ranks agree on its input before any
 forward.  A TEXT whose bytes are not UTF-8 (the shell passes bytes; Python keeps the ones
 it cannot decode as lone surrogates) is refused before the model is even loaded, and so is
-a rank count that does not divide the heads (read from the model's config alone).
+a rank count that does not divide the heads (read from the model's config alone) -- and,
+when every rank runs on this machine, a missing or damaged model.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def run_embed(args) -> int:
     """
     from mpi4py import MPI
 
+    from vtnumba.apps.processes import all_ranks_on_this_machine
     from vtnumba.dist import destroy_distributed, init_distributed, phase
     from vtnumba.faults import parse_inject
     from vtnumba.models import MiniLMConfig, check_tp_size, find_minilm_dir
@@ -69,7 +71,15 @@ def run_embed(args) -> int:
         # The job's size is the tensor-parallel size: one that does not divide the model's heads
         # is refused by every rank alike, from the config alone -- before loading the weights,
         # and said once (it was a failure printed by every rank, after loading).
-        config = MiniLMConfig.from_dir(find_minilm_dir())
+        with phase("loading the model"):
+            try:
+                config = MiniLMConfig.from_dir(find_minilm_dir())
+            except (OSError, ValueError) as exc:
+                # No model, or a damaged one: ranks on one machine all read the same files and
+                # fail alike, so it is said once.  (Across machines each rank says its own.)
+                if all_ranks_on_this_machine():
+                    raise InputRejected(str(exc)) from None
+                raise
         try:
             check_tp_size(group.size, config)
         except ValueError as exc:

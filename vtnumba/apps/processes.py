@@ -56,7 +56,7 @@ class RankZeroErrorsParser(argparse.ArgumentParser):
             super().print_help(file)
 
 
-def _all_ranks_on_this_machine() -> bool:
+def all_ranks_on_this_machine() -> bool:
     """Whether every rank of the job runs on this machine (always so outside ``mpiexec``), from
     what ``mpiexec`` tells each rank: MPICH's ``PMI_SIZE`` and ``MPI_LOCALNRANKS``, Open MPI's
     ``OMPI_COMM_WORLD_SIZE`` and ``OMPI_COMM_WORLD_LOCAL_SIZE``.  Unknown counts say no."""
@@ -102,7 +102,7 @@ def choose_target(parser: argparse.ArgumentParser, name: str | None, *, source: 
     except TargetError as exc:
         parser.error(str(exc))
     check_environment(parser)
-    if choice.name == "cuda" and not choice.reason.startswith("auto") and _all_ranks_on_this_machine():
+    if choice.name == "cuda" and not choice.reason.startswith("auto") and all_ranks_on_this_machine():
         usable, why = gpu_usable()
         if not usable:
             parser.error(f"{choice.reason}, but this process finds no usable CUDA GPU ({why}); use --target cpu "
@@ -152,5 +152,5 @@ def check_output_folder(flag: str, folder) -> None:
                          "expected a folder this user can create files in") from None
 
 
-__all__ = ["RankZeroErrorsParser", "check_environment", "check_output_folder", "choose_target",
-           "exit_quietly_when_interrupted", "share_cores_between_local_ranks"]
+__all__ = ["RankZeroErrorsParser", "all_ranks_on_this_machine", "check_environment", "check_output_folder",
+           "choose_target", "exit_quietly_when_interrupted", "share_cores_between_local_ranks"]
