@@ -73,3 +73,13 @@ def test_a_missing_model_is_said_once(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count(f"vtnumba embed: error: VTNUMBA_MINILM_DIR='{tmp_path / 'nowhere'}' is not a folder") == 1
     assert "Traceback" not in proc.stderr
+
+
+def test_a_truncated_text_is_one_warning_line_from_rank_0():
+    # Every rank tokenizes the same texts: three ranks printed three two-line warnings pointing
+    # into vtnumba's source.
+    proc = _embed("word " * 300, mpiexec=3)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 0, err
+    assert err.count("TruncationWarning") == 1
+    assert "[rank 0] vtnumba: warning: TruncationWarning: truncated texts[0] (302 tokens)" in err

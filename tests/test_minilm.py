@@ -541,3 +541,10 @@ def test_env_override_points_at_a_model_folder(monkeypatch):
     assert find_minilm_dir() == real
     with pytest.raises(TypeError, match="model_dir=3"):
         find_minilm_dir(3)
+
+
+def test_a_truncation_warning_points_at_the_callers_line(encoder):
+    # It named vtnumba/models/encoder.py, vtnumba's own call of the tokenizer.
+    with pytest.warns(TruncationWarning) as caught:
+        encoder.encode(["word " * 300])
+    assert caught[0].filename == __file__

@@ -20,6 +20,7 @@ from vtnumba.apps.processes import (
     check_output_folder,
     choose_target,
     exit_quietly_when_interrupted,
+    one_line_warnings,
     share_cores_between_local_ranks,
 )
 from vtnumba.bench.runner import path_text, positive_seconds
@@ -129,6 +130,7 @@ def _command_parser(parser, args) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, choose the target, run the command; returns its exit code (2 for usage errors)."""
     share_cores_between_local_ranks()  # before anything loads numpy's BLAS
+    one_line_warnings("vtnumba")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

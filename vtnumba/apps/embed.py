@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 import numpy as np
 
@@ -53,7 +54,7 @@ def run_embed(args) -> int:
     from vtnumba.apps.processes import all_ranks_on_this_machine
     from vtnumba.dist import destroy_distributed, init_distributed, phase
     from vtnumba.faults import parse_inject
-    from vtnumba.models import MiniLMConfig, check_tp_size, find_minilm_dir
+    from vtnumba.models import MiniLMConfig, TruncationWarning, check_tp_size, find_minilm_dir
     from vtnumba.models.tp_runtime import TensorParallelEncoder
 
     group = init_distributed()
@@ -92,6 +93,8 @@ def run_embed(args) -> int:
             hook("loading")
             tpe = TensorParallelEncoder(group, use_tpsp=not args.no_tpsp)
         say(f"vtnumba embed: encoding {len(args.texts)} text(s) (a first run also compiles the kernels) ...")
+        if group.rank != 0:  # every rank tokenizes the same texts: rank 0 says what was truncated
+            warnings.filterwarnings("ignore", category=TruncationWarning)
         with tpe, phase("encoding the texts"):
             hook("encoding")
             emb = tpe.encoder.encode(args.texts)

@@ -110,6 +110,25 @@ def choose_target(parser: argparse.ArgumentParser, name: str | None, *, source: 
     return choice
 
 
+def one_line_warnings(program: str) -> None:
+    """Show warnings as one line each, ``PROGRAM: warning: Category: message`` (``[rank r]`` first
+    under ``mpiexec``), instead of Python's two lines that point into vtnumba's source -- for
+    a command line's user, not a library's (who keeps Python's format)."""
+    import warnings
+
+    rank = world_rank()
+    who = f"[rank {rank}] " if rank is not None else ""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        stream = file if file is not None else sys.stderr
+        try:
+            stream.write(f"{who}{program}: warning: {category.__name__}: {message}\n")
+        except (OSError, ValueError):  # (a closed stream: a warning is never worth a crash)
+            pass
+
+    warnings.showwarning = show
+
+
 def exit_quietly_when_interrupted(main) -> int:
     """``main()``, except that a Ctrl-C it lets through -- one during startup, while numpy, numba
     and MPI load, before the program's own handling (:func:`vtnumba.dist.run_collectively`)
@@ -153,4 +172,4 @@ def check_output_folder(flag: str, folder) -> None:
 
 
 __all__ = ["RankZeroErrorsParser", "all_ranks_on_this_machine", "check_environment", "check_output_folder",
-           "choose_target", "exit_quietly_when_interrupted", "share_cores_between_local_ranks"]
+           "choose_target", "exit_quietly_when_interrupted", "one_line_warnings", "share_cores_between_local_ranks"]

@@ -30,6 +30,7 @@ or only characters the normaliser removes) with a ``ValueError`` naming its inde
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Mapping, Sequence, Set
 
@@ -44,6 +45,17 @@ ON_LONG = ("truncate", "error")
 
 class TruncationWarning(UserWarning):
     """A text was longer than ``max_seq_length`` tokens and was truncated."""
+
+
+def _first_caller_outside_vtnumba() -> int:
+    """``warnings.warn``'s stacklevel for its caller that names the first frame outside vtnumba --
+    the user's line that called ``encoder.encode(...)``, not vtnumba's own call of the tokenizer
+    (what Python 3.12's ``skip_file_prefixes`` does)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../vtnumba/
+    frame, level = sys._getframe(1), 1  # (level 1: the frame that calls warn)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_texts(texts) -> list[str]:
@@ -169,6 +181,6 @@ class MiniLMTokenizer:
             warnings.warn(
                 f"truncated {shown}{more} to max_seq_length={self.max_seq_length} tokens, as sentence-transformers does",
                 TruncationWarning,
-                stacklevel=2,
+                stacklevel=_first_caller_outside_vtnumba(),
             )
         return out
