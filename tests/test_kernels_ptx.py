@@ -156,3 +156,34 @@ def test_sass_report_says_where_the_matmul_rungs_spills_land():
         assert "FFMA" in sass["text"] and "cubin" not in usage
     proc, _ = _ptx_cli("--keep-sass")
     assert proc.returncode == 2 and "--keep-sass: only with --sass" in proc.stderr
+
+
+def test_bench_kernels_keeps_its_ptxas_report_until_the_kernels_or_compilers_change(tmp_path, monkeypatch):
+    # bench kernels --quick --ptxas compiled every kernel for sm_80 and sm_90 on every run: two
+    # minutes on an idle 2-core machine, over ten under load, for a report that only changes with
+    # the kernels' source or the compilers.
+    import json
+    import subprocess
+    import types
+
+    from vtnumba.bench import kernels as bench_kernels
+    from vtnumba.bench import runner
+
+    monkeypatch.setattr(runner, "OUT_DIR", str(tmp_path))
+    report = {"results": [{"name": "add_rows", "sig": "(float32[:, ::1],)", "cc": "9.0",
+                           "ptxas": {"registers": 12, "smem_bytes": 0, "spill_store_bytes": 0, "spill_load_bytes": 0}}]}
+    runs = []
+
+    def fake_run(cmd, **kw):
+        runs.append(cmd)
+        return types.SimpleNamespace(stdout=json.dumps(report), stderr="", returncode=0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    first_notes, second_notes = [], []
+    first = bench_kernels._ptxas_resources(first_notes)
+    second = bench_kernels._ptxas_resources(second_notes)
+    assert len(runs) == 1 and first == second and first[0]["kernel"] == "add_rows"
+    assert any("ptxas report from" in n for n in second_notes) and not any("from" in n for n in first_notes)
+    # Another command (or kernel source, or compiler version) is another key.
+    cmd = runs[0]
+    assert bench_kernels._ptxas_cache_path(cmd) != bench_kernels._ptxas_cache_path(cmd + ["--sass"])

@@ -67,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shape of the norm benchmarks (default 8192x4096; on the host 1024x1024 with --quick)")
     parser.add_argument("--ptxas", action="store_true",
                         help="report registers/shared memory/spills per kernel (nvJitLink, else ptxas on PATH), "
-                             "and with nvdisasm installed where a kernel's spills land in its main loop")
+                             "and with nvdisasm installed where a kernel's spills land in its main loop; the first "
+                             "run compiles every kernel (minutes), later ones read out/ptxas-cache/ until the "
+                             "kernels or the compilers change")
     from vtnumba.bench.runner import positive_int
 
     parser.add_argument("--device-matmul-sizes", type=positive_int, nargs="+", default=None, metavar="N",
@@ -425,8 +427,35 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
                 raise
 
 
+def _ptxas_cache_path(cmd: list[str]) -> str:
+    """Where the report of ``cmd`` is kept: compiling every kernel for two GPU generations takes
+    minutes on a laptop, and the report changes only with the kernels' source and the
+    compilers -- so it is keyed by a hash of both (and of the command), under ``out/``."""
+    import hashlib
+    import importlib.metadata
+    import os
+
+    import vtnumba.kernels
+    from vtnumba.bench.runner import OUT_DIR
+
+    h = hashlib.sha256(" ".join(cmd[1:]).encode())
+    folder = os.path.dirname(vtnumba.kernels.__file__)
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    for dist in ("numba", "numba-cuda", "cuda-bindings", "cuda-toolkit", "nvidia-nvjitlink", "nvidia-cuda-nvcc",
+                 "nvidia-cuda-nvrtc"):
+        try:
+            h.update(f"{dist}={importlib.metadata.version(dist)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return os.path.join(OUT_DIR, "ptxas-cache", f"{h.hexdigest()[:24]}.json")
+
+
 def _ptxas_resources(notes) -> list[dict]:
-    """Registers / shared memory / spills per kernel, from a subprocess without the simulator."""
+    """Registers / shared memory / spills per kernel, from a subprocess without the simulator
+    (or from the last such report, when neither the kernels nor the compilers changed)."""
     import json
     import os
     import subprocess
@@ -437,13 +466,26 @@ def _ptxas_resources(notes) -> list[dict]:
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     # With nvdisasm too, where the spills land (the main loop's share of them).
     sass = ["--sass"] if nvjitlink_available() and find_nvdisasm() else []
-    proc = subprocess.run([sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", "80", "90", "--ptxas", *sass],
-                          env=env, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, "-m", "vtnumba.kernels.ptx", "--cc", "80", "90", "--ptxas", *sass]
+    cache = _ptxas_cache_path(cmd)
     try:
-        report = json.loads(proc.stdout)
-    except ValueError:
-        notes.append(f"ptxas report failed: {proc.stderr.strip()[-300:]}")
-        return []
+        with open(cache) as f:
+            report = json.load(f)
+        notes.append(f"ptxas report from {cache} (the kernels' source and the compilers are unchanged since)")
+    except (OSError, ValueError):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        try:
+            report = json.loads(proc.stdout)
+        except ValueError:
+            notes.append(f"ptxas report failed: {proc.stderr.strip()[-300:]}")
+            return []
+        try:  # (best effort: an unwritable out/ only costs the next run the compile)
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            with open(f"{cache}.{os.getpid()}", "w") as f:
+                json.dump(report, f)
+            os.replace(f"{cache}.{os.getpid()}", cache)
+        except OSError:
+            pass
     out = []
     for e in report["results"]:
         usage = e.get("ptxas") or {}

@@ -263,8 +263,8 @@ def durations_path() -> str:
     return os.path.join(OUT_DIR, "bench-durations.json")
 
 
-def _duration_key(name: str, quick: bool, target: str, ranks: int) -> str:
-    return f"{name} {'quick' if quick else 'full'} {target} {ranks} rank(s)"
+def _duration_key(name: str, quick: bool, target: str, ranks: int, extra: str = "") -> str:
+    return f"{name} {'quick' if quick else 'full'} {target} {ranks} rank(s){extra}"
 
 
 def load_durations() -> dict:
@@ -346,7 +346,8 @@ def run_suite(name: str, args, comm, *, target: str | None = None) -> dict | Non
         from vtnumba.target import current_target
 
         target = current_target().name
-    key = _duration_key(name, bool(args.quick), target, ranks)
+    # (--ptxas compiles every kernel for two GPU generations: timed apart from the suite alone.)
+    key = _duration_key(name, bool(args.quick), target, ranks, " +ptxas" if getattr(sargs, "ptxas", False) else "")
     if rank == 0:
         how = f"{'quick' if args.quick else 'full sizes'}, {ranks} rank{'s' if ranks > 1 else ''}"
         say(f"bench {name}: running ({how}); {estimate_line(module, sargs, ranks, key)}")
