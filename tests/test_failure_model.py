@@ -405,3 +405,23 @@ def test_a_ctrl_c_before_the_programs_own_handling_is_one_line(mpi_started, code
     assert proc.returncode == code, proc.stderr
     who = "[rank 0] " if mpi_started else ""  # (MPI up: a singleton rank 0)
     assert proc.stderr == f"{who}interrupted (Ctrl-C, or SIGINT from mpiexec)\n"
+
+
+def test_a_ctrl_c_on_one_rank_alone_leaves_the_session_usable():
+    # One rank (a notebook): nobody to tell, and a session that catches the KeyboardInterrupt
+    # and goes on must not find every later wait raising.  The handler goes with the board.
+    import signal
+
+    from vtnumba import dist
+
+    dist.destroy_distributed()
+    group = dist.init_distributed()
+    try:
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        dist.barrier(group)
+    finally:
+        dist.destroy_distributed()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -155,7 +155,9 @@ def _interrupted(signum, frame) -> None:
     waits raise too.  (Python runs this handler between bytecodes of the main thread, never
     inside an MPI call, so posting here is safe; no lock is taken.)"""
     board = _board
-    if board is not None and not board.interrupted:
+    # (Alone -- one rank, a notebook -- there is nobody to tell, and a session that goes on
+    # after the Ctrl-C must not find every later wait raising.)
+    if board is not None and board.size > 1 and not board.interrupted:
         board.interrupted = True
         try:
             board.post(f"rank {board.rank} was interrupted (Ctrl-C, or SIGINT from mpiexec)")
