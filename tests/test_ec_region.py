@@ -471,3 +471,35 @@ def test_a_byte_order_mismatch_says_which(engine):
     with create_ec_shared_region(engine_id=engine, hidden_size=4, dtype=">f4", region_bytes=1024, create=True) as r:
         with pytest.raises(ValueError, match=r"this side expects dtype=<f4, .* with dtype=>f4"):
             create_ec_shared_region(engine_id=engine, hidden_size=4, dtype="float32")
+
+
+@pytest.mark.parametrize("anonymous", [False, True])
+def test_an_interrupted_cleanup_never_leaves_a_closed_descriptor_to_close_again(engine, anonymous, monkeypatch):
+    # A Ctrl-C lands right after a C call returns: os.close had run, the field still named the
+    # number, and the finalizer (or a second cleanup) closed it again -- someone else's by then.
+    import gc
+
+    region = create_ec_shared_region(engine_id=engine, hidden_size=8, dtype="float32", region_bytes=4096,
+                                     create=True, anonymous=anonymous)
+    real_close = os.close
+    interrupted = []
+
+    def close_then_interrupt(fd):
+        real_close(fd)
+        if not interrupted:
+            interrupted.append(fd)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "close", close_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        region.cleanup()
+    monkeypatch.setattr(os, "close", real_close)
+    assert region._left.fd is None, "the closed descriptor is still listed, to be closed again"
+    other = os.open(os.devnull, os.O_RDONLY)  # (likely the number just freed)
+    try:
+        region.cleanup()
+        del region
+        gc.collect()
+        os.fstat(other)  # still open: nobody closed it as the region's
+    finally:
+        real_close(other)

@@ -189,3 +189,54 @@ def test_the_exit_hook_starts_no_janitor_to_replace_one_that_died(shm_paths):
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def _run_script(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_a_dropped_owners_finalizer_never_waits_for_the_files_lock():
+    # Garbage collection -- and a finalizer -- can run inside any allocation, also in this
+    # module's code while it holds its (plain) lock: the finalizer waited for it for good.
+    proc = _run_script("""
+        import faulthandler, gc, os
+        from vtnumba.memory import shared_files
+        from vtnumba.dist.shm import ShmSegment
+        faulthandler.dump_traceback_later(20, exit=True)
+        first = ShmSegment.create(4096, "a", named=True)
+        gc.disable()
+        seg = ShmSegment.create(4096, "b", named=True)
+        path = seg.path
+        seg.cycle = seg          # only the cyclic collector frees it
+        del seg
+        real = shared_files._tell_janitor
+        def tell(message):       # runs with the lock held: a collection here runs the finalizer
+            gc.collect()
+            return real(message)
+        shared_files._tell_janitor = tell
+        other = ShmSegment.create(4096, "c", named=True)
+        shared_files._tell_janitor = real
+        assert not os.path.exists(path), "the dropped segment's file is still there"
+        assert path not in shared_files._linked, "it is still tracked after the lock's next holder"
+        first.close(); other.close()
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_a_forked_child_dropping_its_copy_leaves_the_parents_file():
+    proc = _run_script("""
+        import gc, os, warnings
+        from vtnumba.dist.shm import ShmSegment
+        warnings.simplefilter("ignore", ResourceWarning)
+        seg = ShmSegment.create(4096, "fork", named=True)   # the parent's: peers still to attach
+        pid = os.fork()
+        if pid == 0:
+            del seg; gc.collect()                          # the child's copy goes
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print(os.path.exists(seg.path))
+        seg.close()
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stdout + proc.stderr

@@ -555,13 +555,16 @@ class ECSharedRegion:
         if not self.is_creator or self._unlinked:
             return False
         self._unlinked = True
+        # (Each is taken out of the leftovers before it is closed or removed: an interrupt in
+        # between then leaves it open, never a closed number that a later release -- the
+        # finalizer's, another cleanup -- would close again, as someone else's by then.)
         if self.anonymous:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            fd, self._left.fd = self._left.fd, None
+            if fd is not None:
+                os.close(fd)
             return True
-        unlink_private_file(self.path)
         self._left.path = None
+        unlink_private_file(self.path)
         return True
 
     @property
@@ -604,9 +607,9 @@ class ECSharedRegion:
                 warnings.warn(f"ECSharedRegion.cleanup: views of {self.label} are still alive; the mapping is "
                               "released when they are garbage-collected", ResourceWarning, stacklevel=3)
             self._mmap = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        fd, self._left.fd = self._left.fd, None  # (out first: see unlink)
+        if fd is not None:
+            os.close(fd)
         if failure is not None:
             raise failure
 

@@ -175,9 +175,11 @@ def create_private_file(path: str) -> int:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     st = os.fstat(fd)
     with _linked_lock:
+        _strike_off_dropped()  # (first: a name a finalizer removed may be this very path)
         _linked[path] = (st.st_dev, st.st_ino)
         if "\n" not in path:  # (a line per message; vtnumba's names never hold one)
             _tell_janitor(_created_line(path, st.st_dev, st.st_ino))
+        _strike_off_dropped()  # (and last: a finalizer may have run meanwhile, inside this very call)
     try:
         os.fchmod(fd, 0o600)  # exactly, whatever the umask
     except BaseException:
@@ -206,10 +208,57 @@ def unlink_private_file(path: str) -> None:
     except FileNotFoundError:
         pass
     with _linked_lock:  # (after the unlink: a kill in between still leaves the janitor to do it)
-        if path in _linked:
-            del _linked[path]
-            if _janitor is not None and "\n" not in path:
-                _tell_janitor(b"-" + os.fsencode(path))
+        _strike_off_dropped()
+        _forget(path)
+        _strike_off_dropped()
+
+
+def _forget(path: str, made: tuple[int, int] | None = None) -> None:
+    """Stop tracking ``path`` (only if it is still the file ``made``, when given); called with
+    ``_linked_lock`` held."""
+    if path in _linked and (made is None or _linked[path] == made):
+        del _linked[path]
+        if _janitor is not None and "\n" not in path:
+            _tell_janitor(b"-" + os.fsencode(path))
+
+
+#: Files a dropped owner's finalizer removed while ``_linked_lock`` was held, as (path, (dev,
+#: inode)): struck off ``_linked`` by the lock's next holder (see _unlink_dropped).
+_dropped: list[tuple[str, tuple[int, int]]] = []
+
+
+def _strike_off_dropped() -> None:
+    """Called with ``_linked_lock`` held.  (A finalizer may append while this runs: it is seen.)"""
+    while _dropped:
+        _forget(*_dropped.pop())
+
+
+def _unlink_dropped(path: str) -> bool:
+    """:func:`unlink_private_file` for a finalizer; whether the file was removed.
+
+    Garbage collection -- and with it a finalizer -- can run inside any allocation, this
+    module's own code included while it holds ``_linked_lock``, a plain lock: waiting for it
+    there would wait forever.  So the name goes at once, if it is still the file this process
+    made (a forked child's list is empty: its parent's files are not its own to remove), and
+    the bookkeeping under the lock is done now if the lock is free, else by its next holder."""
+    made = _linked.get(path)
+    if made is None:
+        return False
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) != made:
+            return False
+        os.unlink(path)
+    except OSError:
+        return False
+    if _linked_lock.acquire(blocking=False):
+        try:
+            _forget(path, made)
+        finally:
+            _linked_lock.release()
+    else:
+        _dropped.append((path, made))
+    return True
 
 
 class Leftovers:
@@ -225,22 +274,30 @@ class Leftovers:
         self.fd: int | None = None
         self.path: str | None = None
 
-    def release(self) -> list[str]:
-        """Close the descriptor and unlink the name still held; returns what there was."""
+    def release(self, *, dropped: bool = False) -> list[str]:
+        """Close the descriptor and unlink the name still held (``dropped``: from a finalizer,
+        see :func:`_unlink_dropped`); returns what was done."""
+        # (Taken out of the fields before they are closed: an interrupt between the two then
+        # leaves a descriptor open, never a number that a later release would close again.)
         fd, path, self.fd, self.path = self.fd, self.path, None, None
         if fd is not None:
             try:
                 os.close(fd)
             except OSError:
                 pass
+        removed = False
         if path is not None:
-            unlink_private_file(path)
+            if dropped:
+                removed = _unlink_dropped(path)
+            else:
+                unlink_private_file(path)
+                removed = True
         released = ["closed its descriptor"] if fd is not None else []
-        return released + (["removed its file"] if path is not None else [])
+        return released + (["removed its file"] if removed else [])
 
 
 def _release_dropped(leftovers: Leftovers, what: str) -> None:
-    released = leftovers.release()
+    released = leftovers.release(dropped=True)
     if released:
         warnings.warn(f"{what} was garbage-collected without close(), so vtnumba {' and '.join(released)} now; call "
                       "close() (or use a with block) when done with it", ResourceWarning, stacklevel=2)
