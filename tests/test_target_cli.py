@@ -58,40 +58,6 @@ def test_the_cuda_target_without_a_gpu_is_a_usage_error_said_once_before_anythin
     assert "use --target cpu or cudasim" in out and "loading the model" not in out and "Traceback" not in out
 
 
-def test_the_cuda_check_is_left_to_each_rank_when_the_job_spans_machines(monkeypatch):
-    # Ranks on other machines may have a GPU: one that left with a usage error here would keep
-    # them waiting, so each finds out when its backend is made (a failure the others hear).
-    import argparse
-
-    from vtnumba.apps import processes
-    from vtnumba.target import TargetChoice
-
-    monkeypatch.setattr("vtnumba.target.gpu_usable", lambda: (False, "no CUDA driver (libcuda) found"))
-    monkeypatch.setattr("vtnumba.target.select_target", lambda name, source: TargetChoice("cuda", f"{source}=cuda"))
-
-    class Refused(Exception):
-        pass
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise Refused(message)
-
-    for env, refused in (({"PMI_SIZE": "4", "MPI_LOCALNRANKS": "4"}, True),
-                         ({"PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"}, False),
-                         ({"PMI_SIZE": "4"}, False),
-                         ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, True),
-                         ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, False)):
-        for var in ("PMI_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-            monkeypatch.delenv(var, raising=False)
-        for var, value in env.items():
-            monkeypatch.setenv(var, value)
-        if refused:
-            with pytest.raises(Refused, match=r"--target=cuda, but this process finds no usable CUDA GPU \(no CUDA"):
-                processes.choose_target(Parser(), "cuda")
-        else:
-            assert processes.choose_target(Parser(), "cuda").name == "cuda", env
-
-
 @pytest.mark.parametrize("variable, value, says", [
     ("VTNUMBA_CHECK_HAZARDS", "abc", "VTNUMBA_CHECK_HAZARDS='abc' is not understood; expected 1/raise, record, or 0"),
     ("VTNUMBA_CPU_QUEUES", "bogus", "VTNUMBA_CPU_QUEUES='bogus' is not understood; expected sync or threaded"),

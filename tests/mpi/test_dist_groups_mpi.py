@@ -216,3 +216,32 @@ def test_the_launchers_node_local_rank_is_mpis():
             node.Free()
 
     collectively(check)
+
+
+@pytest.mark.parametrize("without", [(), (1,), "all"])
+def test_the_cuda_target_is_refused_alike_when_some_ranks_have_no_gpu(monkeypatch, capsys, without):
+    # A launcher may give each rank its own CUDA_VISIBLE_DEVICES: a rank that saw no GPU left
+    # alone with a usage error, before MPI_Init, and the ranks with one waited there for good.
+    import argparse
+
+    from vtnumba.apps import processes
+    from vtnumba.target import TargetChoice
+
+    lacking = set(range(COMM.size)) if without == "all" else set(without)
+    monkeypatch.setattr("vtnumba.target.gpu_usable", lambda: (COMM.rank not in lacking, "no GPU here (test)"))
+    monkeypatch.setattr("vtnumba.target.select_target", lambda name, source: TargetChoice("cuda", f"{source}=cuda"))
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise ValueError(message)
+
+    message = same_error_everywhere(ValueError, lambda: processes.choose_target(Parser(), "cuda")) if lacking \
+        else None
+    if not lacking:
+        assert processes.choose_target(Parser(), "cuda").name == "cuda"
+    elif without == "all":
+        assert "this process finds no usable CUDA GPU (no GPU here (test))" in message
+    else:
+        assert f"rank(s) [1] of {COMM.size} find no usable CUDA GPU" in message
+        said = capsys.readouterr().err
+        assert ("[rank 1] no usable CUDA GPU: no GPU here (test)" in said) == (COMM.rank == 1)

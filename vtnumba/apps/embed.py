@@ -9,8 +9,8 @@ Bad input ends the command with status 2 and one message on rank 0, on every ran
 each rank gets the same arguments, and the encoder's ranks agree on its input before any
 forward.  A TEXT whose bytes are not UTF-8 (the shell passes bytes; Python keeps the ones
 it cannot decode as lone surrogates) is refused before the model is even loaded, and so is
-a rank count that does not divide the heads (read from the model's config alone) -- and,
-when every rank runs on this machine, a missing or damaged model.
+a rank count that does not divide the heads (read from the model's config alone) -- and a
+missing or damaged model, when every rank finds the same problem.
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ def run_embed(args) -> int:
     """
     from mpi4py import MPI
 
-    from vtnumba.apps.processes import all_ranks_on_this_machine
-    from vtnumba.dist import destroy_distributed, init_distributed, phase
+    from vtnumba.dist import allgather_bytes, destroy_distributed, init_distributed, phase
     from vtnumba.faults import parse_inject
     from vtnumba.models import MiniLMConfig, TruncationWarning, check_tp_size, find_minilm_dir
     from vtnumba.models.tp_runtime import TensorParallelEncoder
@@ -74,13 +73,20 @@ def run_embed(args) -> int:
         # and said once (it was a failure printed by every rank, after loading).
         with phase("loading the model"):
             try:
-                config = MiniLMConfig.from_dir(find_minilm_dir())
+                config, problem = MiniLMConfig.from_dir(find_minilm_dir()), ""
             except (OSError, ValueError) as exc:
-                # No model, or a damaged one: ranks on one machine all read the same files and
-                # fail alike, so it is said once.  (Across machines each rank says its own.)
-                if all_ranks_on_this_machine():
-                    raise InputRejected(str(exc)) from None
-                raise
+                config, problem = None, str(exc)
+            # No model, or a damaged one.  Ranks that read the same files fail alike: then it
+            # is said once.  Otherwise each failing rank says its own, and the others stop too.
+            problems = [b.decode() for b in allgather_bytes(problem.encode(), group)]
+            if problem and len(set(problems)) == 1:
+                raise InputRejected(problem)
+            if problem:
+                raise FileNotFoundError(problem)
+            if any(problems):
+                stop = RuntimeError(f"rank(s) {[r for r, p in enumerate(problems) if p]} could not read the model")
+                stop.caused_by_peer = True  # (vtnumba.dist.failures: this rank stopped because of them)
+                raise stop
         try:
             check_tp_size(group.size, config)
         except ValueError as exc:

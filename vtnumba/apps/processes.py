@@ -56,17 +56,6 @@ class RankZeroErrorsParser(argparse.ArgumentParser):
             super().print_help(file)
 
 
-def all_ranks_on_this_machine() -> bool:
-    """Whether every rank of the job runs on this machine (always so outside ``mpiexec``), from
-    what ``mpiexec`` tells each rank: MPICH's ``PMI_SIZE`` and ``MPI_LOCALNRANKS``, Open MPI's
-    ``OMPI_COMM_WORLD_SIZE`` and ``OMPI_COMM_WORLD_LOCAL_SIZE``.  Unknown counts say no."""
-    for world_var, local_var in (("PMI_SIZE", "MPI_LOCALNRANKS"),
-                                 ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")):
-        if world_var in os.environ:
-            return os.environ.get(local_var) == os.environ[world_var]
-    return world_rank() is None
-
-
 def check_environment(parser: argparse.ArgumentParser) -> None:
     """Read now the ``VTNUMBA_*`` switches the library reads deep inside -- where a bad value
     was a traceback per rank as a module loaded (``VTNUMBA_CHECK_HAZARDS``), or was taken
@@ -85,15 +74,15 @@ def check_environment(parser: argparse.ArgumentParser) -> None:
 
 def choose_target(parser: argparse.ArgumentParser, name: str | None, *, source: str = "--target"):
     """:func:`vtnumba.target.select_target` for a program: a bad name, or the ``cuda`` target
-    (asked for by ``source`` or ``VTNUMBA_TARGET``) where this process finds no usable GPU,
-    is a usage error (status 2).  Returns the :class:`~vtnumba.target.TargetChoice`.
+    (asked for by ``source`` or ``VTNUMBA_TARGET``) where a rank finds no usable GPU, is a
+    usage error (status 2).  Returns the :class:`~vtnumba.target.TargetChoice`.
 
     Without the GPU check, every rank failed on its own when it made its backend -- after
-    loading its model -- and printed the same error.  Ranks on one machine see the same
-    driver, so there all of them refuse alike and rank 0 says it once.  Ranks spread over
-    machines may disagree (a GPU on some): there each finds out when its backend is made,
-    a failure the others hear at once -- a rank that left here would leave the GPU
-    machines' ranks waiting for it until their timeout.
+    loading its model -- and printed the same error.  Under ``mpiexec`` the ranks agree on
+    the answer first (:func:`_every_ranks_gpu`): ranks need not see the same GPUs, even on one
+    machine (a launcher may set ``CUDA_VISIBLE_DEVICES`` per rank), and a rank leaving alone
+    would keep the others waiting.  So all leave together: rank 0 says which ranks have
+    none, each of those says why.
     """
     from vtnumba.target import TargetError, gpu_usable, select_target
 
@@ -102,12 +91,38 @@ def choose_target(parser: argparse.ArgumentParser, name: str | None, *, source: 
     except TargetError as exc:
         parser.error(str(exc))
     check_environment(parser)
-    if choice.name == "cuda" and not choice.reason.startswith("auto") and all_ranks_on_this_machine():
+    if choice.name == "cuda" and not choice.reason.startswith("auto"):
         usable, why = gpu_usable()
-        if not usable:
-            parser.error(f"{choice.reason}, but this process finds no usable CUDA GPU ({why}); use --target cpu "
-                         "or cudasim ('vtnumba info' says what this process finds)")
+        answers = _every_ranks_gpu(usable)
+        if answers is None or not any(answers):  # (one process, or no rank has one: the same reason)
+            if not usable:
+                parser.error(f"{choice.reason}, but this process finds no usable CUDA GPU ({why}); use --target cpu "
+                             "or cudasim ('vtnumba info' says what this process finds)")
+        elif not all(answers):
+            if not usable:  # (before rank 0's usage message: each says its own reason)
+                sys.stderr.write(f"[rank {world_rank()}] no usable CUDA GPU: {why}\n")
+                sys.stderr.flush()
+            parser.error(f"{choice.reason}, but rank(s) {[r for r, ok in enumerate(answers) if not ok]} of "
+                         f"{len(answers)} find no usable CUDA GPU; every rank needs one ('vtnumba info' under the "
+                         "same mpiexec says what each finds)")
     return choice
+
+
+def _every_ranks_gpu(usable: bool, timeout_s: float = 60.0) -> list[bool] | None:
+    """Every rank's ``usable``, gathered (None outside ``mpiexec``).  Non-blocking and polled:
+    a rank that never gets here (it failed first) ends the wait after ``timeout_s``."""
+    if world_rank() is None:
+        return None
+    import numpy as np
+    from mpi4py import MPI
+
+    from vtnumba.backend.polling import poll_until
+
+    world = MPI.COMM_WORLD
+    answers = np.zeros(world.Get_size(), np.uint8)
+    poll_until(world.Iallgather(np.array([usable], np.uint8), answers).Test, timeout_s,
+               lambda waited: f"not every rank arrived to agree on the cuda target within {waited:.0f} s")
+    return [bool(a) for a in answers]
 
 
 def one_line_warnings(program: str) -> None:
@@ -171,5 +186,5 @@ def check_output_folder(flag: str, folder) -> None:
                          "expected a folder this user can create files in") from None
 
 
-__all__ = ["RankZeroErrorsParser", "all_ranks_on_this_machine", "check_environment", "check_output_folder",
-           "choose_target", "exit_quietly_when_interrupted", "one_line_warnings", "share_cores_between_local_ranks"]
+__all__ = ["RankZeroErrorsParser", "check_environment", "check_output_folder", "choose_target",
+           "exit_quietly_when_interrupted", "one_line_warnings", "share_cores_between_local_ranks"]
