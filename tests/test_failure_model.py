@@ -425,3 +425,20 @@ def test_a_ctrl_c_on_one_rank_alone_leaves_the_session_usable():
     finally:
         dist.destroy_distributed()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_run_in_one_process_watches_the_board_again():
+    # A run's exit protocol stops watching the board it leaves open; the next run_collectively
+    # in the same process (a test) waited with no failure watch at all.
+    from vtnumba import dist
+    from vtnumba.backend import polling
+    from vtnumba.dist import failures
+
+    dist.destroy_distributed()
+    board = failures.install()
+    try:
+        polling.remove_watch(board.check)  # (what _leave_together does)
+        assert failures.install() is board and board.check in polling._watches
+    finally:
+        failures.uninstall()
+    assert board.check not in polling._watches

@@ -187,3 +187,9 @@ def test_bench_kernels_keeps_its_ptxas_report_until_the_kernels_or_compilers_cha
     # Another command (or kernel source, or compiler version) is another key.
     cmd = runs[0]
     assert bench_kernels._ptxas_cache_path(cmd) != bench_kernels._ptxas_cache_path(cmd + ["--sass"])
+    # A failed report is not kept: the next run tries again.
+    monkeypatch.setattr(runner, "OUT_DIR", str(tmp_path / "other"))
+    report["results"][0]["ptxas"] = {"arch": "sm_90", "error": "no ptxas"}
+    bench_kernels._ptxas_resources([])
+    bench_kernels._ptxas_resources([])
+    assert len(runs) == 3

@@ -450,6 +450,9 @@ def _ptxas_cache_path(cmd: list[str]) -> str:
             h.update(f"{dist}={importlib.metadata.version(dist)}".encode())
         except importlib.metadata.PackageNotFoundError:
             pass
+    ptxas = shutil.which("ptxas")  # (the fallback assembler: a toolkit installed or upgraded is another key)
+    if ptxas:
+        h.update(f"{ptxas}@{os.stat(ptxas).st_mtime_ns}".encode())
     return os.path.join(OUT_DIR, "ptxas-cache", f"{h.hexdigest()[:24]}.json")
 
 
@@ -479,13 +482,20 @@ def _ptxas_resources(notes) -> list[dict]:
         except ValueError:
             notes.append(f"ptxas report failed: {proc.stderr.strip()[-300:]}")
             return []
-        try:  # (best effort: an unwritable out/ only costs the next run the compile)
-            os.makedirs(os.path.dirname(cache), exist_ok=True)
-            with open(f"{cache}.{os.getpid()}", "w") as f:
-                json.dump(report, f)
-            os.replace(f"{cache}.{os.getpid()}", cache)
-        except OSError:
-            pass
+        # Kept only when every kernel got its report: a failure (no assembler, a broken
+        # install) must be tried again next time, not read back until the kernels change.
+        def failed(e: dict) -> bool:
+            parts = [e, e.get("ptxas") or {"error": "no report"}, e.get("sass") or {}]
+            return any(p.get("error") for p in parts)
+
+        if proc.returncode == 0 and not any(failed(e) for e in report.get("results", [])):
+            try:  # (best effort: an unwritable out/ only costs the next run the compile)
+                os.makedirs(os.path.dirname(cache), exist_ok=True)
+                with open(f"{cache}.{os.getpid()}", "w") as f:
+                    json.dump(report, f)
+                os.replace(f"{cache}.{os.getpid()}", cache)
+            except OSError:
+                pass
     out = []
     for e in report["results"]:
         usage = e.get("ptxas") or {}

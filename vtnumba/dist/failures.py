@@ -156,8 +156,9 @@ def _interrupted(signum, frame) -> None:
     inside an MPI call, so posting here is safe; no lock is taken.)"""
     board = _board
     # (Alone -- one rank, a notebook -- there is nobody to tell, and a session that goes on
-    # after the Ctrl-C must not find every later wait raising.)
-    if board is not None and board.size > 1 and not board.interrupted:
+    # after the Ctrl-C must not find every later wait raising.  After MPI_Finalize, nobody
+    # can be told.)
+    if board is not None and board.size > 1 and not board.interrupted and not MPI.Is_finalized():
         board.interrupted = True
         try:
             board.post(f"rank {board.rank} was interrupted (Ctrl-C, or SIGINT from mpiexec)")
@@ -182,6 +183,10 @@ def install(comm: MPI.Comm | None = None, timeout_s: float = DEFAULT) -> Failure
         if threading.current_thread() is threading.main_thread() \
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             _previous_sigint = signal.signal(signal.SIGINT, _interrupted)
+    else:
+        # (Watched again: a run's exit protocol stops watching the board it leaves open, and a
+        # second run in the same process -- a test -- would otherwise wait unwatched.)
+        polling.add_watch(_board.check)
     return _board
 
 
