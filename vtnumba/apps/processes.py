@@ -52,7 +52,8 @@ class RankZeroErrorsParser(argparse.ArgumentParser):
         super().error(message)
 
     def print_help(self, file=None):
-        if world_rank() in (None, 0):  # (``--help`` under mpiexec: once, not once per rank)
+        """The help text, from world rank 0 only (``--help`` under ``mpiexec``: once, not once per rank)."""
+        if world_rank() in (None, 0):
             super().print_help(file)
 
 

@@ -271,8 +271,8 @@ class Leftovers:
     __slots__ = ("fd", "path")
 
     def __init__(self) -> None:
-        self.fd: int | None = None
-        self.path: str | None = None
+        self.fd: int | None = None  #: the descriptor still open (None once closed)
+        self.path: str | None = None  #: a named creator's file still linked (None once removed, or anonymous)
 
     def release(self, *, dropped: bool = False) -> list[str]:
         """Close the descriptor and unlink the name still held (``dropped``: from a finalizer,
