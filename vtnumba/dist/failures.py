@@ -30,6 +30,12 @@ out (in a driver or MPI call) still leaves, and says where it was stuck.  And be
 leaves that way, it ends the peers on its machine that are *stopped* (:func:`end_stopped_peers`):
 nothing else would.
 
+**Ctrl-C** is a failure too.  ``mpiexec`` passes the ``SIGINT`` to every rank, and each stops
+wherever it is -- at different points of their collective calls -- so the cleanup each
+runs on its way out would wait for the others'.  While the board is open, vtnumba's
+``SIGINT`` handler posts "rank r was interrupted" *before* it raises ``KeyboardInterrupt``,
+and the rank's own later waits raise too (``_interrupted``).
+
 :func:`run_collectively` wraps a program's ``main`` with both; ``docs/failure_model``
 lists what each program does when a rank raises, is killed or stops.
 """
