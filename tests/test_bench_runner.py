@@ -339,6 +339,9 @@ def test_bench_tpsp_in_the_simulator_keeps_the_flags_given():
     assert _settings(Namespace(tokens=[2], hidden=4, k_total=None, repeat=None), 2, "cudasim") == ([2], 4, 16, 2)
     assert _settings(Namespace(), 2, "cudasim") == ([4, 8], 16, 16, 2)
     assert _settings(Namespace(quick=True, hidden=64), 2, "cpu")[1:] == (64, 1024, 7)
+    # The default hidden size divides over the ranks: on 3, 1024 failed every rank's TPSP open.
+    assert [_settings(Namespace(quick=True), tp, "cpu")[1] for tp in (1, 2, 3, 4)] == [1024, 1024, 1032, 1024]
+    assert _settings(Namespace(), 3, "cpu")[1] == 4104
 
 
 @pytest.mark.parametrize("argv, says", [

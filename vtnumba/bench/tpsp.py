@@ -68,7 +68,9 @@ def add_arguments(parser) -> None:
 
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=None,
                         help="token counts T (default 64 128 ... 4096; --quick: 64 128 ... 1024)")
-    parser.add_argument("--hidden", type=positive_int, default=None, help="hidden size H (default 4096; quick 1024)")
+    parser.add_argument("--hidden", type=positive_int, default=None,
+                        help="hidden size H, a multiple of the rank count (default 4096; quick 1024; rounded up to a "
+                             "multiple of 8 x ranks)")
     parser.add_argument("--k-total", type=positive_int, default=None,
                         help="projection input size K over all ranks (default 4096; quick 1024)")
     parser.add_argument("--chunk", type=positive_int, default=None, help="TPSP microchunk rows per rank (default: backend's)")
@@ -83,8 +85,10 @@ def _settings(args, tp: int, target: str) -> tuple[list[int], int, int, int]:
     given = (given_tokens, getattr(args, "hidden", None), getattr(args, "k_total", None), getattr(args, "repeat", None))
     # np.percentile interpolates: with n rounds the p10 lies 0.1 * (n - 1) of the way from the
     # fastest round to the next, so --quick takes seven rounds: one odd round cannot set p10/p90 alone.
-    defaults = ((QUICK_TOKENS if quick else FULL_TOKENS), (1024 if quick else 4096), (1024 if quick else 4096),
-                (7 if quick else 11))
+    # The hidden size is split over the ranks: the default is rounded up to a multiple of 8 x the
+    # rank count (4096 on 2 and 4 ranks, 4104 on 3 -- which failed every rank's open before).
+    defaults = ((QUICK_TOKENS if quick else FULL_TOKENS), cdiv(1024 if quick else 4096, 8 * tp) * 8 * tp,
+                (1024 if quick else 4096), (7 if quick else 11))
     if target == "cudasim":  # the simulator runs ~7000 threads/s: tiny defaults (the flags given still count)
         defaults = ([4, 8], 8 * tp, 16, 2)
     tokens, H, K_total, repeat = (g if g else d for g, d in zip(given, defaults))
