@@ -45,8 +45,9 @@ def parse_args(argv=None):
                    help="execution target (default: $VTNUMBA_TARGET or auto)")
     p.add_argument("--layers", type=int, default=4, help="number of MLP blocks (default 4)")
     p.add_argument("--tokens", type=int, default=512, help="tokens in the batch, T (default 512)")
-    p.add_argument("--hidden", type=int, default=1024,
-                   help="hidden size H, a multiple of the rank count (default 1024)")
+    p.add_argument("--hidden", type=int, default=None,
+                   help="hidden size H, a multiple of the rank count (default 1024, rounded up to a multiple of "
+                        "8 x ranks: 1032 on 3)")
     p.add_argument("--ffn", type=int, default=4096, help="MLP inner size F (default 4096)")
     p.add_argument("--norm", choices=("rms", "layer"), default="rms", help="the norm after each block (default rms)")
     p.add_argument("--act", choices=("relu", "gelu", "silu", "gelu_erf"), default="gelu",
@@ -72,14 +73,16 @@ def parse_args(argv=None):
         p.error(f"--tol={args.tol} must be a finite number >= 0 (the largest accepted difference)")
     if not (0 < args.budget < float("inf")):
         p.error(f"--budget={args.budget} must be a positive number of seconds")
+    from mpi4py import MPI
+
+    ranks = MPI.COMM_WORLD.Get_size()
+    if args.hidden is None:  # (the hidden size is split over the ranks)
+        args.hidden = -(-1024 // (8 * ranks)) * 8 * ranks
     for name in ("layers", "tokens", "hidden", "ffn", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     if args.chunk is not None and args.chunk < 1:
         p.error("--chunk must be >= 1")
-    from mpi4py import MPI
-
-    ranks = MPI.COMM_WORLD.Get_size()
     if args.hidden % ranks:
         p.error(f"--hidden={args.hidden} is not divisible by the {ranks} ranks (each rank normalises "
                 f"H / {ranks} columns)")
