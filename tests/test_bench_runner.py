@@ -294,6 +294,8 @@ def test_bench_tpsp_reports_paired_overheads_under_mpiexec(tmp_path):
     (["-m", "vtnumba", "bench", "tpsp", "--quick", "--hidden", "3"], "--hidden=3 is not divisible by the 2 ranks"),
     (["mpi/tpsp_model.py", "--hidden", "15"], "--hidden=15 is not divisible by the 2 ranks"),  # (no 'error:')
     (["mpi/ec_disagg.py", "--region-mib", "1e12"], "--region-mib=1e+12: more than this machine has free"),
+    (["-m", "vtnumba", "bench", "memory", "--sizes", "99999999999999"], "--sizes: 9.53674e+07 MiB is more than"),
+    (["-m", "vtnumba", "bench", "peer", "--sizes", "1e9"], "--sizes: 1e+09 MiB is more than this machine has free"),
     (["-m", "vtnumba", "bench", "memory", "--quick", "--json="], "argument --json: an empty path"),
     (["-m", "vtnumba", "bench", "memory", "--quick", "--plot="], "argument --plot: an empty path"),
     (["-m", "vtnumba", "trace", "--out", "", "--", "true"], "argument --out: an empty path"),

@@ -383,6 +383,13 @@ def _host_bytes(arr) -> np.ndarray:
     return to_host(arr)
 
 
+
+def check_arguments(args, world_size: int) -> None:
+    """``--sizes`` must fit in memory (:func:`vtnumba.bench.runner.check_sizes_fit`)."""
+    from vtnumba.bench.runner import check_sizes_fit
+
+    check_sizes_fit(getattr(args, "sizes", None))
+
 def run(args) -> dict:
     """Measure every size (``args.quick``: fewer, shorter) and return the suite's results."""
     from vtnumba.backend.cpu import CPUBackend

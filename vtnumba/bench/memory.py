@@ -90,6 +90,13 @@ def _bench_size(backend, q, n: int, repeat: int, fill: bool) -> dict[str, Stats]
     return out
 
 
+
+def check_arguments(args, world_size: int) -> None:
+    """``--sizes`` must fit in memory (:func:`vtnumba.bench.runner.check_sizes_fit`)."""
+    from vtnumba.bench.runner import check_sizes_fit
+
+    check_sizes_fit(getattr(args, "sizes", None))
+
 def run(args) -> dict:
     """Measure every block size on rank 0; returns the suite result (see the module docstring)."""
     from vtnumba.backend.default import default_backend

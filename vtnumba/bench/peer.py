@@ -175,6 +175,13 @@ def _measure_size(group, backend, size_mib: float, repeat: int, to_target, on_de
         return S, time_rounds_on_group(group, impls, repeat)
 
 
+
+def check_arguments(args, world_size: int) -> None:
+    """``--sizes`` (MiB) must fit in memory (:func:`vtnumba.bench.runner.check_sizes_fit`)."""
+    from vtnumba.bench.runner import check_sizes_fit
+
+    check_sizes_fit([mib * (1 << 20) for mib in getattr(args, "sizes", None) or ()])
+
 def run(args) -> dict:
     """Measure the peer-buffer reduce-scatter and all-gather beside mpi4py's collectives on every rank."""
     from mpi4py import MPI

@@ -131,6 +131,19 @@ def check_suite_arguments(args, world_size: int) -> None:
             check(args, world_size)
 
 
+def check_sizes_fit(sizes_bytes, flag: str = "--sizes") -> None:
+    """ValueError naming ``flag`` for a size larger than this machine's free memory and swap:
+    not even one buffer of it could be made (a typo's extra digits were a MemoryError from
+    deep inside a suite, after the smaller sizes had run)."""
+    from vtnumba.ec.region import available_memory_bytes
+
+    room = available_memory_bytes()
+    for n in sizes_bytes or ():
+        if room is not None and n > room:
+            raise ValueError(f"{flag}: {n / 2**20:g} MiB is more than this machine has free ({room / 2**20:.0f} MiB of "
+                             "memory and swap)")
+
+
 def _inject_hook(args, name: str, rank: int, world_size: int):
     """This rank's hook for the ``--inject`` flag: it fails as the suite starts (None: no fault here)."""
     spec = check_inject(args, world_size)
