@@ -361,3 +361,13 @@ def test_the_suites_flags_are_checked_when_parsed(argv, says, capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(argv)
     assert info.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_multi_rank_suite_asked_for_alone_is_a_usage_error():
+    # It printed 'skipped (needs mpiexec -n 2 or more)' and exited 0: a run asked for by name
+    # that measured nothing.  (bench all still skips them on one rank.)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "vtnumba", "bench", "peer", "--quick"], cwd=root, capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2
+    assert "bench peer runs over 2 or more ranks: mpiexec -n 2 python -m vtnumba bench peer" in proc.stderr

@@ -95,8 +95,13 @@ def test_ctrl_c_to_every_rank_during_startup_ends_the_job_at_once():
     # runs: a rank that left then kept the others there until their timeout, or for good.
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM",)}
     env["VTNUMBA_TARGET"] = "cpu"
-    for delay in (0.3, 0.8, 1.5):
-        cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "mpi" / "tpsp_model.py"), *SMALL, "--timeout", "60"]
+    tutorial = [str(ROOT / "tutorials" / "07_reduce_scatter_all_gather.py"), "--out", str(ROOT / "out" / "ctrl-c")]
+    for delay, ranks, program in ((0.3, 2, None), (0.8, 2, None), (1.5, 2, None), (0.9, 3, tutorial),
+                                  (1.3, 3, tutorial)):
+        # (a tutorial has no main(): its exception hook leaves; its stock baseline is a blocking
+        # MPI call, where a rank may sit when the others leave)
+        program = program or [str(ROOT / "mpi" / "tpsp_model.py"), *SMALL, "--timeout", "60"]
+        cmd = [MPIEXEC, "-n", str(ranks), sys.executable, *program]
         t0 = time.monotonic()
         job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                                stdin=subprocess.DEVNULL)
@@ -108,7 +113,9 @@ def test_ctrl_c_to_every_rank_during_startup_ends_the_job_at_once():
             job.kill()
             pytest.fail(f"the job did not end within 30 s of a Ctrl-C after {delay} s: {job.communicate()[0]}")
         assert time.monotonic() - t0 < delay + 20, out
-        assert "Traceback" not in out, out
+        # (An interrupt landing in numba's compiler callback is printed by ctypes, unavoidably.)
+        assert "Traceback" not in out or "Exception ignored on calling ctypes callback" in out, out
+        assert "BAD TERMINATION" not in out or "Interrupt (signal 2)" in out, out  # (before MPI_Init only)
 
 
 def test_a_killed_rank_ends_the_job():
@@ -274,7 +281,7 @@ lesson = start("failing lesson")
 if lesson.rank == 1:
     if "{how}" == "raise":
         raise ValueError("boom on rank 1")
-    os.kill(os.getpid(), signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGINT if "{how}" == "interrupt" else signal.SIGSTOP)
 lesson.{wait}
 lesson.say("not reached")
 '''
@@ -284,6 +291,7 @@ lesson.say("not reached")
     ("raise", 'check(True, "everyone is here")', 25),   # waits in a self-check: told at once
     ("raise", "comm.bcast(None, root=1)", 25),          # blocked in a plain MPI call: the exit protocol
     ("stop", 'check(True, "everyone is here")', 30),    # a stopped peer: the check's deadline
+    ("interrupt", 'check(True, "everyone is here")', 10),  # a Ctrl-C: told at once, one line, no traceback
 ])
 def test_a_tutorial_ends_when_one_rank_fails(tmp_path, how, wait, limit):
     script = tmp_path / "lesson.py"
@@ -294,6 +302,10 @@ def test_a_tutorial_ends_when_one_rank_fails(tmp_path, how, wait, limit):
     assert "not reached" not in out
     if how == "raise":
         assert "[rank 1] failed while running: ValueError: boom on rank 1" in out, out
+    elif how == "interrupt":  # (it kept the job 60 s and printed a traceback: the hook took only Exceptions)
+        assert "[rank 1] failed while running: KeyboardInterrupt: interrupted" in out, out
+        assert "[rank 0] stopped while running, because rank 1 was interrupted" in out, out
+        assert "Traceback" not in out, out
     else:
         assert "timed out after 3 s" in out and "rank 1 is stopped (SIGSTOP): ended it (SIGKILL)" in out, out
 

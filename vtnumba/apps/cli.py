@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
             add_suite_arguments(name, sp)
 
     p = sub.add_parser("trace", help="run a command with VTNUMBA_TRACE set, then merge and draw the timeline",
-                       usage="vtnumba trace [-h] [--target TARGET] [--out PREFIX] -- COMMAND ...")
+                       usage="vtnumba trace [-h] [--target {auto,cuda,cudasim,cpu}] [--out PREFIX] -- COMMAND ...")
     _add_target(p)
     default_prefix = os.path.join(os.environ.get("VTNUMBA_OUT_DIR") or "out", "vtnumba-trace")
     p.add_argument("--out", default=default_prefix, metavar="PREFIX", type=path_text,

@@ -148,29 +148,61 @@ def one_line_warnings(program: str) -> None:
 def exit_quietly_when_interrupted(main) -> int:
     """``main()``, except that a Ctrl-C it lets through -- one during startup, while numpy, numba
     and MPI load, before the program's own handling (:func:`vtnumba.dist.run_collectively`)
-    begins -- prints one line instead of a traceback per rank, and leaves at once, skipping
-    the interpreter's teardown (after an import of a compiled module was cut short it can
-    crash).
+    begins -- prints one line instead of a traceback per rank, and leaves at once
+    (:func:`leave_after_interrupt`)."""
+    try:
+        return main()
+    except BaseException as exc:
+        if not interrupted(exc):
+            raise
+        leave_after_interrupt()
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Ctrl-C: a KeyboardInterrupt, or an error an import raised *because*
+    of one (numpy turns an interrupt inside its C-extension import into an ImportError)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def leave_after_interrupt() -> None:
+    """Say ``[rank r] interrupted (Ctrl-C ...)`` and leave now, skipping the interpreter's
+    teardown (after an import of a compiled module was cut short it can crash).
 
     How it leaves is what makes ``mpiexec`` end the job: once MPI is initialized, an exit
     without ``MPI_Finalize`` (status 130, as a shell reports SIGINT) does; before, only a
     death by the signal itself does -- the other ranks may be inside ``MPI_Init``, which
     would wait for this one for good."""
+    rank = world_rank()
+    who = f"[rank {rank}] " if rank is not None else ""
     try:
-        return main()
-    except KeyboardInterrupt:
-        rank = world_rank()
-        who = f"[rank {rank}] " if rank is not None else ""
-        try:
-            sys.stderr.write(f"{who}interrupted (Ctrl-C, or SIGINT from mpiexec)\n")  # (one write: see failures.say)
-            sys.stderr.flush()
-            sys.stdout.flush()
-        finally:
-            mpi = sys.modules.get("mpi4py.MPI")
-            if mpi is None or not mpi.Is_initialized():
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGINT)
-            os._exit(130)
+        sys.stderr.write(f"{who}interrupted (Ctrl-C, or SIGINT from mpiexec)\n")  # (one write: see failures.say)
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is None or not mpi.Is_initialized():
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(130)
+
+
+def quiet_interrupts_at_top_level() -> None:
+    """For a script (no ``main()`` to wrap): an uncaught Ctrl-C at the top level is one line
+    (:func:`leave_after_interrupt`) instead of a traceback -- until a later hook takes over."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if interrupted(exc):
+            leave_after_interrupt()
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
 
 
 def check_output_folder(flag: str, folder) -> None:
@@ -188,4 +220,5 @@ def check_output_folder(flag: str, folder) -> None:
 
 
 __all__ = ["RankZeroErrorsParser", "check_environment", "check_output_folder", "choose_target",
-           "exit_quietly_when_interrupted", "one_line_warnings", "share_cores_between_local_ranks"]
+           "exit_quietly_when_interrupted", "interrupted", "leave_after_interrupt", "one_line_warnings",
+           "quiet_interrupts_at_top_level", "share_cores_between_local_ranks"]

@@ -46,12 +46,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vtnumba.apps.processes import share_cores_between_local_ranks
-from vtnumba.bench.runner import path_text, positive_seconds
-from vtnumba.target import TARGETS
+from vtnumba.apps.processes import interrupted, quiet_interrupts_at_top_level, share_cores_between_local_ranks
 
-# A tutorial imports this module first, before numpy: share the cores between the ranks now.
+# A tutorial imports this module first, before numpy: share the cores between the ranks now --
+# and a Ctrl-C while the lesson's modules load is one line per rank, not a traceback.
 share_cores_between_local_ranks()
+quiet_interrupts_at_top_level()
+
+from vtnumba.bench.runner import path_text, positive_seconds  # noqa: E402
+from vtnumba.target import TARGETS  # noqa: E402
 
 #: ``"1"``: rank 0 prints ``@@vt:`` marker lines (the docs build and ``scripts/run_tutorials.py`` set it).
 MARKERS_ENV = "VTNUMBA_TUTORIAL_MARKERS"
@@ -460,15 +463,25 @@ def _end_together_on_failure(timeout_s: float) -> None:
 
     def hook(exc_type, exc, tb):
         failed.append(exc)
-        if isinstance(exc, Exception):
-            failures.arm_exit_watchdog(timeout_s)  # from here on, nothing may keep this rank alive
-        if not getattr(exc, "caused_by_peer", False):
+        ctrl_c = interrupted(exc)
+        if not (isinstance(exc, Exception) or ctrl_c):
+            previous(exc_type, exc, tb)
+            return
+        failures.arm_exit_watchdog(timeout_s)  # from here on, nothing may keep this rank alive
+        failures.ignore_ctrl_c()  # (nor cut into the way out: the watchdog bounds it)
+        if not getattr(exc, "caused_by_peer", False) and not ctrl_c:  # (a Ctrl-C: the reader asked for it)
             previous(exc_type, exc, tb)  # the traceback first: it is what the reader needs
-        if isinstance(exc, Exception):
-            failures.say(failures.report(exc))
-            # Returns once every rank has arrived (Python then exits 1 and finalizes MPI);
-            # does not return if one never does.
-            failures.exit_after_failure(timeout_s)
+        failures.say(failures.report(exc))
+        # Returns once every rank has arrived (Python then exits 1 and finalizes MPI); does not
+        # return if one never does.
+        code = failures.exit_after_failure(min(timeout_s, failures.INTERRUPT_EXIT_S) if ctrl_c else timeout_s)
+        if ctrl_c:
+            # Python ends a script whose KeyboardInterrupt went uncaught by killing itself with
+            # SIGINT (so a shell sees it), and mpiexec calls that a "BAD TERMINATION": every
+            # rank has agreed to leave, so this one leaves now, as a Ctrl-C'd program exits.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130 if code else 0)
 
     def at_the_end():
         # A lesson that went well ends with the same exit barrier: a peer stopped after its

@@ -123,9 +123,12 @@ def check_suite_arguments(args, world_size: int) -> None:
     (a suite module's ``check_arguments(args, world_size)``, if it has one): ValueError naming
     the flag -- a usage error said once, not a failure of every rank minutes into the run."""
     names = ORDER if args.suite == "all" else (args.suite,)
+    if args.suite in MULTI_RANK and world_size < 2:  # (asked for by name: it must run, not be skipped)
+        raise ValueError(f"bench {args.suite} runs over 2 or more ranks: mpiexec -n 2 python -m vtnumba bench "
+                         f"{args.suite}")
     for name in names:
         if name in MULTI_RANK and world_size < 2:
-            continue  # (skipped on one rank)
+            continue  # (skipped on one rank by bench all)
         check = getattr(importlib.import_module(f"vtnumba.bench.{name}"), "check_arguments", None)
         if check is not None:
             check(args, world_size)

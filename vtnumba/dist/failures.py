@@ -42,6 +42,7 @@ lists what each program does when a rank raises, is killed or stops.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import signal
@@ -58,6 +59,10 @@ from vtnumba.faults import failure_text
 
 _TAG = 31990  # below MPI_TAG_UB's guaranteed minimum (32767)
 EXIT_GRACE_S = 10.0  # how long past its exit barrier's deadline a failing rank may take to leave
+#: How long an interrupted rank waits in the exit barrier (at most): the user asked to stop, and a
+#: peer that is not there by then is stuck in a blocking MPI call, where nothing of Python runs --
+#: leaving without MPI_Finalize makes mpiexec end it, instead of after the whole --timeout.
+INTERRUPT_EXIT_S = 3.0
 
 
 class PeerFailed(RuntimeError):
@@ -164,7 +169,12 @@ def _interrupted(signum, frame) -> None:
     # (Alone -- one rank, a notebook -- there is nobody to tell, and a session that goes on
     # after the Ctrl-C must not find every later wait raising.  After MPI_Finalize, nobody
     # can be told.)
-    if board is not None and board.size > 1 and not board.interrupted and not MPI.Is_finalized():
+    if board is not None and board.size > 1 and not MPI.Is_finalized():
+        if board.interrupted:
+            # A second SIGINT -- a terminal sends one to mpiexec and one to each rank, in one
+            # process group -- must not cut into the way out the first one started: this rank
+            # is leaving already, and its exit watchdog bounds how long that takes.
+            return
         board.interrupted = True
         try:
             board.post(f"rank {board.rank} was interrupted (Ctrl-C, or SIGINT from mpiexec)")
@@ -313,6 +323,7 @@ def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
         # Every rank arrived, so MPI_Finalize will complete: the program leaves normally
         # (and a caller that goes on -- a test -- must not be killed later).
         faulthandler.cancel_dump_traceback_later()
+        _ignore_ctrl_c_while_exiting()
         return code
     except polling.WaitTimeout:
         if succeeded:
@@ -327,12 +338,32 @@ def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
             os._exit(code)
 
 
+def ignore_ctrl_c() -> None:
+    """From now on this process ignores SIGINT: it is on its way out (a failure's exit protocol,
+    or the end of a run), where a Ctrl-C could only cut in -- the exit watchdog, and ``mpiexec``'s
+    own second Ctrl-C, still end it.  (Main thread only: the only one that may set handlers.)"""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _ignore_ctrl_c_while_exiting() -> None:
+    """After the exit barrier the job is over: a Ctrl-C now would land in ``MPI_Finalize``, which
+    runs after the interpreter has put back the signal's default action -- the rank died of
+    it, and ``mpiexec`` called a run that had finished a "BAD TERMINATION".  So from the
+    interpreter's exit on, SIGINT is ignored (registered now, run at exit: a caller that goes
+    on, a test, keeps its Ctrl-C until then; :func:`end_together`, a script's last act,
+    ignores it at once)."""
+    atexit.register(ignore_ctrl_c)
+
+
 def end_together(timeout_s: float = DEFAULT, code: int = 0) -> int:
     """A *successful* rank's way out, for a script that has no ``main()`` for
     :func:`run_collectively` (a tutorial): the exit barrier, returning ``code`` when every
     rank arrives -- else, a peer being stopped or hung, which would keep this rank's
     ``MPI_Finalize`` waiting for good, it ends the stopped peers and leaves without it."""
-    return _leave_together(timeout_s, code, succeeded=True)
+    code = _leave_together(timeout_s, code, succeeded=True)
+    ignore_ctrl_c()  # (the script is ending: see _ignore_ctrl_c_while_exiting)
+    return code
 
 
 def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
@@ -349,13 +380,17 @@ def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
         code = int(main() or 0)
     except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 - every failure must reach the peers
         arm_exit_watchdog(timeout_s)  # from here on, nothing may keep this process alive
+        ignore_ctrl_c()  # (nor cut into the way out: the watchdog bounds it)
         say(report(exc))
         if not board_open:
             sys.stdout.flush()
             os._exit(1)
+        if isinstance(exc, KeyboardInterrupt):
+            return exit_after_failure(min(resolve_timeout(timeout_s), INTERRUPT_EXIT_S))
         return exit_after_failure(timeout_s)
     return _leave_together(timeout_s, code, succeeded=True)
 
 
-__all__ = ["EXIT_GRACE_S", "PeerFailed", "FailureBoard", "phase", "current_phase", "install", "uninstall", "report",
-           "say", "end_stopped_peers", "arm_exit_watchdog", "exit_after_failure", "end_together", "run_collectively"]
+__all__ = ["EXIT_GRACE_S", "INTERRUPT_EXIT_S", "PeerFailed", "FailureBoard", "phase", "current_phase", "install",
+           "uninstall", "report", "say", "ignore_ctrl_c", "end_stopped_peers", "arm_exit_watchdog",
+           "exit_after_failure", "end_together", "run_collectively"]
