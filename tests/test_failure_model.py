@@ -62,31 +62,25 @@ def test_a_healthy_run_passes():
     (2, "raise:1:between", "between the forwards"),
     (3, "raise:2:tpsp", "the TPSP forward, run 2 of 3"),
     (3, "raise:0:regular", "the regular forward, run 2 of 3"),
-])
-def test_a_rank_that_raises_stops_every_rank_at_once(ranks, inject, phase):
-    proc, elapsed, out = _run(ranks, "--inject", inject, timeout_s=30)
-    bad = int(inject.split(":")[1])
-    assert proc.returncode != 0
-    assert elapsed < 25, f"the peers waited for a timeout instead of hearing about the failure ({elapsed:.1f} s)"
-    assert f"[rank {bad}] failed while {phase}: RuntimeError: injected failure" in out, out
-    for r in set(range(ranks)) - {bad}:
-        assert f"[rank {r}] stopped while" in out and f"because rank {bad} failed while {phase}" in out, out
-
-
-@pytest.mark.parametrize("ranks, inject, phase", [(2, "interrupt:1:tpsp", "the TPSP forward, run 2 of 3"),
-                                                  (3, "interrupt:0:setup", "building the model")])
-def test_a_rank_interrupted_alone_tells_the_others_at_once(ranks, inject, phase):
     # A Ctrl-C that reaches one rank (kill -INT of its pid): it tells the peers before its own
     # cleanup runs -- which would otherwise wait for theirs, at another point of the collective
     # calls, until the timeout -- and every rank says what happened.
+    (2, "interrupt:1:tpsp", "the TPSP forward, run 2 of 3"),
+    (3, "interrupt:0:setup", "building the model"),
+])
+def test_a_rank_that_raises_or_is_interrupted_stops_every_rank_at_once(ranks, inject, phase):
     proc, elapsed, out = _run(ranks, "--inject", inject, timeout_s=30)
-    bad = int(inject.split(":")[1])
+    how, bad = inject.split(":")[0], int(inject.split(":")[1])
     assert proc.returncode != 0
-    assert elapsed < 25, f"the ranks waited for a timeout instead of hearing of the interrupt ({elapsed:.1f} s)"
-    assert f"[rank {bad}] failed while {phase}: KeyboardInterrupt: interrupted (Ctrl-C" in out, out
+    assert elapsed < 25, f"the peers waited for a timeout instead of hearing about the failure ({elapsed:.1f} s)"
+    if how == "raise":
+        failed, told = "RuntimeError: injected failure", f"because rank {bad} failed while {phase}"
+    else:
+        failed, told = "KeyboardInterrupt: interrupted (Ctrl-C", f"because rank {bad} was interrupted"
+        assert "Traceback" not in out, out
+    assert f"[rank {bad}] failed while {phase}: {failed}" in out, out
     for r in set(range(ranks)) - {bad}:
-        assert f"[rank {r}] stopped while" in out and f"because rank {bad} was interrupted" in out, out
-    assert "Traceback" not in out, out
+        assert f"[rank {r}] stopped while" in out and told in out, out
 
 
 def test_ctrl_c_to_every_rank_during_startup_ends_the_job_at_once():
