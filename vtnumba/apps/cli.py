@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Choose the target first: nothing below may import numba.cuda before this line.  (info
     # is how to find out why cuda is not usable: it takes the cuda target as it is, and says.)
-    if args.command == "info":
+    if args.command in ("info", "trace"):  # (trace only passes the choice on: its command checks it)
         try:
             select_target(_chosen_target(parser, args), source="--target")
         except TargetError as exc:
