@@ -82,7 +82,7 @@ def test_stopped_consumer_is_named_by_the_producer_and_the_job_ends():
     assert proc.returncode != 0
     assert said(proc, 0, r"rank 0 gave up waiting for rank 1 after 3 s \(the consumer's next requests"), proc.stderr
     assert said(proc, 0, "ending the job without MPI_Finalize"), proc.stderr
-    assert said(proc, 0, r"rank 1 is stopped \(SIGSTOP\): ended it \(SIGKILL\)"), proc.stderr
+    assert said(proc, 0, r"rank 1 is stopped \(SIGSTOP\): ending it \(SIGKILL\)"), proc.stderr
     assert elapsed < 2 * TIMEOUT + STARTUP_S, f"took {elapsed:.1f} s"
     assert our_files() == before
 

@@ -125,7 +125,7 @@ def test_a_stopped_rank_ends_the_job_after_the_timeout(ranks, inject):
     assert elapsed < 2 * 3 + 15, f"took {elapsed:.1f} s"
     assert "timed out after 3 s" in out, out
     assert "did not leave within 3 s (stopped or hung); ending the job without MPI_Finalize" in out, out
-    assert f"rank {bad} is stopped (SIGSTOP): ended it (SIGKILL)" in out, out  # not left to mpiexec
+    assert f"rank {bad} is stopped (SIGSTOP): ending it (SIGKILL)" in out, out  # not left to mpiexec
     if inject.endswith("tpsp"):
         assert f"from rank {bad}" in out  # the fused op's flags say whom it waited for
 
@@ -224,7 +224,10 @@ def test_only_stopped_peers_on_this_machine_are_ended():
         procs[3] = (here, kids[2].pid, procs[3][2] + 1)  # "pid reused": not the process seen at start-up
         procs[4] = ("elsewhere", kids[3].pid, procs[4][2])  # another machine's pid
         board = SimpleNamespace(rank=0, processes=procs)
-        assert end_stopped_peers(board) == [1]
+        # announce() runs before the kill: mpiexec may end the job as soon as the peer is reaped
+        announced = []
+        assert end_stopped_peers(board, announce=lambda r: announced.append((r, kids[r - 1].poll()))) == [1]
+        assert announced == [(1, None)]
         assert kids[0].wait(timeout=10) == -signal.SIGKILL
         assert all(k.poll() is None for k in kids[1:])
         assert end_stopped_peers(board) == []  # the ended one is gone; the others are still not ours to end
@@ -301,7 +304,7 @@ def test_a_tutorial_ends_when_one_rank_fails(tmp_path, how, wait, limit):
         assert "[rank 0] stopped while running, because rank 1 was interrupted" in out, out
         assert "Traceback" not in out, out
     else:
-        assert "timed out after 3 s" in out and "rank 1 is stopped (SIGSTOP): ended it (SIGKILL)" in out, out
+        assert "timed out after 3 s" in out and "rank 1 is stopped (SIGSTOP): ending it (SIGKILL)" in out, out
 
 
 _LAST_STEP = '''"""A lesson whose rank 1 stops after its last collective step, while rank 0 finishes."""
@@ -327,7 +330,7 @@ def test_a_tutorial_ends_when_a_rank_stops_after_its_last_step(tmp_path):
                                    "--timeout", "3"])
     assert proc.returncode != 0 and elapsed < 30, (elapsed, out)
     assert "rank 0 is done" in out and "a rank did not leave within 3 s" in out, out
-    assert "rank 1 is stopped (SIGSTOP): ended it (SIGKILL)" in out, out
+    assert "rank 1 is stopped (SIGSTOP): ending it (SIGKILL)" in out, out
 
 
 @pytest.fixture

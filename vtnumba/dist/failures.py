@@ -255,8 +255,11 @@ def _state_and_start(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[19])
 
 
-def end_stopped_peers(board: FailureBoard | None = None) -> list[int]:
+def end_stopped_peers(board: FailureBoard | None = None, announce=None) -> list[int]:
     """SIGKILL the peers on this machine that are *stopped* (SIGSTOP, state ``T``); returns their ranks.
+    ``announce(rank)``, if given, is called just *before* each kill: once the killed rank is
+    reaped, ``mpiexec`` ends the whole job -- this process included -- so a line printed after
+    the kill may never be written.
 
     The exit protocol's last step.  ``mpiexec`` ends a job whose rank left without
     ``MPI_Finalize`` by killing the other ranks -- but our fault tests twice saw a job wait
@@ -276,6 +279,8 @@ def end_stopped_peers(board: FailureBoard | None = None) -> list[int]:
             continue
         if _state_and_start(pid) != ("T", started):
             continue
+        if announce is not None:
+            announce(r)
         try:
             os.kill(pid, signal.SIGKILL)
             ended.append(r)
@@ -331,8 +336,8 @@ def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
         try:  # (whatever goes wrong while saying so -- a closed stderr -- this rank still leaves)
             say(f"[rank {comm.Get_rank()}] a rank did not leave within {timeout_s:g} s (stopped or hung); ending "
                 "the job without MPI_Finalize")
-            for r in end_stopped_peers(board):
-                say(f"[rank {comm.Get_rank()}] rank {r} is stopped (SIGSTOP): ended it (SIGKILL)")
+            end_stopped_peers(board, announce=lambda r: say(
+                f"[rank {comm.Get_rank()}] rank {r} is stopped (SIGSTOP): ending it (SIGKILL)"))
             sys.stdout.flush()
         finally:
             os._exit(code)
