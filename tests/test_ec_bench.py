@@ -39,7 +39,7 @@ def test_quick_run_follows_the_schema():
     assert set(size_for) == set(fixed)
     for (impl, n), mib in size_for.items():
         assert mib >= 0 and (mib == 0) == (fixed[impl, n]["value"] <= 0), (impl, n, mib)
-    assert _ec_files() == before
+    assert _ec_files() <= before
 
 
 def test_break_even_step_size():

@@ -44,7 +44,7 @@ def test_round_trip_with_eviction_pressure(n, queues):
     if n == 3:
         assert f"{loaded} on rank 2" in out  # the second TP rank verified every entry too
     assert "no file in /dev/shm at any time" in out
-    assert _ec_files() == before
+    assert _ec_files() <= before
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -58,7 +58,7 @@ def test_consumer_failure_exits_cleanly_everywhere(n):
         assert re.search(rf"\[rank {r}\][^\[]*rank 1 failed[^\[]*injected failure at consumer step 3", p.stderr), \
             p.stderr
     assert "gave up waiting" not in p.stderr and "without MPI_Finalize" not in p.stderr
-    assert _ec_files() == before
+    assert _ec_files() <= before
 
 
 def test_config_mismatch_is_reported_by_both_ranks():
@@ -69,7 +69,7 @@ def test_config_mismatch_is_reported_by_both_ranks():
     # Rank 0 says it stopped because of rank 1, and what rank 1 was doing (not a traceback of its own).
     assert re.search(r"\[rank 0\] stopped [^\[]*because rank 1 failed: consumer, while opening the region", p.stderr), \
         p.stderr
-    assert _ec_files() == before
+    assert _ec_files() <= before
 
 
 @pytest.mark.parametrize("flag, value, words", [

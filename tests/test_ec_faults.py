@@ -11,7 +11,9 @@ transfer.  Each test checks three things:
   rank killed in the middle of setting it up leaves none.  (MPICH's own ``mpich_shm_*``
   files are not ours.)
 
-Kept short: tiny entries, ``--timeout 2``; about a minute in all.
+Kept short: tiny entries; ``--timeout 15`` for a kill (the job ends at once, so it only has to
+outlast the first step's warm-up on a loaded machine) and :data:`TIMEOUT` for a stop; about a
+minute in all.
 """
 
 import os
@@ -25,7 +27,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "mpi", "ec_disagg.py")
-TIMEOUT = 3
+TIMEOUT = 4  # a stop's: every wait's deadline, and the first step's warm-up must fit in it too
+KILL_TIMEOUT = 15
 SMALL = ["--target", "cpu", "--entries", "12", "--max-rows", "200", "--hidden", "32", "--quiet",
          "--timeout", str(TIMEOUT)]
 STARTUP_S = 20  # starting the interpreters and importing numpy/numba, on a busy machine
@@ -42,7 +45,7 @@ def run(n: int, *args) -> tuple[subprocess.CompletedProcess, float]:
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     t0 = time.monotonic()
     proc = subprocess.run(["mpiexec", "-n", str(n), sys.executable, DEMO, *SMALL, *args], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=4 * TIMEOUT + 2 * STARTUP_S,
+                          text=True, env=env, cwd=ROOT, timeout=2 * KILL_TIMEOUT + 2 * STARTUP_S,
                           stdin=subprocess.DEVNULL)
     return proc, time.monotonic() - t0
 
@@ -65,47 +68,49 @@ def said(proc, rank: int, pattern: str) -> bool:
 ])
 def test_sigkill_at_any_point_ends_the_job_and_leaves_no_file(n, where):
     before = our_files()
-    proc, elapsed = run(n, "--inject", f"kill:{where}")
+    proc, elapsed = run(n, "--inject", f"kill:{where}", "--timeout", str(KILL_TIMEOUT))
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     rank = where.split(":")[0]
     # MPICH's mpiexec names the killed process and ends the others at once.
     assert "KILLED BY SIGNAL: 9" in out or "Killed (signal 9)" in out, out
-    assert elapsed < TIMEOUT + STARTUP_S, f"took {elapsed:.1f} s"
+    assert elapsed < STARTUP_S + 5, f"took {elapsed:.1f} s"  # (no wait ran out: mpiexec ended the job)
     assert "OK" not in proc.stdout.split(), f"rank {rank} was killed, yet the run reported success"
-    assert our_files() == before, f"left in /dev/shm: {our_files() - before}"
+    assert our_files() <= before, f"left in /dev/shm: {our_files() - before}"
 
 
 def test_stopped_consumer_is_named_by_the_producer_and_the_job_ends():
     before = our_files()
     proc, elapsed = run(2, "--inject", "stop:1:loading@2")
     assert proc.returncode != 0
-    assert said(proc, 0, r"rank 0 gave up waiting for rank 1 after 3 s \(the consumer's next requests"), proc.stderr
+    gave_up = rf"rank 0 gave up waiting for rank 1 after {TIMEOUT} s \(the consumer's next requests"
+    assert said(proc, 0, gave_up), proc.stderr
     assert said(proc, 0, "ending the job without MPI_Finalize"), proc.stderr
     assert said(proc, 0, r"rank 1 is stopped \(SIGSTOP\): ending it \(SIGKILL\)"), proc.stderr
     assert elapsed < 2 * TIMEOUT + STARTUP_S, f"took {elapsed:.1f} s"
-    assert our_files() == before
+    assert our_files() <= before
 
 
 def test_stopped_producer_is_named_by_the_consumer_leader_and_its_tp_rank_is_told():
     before = our_files()
     proc, elapsed = run(3, "--inject", "stop:0:saving@2")
     assert proc.returncode != 0
-    assert said(proc, 1, r"rank 1 gave up waiting for rank 0 after 3 s \(the encoder's ready entries"), proc.stderr
+    gave_up = rf"rank 1 gave up waiting for rank 0 after {TIMEOUT} s \(the encoder's ready entries"
+    assert said(proc, 1, gave_up), proc.stderr
     # The TP rank waits for the leader, not the producer: it is *told* (it does not time out
     # and blame the leader) -- its own wait is twice as long, so the leader's ends first.
     assert said(proc, 2, "rank 1 failed.*gave up waiting for rank 0"), proc.stderr
     assert "rank 2 gave up" not in proc.stderr
     assert elapsed < 2 * TIMEOUT + STARTUP_S, f"took {elapsed:.1f} s"
-    assert our_files() == before
+    assert our_files() <= before
 
 
 def test_stopped_consumer_tp_rank_is_named_by_the_leader():
     before = our_files()
     proc, elapsed = run(3, "--inject", "stop:2:loading@1")
     assert proc.returncode != 0
-    assert said(proc, 1, r"rank 1 gave up waiting for rank 2 after 3 s \(its load report"), proc.stderr
+    assert said(proc, 1, rf"rank 1 gave up waiting for rank 2 after {TIMEOUT} s \(its load report"), proc.stderr
     assert said(proc, 0, "rank 1 failed"), proc.stderr  # the producer is told, not left waiting
     assert "rank 0 gave up" not in proc.stderr  # ... and does not blame the (innocent) leader
     assert elapsed < 2 * TIMEOUT + STARTUP_S, f"took {elapsed:.1f} s"
-    assert our_files() == before
+    assert our_files() <= before

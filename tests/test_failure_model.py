@@ -7,6 +7,7 @@ stopped -- saying which rank failed and what it was doing, and leaving nothing i
 """
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -107,9 +108,54 @@ def test_ctrl_c_to_every_rank_during_startup_ends_the_job_at_once():
             job.kill()
             pytest.fail(f"the job did not end within 30 s of a Ctrl-C after {delay} s: {job.communicate()[0]}")
         assert time.monotonic() - t0 < delay + 20, out
-        # (An interrupt landing in numba's compiler callback is printed by ctypes, unavoidably.)
-        assert "Traceback" not in out or "Exception ignored on calling ctypes callback" in out, out
-        assert "BAD TERMINATION" not in out or "Interrupt (signal 2)" in out, out  # (before MPI_Init only)
+        assert _no_traceback_but_unavoidable(out), out
+        assert _no_crash_box_but_sigint(out), out  # (before MPI_Init only)
+
+
+def _no_traceback_but_unavoidable(out: str) -> bool:
+    """Whether every traceback in ``out`` is one no program of ours can prevent: an interrupt
+    landing in numba's compiler callback (printed by ctypes), or one that landed before any
+    vtnumba code ran -- in the interpreter's own start-up, on a machine loaded enough that a
+    rank was not yet running its script (no frame in the package, and it ends in
+    KeyboardInterrupt)."""
+    if "Exception ignored on calling ctypes callback" in out:
+        return True
+    package = str(ROOT / "vtnumba") + os.sep
+    for frames, last in re.findall(r"Traceback \(most recent call last\):\n((?:[ \t].*\n)*)(.*)", out):
+        if package in frames or not last.startswith("KeyboardInterrupt"):
+            return False
+    return True
+
+
+def test_the_ctrl_c_checks_tell_startup_noise_from_crashes():
+    """The two checks above accept what an early Ctrl-C unavoidably prints, and nothing more."""
+    box = ("=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n=   PID 1 RUNNING AT vm\n=   EXIT CODE: {}\n"
+           "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: {} (signal {})\n")
+    assert _no_crash_box_but_sigint("[rank 0] interrupted (Ctrl-C, or SIGINT from mpiexec)\n")
+    assert _no_crash_box_but_sigint(box.format(2, "Segmentation fault", 11))  # 2 | 9: one rank died of SIGINT
+    assert _no_crash_box_but_sigint(box.format(9, "Interrupt", 2))
+    assert not _no_crash_box_but_sigint(box.format(11, "Segmentation fault", 11))  # a real crash
+    assert not _no_crash_box_but_sigint(box.format(139, "Segmentation fault", 11))
+    startup = 'Traceback (most recent call last):\n  File "<frozen site>", line 1, in <module>\nKeyboardInterrupt\n'
+    ours = (f'Traceback (most recent call last):\n  File "{ROOT / "vtnumba" / "dist" / "comm.py"}", line 9, in f\n'
+            "KeyboardInterrupt\n")
+    assert _no_traceback_but_unavoidable("[rank 1] interrupted\n" + startup)
+    assert not _no_traceback_but_unavoidable(ours)
+    assert not _no_traceback_but_unavoidable(startup.replace("KeyboardInterrupt", "ValueError: bad"))
+
+
+def _no_crash_box_but_sigint(out: str) -> bool:
+    """Whether mpiexec's "BAD TERMINATION" box, if it printed one, is only about a rank that died
+    of the SIGINT itself -- what a rank still starting up does on purpose (see
+    :func:`vtnumba.apps.processes.leave_after_interrupt`).  The box names the first process it
+    heard of: its status is 2 (SIGINT), or 9 (the SIGKILL mpiexec then sends the others).  Its
+    exit string ORs every process's status together, so 2 and 9 read "signal 11" -- a
+    "Segmentation fault" that is not one.  (A real crash says EXIT CODE: 11, or 139.)"""
+    if "BAD TERMINATION" not in out:
+        return True
+    codes = re.findall(r"EXIT CODE: (\d+)", out)
+    signals = re.findall(r"EXIT STRING: .*\(signal (\d+)\)", out)
+    return bool(codes) and set(codes) <= {"2", "9"} and set(signals) <= {"2", "9", "11"}
 
 
 def test_a_killed_rank_ends_the_job():
@@ -122,7 +168,7 @@ def test_a_stopped_rank_ends_the_job_after_the_timeout(ranks, inject):
     proc, elapsed, out = _run(ranks, "--inject", inject, timeout_s=3)
     bad = int(inject.split(":")[1])
     assert proc.returncode != 0
-    assert elapsed < 2 * 3 + 15, f"took {elapsed:.1f} s"
+    assert elapsed < 2 * 3 + 20, f"took {elapsed:.1f} s"
     assert "timed out after 3 s" in out, out
     assert "did not leave within 3 s (stopped or hung); ending the job without MPI_Finalize" in out, out
     assert f"rank {bad} is stopped (SIGSTOP): ending it (SIGKILL)" in out, out  # not left to mpiexec
@@ -288,7 +334,7 @@ lesson.say("not reached")
     ("raise", 'check(True, "everyone is here")', 25),   # waits in a self-check: told at once
     ("raise", "comm.bcast(None, root=1)", 25),          # blocked in a plain MPI call: the exit protocol
     ("stop", 'check(True, "everyone is here")', 30),    # a stopped peer: the check's deadline
-    ("interrupt", 'check(True, "everyone is here")', 10),  # a Ctrl-C: told at once, one line, no traceback
+    ("interrupt", 'check(True, "everyone is here")', 25),  # a Ctrl-C: told at once, one line, no traceback
 ])
 def test_a_tutorial_ends_when_one_rank_fails(tmp_path, how, wait, limit):
     script = tmp_path / "lesson.py"
@@ -302,7 +348,7 @@ def test_a_tutorial_ends_when_one_rank_fails(tmp_path, how, wait, limit):
     elif how == "interrupt":  # (it kept the job 60 s and printed a traceback: the hook took only Exceptions)
         assert "[rank 1] failed while running: KeyboardInterrupt: interrupted" in out, out
         assert "[rank 0] stopped while running, because rank 1 was interrupted" in out, out
-        assert "Traceback" not in out, out
+        assert "Traceback" not in out and "timed out" not in out and "did not leave" not in out, out
     else:
         assert "timed out after 3 s" in out and "rank 1 is stopped (SIGSTOP): ending it (SIGKILL)" in out, out
 

@@ -73,7 +73,7 @@ def test_pipeline_demo_three_ranks_hits_evictions_and_verification(weights):
     misses = int(stats.split("misses ")[1].split(" ")[0])
     assert first + repeats == requests == hits + misses and repeat_hits == hits
     assert misses == first + repeat_misses, stats
-    assert vtnumba_shm() == before
+    assert vtnumba_shm() <= before
 
 
 @pytest.mark.parametrize("speedups, verdict", [
@@ -99,7 +99,7 @@ def test_pipeline_demo_consumer_failure_ends_every_rank_cleanly(weights):
     # The other encoder rank, waiting for its next batch, is told at once -- not left waiting.
     assert said(proc, 1, "because rank [02] failed"), proc.stderr
     assert "gave up" not in proc.stderr and "timed out" not in proc.stderr
-    assert vtnumba_shm() == before
+    assert vtnumba_shm() <= before
 
 
 def test_pipeline_demo_stopped_consumer_ends_within_the_timeout(weights):
@@ -113,7 +113,7 @@ def test_pipeline_demo_stopped_consumer_ends_within_the_timeout(weights):
     assert said(proc, 1, "because rank 0 failed"), proc.stderr  # told, not blaming rank 0 itself
     assert said(proc, 0, "ending the job without MPI_Finalize"), proc.stderr
     assert elapsed < 2 * 3 + 30, f"took {elapsed:.0f} s"
-    assert vtnumba_shm() == before
+    assert vtnumba_shm() <= before
 
 
 def test_pipeline_demo_consumer_stopped_in_setup_is_named_by_the_producer(weights):
@@ -135,7 +135,7 @@ def test_pipeline_demo_killed_producer_leaves_nothing(weights):
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "KILLED BY SIGNAL: 9" in out or "Killed (signal 9)" in out, out  # MPICH ends the others at once
-    assert vtnumba_shm() == before
+    assert vtnumba_shm() <= before
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -187,7 +187,7 @@ def test_pipeline_demo_region_too_small_is_a_clear_error(weights):
     before = vtnumba_shm()
     proc = vt("demo", "--target", "cpu", "--region-mib", "0.05", ranks=2, timeout=120)
     assert proc.returncode != 0 and "must hold at least one input of 256 tokens" in proc.stderr
-    assert vtnumba_shm() == before
+    assert vtnumba_shm() <= before
 
 
 def test_mm_hash_is_a_function_of_token_ids():

@@ -50,7 +50,7 @@ def test_round_trip_byte_exact_with_eviction(comm, queues):
     args = demo.build_parser().parse_args(SMALL + ["--queues", queues])
     res = demo.run(args, comm)
     comm.Barrier()
-    ok = _our_files() == before
+    ok = _our_files() <= before
     rank, size = comm.Get_rank(), comm.Get_size()
     if rank == 0:
         c = res["consumer"]
@@ -78,7 +78,7 @@ def _expect_failure(comm, argv, failing_rank, own_error, words):
         ok = isinstance(err, own_error)
     else:
         ok = isinstance(err, PeerFailure) and err.rank == failing_rank
-    ok = ok and all(w in str(err) for w in words) and _our_files() == before
+    ok = ok and all(w in str(err) for w in words) and _our_files() <= before
     assert _all(comm, ok), f"rank {rank}: {type(err).__name__}: {err}"
 
 
@@ -113,7 +113,7 @@ def test_producer_consumer_config_mismatch(comm):
     # Every consumer opens with the wrong config: each raises its ValueError -- unless the first
     # one's failure report reached it before the producer's handle did.
     expected = (PeerFailure,) if rank == 0 else (ValueError,) if rank == 1 else (ValueError, PeerFailure)
-    ok = isinstance(err, expected) and _our_files() == before
+    ok = isinstance(err, expected) and _our_files() <= before
     ok &= "hidden_size=16" in str(err) and "hidden_size=32" in str(err)
     assert _all(comm, ok), str(err)
 

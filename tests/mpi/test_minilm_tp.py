@@ -160,7 +160,7 @@ def test_group_size_must_match_and_divide_heads(weights):
 
 @pytest.mark.mpi(min_size=2)
 def test_a_missing_peer_times_out_instead_of_hanging():
-    comm = COMM.Dup()
+    comm, gate = COMM.Dup(), COMM.Dup()
     try:
         buf = np.ones(4, np.float32)
         if comm.Get_rank() == 0:
@@ -169,11 +169,13 @@ def test_a_missing_peer_times_out_instead_of_hanging():
             with pytest.raises(RuntimeError, match="timed out after 0.3 s"):
                 wait_request(req, None, "the test all-reduce", 0.3)
             assert time.monotonic() - t0 < 5
-            req.Wait()  # the late peers arrive now
+            gate.Barrier()  # only now may the late peers arrive (a sleep could be outslept by a busy machine)
+            req.Wait()
         else:
-            time.sleep(1.0)
+            gate.Barrier()
             # A non-blocking collective only matches non-blocking ones: Iallreduce here too.
             comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM).Wait()
         assert np.all(buf == comm.Get_size())
     finally:
         comm.Free()
+        gate.Free()
