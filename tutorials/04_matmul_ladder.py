@@ -31,8 +31,8 @@ until the arithmetic units are the limit.
 # -----
 #
 # The target is chosen first (before anything imports ``numba.cuda``), and before
-# numpy: importing vtnumba shares the cores between the local MPI ranks, which numpy's
-# BLAS reads once, when it loads.  Each rank draws its own matrices, so each rank checks
+# numpy: importing ``vtnumba.apps.tutorial`` shares the cores between the local MPI ranks,
+# which numpy's BLAS reads once, when it loads.  Each rank draws its own matrices, so each rank checks
 # its own results; rank 0 narrates.
 from vtnumba.apps.tutorial import as_rate, start, time_calls
 

@@ -254,9 +254,9 @@ lesson.say("done")
 #   float32; LayerNorm with mean 1000 shows the one-pass variance's error (``1e-1`` or
 #   worse) next to the fused kernel's two-pass one.
 # * The figure: the fused line above numpy's at every size -- about 1.5-3x for arrays that
-#   fit in the caches (numpy's passes hit the cache too), 4-6x at 16 MiB -- and below the
-#   memcpy line (the ceiling; how close a host loop gets depends on the machine and on what
-#   else runs: between half and nine tenths of it at 16 MiB on a 2-core laptop).  numpy and
+#   fit in the caches (numpy's passes hit the cache too), 4-7x at 16 MiB -- and below the
+#   memcpy line, or at it (the ceiling; how close a host loop gets depends on the machine and
+#   on what else runs: between half of it and all of it at 16 MiB on a 2-core machine).  numpy and
 #   memcpy run faster on arrays that fit in the caches.  The exact figures move from run to
 #   run on a small, shared machine; the order of the lines does not.
 # * On ``cudasim``: ``max |device - host|`` around ``1e-7``; on ``cuda``, the fused kernel

@@ -163,7 +163,7 @@ barrier(group)  # nobody may overwrite a buffer another rank is still reading
 # timeline draws an arrow from the flag's store to the wait it released -- across ranks.
 # The first round (epoch 1) also compiles the flags' load and store functions (numba);
 # the second is the one we draw, with rank 0 starting 20 ms late on purpose.
-sig = PeerSignals(group, names=("mail",), timeout_s=30)
+sig = PeerSignals(group, names=("mail",), timeout_s=lesson.args.timeout)  # the lesson's --timeout (60 s)
 nxt, prv = (rank + 1) % tp, (rank - 1) % tp
 mailbox = pb.views(np.int32, (N,), offset=N * 4)   # mailbox[j] is rank j's mailbox
 

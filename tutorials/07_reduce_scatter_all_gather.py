@@ -26,9 +26,10 @@ and no byte passes through a message queue.
 # Setup
 # -----
 #
-# One tensor-parallel group of all ranks; peer buffers large enough for the
-# 16 MiB case at the end; and the three flags the protocol uses (``inbox_ready``,
-# ``gather_ready``, ``consumed``), each an epoch counter.
+# One tensor-parallel group of all ranks; peer buffers (on a GPU already large enough for
+# the 16 MiB case at the end; elsewhere small, and the timing section makes its own); and
+# the three flags the protocol uses (``inbox_ready``, ``gather_ready``, ``consumed``), each
+# an epoch counter.
 from vtnumba.apps.tutorial import as_rate, human_bytes, start
 
 # isort: split

@@ -1,7 +1,8 @@
 """TPSP: fusing a row-parallel matmul with reduce-scatter, residual + norm and all-gather
 ======================================================================================
 
-What it does: takes one tensor-parallel layer -- a row-parallel projection followed by a
+What it does (TPSP: *tensor-parallel + sequence-parallel* -- the weights split across the
+ranks, the tokens split across them for the norm): takes one tensor-parallel layer -- a row-parallel projection followed by a
 norm, the ``o_proj``/``down_proj`` + layernorm pair of every transformer block -- and runs
 it three ways on the same data: in float64 numpy on the whole matrices (the truth), as the
 regular forward (matmul, ``MPI_Reduce_scatter_block``, add + norm, ``MPI_Allgather``), and
@@ -356,7 +357,7 @@ lesson.say("done: the fused op equals the float64 layer and the regular forward,
 # * The timeline: on each rank the compute queue's four matmuls and the exchange queue's
 #   reduces, gathers and flag writes, one after another, with red waits wherever one rank
 #   got ahead of the other.
-# * ``fused / regular`` around 1.0 to 1.2 on the cpu target (measured on a 2-core machine),
+# * ``fused / regular`` around 1.0 to 1.4 on the cpu target (measured on a 2-core machine),
 #   a call of a few tenths of a millisecond either way: at this size fusion saves little,
 #   and the fused op's handshake, queue operations and flags are Python work that the
 #   regular forward's two MPI calls do not have -- with the reason printed next to it; the

@@ -97,9 +97,9 @@ def snap(moment: str) -> None:
 # a file behind, because there is none.  Every message has a deadline (``timeout_s``).
 if rank == 0:
     ep = ECProducer(comm, hidden_size=HIDDEN, dtype=DTYPE, region_bytes=16 * BLOCK, name="tut", backend=backend,
-                    timeout_s=30)
+                    timeout_s=lesson.args.timeout)  # the lesson's --timeout (60 s unless told)
 else:
-    ep = ECConsumer(comm, hidden_size=HIDDEN, dtype=DTYPE, producer=0, backend=backend, timeout_s=30)
+    ep = ECConsumer(comm, hidden_size=HIDDEN, dtype=DTYPE, producer=0, backend=backend, timeout_s=lesson.args.timeout)
 region = ep.region
 if rank == 0:
     lesson.say(f"{region.label}: blocks {region.blocks.shape} int8 ({region.num_blocks} rows of {HIDDEN} x float16); "
@@ -360,9 +360,10 @@ lesson.say("done")
 #
 # * ``this lesson needs two processes``: run it under ``mpiexec -n 2`` (or more: every rank
 #   after rank 1 is another consumer rank and loads each entry too).
-# * ``ChannelTimeout: rank R gave up waiting for rank P after 30 s``: a rank stopped
+# * ``ChannelTimeout: rank R gave up waiting for rank P after 60 s``: a rank stopped
 #   answering (or was stopped in a debugger for longer than the endpoints' ``timeout_s``);
-#   the message names the rank and what was awaited.  The lesson uses ``timeout_s=30``.
+#   the message names the rank and what was awaited.  The endpoints take the lesson's
+#   ``--timeout`` (60 s unless told).
 # * ``has dtype ...; the region holds ...`` or ``has shape ...; expected [rows, hidden]``:
 #   the producer's outputs must be the region's dtype and row width -- the consumer reads
 #   the raw bytes back as exactly that.

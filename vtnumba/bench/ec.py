@@ -84,7 +84,8 @@ def _entries_per_step(text: str) -> int:
 def add_arguments(parser) -> None:
     """``--sizes``: the entry sizes to measure; ``--entries-per-step``: the batched steps' entries."""
     parser.add_argument("--sizes", nargs="+", type=_entry_bytes, default=None,
-                        help="entry sizes in bytes (multiples of 2048; default 4 KiB .. 64 MiB)")
+                        help="entry sizes in bytes (multiples of 2048; default 4 KiB .. 64 MiB; "
+                             "quick 4 KiB, 1 MiB, 16 MiB)")
     parser.add_argument("--entries-per-step", type=_entries_per_step, default=ENTRIES_PER_STEP,
                         help=f"entries a batched step saves and loads together, for entries up to "
                              f"{BATCHED_MAX // MiB} MiB (default {ENTRIES_PER_STEP}; 1: no batched rows)")

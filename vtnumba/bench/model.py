@@ -21,8 +21,10 @@ def add_arguments(parser) -> None:
     """The suite's own options (batch sizes, sentences per measurement)."""
     from vtnumba.bench.runner import positive_int
 
-    parser.add_argument("--batches", type=positive_int, nargs="+", default=None, help="batch sizes (default 8 32 64)")
-    parser.add_argument("--sentences", type=positive_int, default=None, help="sentences per measurement (default 256)")
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=None,
+                        help="batch sizes (default 8 32 64; quick 16 64)")
+    parser.add_argument("--sentences", type=positive_int, default=None,
+                        help="sentences per measurement (default 256; quick 64)")
 
 
 

@@ -53,7 +53,7 @@ BENCH_HELP = {
     "ec": "encoder-cache save/load throughput vs memcpy",
     "peer": "peer-buffer reduce-scatter / all-gather vs mpi4py collectives (mpiexec -n 2)",
     "tpsp": "fused TPSP vs matmul alone and the unfused mpi4py forward (mpiexec -n 2)",
-    "model": "MiniLM encoder with TPSP vs the regular forward (and sentence-transformers if installed)",
+    "model": "MiniLM encoder with TPSP vs the regular forward (and sentence-transformers if installed) (mpiexec -n 2)",
     "all": "every suite above, one JSON document",
 }
 
