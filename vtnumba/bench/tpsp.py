@@ -75,7 +75,7 @@ def add_arguments(parser) -> None:
                         help="projection input size K over all ranks (default 4096; quick 1024)")
     parser.add_argument("--chunk", type=positive_int, default=None, help="TPSP microchunk rows per rank (default: backend's)")
     parser.add_argument("--exchange", choices=("push", "pull"), default=None,
-                        help="TPSP exchange mode (default: pull on the cpu target, push on a GPU)")
+                        help="TPSP exchange mode (default: pull on the cpu target, push on cudasim and cuda)")
     parser.add_argument("--repeat", type=positive_int, default=None, help="timed rounds per T (default 11; quick 7)")
 
 

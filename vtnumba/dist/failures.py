@@ -153,6 +153,35 @@ class FailureBoard:
 
 _board: FailureBoard | None = None
 _previous_sigint = None  # the SIGINT handler install() replaced (restored by uninstall)
+_deferred = False  # a SIGINT landed in a callback from C: raised again shortly (see _interrupted)
+_REDELIVER_S = 0.05  # how soon a SIGINT that landed in a callback from C is raised again
+
+
+def _inside_c_callback(frame) -> bool:
+    """Whether Python is running code that C called back -- llvmlite's object-cache and
+    diagnostic callbacks, while numba compiles.  An exception raised there never reaches
+    the program: ctypes prints "Exception ignored on calling ctypes callback" with a
+    traceback, and drops it.  (Told by the frames' files: any frame under llvmlite's
+    ``binding`` package, the one place our processes enter Python from C.)"""
+    binding = sys.modules.get("llvmlite.binding")
+    if binding is None:
+        return False
+    folder = os.path.dirname(binding.__file__) + os.sep
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(folder):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _raise_again_soon() -> None:
+    """Deliver SIGINT to the main thread again in ``_REDELIVER_S`` seconds -- after the C callback
+    it landed in has returned, as a rule (else it is put off once more)."""
+    import _thread
+
+    timer = threading.Timer(_REDELIVER_S, _thread.interrupt_main, (signal.SIGINT,))
+    timer.daemon = True
+    timer.start()
 
 
 def _interrupted(signum, frame) -> None:
@@ -164,22 +193,32 @@ def _interrupted(signum, frame) -> None:
     match the others' cleanup wrongly and wait out the timeout.  With the note posted at
     once, every wait of the others raises; :meth:`FailureBoard.check` makes this rank's own
     waits raise too.  (Python runs this handler between bytecodes of the main thread, never
-    inside an MPI call, so posting here is safe; no lock is taken.)"""
+    inside an MPI call, so posting here is safe; no lock is taken.)
+
+    Where the signal lands in a callback from C (numba compiling: :func:`_inside_c_callback`),
+    a raise would be printed and dropped; the handler is run again a moment later instead."""
+    global _deferred
     board = _board
     # (Alone -- one rank, a notebook -- there is nobody to tell, and a session that goes on
     # after the Ctrl-C must not find every later wait raising.  After MPI_Finalize, nobody
     # can be told.)
     if board is not None and board.size > 1 and not MPI.Is_finalized():
-        if board.interrupted:
+        if board.interrupted and not _deferred:
             # A second SIGINT -- a terminal sends one to mpiexec and one to each rank, in one
             # process group -- must not cut into the way out the first one started: this rank
             # is leaving already, and its exit watchdog bounds how long that takes.
             return
-        board.interrupted = True
-        try:
-            board.post(f"rank {board.rank} was interrupted (Ctrl-C, or SIGINT from mpiexec)")
-        except MPI.Exception:
-            pass
+        if not board.interrupted:
+            board.interrupted = True
+            try:
+                board.post(f"rank {board.rank} was interrupted (Ctrl-C, or SIGINT from mpiexec)")
+            except MPI.Exception:
+                pass
+    if _inside_c_callback(frame):
+        _deferred = True
+        _raise_again_soon()
+        return
+    _deferred = False
     raise KeyboardInterrupt
 
 
@@ -259,7 +298,8 @@ def end_stopped_peers(board: FailureBoard | None = None, announce=None) -> list[
     """SIGKILL the peers on this machine that are *stopped* (SIGSTOP, state ``T``); returns their ranks.
     ``announce(rank)``, if given, is called just *before* each kill: once the killed rank is
     reaped, ``mpiexec`` ends the whole job -- this process included -- so a line printed after
-    the kill may never be written.
+    the kill may never be written.  Its errors are ignored (a closed stderr): the kill matters
+    more than the line.
 
     The exit protocol's last step.  ``mpiexec`` ends a job whose rank left without
     ``MPI_Finalize`` by killing the other ranks -- but our fault tests twice saw a job wait
@@ -280,7 +320,10 @@ def end_stopped_peers(board: FailureBoard | None = None, announce=None) -> list[
         if _state_and_start(pid) != ("T", started):
             continue
         if announce is not None:
-            announce(r)
+            try:
+                announce(r)
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
         try:
             os.kill(pid, signal.SIGKILL)
             ended.append(r)
@@ -334,10 +377,12 @@ def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
         if succeeded:
             code = code or 1  # this rank's part went well, the job's did not
         try:  # (whatever goes wrong while saying so -- a closed stderr -- this rank still leaves)
-            say(f"[rank {comm.Get_rank()}] a rank did not leave within {timeout_s:g} s (stopped or hung); ending "
-                "the job without MPI_Finalize")
-            end_stopped_peers(board, announce=lambda r: say(
-                f"[rank {comm.Get_rank()}] rank {r} is stopped (SIGSTOP): ending it (SIGKILL)"))
+            try:  # (... and still ends the stopped peers first)
+                say(f"[rank {comm.Get_rank()}] a rank did not leave within {timeout_s:g} s (stopped or hung); "
+                    "ending the job without MPI_Finalize")
+            finally:
+                end_stopped_peers(board, announce=lambda r: say(
+                    f"[rank {comm.Get_rank()}] rank {r} is stopped (SIGSTOP): ending it (SIGKILL)"))
             sys.stdout.flush()
         finally:
             os._exit(code)
