@@ -559,6 +559,37 @@ def test_a_ctrl_c_inside_a_callback_from_c_is_raised_after_it():
     assert proc.stdout == "raised after the callback returned\ndropped: []\n", proc.stdout + proc.stderr
 
 
+def test_a_ctrl_c_put_off_in_a_callback_is_raised_once(monkeypatch):
+    # Under mpiexec the rank's next wait may raise the KeyboardInterrupt before the signal comes
+    # again: the second delivery must then be ignored, not cut into the rank's way out.
+    import signal
+    from types import SimpleNamespace
+
+    import llvmlite.binding
+
+    from vtnumba.dist import failures
+
+    ns: dict = {}
+    fake = os.path.join(os.path.dirname(llvmlite.binding.__file__), "callback.py")
+    exec(compile("import sys\nframe = sys._getframe()", fake, "exec"), ns)  # a frame "inside llvmlite"
+    again, posted = [], []
+    monkeypatch.setattr(failures, "_raise_again_soon", lambda: again.append(1))
+    board = SimpleNamespace(size=2, rank=0, interrupted=False, failed_peer=None, post=posted.append)
+    monkeypatch.setattr(failures, "_board", board)
+    assert failures._interrupted(signal.SIGINT, ns["frame"]) is None  # put off, peers told at once
+    assert board.interrupted and len(posted) == 1 and again == [1]
+    with pytest.raises(KeyboardInterrupt):
+        failures._interrupted(signal.SIGINT, None)  # delivered again, outside the callback: raised
+    failures._deferred = True  # put off once more -- but this time a wait raises first
+    with pytest.raises(KeyboardInterrupt):
+        failures.FailureBoard.check(board)
+    try:
+        failures._interrupted(signal.SIGINT, None)  # the late delivery is ignored
+    except KeyboardInterrupt:
+        pytest.fail("the SIGINT delivered after a wait had raised was raised a second time")
+    assert len(posted) == 1 and not failures._deferred
+
+
 def test_a_second_run_in_one_process_watches_the_board_again():
     # A run's exit protocol stops watching the board it leaves open; the next run_collectively
     # in the same process (a test) waited with no failure watch at all.

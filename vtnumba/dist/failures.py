@@ -135,7 +135,9 @@ class FailureBoard:
         """Raise PeerFailed if a peer has posted a failure (the watch every wait calls) --
         KeyboardInterrupt again if this rank was interrupted: it is leaving, and the waits of
         its own teardown must not wait for peers that are leaving too."""
+        global _deferred
         if self.interrupted:
+            _deferred = False  # (delivered now: a SIGINT put off in a C callback, arriving later, is ignored)
             raise KeyboardInterrupt
         if self.failed_peer is None and self.comm.iprobe(source=MPI.ANY_SOURCE, tag=_TAG):
             status = MPI.Status()
