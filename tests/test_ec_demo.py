@@ -47,6 +47,27 @@ def test_round_trip_with_eviction_pressure(n, queues):
     assert _ec_files() <= before
 
 
+def test_float32_entries_one_per_step_in_a_small_region():
+    # The flags the round trip above leaves at their defaults: float32 entries, one save and
+    # one load a step, another seed, a region of 0.25 MiB (about a third of the entries' bytes).
+    before = _ec_files()
+    p = _run(2, *SMALL, "--dtype", "float32", "--saves-per-step", "1", "--loads-per-step", "1", "--seed", "3",
+             "--region-mib", "0.25", "--quiet")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "x float32), 16 loaded and verified byte-exact on rank 1" in p.stdout, p.stdout
+    assert int(re.search(r"evictions: (\d+) entries", p.stdout).group(1)) > 0
+    assert p.stdout.rstrip().endswith("OK")
+    assert _ec_files() <= before
+
+
+def test_max_steps_stops_a_run_that_is_not_done():
+    p = _run(2, *SMALL, "--max-steps", "3", "--quiet")
+    assert p.returncode != 0
+    # (each side counts its own steps; the one that gets there second may be told first)
+    assert re.search(r"\[rank [01]\] failed while running: RuntimeError: (producer|consumer): not done after "
+                     r"--max-steps=3 steps", p.stderr), p.stderr
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_consumer_failure_exits_cleanly_everywhere(n):
     before = _ec_files()

@@ -76,6 +76,37 @@ def test_finalizer_frees_later_and_waits_for_the_owner(core):
     assert again.ptr == ptr
 
 
+def test_record_stream_at_makes_the_free_wait_for_the_other_queue(core):
+    # record_stream_array's lookup: a numba array's pointer may point inside its block.
+    be = core.allocator.backend
+    owner, reader = be.create_queue("owner"), be.create_queue("reader")
+    with using_queue(owner):
+        block = core.alloc(4096)
+    ptr = block.ptr
+    assert core.record_stream_at(ptr + 100, reader) is block
+    gate = threading.Event()
+    be.launch_host_func(reader, lambda: gate.wait(10.0))  # a kernel on the other queue still reads it
+    core.finalizer(block)()
+    with using_queue(owner):
+        other = core.alloc(4096)                          # drains the free: events on owner and reader
+    be.synchronize(owner)
+    core.allocator.process_events()
+    with using_queue(owner):
+        third = core.alloc(4096)
+    assert ptr not in (other.ptr, third.ptr), "reused while the other queue's queued work was still running"
+    gate.set()
+    be.synchronize(reader)
+    core.finalizer(other)()
+    core.finalizer(third)()
+    core.drain()
+    be.synchronize()
+    core.allocator.process_events()
+    with using_queue(owner):
+        assert ptr in {core.alloc(4096).ptr for _ in range(3)}  # once every queue caught up, it comes back
+    with pytest.raises(ValueError, match="was not allocated by vtnumba's memory manager"):
+        core.record_stream_at(ptr + (1 << 40), reader)
+
+
 def test_a_default_pool_free_waits_for_every_queue(core):
     # A device_array made outside using_queue belongs to the legacy-default pool, yet any
     # (non-blocking) queue may have used it: its free waits for all of them, as cuMemFree did.
@@ -191,7 +222,7 @@ def test_numba_plugin_class_without_gpu():
 GPU_SCRIPT = textwrap.dedent("""
     import gc
     import numpy as np
-    from vtnumba.memory import install_numba_memory_manager, using_queue
+    from vtnumba.memory import install_numba_memory_manager, record_stream_array, using_queue
     install_numba_memory_manager()             # before the first context
     from numba import cuda
     from vtnumba import default_backend
@@ -208,6 +239,9 @@ GPU_SCRIPT = textwrap.dedent("""
         be.synchronize(q)                      # the event fires
         b = cuda.device_array(1000, dtype=np.float32, stream=q.stream)
         assert b.__cuda_array_interface__["data"][0] == ptr
+    reader = be.create_queue("reader")
+    record_stream_array(b, reader)             # b's memory now also waits for the reader queue
+    assert reader.id in next(k for k in mm.core.allocator.live_blocks() if k.ptr == ptr)._stream_uses
     buf = be.alloc(4096)                       # the backend's own allocations go through it too
     assert mm.core.allocator.stats()["cache_hits"] >= 1
     print("gpu plugin ok")

@@ -76,6 +76,20 @@ def test_pipeline_demo_three_ranks_hits_evictions_and_verification(weights):
     assert vtnumba_shm() <= before
 
 
+def test_pipeline_demo_one_encoder_rank_two_consumers_and_own_queries(weights):
+    proc = vt("demo", "--target", "cpu", "--encoder-ranks", "1", "--queries", "How do I cook pasta?", "a small cat")
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "on 1 encoder rank(s)" in out and "2 consumer rank(s)" in out, out
+    assert "TPSP needs >= 2 encoder ranks" in out, out
+    lines = out.splitlines()
+    queries = [line for line in lines if line.startswith("query: ")]
+    assert queries == ["query: How do I cook pasta?", "query: a small cat"]
+    assert "cat" in lines[lines.index("query: a small cat") + 1]  # the cat sentence first
+    assert "verified byte for byte against the encoder's outputs on 2 consumer ranks" in out
+    assert "RESULT: PASS" in out
+
+
 @pytest.mark.parametrize("speedups, verdict", [
     ([1.1, 1.2, 1.3], "faster in every round"),
     ([0.7, 0.8, 0.9], "slower in every round"),

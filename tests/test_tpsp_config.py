@@ -117,6 +117,16 @@ def test_norm_type_from_names(name, expected):
     assert get_tpsp_norm_type(name) == expected
 
 
+def test_norm_types_lists_every_answer():
+    # NORM_TYPES is what get_tpsp_norm_type can answer: each one names itself, and every
+    # accepted spelling maps into it.
+    from vtnumba.tpsp.norm_type import _ALIASES, NORM_TYPES
+
+    assert NORM_TYPES == ("rms", "layer")
+    assert [get_tpsp_norm_type(t) for t in NORM_TYPES] == list(NORM_TYPES)
+    assert set(_ALIASES.values()) == set(NORM_TYPES)
+
+
 def test_norm_type_from_modules():
     assert get_tpsp_norm_type(RMSNorm(4)) == "rms"
     assert get_tpsp_norm_type(LayerNorm(4)) == "layer"

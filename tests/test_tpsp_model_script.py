@@ -40,8 +40,10 @@ def _run_model(ranks: int, *extra: str) -> str:
 
 
 @pytest.mark.timeout(180)
-def test_two_ranks_tpsp_matches_regular():
-    out = _run_model(2, "--norm", "rms", "--chunk", "4")
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_two_ranks_tpsp_matches_regular(act):
+    out = _run_model(2, "--norm", "rms", "--chunk", "4", *(["--act", act] if act else []))
+    assert f"norm=rms act={act or 'gelu'}" in out, out
     assert "OK: TPSP matches the regular forward" in out and "(4 fused calls, 0 regular" in out, out
     assert "time ratio TPSP / regular:" in out and "speed-up of TPSP" in out
 

@@ -181,6 +181,23 @@ def test_render_places_output_and_figures_under_their_section(tmp_path):
     assert text.startswith("A made-up lesson\n================")
 
 
+def test_the_figures_folder_without_out(monkeypatch, tmp_path):
+    # Without --out: $VTNUMBA_TUTORIAL_OUT, else $VTNUMBA_OUT_DIR/tutorials, else out/tutorials
+    # beside the tutorials folder (a script elsewhere: under the working directory).
+    from vtnumba.apps.tutorial import OUT_ENV, default_out_root
+
+    script = str(ROOT / "tutorials" / "01_devices_queues_events.py")
+    monkeypatch.delenv(OUT_ENV, raising=False)
+    monkeypatch.delenv("VTNUMBA_OUT_DIR", raising=False)
+    assert default_out_root(script) == ROOT / "out" / "tutorials"
+    monkeypatch.chdir(tmp_path)
+    assert default_out_root(str(tmp_path / "mine.py")) == tmp_path / "out" / "tutorials"
+    monkeypatch.setenv("VTNUMBA_OUT_DIR", str(tmp_path / "o"))
+    assert default_out_root(script) == tmp_path / "o" / "tutorials"
+    monkeypatch.setenv(OUT_ENV, str(tmp_path / "t"))
+    assert default_out_root(script) == tmp_path / "t"
+
+
 def test_parse_output_splits_by_marker():
     parsed = parse_output("before\n@@vt:section 3\nthree\n@@vt:figure a.png|cap a\n@@vt:section 1\none\n"
                           "@@vt:section 3\nthree again\n")

@@ -573,27 +573,3 @@ def run(args) -> dict:
             suite["notes"].append("--ptxas: neither nvJitLink nor a ptxas on PATH; resource report skipped")
     return suite
 
-
-def main(argv=None) -> int:
-    """``python -m vtnumba.bench.kernels [--quick] [--json PATH]`` (the CLI wires the same run)."""
-    import json
-
-    from vtnumba.bench.runner import positive_int
-
-    parser = argparse.ArgumentParser(description="vtnumba kernel benchmarks")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sizes", nargs="+", type=positive_int, default=None, help="square matmul sizes")
-    parser.add_argument("--json", default=None, help="write the result here")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    result = run(args)
-    text = json.dumps(result, indent=2)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
-    print(text)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -125,6 +125,17 @@ class _EMMCore:
                 self.allocator.free(block, wait_owner=True)
                 n += 1
 
+    def record_stream_at(self, ptr: int, queue: Queue) -> Block:
+        """``record_stream`` for the live block holding address ``ptr`` (a numba array's data
+        pointer, which may point inside its block); returns the block.  ValueError if no live
+        block of this allocator holds it."""
+        for block in self.allocator.live_blocks():
+            if block.ptr <= ptr < block.ptr + block.nbytes:
+                self.allocator.record_stream(block, queue)
+                return block
+        raise ValueError(f"record_stream_array: array at {ptr:#x} was not allocated by vtnumba's memory manager "
+                         "(or was already freed)")
+
     @contextlib.contextmanager
     def defer_cleanup(self):
         """numba's defer_cleanup: while active, finalized blocks stay queued."""
@@ -337,14 +348,10 @@ def install_numba_memory_manager(backend: Backend | None = None, *, limit_bytes:
 
 
 def record_stream_array(array, queue: Queue) -> None:
-    """``record_stream`` for a numba device array that the plugin allocated."""
-    ptr = int(array.__cuda_array_interface__["data"][0])
-    plugin = _active_plugin()
-    for block in plugin.core.allocator.live_blocks():
-        if block.ptr <= ptr < block.ptr + block.nbytes:
-            plugin.core.allocator.record_stream(block, queue)
-            return
-    raise ValueError(f"record_stream_array: array at {ptr:#x} was not allocated by vtnumba's memory manager")
+    """``record_stream`` for a numba device array that the plugin allocated: ``queue`` uses it
+    too, so when the array dies its memory is reused only after ``queue``'s work queued so far
+    (see the module docstring; ``_EMMCore.record_stream_at`` does the lookup)."""
+    _active_plugin().core.record_stream_at(int(array.__cuda_array_interface__["data"][0]), queue)
 
 
 def _active_plugin():
