@@ -282,6 +282,7 @@ def _bench_json(tmp_path, *argv) -> dict:
     """Run ``mpiexec -n 2 vtnumba bench ... --json PATH`` on the cpu target; its one suite."""
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
     env.update(VTNUMBA_TARGET="cpu")
+    env.pop("VTNUMBA_OUT_DIR", None)  # (its durations file goes under tmp_path/out)
     path = tmp_path / "bench.json"
     cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "vtnumba", "bench", *argv, "--json", str(path)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,

@@ -54,7 +54,11 @@ def test_float32_entries_one_per_step_in_a_small_region():
     p = _run(2, *SMALL, "--dtype", "float32", "--saves-per-step", "1", "--loads-per-step", "1", "--seed", "3",
              "--region-mib", "0.25", "--quiet")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "x float32), 16 loaded and verified byte-exact on rank 1" in p.stdout, p.stdout
+    assert "x float32)," in p.stdout, p.stdout
+    # (an entry saved while the consumer asks for another may be evicted before it is asked for)
+    loaded = int(re.search(r"(\d+) loaded and verified byte-exact on rank 1", p.stdout).group(1))
+    before_ask = int(re.search(r"(\d+) evicted before the consumer asked", p.stdout).group(1))
+    assert loaded + before_ask == 16 and loaded > 0, p.stdout
     assert int(re.search(r"evictions: (\d+) entries", p.stdout).group(1)) > 0
     assert p.stdout.rstrip().endswith("OK")
     assert _ec_files() <= before

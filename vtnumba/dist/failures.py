@@ -178,10 +178,16 @@ def _inside_c_callback(frame) -> bool:
 
 def _raise_again_soon() -> None:
     """Deliver SIGINT to the main thread again in ``_REDELIVER_S`` seconds -- after the C callback
-    it landed in has returned, as a rule (else it is put off once more)."""
+    it landed in has returned, as a rule (else it is put off once more) -- unless it has been
+    delivered meanwhile (a wait raised it: :meth:`FailureBoard.check`) or the rank is already
+    leaving (:func:`_leave_together`): a late one would raise in whatever runs then."""
     import _thread
 
-    timer = threading.Timer(_REDELIVER_S, _thread.interrupt_main, (signal.SIGINT,))
+    def again():
+        if _deferred:
+            _thread.interrupt_main(signal.SIGINT)
+
+    timer = threading.Timer(_REDELIVER_S, again)
     timer.daemon = True
     timer.start()
 
@@ -361,10 +367,12 @@ def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
     the board's communicator.  (A rank that succeeds joins it too: a peer that fails after
     the others finished -- in its last check, or its report -- then finds them in the barrier,
     instead of waiting out its timeout for ranks already inside ``MPI_Finalize``.)"""
+    global _deferred
     board = _board
     comm = board.comm if board is not None else MPI.COMM_WORLD
     if board is not None:
         polling.remove_watch(board.check)  # we are leaving anyway: peers' notes change nothing
+    _deferred = False  # (nor may a Ctrl-C put off in a compile cut into the exit barrier now)
     timeout_s = resolve_timeout(timeout_s)
     arm_exit_watchdog(timeout_s)  # (again: the barrier's own deadline starts now)
     req = comm.Ibarrier()
