@@ -341,12 +341,13 @@ def main(argv=None) -> int:
     if MPI.COMM_WORLD.Get_size() < 2:  # (a usage error, said once: not a failure of rank 0)
         parser.error("needs at least 2 ranks (an encoder and a consumer): mpiexec -n 2 python mpi/ec_disagg.py")
     largest = args.max_rows * args.hidden * np.dtype(args.dtype).itemsize
-    from vtnumba.ec.region import available_memory_bytes
+    from vtnumba.ec.region import check_fits_in_memory
 
-    room = available_memory_bytes()
-    if args.region_mib is not None and room is not None and args.region_mib * (1 << 20) > room:
-        parser.error(f"--region-mib={args.region_mib:g}: more than this machine has free ({room / 2**20:.0f} MiB of "
-                     "memory and swap)")
+    if args.region_mib is not None:
+        try:
+            check_fits_in_memory(args.region_mib * (1 << 20), f"--region-mib={args.region_mib:g}")
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.region_mib is not None and args.region_mib * (1 << 20) < largest:
         parser.error(f"--region-mib={args.region_mib:g} is smaller than the largest entry ({largest / 2**20:.3g} MiB: "
                      f"--max-rows={args.max_rows} rows of --hidden={args.hidden} x {args.dtype}), which could never "

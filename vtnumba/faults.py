@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 #: How a rank can fail: raise an exception, be killed (SIGKILL), stop (SIGSTOP), be interrupted (SIGINT).
 HOWS = ("raise", "kill", "stop", "interrupt")
+#: What a Ctrl-C is called wherever a rank reports one (its KeyboardInterrupt has no message).
+INTERRUPTED = "interrupted (Ctrl-C, or SIGINT from mpiexec)"
 
 
 @dataclass(frozen=True)
@@ -140,9 +142,17 @@ class FaultHook:
 def failure_text(exc: BaseException) -> str:
     """``"Type: message"`` for a failure report -- and, for an exception without a message (the
     KeyboardInterrupt of a Ctrl-C), what it is instead of nothing after the colon."""
-    detail = str(exc) or {KeyboardInterrupt: "interrupted (Ctrl-C, or SIGINT from mpiexec)"}.get(type(exc),
-                                                                                                "no message")
+    detail = str(exc) or {KeyboardInterrupt: INTERRUPTED}.get(type(exc), "no message")
     return f"{type(exc).__name__}: {detail}"
+
+
+def say(line: str) -> None:
+    """Print one line of a failure report to stderr in a single ``write``: ``print`` writes the
+    text and its newline separately, so two ranks' lines sharing a terminal could run into
+    one another.  (Here, in the core layer, so that code which must not start MPI uses it too;
+    :mod:`vtnumba.dist.failures` re-exports it.)"""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def parse_inject(text: str | None, points: Iterable[str] | Mapping[str, int], rank: int,
@@ -153,4 +163,4 @@ def parse_inject(text: str | None, points: Iterable[str] | Mapping[str, int], ra
     return FaultInjection.parse(text, points, world_size).on_point(rank)
 
 
-__all__ = ["HOWS", "FaultInjection", "FaultHook", "failure_text", "parse_inject"]
+__all__ = ["HOWS", "INTERRUPTED", "FaultInjection", "FaultHook", "failure_text", "parse_inject", "say"]

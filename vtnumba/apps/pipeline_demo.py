@@ -101,12 +101,9 @@ def check_options(args, world_size: int) -> tuple[float, object]:
         if args.region_mib * (1 << 20) < need:
             raise ValueError(f"--region-mib={args.region_mib}: the region must hold at least one input of "
                              f"{MAX_TOKENS} tokens ({need / 2**20:.2f} MiB)")
-        from vtnumba.ec.region import available_memory_bytes
+        from vtnumba.ec.region import check_fits_in_memory
 
-        room = available_memory_bytes()
-        if room is not None and args.region_mib * (1 << 20) > room:
-            raise ValueError(f"--region-mib={args.region_mib}: more than this machine has free "
-                             f"({room / 2**20:.0f} MiB of memory and swap)")
+        check_fits_in_memory(args.region_mib * (1 << 20), f"--region-mib={args.region_mib}")
     from vtnumba.models.minilm_tokenizer import invalid_text
 
     for i, query in enumerate(args.queries or ()):

@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from vtnumba.faults import INTERRUPTED, say
 from vtnumba.trace import world_rank
 
 
@@ -101,28 +102,27 @@ def choose_target(parser: argparse.ArgumentParser, name: str | None, *, source: 
                              "or cudasim ('vtnumba info' says what this process finds)")
         elif not all(answers):
             if not usable:  # (before rank 0's usage message: each says its own reason)
-                sys.stderr.write(f"[rank {world_rank()}] no usable CUDA GPU: {why}\n")
-                sys.stderr.flush()
+                say(f"[rank {world_rank()}] no usable CUDA GPU: {why}")
             parser.error(f"{choice.reason}, but rank(s) {[r for r, ok in enumerate(answers) if not ok]} of "
                          f"{len(answers)} find no usable CUDA GPU; every rank needs one ('vtnumba info' under the "
                          "same mpiexec says what each finds)")
     return choice
 
 
-def _every_ranks_gpu(usable: bool, timeout_s: float = 60.0) -> list[bool] | None:
+def _every_ranks_gpu(usable: bool) -> list[bool] | None:
     """Every rank's ``usable``, gathered (None outside ``mpiexec``).  Non-blocking and polled:
-    a rank that never gets here (it failed first) ends the wait after ``timeout_s``."""
+    a rank that never gets here (it failed first) ends the wait after the process's default
+    timeout (:data:`vtnumba.dist.DEFAULT_TIMEOUT_S`)."""
     if world_rank() is None:
         return None
     import numpy as np
     from mpi4py import MPI
 
-    from vtnumba.backend.polling import poll_until
+    from vtnumba.dist.comm import wait_for_every_rank
 
     world = MPI.COMM_WORLD
     answers = np.zeros(world.Get_size(), np.uint8)
-    poll_until(world.Iallgather(np.array([usable], np.uint8), answers).Test, timeout_s,
-               lambda waited: f"not every rank arrived to agree on the cuda target within {waited:.0f} s")
+    wait_for_every_rank(world.Iallgather(np.array([usable], np.uint8), answers), "agreeing on the cuda target")
     return [bool(a) for a in answers]
 
 
@@ -181,8 +181,7 @@ def leave_after_interrupt() -> None:
     rank = world_rank()
     who = f"[rank {rank}] " if rank is not None else ""
     try:
-        sys.stderr.write(f"{who}interrupted (Ctrl-C, or SIGINT from mpiexec)\n")  # (one write: see failures.say)
-        sys.stderr.flush()
+        say(f"{who}{INTERRUPTED}")
         sys.stdout.flush()
     finally:
         mpi = sys.modules.get("mpi4py.MPI")

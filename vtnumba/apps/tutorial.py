@@ -474,7 +474,7 @@ def _end_together_on_failure(timeout_s: float) -> None:
         failures.say(failures.report(exc))
         # Returns once every rank has arrived (Python then exits 1 and finalizes MPI); does not
         # return if one never does.
-        code = failures.exit_after_failure(min(timeout_s, failures.INTERRUPT_EXIT_S) if ctrl_c else timeout_s)
+        code = failures.exit_after_failure(timeout_s, interrupted=ctrl_c)
         if ctrl_c:
             # Python ends a script whose KeyboardInterrupt went uncaught by killing itself with
             # SIGINT (so a shell sees it), and mpiexec calls that a "BAD TERMINATION": every

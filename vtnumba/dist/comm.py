@@ -109,18 +109,22 @@ def arrive(comm: MPI.Comm, what: str, timeout_s: float = DEFAULT) -> None:
     there would leave the others inside them for good.  Here they hear of it, or give up
     after ``timeout_s`` (naming ``what``); once all have arrived, the blocking calls return
     at once."""
-    poll_until(comm.Ibarrier().Test, resolve_timeout(timeout_s),
-               lambda waited: f"{what}: not every rank arrived within {waited:.0f} s (one failed, was "
-                              "stopped, or took another code path)")
+    wait_for_every_rank(comm.Ibarrier(), what, timeout_s)
 
 
 def dup_comm(comm: MPI.Comm, what: str, timeout_s: float = DEFAULT) -> MPI.Comm:
     """``comm.Dup()`` without blocking in C: ``Idup``, polled as :func:`arrive` is."""
     new, req = comm.Idup()
+    wait_for_every_rank(req, what, timeout_s)
+    return new
+
+
+def wait_for_every_rank(req: MPI.Request, what: str, timeout_s: float = DEFAULT) -> None:
+    """Poll a setup collective's request (:func:`arrive`, :func:`dup_comm`, any other every rank
+    must join before anything else runs); after ``timeout_s``, WaitTimeout naming ``what``."""
     poll_until(req.Test, resolve_timeout(timeout_s),
                lambda waited: f"{what}: not every rank arrived within {waited:.0f} s (one failed, was "
                               "stopped, or took another code path)")
-    return new
 
 
 def barrier(group, timeout_s: float = DEFAULT) -> None:
@@ -235,4 +239,5 @@ def check_group(group) -> None:
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT", "set_default_timeout", "default_timeout", "resolve_timeout", "wait_request",
-           "arrive", "dup_comm", "barrier", "all_ranks_ready", "allgather_bytes", "agree_errors", "check_group"]
+           "arrive", "dup_comm", "wait_for_every_rank", "barrier", "all_ranks_ready", "allgather_bytes", "agree_errors",
+           "check_group"]

@@ -55,7 +55,7 @@ from mpi4py import MPI
 
 from vtnumba.backend import polling
 from vtnumba.dist.comm import DEFAULT, arrive, resolve_timeout
-from vtnumba.faults import failure_text
+from vtnumba.faults import INTERRUPTED, failure_text, say
 
 _TAG = 31990  # below MPI_TAG_UB's guaranteed minimum (32767)
 EXIT_GRACE_S = 10.0  # how long past its exit barrier's deadline a failing rank may take to leave
@@ -219,7 +219,7 @@ def _interrupted(signum, frame) -> None:
         if not board.interrupted:
             board.interrupted = True
             try:
-                board.post(f"rank {board.rank} was interrupted (Ctrl-C, or SIGINT from mpiexec)")
+                board.post(f"rank {board.rank} was {INTERRUPTED}")
             except MPI.Exception:
                 pass
     if _inside_c_callback(frame):
@@ -340,13 +340,6 @@ def end_stopped_peers(board: FailureBoard | None = None, announce=None) -> list[
     return ended
 
 
-def say(line: str) -> None:
-    """Print one line to stderr in a single ``write``: ``print`` writes the text and its newline
-    separately, so two ranks' lines sharing a terminal could run into one another."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
 def arm_exit_watchdog(timeout_s: float = DEFAULT) -> None:
     """Make sure this process ends: unless :func:`exit_after_failure` sees every rank agree
     first, dump every thread's stack to stderr and ``_exit(1)`` in ``timeout_s +``
@@ -356,9 +349,12 @@ def arm_exit_watchdog(timeout_s: float = DEFAULT) -> None:
     faulthandler.dump_traceback_later(min(resolve_timeout(timeout_s) + EXIT_GRACE_S, 7 * 86400.0), exit=True)
 
 
-def exit_after_failure(timeout_s: float = DEFAULT, code: int = 1) -> int:
+def exit_after_failure(timeout_s: float = DEFAULT, code: int = 1, *, interrupted: bool = False) -> int:
     """Leave after a failure so that the job ends (see the module docstring).  Returns ``code``
-    when every rank agreed to leave; otherwise does not return (``os._exit``)."""
+    when every rank agreed to leave; otherwise does not return (``os._exit``).  A rank that
+    was ``interrupted`` (Ctrl-C) waits at most :data:`INTERRUPT_EXIT_S` for its peers."""
+    if interrupted:
+        timeout_s = min(resolve_timeout(timeout_s), INTERRUPT_EXIT_S)
     return _leave_together(timeout_s, code)
 
 
@@ -445,9 +441,7 @@ def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
         if not board_open:
             sys.stdout.flush()
             os._exit(1)
-        if isinstance(exc, KeyboardInterrupt):
-            return exit_after_failure(min(resolve_timeout(timeout_s), INTERRUPT_EXIT_S))
-        return exit_after_failure(timeout_s)
+        return exit_after_failure(timeout_s, interrupted=isinstance(exc, KeyboardInterrupt))
     return _leave_together(timeout_s, code, succeeded=True)
 
 

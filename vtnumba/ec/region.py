@@ -217,6 +217,15 @@ def available_memory_bytes() -> int | None:
         return None
 
 
+def check_fits_in_memory(nbytes: float, what: str) -> None:
+    """ValueError ``"WHAT: more than this machine has free ..."`` when ``nbytes`` exceed
+    :func:`available_memory_bytes` -- a command line's check of a region size before anything
+    is made (an anonymous region that large would be ended by the OOM killer, not refused)."""
+    room = available_memory_bytes()
+    if room is not None and nbytes > room:
+        raise ValueError(f"{what}: more than this machine has free ({room / 2**20:.0f} MiB of memory and swap)")
+
+
 def block_id_array(block_ids, what: str = "block_ids") -> np.ndarray:
     """``block_ids`` as a 1-D C-contiguous int64 array; TypeError unless they are whole
     numbers, ValueError unless they are a flat sequence.  (Not their range: see
