@@ -229,3 +229,35 @@ def rng(request):
     import numpy as np
 
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+# ---------------------------------------------------------------------------- /dev/shm and groups
+def shm_files(contains: str = "vtnumba") -> set[str]:
+    """The names in ``/dev/shm`` that contain ``contains`` (ignoring case).
+
+    Tests take this set before and after what they run: a name that *appeared* is a leak.
+    One that went away is not -- another test, or another run on the same machine, may end
+    its own files meanwhile -- so they compare with ``<=``, never ``==``.
+    """
+    return {f for f in os.listdir("/dev/shm") if contains in f.lower()}
+
+
+@pytest.fixture
+def no_new_ec_region_files():
+    """Fails the test if it left an encoder-cache region file (``vtnumba_ec_*``) in /dev/shm."""
+    before = shm_files("vtnumba_ec_")
+    yield
+    assert shm_files("vtnumba_ec_") <= before, "a test left a region file in /dev/shm"
+
+
+@pytest.fixture
+def group():
+    """A fresh distributed group of this process (one rank outside mpiexec), destroyed after
+    the test -- so no test inherits another's group.  (The MPI suite's module-wide group is
+    ``tests/mpi/mpi_helpers.group``.)"""
+    from vtnumba import dist
+
+    dist.destroy_distributed()
+    g = dist.init_distributed()
+    yield g
+    dist.destroy_distributed()

@@ -111,14 +111,6 @@ def test_sum_rows_validation():
 
 
 # ---------------------------------------------------------------------------- collectives, one rank
-@pytest.fixture
-def group():
-    dist.destroy_distributed()
-    g = dist.init_distributed()
-    yield g
-    dist.destroy_distributed()
-
-
 @pytest.fixture(params=["cpu", "device"])
 def setup(request, group):
     be = CPUBackend() if request.param == "cpu" else request.getfixturevalue("device_backend")

@@ -10,18 +10,10 @@ import numpy as np
 import pytest
 
 from vtnumba import dist
-from vtnumba.backend.cpu import CPUBackend
 from vtnumba.backend import atomics as _atomics
+from vtnumba.backend.cpu import CPUBackend
 from vtnumba.dist import shm
 from vtnumba.dist.peer_buffers import PeerAccessError
-
-
-@pytest.fixture
-def group():
-    dist.destroy_distributed()
-    g = dist.init_distributed()
-    yield g
-    dist.destroy_distributed()
 
 
 @pytest.fixture(params=["cpu", "device"])

@@ -1,20 +1,16 @@
 """The encoder-cache benchmark runs quickly, follows the schema and checks its descriptor counts."""
 
 import argparse
-import os
 
 import pytest
+from conftest import shm_files
 
 from vtnumba.bench import ec
 from vtnumba.bench.schema import validate_suite
 
 
-def _ec_files():
-    return {f for f in os.listdir("/dev/shm") if f.startswith("vtnumba_ec_")}
-
-
 def test_quick_run_follows_the_schema():
-    before = _ec_files()
+    before = shm_files("vtnumba_ec_")
     res = ec.run(argparse.Namespace(quick=True, sizes=[4096, 65536]))
     validate_suite(res)
     assert res["suite"] == "ec" and res["baselines"]["memcpy GB/s"] > 0
@@ -39,7 +35,7 @@ def test_quick_run_follows_the_schema():
     assert set(size_for) == set(fixed)
     for (impl, n), mib in size_for.items():
         assert mib >= 0 and (mib == 0) == (fixed[impl, n]["value"] <= 0), (impl, n, mib)
-    assert _ec_files() <= before
+    assert shm_files("vtnumba_ec_") <= before
 
 
 def test_break_even_step_size():

@@ -7,16 +7,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import shm_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "mpi", "ec_disagg.py")
 SMALL = ["--target", "cpu", "--entries", "16", "--max-rows", "400", "--hidden", "64", "--timeout", "30"]
 
 pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
-
-
-def _ec_files():
-    return {f for f in os.listdir("/dev/shm") if "vtnumba" in f.lower()}
 
 
 def _run(n, *args, timeout=120):
@@ -32,7 +29,7 @@ def test_help():
 
 @pytest.mark.parametrize("n, queues", [(2, "sync"), (3, "threaded")])
 def test_round_trip_with_eviction_pressure(n, queues):
-    before = _ec_files()
+    before = shm_files()
     p = _run(n, *SMALL, "--queues", queues)
     assert p.returncode == 0, p.stdout + p.stderr
     out = p.stdout
@@ -44,13 +41,13 @@ def test_round_trip_with_eviction_pressure(n, queues):
     if n == 3:
         assert f"{loaded} on rank 2" in out  # the second TP rank verified every entry too
     assert "no file in /dev/shm at any time" in out
-    assert _ec_files() <= before
+    assert shm_files() <= before
 
 
 def test_float32_entries_one_per_step_in_a_small_region():
     # The flags the round trip above leaves at their defaults: float32 entries, one save and
     # one load a step, another seed, a region of 0.25 MiB (about a third of the entries' bytes).
-    before = _ec_files()
+    before = shm_files()
     p = _run(2, *SMALL, "--dtype", "float32", "--saves-per-step", "1", "--loads-per-step", "1", "--seed", "3",
              "--region-mib", "0.25", "--quiet")
     assert p.returncode == 0, p.stdout + p.stderr
@@ -61,7 +58,7 @@ def test_float32_entries_one_per_step_in_a_small_region():
     assert loaded + before_ask == 16 and loaded > 0, p.stdout
     assert int(re.search(r"evictions: (\d+) entries", p.stdout).group(1)) > 0
     assert p.stdout.rstrip().endswith("OK")
-    assert _ec_files() <= before
+    assert shm_files() <= before
 
 
 def test_max_steps_stops_a_run_that_is_not_done():
@@ -74,7 +71,7 @@ def test_max_steps_stops_a_run_that_is_not_done():
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_consumer_failure_exits_cleanly_everywhere(n):
-    before = _ec_files()
+    before = shm_files()
     p = _run(n, *SMALL, "--fail-at", "3")
     assert p.returncode != 0
     assert "[rank 1] failed while running: RuntimeError: injected failure at consumer step 3" in p.stderr
@@ -83,18 +80,18 @@ def test_consumer_failure_exits_cleanly_everywhere(n):
         assert re.search(rf"\[rank {r}\][^\[]*rank 1 failed[^\[]*injected failure at consumer step 3", p.stderr), \
             p.stderr
     assert "gave up waiting" not in p.stderr and "without MPI_Finalize" not in p.stderr
-    assert _ec_files() <= before
+    assert shm_files() <= before
 
 
 def test_config_mismatch_is_reported_by_both_ranks():
-    before = _ec_files()
+    before = shm_files()
     p = _run(2, *SMALL, "--consumer-hidden", "32")
     assert p.returncode != 0
     assert "this side expects dtype=float16, hidden_size=32" in p.stderr
     # Rank 0 says it stopped because of rank 1, and what rank 1 was doing (not a traceback of its own).
     assert re.search(r"\[rank 0\] stopped [^\[]*because rank 1 failed: consumer, while opening the region", p.stderr), \
         p.stderr
-    assert _ec_files() <= before
+    assert shm_files() <= before
 
 
 @pytest.mark.parametrize("flag, value, words", [

@@ -24,6 +24,7 @@ import sys
 import time
 
 import pytest
+from conftest import shm_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "mpi", "ec_disagg.py")
@@ -34,10 +35,6 @@ SMALL = ["--target", "cpu", "--entries", "12", "--max-rows", "200", "--hidden", 
 STARTUP_S = 20  # starting the interpreters and importing numpy/numba, on a busy machine
 
 pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
-
-
-def our_files() -> set:
-    return {f for f in os.listdir("/dev/shm") if "vtnumba" in f.lower()}
 
 
 def run(n: int, *args) -> tuple[subprocess.CompletedProcess, float]:
@@ -67,7 +64,7 @@ def said(proc, rank: int, pattern: str) -> bool:
     (2, "1:loaded@2"),     # consumer leader: every rank has the entries, pins not yet released
 ])
 def test_sigkill_at_any_point_ends_the_job_and_leaves_no_file(n, where):
-    before = our_files()
+    before = shm_files()
     proc, elapsed = run(n, "--inject", f"kill:{where}", "--timeout", str(KILL_TIMEOUT))
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
@@ -76,11 +73,11 @@ def test_sigkill_at_any_point_ends_the_job_and_leaves_no_file(n, where):
     assert "KILLED BY SIGNAL: 9" in out or "Killed (signal 9)" in out, out
     assert elapsed < STARTUP_S + 5, f"took {elapsed:.1f} s"  # (no wait ran out: mpiexec ended the job)
     assert "OK" not in proc.stdout.split(), f"rank {rank} was killed, yet the run reported success"
-    assert our_files() <= before, f"left in /dev/shm: {our_files() - before}"
+    assert shm_files() <= before, f"left in /dev/shm: {shm_files() - before}"
 
 
 def test_stopped_consumer_is_named_by_the_producer_and_the_job_ends():
-    before = our_files()
+    before = shm_files()
     proc, elapsed = run(2, "--inject", "stop:1:loading@2")
     assert proc.returncode != 0
     gave_up = rf"rank 0 gave up waiting for rank 1 after {TIMEOUT} s \(the consumer's next requests"
@@ -88,11 +85,11 @@ def test_stopped_consumer_is_named_by_the_producer_and_the_job_ends():
     assert said(proc, 0, "ending the job without MPI_Finalize"), proc.stderr
     assert said(proc, 0, r"rank 1 is stopped \(SIGSTOP\): ending it \(SIGKILL\)"), proc.stderr
     assert elapsed < 2 * TIMEOUT + STARTUP_S, f"took {elapsed:.1f} s"
-    assert our_files() <= before
+    assert shm_files() <= before
 
 
 def test_stopped_producer_is_named_by_the_consumer_leader_and_its_tp_rank_is_told():
-    before = our_files()
+    before = shm_files()
     proc, elapsed = run(3, "--inject", "stop:0:saving@2")
     assert proc.returncode != 0
     gave_up = rf"rank 1 gave up waiting for rank 0 after {TIMEOUT} s \(the encoder's ready entries"
@@ -102,15 +99,15 @@ def test_stopped_producer_is_named_by_the_consumer_leader_and_its_tp_rank_is_tol
     assert said(proc, 2, "rank 1 failed.*gave up waiting for rank 0"), proc.stderr
     assert "rank 2 gave up" not in proc.stderr
     assert elapsed < 2 * TIMEOUT + STARTUP_S, f"took {elapsed:.1f} s"
-    assert our_files() <= before
+    assert shm_files() <= before
 
 
 def test_stopped_consumer_tp_rank_is_named_by_the_leader():
-    before = our_files()
+    before = shm_files()
     proc, elapsed = run(3, "--inject", "stop:2:loading@1")
     assert proc.returncode != 0
     assert said(proc, 1, rf"rank 1 gave up waiting for rank 2 after {TIMEOUT} s \(its load report"), proc.stderr
     assert said(proc, 0, "rank 1 failed"), proc.stderr  # the producer is told, not left waiting
     assert "rank 0 gave up" not in proc.stderr  # ... and does not blame the (innocent) leader
     assert elapsed < 2 * TIMEOUT + STARTUP_S, f"took {elapsed:.1f} s"
-    assert our_files() <= before
+    assert shm_files() <= before

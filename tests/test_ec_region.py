@@ -20,16 +20,7 @@ from vtnumba.ec import (
 )
 from vtnumba.ec.region import HEADER_BYTES
 
-
-def _ec_files():
-    return {f for f in os.listdir("/dev/shm") if f.startswith("vtnumba_ec_")}
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_files():
-    before = _ec_files()
-    yield
-    assert _ec_files() <= before, "a test left a region file in /dev/shm"
+pytestmark = pytest.mark.usefixtures("no_new_ec_region_files")
 
 
 @pytest.fixture

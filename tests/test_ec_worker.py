@@ -26,15 +26,7 @@ SENTINEL = -77  # int8 poison in every block before a test
 CPU_BACKENDS = {"cpu-sync": lambda: CPUBackend(), "cpu-threaded": lambda: CPUBackend(threaded=True)}
 
 
-def _ec_files():
-    return {f for f in os.listdir("/dev/shm") if f.startswith("vtnumba_ec_")}
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_files():
-    before = _ec_files()
-    yield
-    assert _ec_files() <= before, "a test left a region file in /dev/shm"
+pytestmark = pytest.mark.usefixtures("no_new_ec_region_files")
 
 
 @pytest.fixture(params=[*CPU_BACKENDS, "device"])

@@ -14,14 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import shm_files
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 SMALL = ["--tokens", "64", "--hidden", "96", "--ffn", "192", "--layers", "2", "--repeat", "2"]
-
-
-def _vtnumba_files() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if "vtnumba" in n.lower()}
 
 
 def _run(ranks: int, *extra: str, timeout_s: float = 5.0, mpmd=None):
@@ -39,7 +36,7 @@ def _run(ranks: int, *extra: str, timeout_s: float = 5.0, mpmd=None):
 
 def _job(cmd: list, env: dict, timeout: float = 120):
     """Run an MPI job as a user would (no stdin); (process, seconds, output); it left nothing in /dev/shm."""
-    before = _vtnumba_files()
+    before = shm_files()
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
@@ -49,7 +46,7 @@ def _job(cmd: list, env: dict, timeout: float = 120):
                        for x in (exc.stdout, exc.stderr))
         pytest.fail(f"the job did not end within {timeout:g} s: {' '.join(map(str, cmd))}\n{said}", pytrace=False)
     elapsed = time.monotonic() - t0
-    assert _vtnumba_files() <= before, f"left in /dev/shm: {_vtnumba_files() - before}"
+    assert shm_files() <= before, f"left in /dev/shm: {shm_files() - before}"
     return proc, elapsed, proc.stdout + proc.stderr
 
 

@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 import pytest
-
+from conftest import shm_files
 from minilm_weights import minilm_dir, minilm_reference
-from vtnumba.apps.pipeline_demo import mm_hash_of, plan_ranks
 
+from vtnumba.apps.pipeline_demo import mm_hash_of, plan_ranks
 
 
 def vt(*args, ranks=3, timeout=240):
@@ -31,10 +31,6 @@ def weights():
     return minilm_dir()
 
 
-def vtnumba_shm():
-    return {f for f in os.listdir("/dev/shm") if "vtnumba" in f.lower()}
-
-
 def said(proc, rank: int, pattern: str) -> bool:
     """Did ``rank`` print a message matching ``pattern``?  (mpiexec may run two ranks' lines
     together, so a message is taken to end where the next ``[rank`` begins.)"""
@@ -42,7 +38,7 @@ def said(proc, rank: int, pattern: str) -> bool:
 
 
 def test_pipeline_demo_three_ranks_hits_evictions_and_verification(weights):
-    before = vtnumba_shm()
+    before = shm_files()
     proc = vt("demo", "--target", "cpu")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
@@ -73,7 +69,7 @@ def test_pipeline_demo_three_ranks_hits_evictions_and_verification(weights):
     misses = int(stats.split("misses ")[1].split(" ")[0])
     assert first + repeats == requests == hits + misses and repeat_hits == hits
     assert misses == first + repeat_misses, stats
-    assert vtnumba_shm() <= before
+    assert shm_files() <= before
 
 
 def test_pipeline_demo_one_encoder_rank_two_consumers_and_own_queries(weights):
@@ -105,7 +101,7 @@ def test_the_speedup_comes_with_its_spread_and_a_reason(speedups, verdict):
 
 
 def test_pipeline_demo_consumer_failure_ends_every_rank_cleanly(weights):
-    before = vtnumba_shm()
+    before = shm_files()
     proc = vt("demo", "--target", "cpu", "--fail-at", "2", timeout=120)
     assert proc.returncode != 0
     assert said(proc, 2, "failed while running: RuntimeError: injected consumer failure at step 2"), proc.stderr
@@ -113,12 +109,12 @@ def test_pipeline_demo_consumer_failure_ends_every_rank_cleanly(weights):
     # The other encoder rank, waiting for its next batch, is told at once -- not left waiting.
     assert said(proc, 1, "because rank [02] failed"), proc.stderr
     assert "gave up" not in proc.stderr and "timed out" not in proc.stderr
-    assert vtnumba_shm() <= before
+    assert shm_files() <= before
 
 
 def test_pipeline_demo_stopped_consumer_ends_within_the_timeout(weights):
     # Before --timeout existed the encoder waited 300 s for a stopped consumer.
-    before = vtnumba_shm()
+    before = shm_files()
     t0 = time.monotonic()
     proc = vt("demo", "--target", "cpu", "--timeout", "3", "--inject", "stop:2:loading@2", timeout=120)
     elapsed = time.monotonic() - t0
@@ -127,7 +123,7 @@ def test_pipeline_demo_stopped_consumer_ends_within_the_timeout(weights):
     assert said(proc, 1, "because rank 0 failed"), proc.stderr  # told, not blaming rank 0 itself
     assert said(proc, 0, "ending the job without MPI_Finalize"), proc.stderr
     assert elapsed < 2 * 3 + 30, f"took {elapsed:.0f} s"
-    assert vtnumba_shm() <= before
+    assert shm_files() <= before
 
 
 def test_pipeline_demo_consumer_stopped_in_setup_is_named_by_the_producer(weights):
@@ -141,7 +137,7 @@ def test_pipeline_demo_consumer_stopped_in_setup_is_named_by_the_producer(weight
 
 
 def test_pipeline_demo_killed_producer_leaves_nothing(weights):
-    before = vtnumba_shm()
+    before = shm_files()
     # The kill ends the job at once; --timeout only bounds the consumer's wait for the region's
     # handle, which starts before the producer reaches 'shared'.  3 s lost that race once on a
     # loaded machine (the consumer gave up first, and the job ended the other way).
@@ -149,7 +145,7 @@ def test_pipeline_demo_killed_producer_leaves_nothing(weights):
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "KILLED BY SIGNAL: 9" in out or "Killed (signal 9)" in out, out  # MPICH ends the others at once
-    assert vtnumba_shm() <= before
+    assert shm_files() <= before
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -198,10 +194,10 @@ def test_pipeline_demo_without_tpsp_and_with_room_for_everything(weights):
 
 
 def test_pipeline_demo_region_too_small_is_a_clear_error(weights):
-    before = vtnumba_shm()
+    before = shm_files()
     proc = vt("demo", "--target", "cpu", "--region-mib", "0.05", ranks=2, timeout=120)
     assert proc.returncode != 0 and "must hold at least one input of 256 tokens" in proc.stderr
-    assert vtnumba_shm() <= before
+    assert shm_files() <= before
 
 
 def test_mm_hash_is_a_function_of_token_ids():

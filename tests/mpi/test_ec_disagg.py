@@ -12,6 +12,7 @@ import importlib.util
 import os
 
 import pytest
+from conftest import shm_files
 from mpi4py import MPI
 
 from vtnumba.ec import PeerFailure
@@ -22,10 +23,6 @@ demo = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(demo)
 
 SMALL = ["--entries", "14", "--max-rows", "300", "--hidden", "32", "--timeout", "20", "--quiet"]
-
-
-def _our_files():
-    return {f for f in os.listdir("/dev/shm") if "vtnumba" in f.lower()}
 
 
 def _all(comm, ok: bool) -> bool:
@@ -46,11 +43,11 @@ def comm():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("queues", ["sync", "threaded"])
 def test_round_trip_byte_exact_with_eviction(comm, queues):
-    before = _our_files()
+    before = shm_files()
     args = demo.build_parser().parse_args(SMALL + ["--queues", queues])
     res = demo.run(args, comm)
     comm.Barrier()
-    ok = _our_files() <= before
+    ok = shm_files() <= before
     rank, size = comm.Get_rank(), comm.Get_size()
     if rank == 0:
         c = res["consumer"]
@@ -67,7 +64,7 @@ def test_round_trip_byte_exact_with_eviction(comm, queues):
 
 def _expect_failure(comm, argv, failing_rank, own_error, words):
     """Run with ``argv``; ``failing_rank`` raises ``own_error``, every other rank PeerFailure."""
-    before = _our_files()
+    before = shm_files()
     args = demo.build_parser().parse_args(SMALL + argv)
     rank = comm.Get_rank()
     with pytest.raises(Exception) as ei:
@@ -78,7 +75,7 @@ def _expect_failure(comm, argv, failing_rank, own_error, words):
         ok = isinstance(err, own_error)
     else:
         ok = isinstance(err, PeerFailure) and err.rank == failing_rank
-    ok = ok and all(w in str(err) for w in words) and _our_files() <= before
+    ok = ok and all(w in str(err) for w in words) and shm_files() <= before
     assert _all(comm, ok), f"rank {rank}: {type(err).__name__}: {err}"
 
 
@@ -103,7 +100,7 @@ def test_a_rank_raising_at_any_point_of_setup_or_transfer(comm, rank_point):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_producer_consumer_config_mismatch(comm):
-    before = _our_files()
+    before = shm_files()
     args = demo.build_parser().parse_args(SMALL + ["--consumer-hidden", "16"])
     rank = comm.Get_rank()
     with pytest.raises(Exception) as ei:
@@ -113,7 +110,7 @@ def test_producer_consumer_config_mismatch(comm):
     # Every consumer opens with the wrong config: each raises its ValueError -- unless the first
     # one's failure report reached it before the producer's handle did.
     expected = (PeerFailure,) if rank == 0 else (ValueError,) if rank == 1 else (ValueError, PeerFailure)
-    ok = isinstance(err, expected) and _our_files() <= before
+    ok = isinstance(err, expected) and shm_files() <= before
     ok &= "hidden_size=16" in str(err) and "hidden_size=32" in str(err)
     assert _all(comm, ok), str(err)
 
