@@ -457,3 +457,44 @@ def test_views_refuse_fractional_shapes_and_object_dtypes(group, shm_clean):
             pb.views(np.float32, (2.7,))
         with pytest.raises(TypeError, match="dtype=object cannot view shared memory"):
             pb.views(object, (1,))
+
+
+# ---------------------------------------------------------------------------- CUDA IPC exports
+def test_cuda_ipc_export_pads_its_allocation_to_whole_2mib_blocks(monkeypatch, rng):
+    # On a GPU, cudaMalloc may carve a small allocation out of a larger block and IPC would then
+    # share the whole block: an export must be a block of its own.  The driver calls are faked
+    # (this runs anywhere); the backend's allocation, the view and the wire message are real.
+    import ctypes
+    import struct
+
+    from cuda.bindings import driver as cu
+
+    from vtnumba.dist import cuda_ipc
+
+    raw = rng.integers(0, 256, cuda_ipc.IPC_HANDLE_BYTES, dtype=np.uint8).tobytes()
+
+    def address_range(ptr):
+        return cu.CUresult.CUDA_SUCCESS, cu.CUdeviceptr(int(ptr)), 0
+
+    def get_handle(base):
+        handle = cu.CUipcMemHandle()
+        ctypes.memmove(handle.getPtr(), raw, len(raw))
+        return cu.CUresult.CUDA_SUCCESS, handle
+
+    monkeypatch.setattr(cu, "cuMemGetAddressRange", address_range)
+    monkeypatch.setattr(cu, "cuIpcGetMemHandle", get_handle)
+    MiB = 1 << 20
+    assert [cuda_ipc.ipc_allocation_bytes(n) for n in (0, 1, 96, 2 * MiB, 2 * MiB + 1)] == \
+        [2 * MiB, 2 * MiB, 2 * MiB, 2 * MiB, 4 * MiB]
+    be = CPUBackend()
+    for nbytes, allocated in ((96, 2 * MiB), (2 * MiB + 4, 4 * MiB)):
+        exp = cuda_ipc.CudaIpcExport(be, nbytes)
+        try:
+            assert exp.buffer.nbytes == allocated
+            view = exp.array
+            assert view.shape == (nbytes,) and np.shares_memory(view, exp.buffer.array)
+            magic, handle, offset, size = struct.unpack("<4s64sQQ", exp.handle_bytes)
+            assert (magic, handle, offset, size) == (b"CIPC", raw, 0, nbytes)  # the peer opens nbytes
+        finally:
+            exp.free()
+        assert exp.buffer is None

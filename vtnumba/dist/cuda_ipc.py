@@ -6,12 +6,18 @@ peer's handle (``cuIpcOpenMemHandle``) to get a device pointer it can pass to ke
 kernel on rank 0 then loads and stores rank 1's memory directly (over NVLink or PCIe, with
 peer access enabled lazily by ``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS``).
 
-Three rules from the CUDA documentation shape the code:
+Four rules from the CUDA documentation shape the code:
 
 * only a ``cuMemAlloc`` *allocation* can be exported, and the handle names the whole
   allocation: a buffer that starts inside one travels as (handle, offset, size), and the
   importer opens the handle and adds the offset;
 * a process cannot open its own handle, and can open a given handle only once;
+* ``cudaMalloc`` may carve small allocations out of one larger block, and IPC then shares
+  that whole block (the CUDA Programming Guide's IPC section recommends sharing only
+  allocations of a 2 MiB-aligned size): so an export allocates a multiple of
+  :data:`IPC_ALLOCATION_BYTES` -- its own block, never one with this process's other memory
+  in it -- and uses the first ``nbytes`` of it.  The flag areas are a few dozen bytes;
+  without the padding a peer would map whatever else shares their block;
 * the exporter must keep the allocation alive until every importer has called
   ``cuIpcCloseMemHandle`` (freeing earlier is undefined behaviour) -- hence the two
   barriers in :meth:`PeerBuffers.close`: everyone closes peers' memory, *then* everyone
@@ -39,6 +45,9 @@ import struct
 import numpy as np
 
 IPC_HANDLE_BYTES = 64
+#: The granularity of an exported allocation (the CUDA Programming Guide: share only
+#: allocations of a 2 MiB-aligned size, or a small one may share its block with others).
+IPC_ALLOCATION_BYTES = 2 << 20
 _WIRE = struct.Struct("<4s64sQQ")  # magic, raw handle, offset into the allocation, size
 _MAGIC = b"CIPC"
 
@@ -50,14 +59,22 @@ def _check(err, what: str) -> None:
         raise RuntimeError(f"{what} failed: {err}")
 
 
+def ipc_allocation_bytes(nbytes: int) -> int:
+    """What an export of ``nbytes`` allocates: ``nbytes`` rounded up to a whole, non-zero number
+    of :data:`IPC_ALLOCATION_BYTES` (so the allocation is a block of its own)."""
+    return max(-(-int(nbytes) // IPC_ALLOCATION_BYTES), 1) * IPC_ALLOCATION_BYTES
+
+
 class CudaIpcExport:
-    """This rank's buffer, allocated through the backend and exported as raw handle bytes."""
+    """This rank's buffer of ``nbytes``, allocated through the backend (padded to
+    :func:`ipc_allocation_bytes`) and exported as raw handle bytes."""
 
     def __init__(self, backend, nbytes: int):
         from cuda.bindings import driver as cu
 
         self.backend = backend
-        self.buffer = backend.alloc(nbytes)
+        self.nbytes = int(nbytes)
+        self.buffer = backend.alloc(ipc_allocation_bytes(nbytes))
         ptr = int(self.buffer.ptr)
         err, base, _size = cu.cuMemGetAddressRange(cu.CUdeviceptr(ptr))
         _check(err, "cuMemGetAddressRange")
@@ -68,8 +85,8 @@ class CudaIpcExport:
 
     @property
     def array(self):
-        """This rank's buffer as a device ``uint8`` array (what its own kernels use); valid until :meth:`free`."""
-        return self.buffer.array
+        """This rank's ``nbytes`` as a device ``uint8`` array (what its own kernels use); valid until :meth:`free`."""
+        return self.buffer.array[:self.nbytes]
 
     def free(self) -> None:
         """Free the exported buffer (idempotent).
@@ -116,4 +133,4 @@ class CudaIpcImport:
             ipc.close()
 
 
-__all__ = ["CudaIpcExport", "CudaIpcImport", "IPC_HANDLE_BYTES"]
+__all__ = ["CudaIpcExport", "CudaIpcImport", "IPC_ALLOCATION_BYTES", "IPC_HANDLE_BYTES", "ipc_allocation_bytes"]

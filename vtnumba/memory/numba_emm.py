@@ -24,8 +24,10 @@ What numba's plugin interface gives, and what it does not (shared notes §6, NBE
   limit: a process can open a given handle only once, and blocks carved from one segment
   share its handle, so two such blocks exported to the same peer cannot both be opened
   there (``CUDA_ERROR_ALREADY_MAPPED``).  Peer buffers (:class:`vtnumba.dist.PeerBuffers`)
-  of a few hundred KiB are such blocks: with the plugin installed, a second one on the
-  same rank can fail to open, and peer memory then falls back as when it is unavailable.
+  ask for whole multiples of 2 MiB (:func:`vtnumba.dist.cuda_ipc.ipc_allocation_bytes`),
+  so each normally gets a large-pool segment of its own; but a cached larger piece may be
+  split between two of them, and then the second can fail to open, and peer memory falls
+  back as when it is unavailable.
 * The simulator has no EMM at all; the plugin's logic (:class:`_EMMCore`) is therefore
   written against vtnumba's Backend and unit-tested with the cpu backend.
 """
