@@ -673,6 +673,26 @@ def test_a_capture_in_progress_is_never_synchronized_and_is_discarded_on_teardow
     assert len(b.calls) == 7
 
 
+def test_flag_writes_and_waits_are_refused_while_capturing_and_not_queued():
+    # Captured, a flag write would store its old epoch again at every replay, and a flag wait
+    # would hold a replayed graph with no deadline the host knows of.
+    b = _RecordingCaptureBackend()
+    q, other = b.create_queue("cap"), b.create_queue("other")
+    flags = np.zeros(2, np.uint32)
+    b.begin_capture(q)
+    with pytest.raises(RuntimeError, match=r"write_value32 on .*cap.* while it is capturing a graph"):
+        b.write_value32(q, flags, 0, 5)
+    with pytest.raises(RuntimeError, match=r"wait_value32 on .*cap.* while it is capturing a graph"):
+        b.wait_value32(q, flags, 1, 1, timeout_s=0.1)
+    assert flags.tolist() == [0, 0]
+    b.write_value32(other, flags, 1, 1)   # a queue that is not capturing is not affected
+    b.wait_value32(other, flags, 1, 1, timeout_s=1)
+    b.end_capture(q)
+    b.write_value32(q, flags, 0, 5)       # nor is the queue once its capture ended
+    assert flags.tolist() == [5, 1]
+    b.close()
+
+
 def test_a_host_function_waiting_for_its_own_threaded_queue_is_an_error_not_a_hang():
     """The worker would wait for itself forever (found by a lifecycle probe: synchronize,
     destroy_queue or close inside a host function hung the caller too).  A GPU refuses CUDA

@@ -463,15 +463,21 @@ def test_a_host_function_may_drop_the_last_reference_to_device_arrays(backend):
     backend.destroy_queue(q)
 
 
-def test_host_functions_are_refused_while_capturing(backend):
-    # Captured, a host function would become a graph node that every replay calls again.
+def test_host_functions_and_flags_are_refused_while_capturing(backend):
+    # Captured, a host function would become a graph node that every replay calls again; a
+    # flag write or wait would be replayed unseen by the host.
     if not backend.supports_graph_capture():
         pytest.skip(f"{backend.name} has no graph capture")
+    flags = _flags(backend)
     q = backend.create_queue("capturing")
     backend.begin_capture(q)
     try:
         with pytest.raises(RuntimeError, match="while it is capturing a graph"):
             backend.launch_host_func(q, lambda: None)
+        with pytest.raises(RuntimeError, match="write_value32 .* while it is capturing a graph"):
+            backend.write_value32(q, flags, 0, 1)
+        with pytest.raises(RuntimeError, match="wait_value32 .* while it is capturing a graph"):
+            backend.wait_value32(q, flags, 0, 1, timeout_s=1)
     finally:
         try:
             backend.end_capture_graph(q)

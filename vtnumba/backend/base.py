@@ -633,8 +633,19 @@ class Backend(abc.ABC):
         ``cuStreamWriteValue32``: the stream itself writes, no host thread is involved.
         """
         self._check_queue(q)
+        self._refuse_flags_in_capture(q, "write_value32")
         index, value = self._check_flag(flags, index, value)
         self._write_value32(q, flags, index, value)
+
+    def _refuse_flags_in_capture(self, q: Queue, what: str) -> None:
+        # A captured flag operation would run at every replay, where the host no longer sees
+        # it: a replayed write stores the same old epoch again (a flag that only grows would
+        # go back), and a replayed wait has no deadline -- nobody could release it if the
+        # peer never signals -- while the deadline the capture set would run out on its own.
+        if q.id in self._capturing:
+            raise RuntimeError(f"{what} on {q} while it is capturing a graph: flag writes and waits cannot be "
+                               "captured (each replay would repeat them unseen by the host); queue them outside "
+                               "the capture")
 
     def wait_value32(self, q: Queue, flags, index: int, value: int, *, timeout_s: float = 60.0) -> None:
         """Make later work on ``q`` wait until ``flags[index] >= value`` (32-bit, cyclic).
@@ -653,6 +664,7 @@ class Backend(abc.ABC):
         peers too, and releases their waits when a call fails.
         """
         self._check_queue(q)
+        self._refuse_flags_in_capture(q, "wait_value32")
         index, value = self._check_flag(flags, index, value)
         timeout_s = check_seconds("timeout_s", timeout_s)
         self._wait_value32(q, flags, index, value, timeout_s)
@@ -808,7 +820,10 @@ class Backend(abc.ABC):
 
         RuntimeError where graphs are not supported (see :meth:`supports_graph_capture`) or when
         ``q`` is already capturing.  Launch each kernel once before capturing: a first launch
-        compiles, and compiling would try to synchronize inside the capture.
+        compiles, and compiling would try to synchronize inside the capture.  While ``q``
+        captures, :meth:`launch_host_func` (on a GPU), :meth:`write_value32` and
+        :meth:`wait_value32` on it are refused: every replay would repeat them where the host
+        cannot see them.
         """
         self._check_queue(q)
         if not self.supports_graph_capture():
