@@ -527,8 +527,9 @@ wait
 # Some files check that nothing of vtnumba's was left in /dev/shm by comparing its listing
 # before and after -- which the files running beside them change.  One of those that failed
 # runs again, alone, while time is left; its second run is the one reported (and said so).
-SHM_WATCHERS=" $(grep -l 'listdir("/dev/shm")' tests/test_*.py 2>/dev/null | xargs -r -n1 basename | sed 's/\.py$//' \
-  | tr '\n' ' ') "  # the files that list /dev/shm
+# (They list it themselves or through conftest's shm_files / no_new_ec_region_files.)
+SHM_WATCHERS=" $(grep -lE 'listdir\("/dev/shm"\)|shm_files|no_new_ec_region_files' tests/test_*.py 2>/dev/null \
+  | xargs -r -n1 basename | sed 's/\.py$//' | tr '\n' ' ') "  # the files that list /dev/shm
 rerun_alone=()
 for f in "${TEST_FILES[@]}"; do
   name=$(basename "$f" .py)
