@@ -224,7 +224,8 @@ lesson.check("timed out after 0.2 s" in timeout_msg, "a wait with a timeout rais
 # What changes on a GPU
 # ---------------------
 #
-# On ``cuda`` the buffer is device memory from ``cuMemAlloc``;
+# On ``cuda`` the buffer is device memory from ``cuMemAlloc``, in whole 2 MiB blocks (the
+# driver may pack smaller allocations into one block, and IPC would share all of it);
 # the handle that travels is a 64-byte ``cudaIpcMemHandle_t``, copied out as raw bytes
 # (plus the offset and size inside the allocation), and each peer opens it with
 # ``cuIpcOpenMemHandle`` -- a kernel on rank 0 then loads and stores rank 1's memory over
