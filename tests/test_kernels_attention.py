@@ -177,6 +177,21 @@ def test_errors_name_the_argument(device_backend, rng):
         attention(dev(long), dev(_offsets((513,))), 1, 1, max_len=513)
 
 
+def test_an_out_sharing_memory_with_an_input_is_refused_on_host_and_device(device_backend, rng):
+    # Blocks read their sentence's K and V rows while other blocks write out: an out inside qkv
+    # gave wrong rows on the device (the host's workspace happened to hide it).
+    qkv, bias, offsets = _case(rng, (4, 3), 1, 4)  # T = 7, K = 4: qkv (7, 12), bias (12,)
+    dqkv = device_backend.asarray(qkv)
+    for q, offs in ((qkv, offsets), (dqkv, device_backend.asarray(offsets))):
+        inside = q.reshape(-1)[12:12 + 7 * 4].reshape(7, 4)  # C-contiguous, over qkv's rows 1 ..
+        with pytest.raises(ValueError, match="out and qkv share memory"):
+            attention(q, offs, 1, 4, out=inside)
+    mem = rng.standard_normal(40).astype(np.float32)
+    with pytest.raises(ValueError, match="out and bias share memory"):
+        attention(qkv, offsets, 1, 4, bias=mem[:12], out=mem[8:36].reshape(7, 4))
+    attention(qkv, offsets, 1, 4, bias=mem[:12], out=mem[12:40].reshape(7, 4))  # beside it: fine
+
+
 def test_the_host_path_never_imports_numba_cuda():
     # Importing numba.cuda would lock the process out of choosing the simulator later.
     import os

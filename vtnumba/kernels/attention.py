@@ -42,7 +42,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from vtnumba.backend.arrays import check_int, host_view, to_host
+from vtnumba.backend.arrays import check_int, check_outputs_apart, host_view, to_host
 from vtnumba.kernels._common import HOST, _resolve_backend, check_array, common_kind, empty, run
 
 _F32 = (np.float32,)
@@ -246,6 +246,10 @@ def attention(qkv, offsets, num_heads: int, head_dim: int, *, bias=None, out=Non
     if out is None:
         out = empty(kind, (T, K), np.float32)
     check_array("out", out, ndim=2, dtypes=_F32, shape=(T, K))
+    # Every block reads the K and V rows of its whole sentence while other blocks write their
+    # rows of out: an out inside qkv would be read after another block overwrote it (on the
+    # host the workspace happens to hide that; a GPU's concurrent blocks would not).
+    check_outputs_apart({"out": out}, {"qkv": qkv, "bias": bias, "offsets": offsets})
     if workspace is not None:
         if kind != HOST:
             raise ValueError("workspace is for the host reference; the CUDA kernel keeps its scores in shared memory")
