@@ -191,6 +191,19 @@ def test_collective_argument_errors_keep_the_channel_usable(group, rng):
             dist.reduce_scatter(pb, x, poisoned((4, 4)), None)
         with pytest.raises(TypeError, match="pb must be a PeerBuffers"):
             dist.all_gather(None, x, poisoned((4, 4)), sig)
+        # An out over the bytes where x is staged: the peers would read rows already overwritten
+        # (wrong sums on their side, no error anywhere).  Past the staged bytes it is fine.
+        (over,) = pb.views(np.float32, (4, 4), offset=32)
+        with pytest.raises(ValueError, match=r"out shares memory with bytes 0\.\.64 of this rank's peer buffer, "
+                                             r"where x is staged"):
+            dist.reduce_scatter(pb, x, over, sig)
+        with pytest.raises(ValueError, match=r"bytes 0\.\.64 .* where x_shard is staged .* the in-place layout"):
+            dist.all_gather(pb, x, over, sig)
+        (past,) = pb.views(np.float32, (4, 4), offset=64)
+        dist.reduce_scatter(pb, x, past, sig)
+        np.testing.assert_array_equal(past, x)
+        dist.all_gather(pb, x + 1, past, sig)
+        np.testing.assert_array_equal(past, x + 1)
         # every failed call used up its epoch consistently; the next real call works
         out = poisoned((4, 4))
         dist.reduce_scatter(pb, x, out, sig)

@@ -68,8 +68,8 @@ import numpy as np
 from mpi4py import MPI
 
 from vtnumba import trace
-from vtnumba.backend.arrays import (DEVICE, HOST, array_kind, cdiv, check_seconds, host_view, is_c_contiguous, is_int,
-                                    to_host)
+from vtnumba.backend.arrays import (DEVICE, HOST, array_kind, cdiv, check_outputs_apart, check_seconds, host_view,
+                                    is_c_contiguous, is_int, to_host)
 from vtnumba.backend.polling import WaitTimeout
 from vtnumba.dist.comm import DEFAULT, check_group, wait_request
 from vtnumba.dist.peer_buffers import PeerBuffers
@@ -163,6 +163,22 @@ class QueuedSignals:
 # ---------------------------------------------------------------------------- array plumbing
 def _already_in_buffer(pb, x, offset: int) -> bool:
     return pb.is_local_view(x, offset)
+
+
+def _check_clear_of_staging(pb, name: str, arr, offset: int, nbytes: int, staged: str, hint: str) -> None:
+    """ValueError if ``arr`` shares memory with bytes ``offset .. offset + nbytes`` of this rank's
+    peer buffer, where ``staged`` waits for the peers to read it.
+
+    The call writes ``arr`` while the peers are still reading those bytes: they would read
+    rows this rank had already overwritten -- wrong sums or rows on *their* side, and no error
+    anywhere.  Refused with the other local checks, so every rank refuses together.
+    """
+    region = pb.views(np.uint8, (nbytes,), offset)[pb.group.rank]
+    try:
+        check_outputs_apart({name: arr}, {"staged": region})
+    except ValueError:
+        raise ValueError(f"{name} shares memory with bytes {offset}..{offset + nbytes} of this rank's peer buffer, "
+                         f"where {staged} is staged for the peers to read during the call; expected {hint}") from None
 
 
 def _check_2d(name: str, arr) -> tuple[int, int]:
@@ -380,8 +396,9 @@ def reduce_scatter(pb, x, out, signals, *, offset: int = 0, queue=None, timeout_
     """Sum ``x [T, H]`` over the ranks of ``pb.group`` and keep this rank's row block in ``out [R, H]``.
 
     ``R = ceil(T / tp)``; rows of the block past ``T`` are zero.  ``x`` is staged at byte
-    ``offset`` of the local peer buffer (no copy if it already lives there).  Collective:
-    every rank calls it with the same shapes.  Returns ``out``.
+    ``offset`` of the local peer buffer (no copy if it already lives there); ``out`` must not
+    share memory with those staged bytes, which the peers read while ``out`` is written
+    (ValueError).  Collective: every rank calls it with the same shapes.  Returns ``out``.
     """
     def check():
         if timeout_s is not None:
@@ -405,6 +422,8 @@ def reduce_scatter(pb, x, out, signals, *, offset: int = 0, queue=None, timeout_
         if need > pb.nbytes:
             raise ValueError(f"x [{T}, {H}] {dt.name} at offset={offset} needs {need} bytes of peer buffer; "
                              f"pb has nbytes={pb.nbytes}")
+        _check_clear_of_staging(pb, "out", out, offset, T * H * dt.itemsize, "x",
+                                "an out outside them (memory of its own, or the peer buffer past x)")
         return T, H, R, dt
 
     (T, H, R, dt), q = _validated(pb, signals, check, queue, timeout_s)
@@ -450,7 +469,8 @@ def all_gather(pb, x_shard, out, signals, *, offset: int = 0, queue=None, timeou
 
     * out of place (``out`` is ordinary memory): the shard is staged at byte ``offset`` of
       the local peer buffer (no copy if it already lives there) and every rank copies all
-      ``tp`` shards into ``out``;
+      ``tp`` shards into ``out`` -- so ``out`` must not share memory with the staged
+      shard (ValueError);
     * in place (NCCL's convention; ``out`` *is* the local peer buffer at ``offset``, e.g.
       ``pb.views(dtype, (T, H), offset)[rank]``): each rank's shard sits in its own rows of
       its own ``out`` (staged there, or already ``out[r*R : r*R+R]``), and each rank copies
@@ -476,6 +496,10 @@ def all_gather(pb, x_shard, out, signals, *, offset: int = 0, queue=None, timeou
         if need > pb.nbytes:
             raise ValueError(f"x_shard [{R}, {H}] {dt.name} at offset={offset} needs {need} bytes of peer "
                              f"buffer; pb has nbytes={pb.nbytes}")
+        if not in_place:
+            _check_clear_of_staging(pb, "out", out, offset, R * H * dt.itemsize, "x_shard",
+                                    "an out outside them, or for the in-place layout an out that starts exactly "
+                                    f"at offset={offset} (pb.views(dtype, (T, H), offset)[rank])")
         return R, H, T, dt, in_place
 
     (R, H, T, dt, in_place), q = _validated(pb, signals, check, queue, timeout_s)
