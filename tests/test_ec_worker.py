@@ -209,6 +209,7 @@ def test_oversize_output_is_a_value_error(backend, env_factory, rng):
 
 @pytest.mark.parametrize("dtype, shape, words", [
     (np.float16, (2, 8), ["has dtype float16", "the region holds float32 rows"]),   # the bytes would be misread
+    (">f4", (2, 8), ["has dtype >f4", "the region holds <f4 rows"]),                # float32 both: byte order
     (np.float32, (2, 4), ["has shape (2, 4)", "expected [rows, 8]"]),               # rows of another width
     (np.float32, (16,), ["has shape (16,)", "expected [rows, 8]"]),                 # not rows at all
 ])

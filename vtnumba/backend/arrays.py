@@ -129,6 +129,15 @@ def numeric_dtype(name: str, dtype, use: str = "view raw memory") -> np.dtype:
     return dt
 
 
+def dtype_labels(a, b) -> tuple[str, str]:
+    """Names that tell two dtypes apart in a message: ``.name`` (``float32``), or ``.str``
+    (``<f4``, ``>f4``) where only the byte order differs -- both are named ``float32``."""
+    a, b = np.dtype(a), np.dtype(b)
+    if a.name == b.name and a != b:
+        return a.str, b.str
+    return a.name, b.name
+
+
 def check_shape(name: str, shape) -> tuple[int, ...]:
     """A shape: an int or a sequence of non-negative ints (``-1`` and other negatives refused)."""
     dims = (shape,) if is_int(shape) else shape

@@ -75,7 +75,7 @@ from typing import Any
 import numpy as np
 
 from vtnumba.backend.address_ranges import register, unregister
-from vtnumba.backend.arrays import check_int, is_int, numeric_dtype
+from vtnumba.backend.arrays import check_int, dtype_labels, is_int, numeric_dtype
 from vtnumba.memory.shared_files import (
     Leftovers,
     create_private_file,
@@ -426,9 +426,7 @@ class ECSharedRegion:
             raise ECRegionError(f"{self.label} has an inconsistent header (itemsize {itemsize}, block {block_size} B "
                                 f"for hidden_size {hidden}); it was not written by vtnumba's ECSharedRegion")
         if their_dtype != self.dtype or hidden != self.hidden_size:
-            # (dtype.str, not .name, when only the byte order differs: '>f4' and '<f4' are both 'float32')
-            same_name = self.dtype.name == their_dtype.name and self.dtype != their_dtype
-            ours, theirs = (self.dtype.str, their_dtype.str) if same_name else (self.dtype.name, their_dtype.name)
+            ours, theirs = dtype_labels(self.dtype, their_dtype)  # ('>f4' and '<f4' are both 'float32')
             raise ValueError(
                 f"engine_id={config.engine_id!r}: this side expects dtype={ours}, "
                 f"hidden_size={self.hidden_size} but the producer (pid {pid}) created the region with "

@@ -87,7 +87,7 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.address_ranges import register, unregister
-from vtnumba.backend.arrays import array_kind, check_int, is_c_contiguous, numeric_dtype
+from vtnumba.backend.arrays import array_kind, check_int, dtype_labels, is_c_contiguous, numeric_dtype
 from vtnumba.backend.base import Backend, Buffer, Event, Queue
 from vtnumba.ec.descriptors import (BadBlockId, DescriptorBufferPool, DescriptorBuffers, RepeatedBlockId,
                                     prepare_descriptors)
@@ -148,9 +148,9 @@ def _check_output(src, mm_hash: str, region: ECSharedRegion, num_blocks: int) ->
             array_kind(f"encoder_cache[{mm_hash!r}]", src)  # a numba device array (TypeError otherwise)
         dtype, shape = src.dtype, src.shape
         if dtype != region.dtype:
-            raise ValueError(f"encoder_cache[{mm_hash!r}] has dtype {np.dtype(dtype).name}; the region holds "
-                             f"{region.dtype.name} rows (the consumer would read the bytes as "
-                             f"{region.dtype.name}): convert the output first")
+            theirs, ours = dtype_labels(dtype, region.dtype)  # ('>f4' and '<f4' are both 'float32')
+            raise ValueError(f"encoder_cache[{mm_hash!r}] has dtype {theirs}; the region holds {ours} rows (the "
+                             f"consumer would read the bytes as {ours}): convert the output first")
         if len(shape) != 2 or shape[1] != region.hidden_size:
             raise ValueError(f"encoder_cache[{mm_hash!r}] has shape {tuple(shape)}; expected "
                              f"[rows, {region.hidden_size}] (one row of hidden_size={region.hidden_size} per block)")
