@@ -157,3 +157,18 @@ def test_extreme_inputs_match_between_host_and_device(device_backend):
         dev = device_backend.to_host(activation(device_backend.asarray(x), kind))
         for got in (host, dev):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=kind)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the simulator's -inf * 0
+def test_infinite_inputs_give_what_the_host_and_torch_give(device_backend):
+    # silu(-inf) = -inf / (1 + inf) is NaN (so in torch); the device clamped exp's argument for
+    # the simulator and gave -inf, and -6e-36 for x = -1000 where the host gives -0.
+    x = np.array([[-np.inf, -1000.0, -88.8, -88.7, -20.0, np.inf, np.nan]], np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = {"relu": np.where(np.isnan(x), np.nan, np.maximum(x, 0)), "silu": x / (1 + np.exp(-x))}
+    assert np.isnan(want["silu"][0, 0]) and want["silu"][0, 1] == 0 and want["silu"][0, 5] == np.inf
+    for kind, w in want.items():
+        host = activation(x, kind)
+        dev = device_backend.to_host(activation(device_backend.asarray(x), kind))
+        for got in (host, dev):
+            np.testing.assert_allclose(got, w, rtol=1e-6, atol=0, equal_nan=True, err_msg=kind)

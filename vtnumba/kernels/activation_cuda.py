@@ -31,9 +31,12 @@ def act_value(v, code):
         inner = float32(SQRT_2_OVER_PI) * (v + float32(0.044715) * v * v * v)
         return float32(0.5) * v * (float32(1.0) + math.tanh(inner))
     if code == 2:
-        # exp(88) is float32's last finite power: past it the quotient is -0 either way, and the
-        # simulator's math.exp (Python's) raises OverflowError instead of returning inf.
-        return v / (float32(1.0) + math.exp(min(-v, float32(88.0))))
+        # Past v = -88.72 float32's exp(-v) is inf, and the quotient -0 -- NaN at v = -inf, as
+        # on the host and in torch.  v * 0 is both, and keeps such arguments away from the
+        # simulator's math.exp (Python's), which raises OverflowError instead of returning inf.
+        if v < float32(-88.72283):
+            return v * float32(0.0)
+        return v / (float32(1.0) + math.exp(-v))
     # erf-GELU: math.erf on a float32 is libdevice's erff (2 ulp), no host-style polynomial needed.
     return float32(0.5) * v * (float32(1.0) + math.erf(v * float32(RSQRT_2)))
 
