@@ -49,6 +49,24 @@ def test_a_bad_vtnumba_device_names_the_variable_and_the_choices(value):
         choose_cuda_device(2, environ={"VTNUMBA_DEVICE": value})
 
 
+@pytest.mark.parametrize("value, index", [("local", None), ("", None), (" LOCAL ", None), ("0", 0), (" 7 ", 7)])
+def test_requested_device_reads_the_variable(value, index):
+    from vtnumba.device_rule import requested_device
+
+    assert requested_device({"VTNUMBA_DEVICE": value}) == index
+    assert requested_device({}) is None
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1.0", "gpu1"])
+def test_a_malformed_vtnumba_device_is_refused_without_counting_devices(value):
+    # (Checked on every target that chooses a CUDA device -- the simulator too -- so a typo
+    # shows on the laptop, not first on the GPU machine.)
+    from vtnumba.device_rule import requested_device
+
+    with pytest.raises(ValueError, match=rf"VTNUMBA_DEVICE='{value}' is not a device; expected 'local' .*index"):
+        requested_device({"VTNUMBA_DEVICE": value})
+
+
 @pytest.mark.parametrize("count", [0, -1, 1.5, None])
 def test_no_visible_device_is_refused(count):
     with pytest.raises(ValueError, match="device_count=.*expected at least one visible CUDA device"):

@@ -35,6 +35,16 @@ def test_import_vtnumba_leaves_the_environment_alone_for_other_targets():
         assert proc.stdout.strip() == "True", (target, proc.stderr)
 
 
+def test_a_malformed_vtnumba_device_is_refused_on_the_simulator_too():
+    # The simulator has one device, so only the value's form is checked there; on a GPU the
+    # index is checked against the GPUs too (test below, with stand-in GPUs).
+    bad = _python("import vtnumba; vtnumba.select_target()", VTNUMBA_TARGET="cudasim", VTNUMBA_DEVICE="gpu0")
+    assert bad.returncode == 1 and "TargetError: VTNUMBA_DEVICE='gpu0' is not a device; expected 'local'" \
+        in bad.stderr, bad.stderr
+    ok = _python("import vtnumba; print(vtnumba.select_target().name)", VTNUMBA_TARGET="cudasim", VTNUMBA_DEVICE="1")
+    assert ok.returncode == 0 and ok.stdout.strip() == "cudasim", ok.stderr
+
+
 @pytest.mark.parametrize("how", ["env", "flag"])
 def test_an_unknown_target_is_a_clear_error_not_a_traceback(how):
     args = [sys.executable, "-m", "vtnumba", "info"] + (["--target", "gpu"] if how == "flag" else [])

@@ -55,6 +55,22 @@ def node_local_rank(environ=None) -> tuple[int, str] | None:
     return None
 
 
+def requested_device(environ=None) -> int | None:
+    """The device index ``VTNUMBA_DEVICE`` names, or None for ``local`` (the default).
+
+    ValueError naming the variable for anything else -- checked on every target, so a typo
+    shows on the laptop that runs the simulator, not first on the GPU machine.
+    """
+    environ = os.environ if environ is None else environ
+    asked = environ.get("VTNUMBA_DEVICE", "local").strip().lower() or "local"
+    if asked == "local":
+        return None
+    if not asked.isdigit():
+        raise ValueError(f"VTNUMBA_DEVICE={environ.get('VTNUMBA_DEVICE')!r} is not a device; expected 'local' "
+                         "(one device per node-local rank) or a device index (0, 1, ...)")
+    return int(asked)
+
+
 def choose_cuda_device(device_count: int, environ=None) -> DeviceChoice:
     """The device for this process among ``device_count`` visible ones (module docstring).
 
@@ -64,13 +80,16 @@ def choose_cuda_device(device_count: int, environ=None) -> DeviceChoice:
     environ = os.environ if environ is None else environ
     if not isinstance(device_count, int) or device_count < 1:
         raise ValueError(f"device_count={device_count!r}: expected at least one visible CUDA device")
-    asked = environ.get("VTNUMBA_DEVICE", "local").strip().lower() or "local"
-    if asked != "local":
-        if not asked.isdigit() or int(asked) >= device_count:
+    try:
+        asked = requested_device(environ)
+    except ValueError:
+        asked = device_count  # (a malformed value: the message below also says what is here)
+    if asked is not None:
+        if asked >= device_count:
             raise ValueError(f"VTNUMBA_DEVICE={environ.get('VTNUMBA_DEVICE')!r} is not a device here; expected "
                              f"'local' (one device per node-local rank) or an index from 0 to {device_count - 1} "
                              f"({device_count} visible CUDA device(s))")
-        return DeviceChoice(int(asked), f"VTNUMBA_DEVICE={asked}")
+        return DeviceChoice(asked, f"VTNUMBA_DEVICE={asked}")
     local = node_local_rank(environ)
     if local is None:
         return DeviceChoice(0, "no launcher's node-local rank: device 0")
@@ -80,4 +99,4 @@ def choose_cuda_device(device_count: int, environ=None) -> DeviceChoice:
     return DeviceChoice(index, f"node-local rank {rank} ({variable}) of {device_count} visible device(s){shared}")
 
 
-__all__ = ["DeviceChoice", "LOCAL_RANK_VARIABLES", "choose_cuda_device", "node_local_rank"]
+__all__ = ["DeviceChoice", "LOCAL_RANK_VARIABLES", "choose_cuda_device", "node_local_rank", "requested_device"]

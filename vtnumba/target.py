@@ -232,6 +232,12 @@ def select_target(name: str | None = None, *, source: str = "target") -> TargetC
             "(choose it once, before anything imports numba.cuda)"
         )
     if resolved.name == "cudasim":
+        from vtnumba.device_rule import requested_device
+
+        try:  # (the simulator has one device, so only a malformed value is an error -- said here, not first on a GPU)
+            requested_device()
+        except ValueError as exc:
+            raise TargetError(str(exc)) from None
         if _numba_cuda_imported() and not _simulator_active_in_numba():
             raise RuntimeError(
                 f"target 'cudasim' was requested ({source}), but numba.cuda was already imported as the real CUDA "

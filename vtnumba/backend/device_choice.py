@@ -8,7 +8,8 @@ the ``cuda`` target -- the simulator has one device, and the ``cpu`` target none
 
 from __future__ import annotations
 
-from vtnumba.device_rule import LOCAL_RANK_VARIABLES, DeviceChoice, choose_cuda_device, node_local_rank
+from vtnumba.device_rule import (LOCAL_RANK_VARIABLES, DeviceChoice, choose_cuda_device, node_local_rank,
+                                 requested_device)
 
 _chosen: DeviceChoice | None = None
 
@@ -25,6 +26,7 @@ def process_cuda_device() -> DeviceChoice:
 
         target = current_target().name
         if target != "cuda":
+            requested_device()  # (only a malformed VTNUMBA_DEVICE is an error here: no GPU to count)
             _chosen = DeviceChoice(0, f"target {target}: one (simulated or no) CUDA device")
         else:
             from numba import cuda
