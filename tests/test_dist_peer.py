@@ -50,8 +50,10 @@ def test_anonymous_segment_has_no_name_anywhere(shm_clean, rng):
     seg.array[:] = pattern
     np.testing.assert_array_equal(other.array, pattern)  # same physical pages
     seg.unlink()  # the creator's descriptor closes: nobody new can open it ...
-    with pytest.raises(OSError):
+    with pytest.raises(FileNotFoundError, match=rf"shm handle '{seg.handle}': the segment is gone"):
         shm.ShmSegment.attach(seg.handle, 4096)
+    with pytest.raises(FileNotFoundError, match="shm handle 'name:vtnumba-gone': the segment is gone"):
+        shm.ShmSegment.attach("name:vtnumba-gone", 4096)
     other.array[7] = 99  # ... while the mappings live on
     assert seg.array[7] == 99
     other.close()

@@ -151,14 +151,19 @@ class ShmSegment:
             raise TypeError(f"nbytes={nbytes!r} must be an int (the segment's size, as its creator made it)")
         nbytes = int(nbytes)
         kind, _, rest = handle.partition(":")
-        if kind == "fd":
-            fd, name, path = cls._open_descriptor(rest)
-        elif kind == "name":
-            name = _check_name(rest)
-            path = os.path.join(SHM_DIR, name)
-            fd = cls._open_named(path)
-        else:
-            raise ValueError(f"shm handle {handle!r} is not a vtnumba segment handle (expected fd:... or name:...)")
+        try:
+            if kind == "fd":
+                fd, name, path = cls._open_descriptor(rest)
+            elif kind == "name":
+                name = _check_name(rest)
+                path = os.path.join(SHM_DIR, name)
+                fd = cls._open_named(path)
+            else:
+                raise ValueError(f"shm handle {handle!r} is not a vtnumba segment handle (expected fd:... or name:...)")
+        except FileNotFoundError as exc:
+            # (Same type, so callers catching OSError still do; the message names the handle.)
+            raise FileNotFoundError(exc.errno, f"shm handle {handle!r}: the segment is gone -- its creator exited "
+                                               "or closed it before this process mapped it", exc.filename) from None
         try:
             size = os.fstat(fd).st_size
             if size != nbytes:
