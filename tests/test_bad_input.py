@@ -204,6 +204,12 @@ def test_attention_sizes_are_ints(rng):
     assert kernels.attention(qkv, offsets, 1, 2, max_len=2).shape == (4, 2)
 
 
+def test_shard_residual_names_a_residual_without_tokens():
+    # (It said "num_tokens=0 must be an int >= 1": an argument the caller never passed.)
+    with pytest.raises(ValueError, match=r"residual has shape \(0, 4\); expected at least one token row"):
+        tpsp.shard_residual(np.zeros((0, 4), np.float32), 2, 0)
+
+
 def test_unshard_residual_names_a_shard_that_is_no_matrix():
     with pytest.raises(ValueError, match=r"shards\[0\] has shape \(\); expected a 2-D \[R, H\] shard"):
         tpsp.unshard_residual([np.float32(1)], 1)

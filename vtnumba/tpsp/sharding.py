@@ -43,6 +43,8 @@ def shard_residual(residual, tp: int, rank: int | None = None) -> np.ndarray:
     shape = getattr(residual, "shape", None)
     if shape is None or len(shape) != 2:
         raise ValueError(f"residual must be a 2-D [T, H] array, got shape {shape}")
+    if shape[0] < 1:
+        raise ValueError(f"residual has shape {tuple(shape)}; expected at least one token row (T >= 1)")
     if rank is None:
         from vtnumba.dist import get_tp_group
 
