@@ -183,6 +183,30 @@ def test_trace_of_a_command_that_records_nothing_says_so(tmp_path):
     assert proc.stderr.startswith("vtnumba trace: no trace files") and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_trace_says_what_is_wrong_with_what_was_recorded_never_a_traceback(tmp_path):
+    # Each of these ended in a Python traceback: a command that queued nothing, a stray file
+    # matching the rank-file pattern, rank files that are not traces.  And --out x.json wrote
+    # x.rank0.json beside x.json.json.
+    def trace(out, *cmd):
+        return subprocess.run([sys.executable, "-m", "vtnumba", "trace", "--out", str(out), "--", *cmd],
+                              capture_output=True, text=True, env=clean_env(), timeout=120)
+
+    empty = trace(tmp_path / "e.json", sys.executable, "-c", "import vtnumba.trace")  # a rank file, no operation
+    assert empty.returncode == 1 and "Traceback" not in empty.stderr, empty.stderr
+    assert "rank file(s) hold no operations" in empty.stderr, empty.stderr
+    assert rank_files(str(tmp_path / "e")) == [str(tmp_path / "e.rank0.json")]  # (--out e.json: prefix e)
+    (tmp_path / "s.rankold.json").write_text("{}")  # not a rank's file: ignored, and left alone
+    (tmp_path / "s.rank0.json").write_text("not json")  # an old run's: removed before the command runs
+    stray = trace(tmp_path / "s", sys.executable, "-c", "pass")
+    assert stray.returncode == 1 and stray.stderr.startswith("vtnumba trace: no trace files"), stray.stderr
+    assert (tmp_path / "s.rankold.json").exists() and not (tmp_path / "s.rank0.json").exists()
+    writes_junk = f"open({str(tmp_path / 'j.rank0.json')!r}, 'w').write('[1, 2]')"
+    junk = trace(tmp_path / "j", sys.executable, "-c", writes_junk)
+    assert junk.returncode == 1 and "j.rank0.json is not a trace file (no 'traceEvents' list)" in junk.stderr, \
+        junk.stderr
+    assert rank_files(str(tmp_path / "s")) == [] and rank_files(str(tmp_path / "j.json")) == [str(tmp_path / "j.rank0.json")]
+
+
 def test_bench_schema_validation():
     st = Stats(0.01, 0.009, 0.012, 10)
     s = suite("x", "cpu", 1, [row("c", "impl", 1024, "bytes", "GB/s", 1.5, st)], {"a / b": 2.0}, {"memcpy GB/s": 20})

@@ -112,8 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(p)
     default_prefix = os.path.join(os.environ.get("VTNUMBA_OUT_DIR") or "out", "vtnumba-trace")
     p.add_argument("--out", default=default_prefix, metavar="PREFIX", type=path_text,
-                   help=f"output prefix: PREFIX.json (merged trace), PREFIX.png, PREFIX.rankN.json "
-                        f"(default: {default_prefix}, in the ignored out/ folder)")
+                   help=f"output prefix: PREFIX.json (merged trace), PREFIX.png, PREFIX.rankN.json; a name "
+                        f"ending in .json means the same prefix without it (default: {default_prefix}, in the "
+                        "ignored out/ folder)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command to trace, after --")
     return parser
 

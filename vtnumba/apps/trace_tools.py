@@ -74,11 +74,22 @@ def kind_of(ev: dict) -> str:
     return "call"
 
 
+def trace_prefix(path: str) -> str:
+    """``path`` without a trailing ``.json``: ``out/t.json`` and ``out/t`` name the same trace
+    (``out/t.rank<R>.json``, merged into ``out/t.json``), as :meth:`vtnumba.trace.Recorder.rank_path` reads it."""
+    return path[:-5] if path.endswith(".json") else path
+
+
 def rank_files(prefix: str) -> list[str]:
-    """The per-rank trace files ``<prefix>.rank<R>.json`` that exist, in rank order."""
-    base = prefix[:-5] if prefix.endswith(".json") else prefix
-    return sorted(glob.glob(f"{glob.escape(base)}.rank*.json"),
-                  key=lambda p: int(p.rsplit(".rank", 1)[1].split(".")[0]))
+    """The per-rank trace files ``<prefix>.rank<R>.json`` that exist, in rank order (other files
+    that happen to match ``<prefix>.rank*.json``, e.g. ``.rankold.json``, are not ranks')."""
+    base = trace_prefix(prefix)
+    ranks = {}
+    for path in glob.glob(f"{glob.escape(base)}.rank*.json"):
+        number = path[len(base) + len(".rank"):-len(".json")]
+        if number.isdigit():
+            ranks[path] = int(number)
+    return sorted(ranks, key=ranks.get)
 
 
 def merge_trace_data(traces: list[dict]) -> dict:
@@ -108,8 +119,14 @@ def merge_traces(paths: list[str]) -> dict:
     """One trace from several per-rank trace files (see :func:`merge_trace_data`)."""
     traces = []
     for path in paths:
-        with open(path) as f:
-            traces.append(json.load(f))
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path} is not a trace file (not JSON: {exc})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+            raise ValueError(f"{path} is not a trace file (no 'traceEvents' list)")
+        traces.append(data)
     return merge_trace_data(traces)
 
 
@@ -329,13 +346,21 @@ def timeline_figure(trace: dict, title: str = "vtnumba timeline", *, first_calls
 
 
 def finish(prefix: str) -> tuple[str, str]:
-    """Merge ``<prefix>.rank*.json`` into ``<prefix>.json`` and draw ``<prefix>.png``."""
+    """Merge ``<prefix>.rank*.json`` into ``<prefix>.json`` and draw ``<prefix>.png``.
+
+    FileNotFoundError when no rank wrote a file; ValueError when a file is not a trace, or
+    the ranks recorded no operation at all (nothing to draw).
+    """
+    prefix = trace_prefix(prefix)
     paths = rank_files(prefix)
     if not paths:
         raise FileNotFoundError(f"no trace files {prefix}.rank*.json were written "
                                 "(did the command run vtnumba code?)")
     merged = merge_traces(paths)
     validate_trace(merged)
+    if not any(e.get("ph") == "X" for e in merged["traceEvents"]):
+        raise ValueError(f"the command's {len(paths)} rank file(s) hold no operations: it ran vtnumba code but "
+                         "queued no work, so there is no timeline to draw")
     out_json = f"{prefix}.json"
     with open(out_json, "w") as f:
         json.dump(merged, f)
@@ -344,7 +369,7 @@ def finish(prefix: str) -> tuple[str, str]:
 
 def run_traced(cmd: list[str], prefix: str) -> int:
     """Run ``cmd`` with ``VTNUMBA_TRACE=<prefix>`` and merge what its ranks recorded."""
-    prefix = os.path.abspath(prefix)
+    prefix = os.path.abspath(trace_prefix(prefix))
     os.makedirs(os.path.dirname(prefix), exist_ok=True)  # the default prefix lives under out/
     for old in rank_files(prefix):
         os.remove(old)  # never merge a previous run's ranks into this one
@@ -355,7 +380,7 @@ def run_traced(cmd: list[str], prefix: str) -> int:
         return rc
     try:
         out_json, png = finish(prefix)
-    except FileNotFoundError as exc:  # the command ran no vtnumba code: a message, not a traceback
+    except (FileNotFoundError, ValueError) as exc:  # nothing (or nothing readable) recorded: a message, not a traceback
         print(f"vtnumba trace: {exc}", file=sys.stderr)
         return 1
     print(f"vtnumba trace: {len(rank_files(prefix))} rank file(s) -> {out_json} (open in https://ui.perfetto.dev) "
