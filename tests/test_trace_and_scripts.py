@@ -204,7 +204,8 @@ def test_trace_says_what_is_wrong_with_what_was_recorded_never_a_traceback(tmp_p
     junk = trace(tmp_path / "j", sys.executable, "-c", writes_junk)
     assert junk.returncode == 1 and "j.rank0.json is not a trace file (no 'traceEvents' list)" in junk.stderr, \
         junk.stderr
-    assert rank_files(str(tmp_path / "s")) == [] and rank_files(str(tmp_path / "j.json")) == [str(tmp_path / "j.rank0.json")]
+    assert rank_files(str(tmp_path / "s")) == []
+    assert rank_files(str(tmp_path / "j.json")) == [str(tmp_path / "j.rank0.json")]
 
 
 def test_bench_schema_validation():
