@@ -53,6 +53,29 @@ def test_a_blank_text_is_refused_before_the_model_loads():
         == 1, err
 
 
+@pytest.mark.parametrize("ranks", [0, 2])
+def test_a_text_without_word_pieces_is_bad_input_said_once(ranks):
+    # Zero-width spaces and control characters pass the blank check, and only the tokenizer
+    # finds nothing in them: every rank failed with status 1, naming texts[1].
+    proc = _embed(b"a fine sentence", "\u200b\x07".encode(), mpiexec=ranks)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert err.count("vtnumba embed: error: TEXT argument 2 ('\\u200b\\x07') has no word pieces") == 1, err
+
+
+def test_the_tokenizer_finds_the_first_text_without_word_pieces():
+    from minilm_weights import minilm_dir
+
+    from vtnumba.models.minilm_tokenizer import NO_PIECES, MiniLMTokenizer
+
+    tok = MiniLMTokenizer(minilm_dir())
+    assert tok.first_without_pieces(["fine", "also fine \u00e9"]) is None
+    assert tok.first_without_pieces(["fine", "\u200b", "\x07\u0301"]) == 1
+    assert tok.first_without_pieces(["\x07\u0301"]) == 0
+    with pytest.raises(ValueError, match=r"texts\[1\]='\\x07' " + NO_PIECES[:20]):
+        tok.encode(["fine", "\x07"])
+
+
 def test_a_rank_count_that_does_not_divide_the_heads_is_said_once_before_loading():
     # It was '[rank r] failed while loading the model: ValueError: tp_size=5 ...' from every rank.
     proc = _embed(b"a fine sentence", mpiexec=5)

@@ -164,6 +164,13 @@ def test_pipeline_demo_bad_flags_are_clear_errors(flags, words):
     assert "Traceback" not in proc.stderr
 
 
+def test_pipeline_demo_refuses_a_query_without_word_pieces_before_it_starts(weights):
+    # It failed on the consumer, after loading and measuring, naming texts[42] (an internal index).
+    proc = vt("demo", "--target", "cpu", "--queries", "fine", "\u200b\x07", ranks=2, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("--queries: query 2 ('\\u200b\\x07') has no word pieces") == 1, proc.stderr
+
+
 def test_pipeline_demo_refuses_a_fault_on_an_encoder_rank_without_an_endpoint():
     # With 3 ranks, encoder ranks 0 and 1 run the model; only rank 0 owns the producer endpoint.
     proc = vt("demo", "--target", "cpu", "--inject", "stop:1:saving", ranks=3, timeout=60)
@@ -175,8 +182,12 @@ def test_pipeline_demo_refuses_a_fault_on_an_encoder_rank_without_an_endpoint():
 def test_pipeline_demo_refuses_layouts_it_cannot_run():
     proc = vt("demo", "--target", "cpu", "--encoder-ranks", "2", ranks=2, timeout=60)
     assert proc.returncode == 2 and "leaves no consumer ranks" in proc.stderr
-    with pytest.raises(ValueError, match="must divide MiniLM's 12 attention heads"):
+    with pytest.raises(ValueError, match=r"^--encoder-ranks=5: the tensor-parallel size must divide MiniLM's 12 "
+                                         r"attention heads .*; pass --encoder-ranks 1, 2, 3 or 4, or run mpiexec -n 5 "):
         plan_ranks(6, 5)
+    # (The default named what it was: the flag was never passed.)
+    with pytest.raises(ValueError, match=r"^--encoder-ranks \(not given: all ranks but one, 5 of 6\): the "):
+        plan_ranks(6, None)
     with pytest.raises(ValueError, match="at least 2 ranks"):
         plan_ranks(1, None)
     assert plan_ranks(3, None) == (2, 1) and plan_ranks(4, 3) == (3, 1)

@@ -54,6 +54,7 @@ def run_embed(args) -> int:
     from vtnumba.dist import allgather_bytes, destroy_distributed, init_distributed, phase
     from vtnumba.faults import parse_inject
     from vtnumba.models import MiniLMConfig, TruncationWarning, check_tp_size, find_minilm_dir
+    from vtnumba.models.minilm_tokenizer import NO_PIECES
     from vtnumba.models.tp_runtime import TensorParallelEncoder
 
     group = init_distributed()
@@ -102,6 +103,11 @@ def run_embed(args) -> int:
         if group.rank != 0:  # every rank tokenizes the same texts: rank 0 says what was truncated
             warnings.filterwarnings("ignore", category=TruncationWarning)
         with tpe, phase("encoding the texts"):
+            # A text of control characters or zero-width spaces only passes _bad_argument and
+            # has no word piece: only the tokenizer can tell.  Every rank finds the same one.
+            empty = tpe.encoder.tokenizer.first_without_pieces(args.texts)
+            if empty is not None:
+                raise InputRejected(f"TEXT argument {empty + 1} ({args.texts[empty]!r}) {NO_PIECES}")
             hook("encoding")
             emb = tpe.encoder.encode(args.texts)
             mode = "TPSP" if tpe.tpsp_enabled and tpe.fused_calls() else "regular forward"

@@ -77,8 +77,13 @@ def plan_ranks(world_size: int, encoder_ranks: int | None) -> tuple[int, int]:
         raise ValueError(f"--encoder-ranks={e} leaves no consumer ranks (world size {world_size}); "
                          "at least one rank must consume the encoder cache")
     if 12 % e:
-        raise ValueError(f"--encoder-ranks={e}: the tensor-parallel size must divide MiniLM's 12 attention heads "
-                         "(1, 2, 3, 4, 6 or 12)")
+        fits = [d for d in (1, 2, 3, 4, 6, 12) if d < world_size]
+        given = f"--encoder-ranks={e}" if encoder_ranks is not None else \
+            f"--encoder-ranks (not given: all ranks but one, {e} of {world_size})"
+        choices = ", ".join(map(str, fits[:-1])) + f" or {fits[-1]}" if len(fits) > 1 else str(fits[0])
+        raise ValueError(f"{given}: the tensor-parallel size must divide MiniLM's 12 attention heads "
+                         f"(1, 2, 3, 4, 6 or 12); pass --encoder-ranks {choices}, or run mpiexec -n "
+                         f"{fits[-1] + 1} ({fits[-1]} encoder ranks + 1 consumer)")
     return e, world_size - e
 
 
@@ -110,6 +115,19 @@ def check_options(args, world_size: int) -> tuple[float, object]:
         bad = invalid_text(query)
         if bad:
             raise ValueError(f"--queries: query {i + 1} ({query!r}) {bad}")
+    if args.queries:
+        # A query of control characters or zero-width spaces only has no word piece: only the
+        # tokenizer can tell (it failed on the consumer, after loading, naming an internal index).
+        from vtnumba.models import find_minilm_dir
+        from vtnumba.models.minilm_tokenizer import NO_PIECES, MiniLMTokenizer
+
+        try:
+            tokenizer = MiniLMTokenizer(find_minilm_dir())
+        except (OSError, ValueError):
+            tokenizer = None  # (the run says so, on the ranks that load the model)
+        empty = tokenizer.first_without_pieces(args.queries) if tokenizer is not None else None
+        if empty is not None:
+            raise ValueError(f"--queries: query {empty + 1} ({args.queries[empty]!r}) {NO_PIECES}")
     inject = None
     if args.inject:
         # Encoder rank 0 is the producer, the first consumer rank the leader; the other encoder

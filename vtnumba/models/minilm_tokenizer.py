@@ -81,6 +81,11 @@ def _check_texts(texts) -> list[str]:
     return out
 
 
+#: Why a text with no word pieces is refused (after "TEXT ... " in the programs' messages).
+NO_PIECES = ("has no word pieces after normalisation (only control characters, zero-width spaces or combining "
+             "marks); expected some text")
+
+
 def invalid_text(text: str) -> str | None:
     """Why ``text`` cannot be tokenized, or None when it can.
 
@@ -155,6 +160,16 @@ class MiniLMTokenizer:
             raise ValueError(f"tokenizer.json has no {token} token; this is not a BERT tokenizer")
         return int(tid)
 
+    def first_without_pieces(self, texts: Sequence[str]) -> int | None:
+        """The index of the first text that has no word piece once normalised -- only control
+        characters, zero-width spaces or combining marks, say -- or None.  :meth:`encode`
+        refuses such a text; a program can ask this first, to refuse it as bad input."""
+        texts = _check_texts(texts)
+        for i, enc in enumerate(self._tok.encode_batch(texts)):
+            if len(enc.ids) <= 2:  # [CLS] [SEP] only
+                return i
+        return None
+
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids (``int64``, ``[CLS] ... [SEP]``) for each text, truncated per ``on_long``."""
         texts = _check_texts(texts)  # (every text: a str, valid UTF-8, not blank)
@@ -164,7 +179,7 @@ class MiniLMTokenizer:
         for i, enc in enumerate(encodings):
             ids = np.asarray(enc.ids, dtype=np.int64)
             if ids.size <= 2:
-                raise ValueError(f"texts[{i}]={texts[i]!r} has no word pieces after normalisation; expected some text")
+                raise ValueError(f"texts[{i}]={texts[i]!r} {NO_PIECES}")
             if ids.size > self.max_seq_length:
                 if self.on_long == "error":
                     raise ValueError(
