@@ -316,3 +316,25 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_the_lesson(tmp_p
     said = f"error: --out {afile}/01_devices_queues_events: cannot write there (Not a directory)"
     assert proc.returncode == 2 and proc.stderr.count(said) == 1, proc.stderr
     assert "Traceback" not in proc.stderr and "target=" not in proc.stdout
+
+
+def test_a_bad_out_folder_from_the_environment_names_the_variable(tmp_path):
+    # VTNUMBA_TUTORIAL_OUT pointing at a file was reported as "--out ...", a flag never given.
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
+    proc = subprocess.run([sys.executable, str(ROOT / "tutorials" / "01_devices_queues_events.py"), "--target", "cpu"],
+                          capture_output=True, text=True, env={**env, "VTNUMBA_TUTORIAL_OUT": str(afile)},
+                          timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and f"error: VTNUMBA_TUTORIAL_OUT {afile}/01_devices_queues_events: cannot " \
+        "write there" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("name", ["08_tpsp", "09_encoder_cache"])
+def test_a_two_rank_lesson_on_one_rank_is_a_usage_error(name):
+    # It raised SystemExit with a message: status 1, as if the lesson had failed.
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
+    proc = subprocess.run([sys.executable, str(ROOT / "tutorials" / f"{name}.py"), "--target", "cpu"],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: this lesson needs 2 or more processes, got 1: mpiexec -n 2 python " in proc.stderr, proc.stderr

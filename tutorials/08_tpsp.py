@@ -41,9 +41,7 @@ from vtnumba.apps.tutorial import as_ms, start  # first: it shares the cores bef
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-lesson = start("08 TPSP: matmul -> reduce-scatter -> residual + norm -> all-gather")
-if lesson.size < 2:
-    raise SystemExit("this lesson needs two or more processes: mpiexec -n 2 python tutorials/08_tpsp.py")
+lesson = start("08 TPSP: matmul -> reduce-scatter -> residual + norm -> all-gather", min_ranks=2)
 
 from vtnumba.bench.timing import stats_from_times  # noqa: E402
 from vtnumba.dist import init_distributed  # noqa: E402

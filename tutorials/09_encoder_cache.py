@@ -34,9 +34,7 @@ import threading  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-lesson = start("09 the encoder cache: producer -> consumer through shared memory")
-if lesson.size < 2:
-    raise SystemExit("this lesson needs two processes: mpiexec -n 2 python tutorials/09_encoder_cache.py")
+lesson = start("09 the encoder cache: producer -> consumer through shared memory", min_ranks=2)
 
 from vtnumba import CPUBackend, default_backend  # noqa: E402
 from vtnumba.ec import (  # noqa: E402

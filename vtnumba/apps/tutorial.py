@@ -494,8 +494,12 @@ def _end_together_on_failure(timeout_s: float) -> None:
     atexit.register(at_the_end)
 
 
-def start(description: str, extra_args=None) -> Lesson:
-    """Parse ``--target`` / ``--out`` (plus ``extra_args(parser)``), choose the target, join MPI."""
+def start(description: str, extra_args=None, min_ranks: int = 1) -> Lesson:
+    """Parse ``--target`` / ``--out`` (plus ``extra_args(parser)``), choose the target, join MPI.
+
+    A lesson that needs ``min_ranks`` processes or more is refused with a usage error (status 2)
+    when started with fewer.
+    """
     from vtnumba.apps.processes import RankZeroErrorsParser, check_output_folder, choose_target
 
     parser = RankZeroErrorsParser(description=description)  # a usage error is printed by rank 0 only
@@ -511,14 +515,20 @@ def start(description: str, extra_args=None) -> Lesson:
     args = parser.parse_args()
     script = sys.argv[0]
     out_root = Path(args.out) if args.out else default_out_root(script)
+    # (Named as the user gave it: the flag, or the variable the default came from.)
+    source = "--out" if args.out else next((v for v in (OUT_ENV, "VTNUMBA_OUT_DIR") if os.environ.get(v)),
+                                           "the default out folder")
     try:  # now, not when the first figure is saved, after the lesson's work
-        check_output_folder("--out", out_root / Path(script).stem)
+        check_output_folder(source, out_root / Path(script).stem)
     except ValueError as exc:
         parser.error(str(exc))
     choice = choose_target(parser, args.target)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    if comm.Get_size() < min_ranks:
+        parser.error(f"this lesson needs {min_ranks} or more processes, got {comm.Get_size()}: "
+                     f"mpiexec -n {min_ranks} python {script}")
     _end_together_on_failure(args.timeout)
     lesson = Lesson(comm, comm.Get_rank(), comm.Get_size(), choice.name, args, name=Path(script).stem,
                     out_root=out_root)
