@@ -86,6 +86,9 @@ def parse_args(argv=None):
     if args.hidden % ranks:
         p.error(f"--hidden={args.hidden} is not divisible by the {ranks} ranks (each rank normalises "
                 f"H / {ranks} columns)")
+    if args.ffn < ranks:
+        p.error(f"--ffn={args.ffn} is smaller than the {ranks} ranks (each rank holds a non-empty slice of "
+                "the feed-forward width)")
     if args.inject is not None:
         from vtnumba.faults import FaultInjection
 

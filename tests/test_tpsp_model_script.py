@@ -74,3 +74,11 @@ def test_bad_arguments_are_refused():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--layers", "0"], capture_output=True, text=True,
                           timeout=60, env=_env())
     assert proc.returncode == 2 and "--layers must be >= 1" in proc.stderr
+
+
+def test_an_ffn_narrower_than_the_ranks_is_a_usage_error():
+    # Every rank failed while building the model ("cannot split total=2 into parts=3"), status 1.
+    proc = subprocess.run(["mpiexec", "-n", "3", sys.executable, str(SCRIPT), "--target", "cpu", "--ffn", "2"],
+                          capture_output=True, text=True, timeout=60, env=_env(), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("--ffn=2 is smaller than the 3 ranks") == 1, proc.stderr
