@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 
 PRODUCER, CONSUMER = 0, 1
+MAX_ENTRIES = 100_000  # (a bound on --entries: the sizes of all of them are drawn up front)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -96,6 +97,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------- data
+def region_size(args, entries) -> tuple[int, str]:
+    """The region's bytes, and the flags that set them (for messages): ``--region-mib``, else
+    ``--region-fraction`` of all entries' bytes -- but never less than the largest entry
+    could be (``--max-rows`` rows), which must fit."""
+    block = args.hidden * np.dtype(args.dtype).itemsize
+    if args.region_mib:
+        nbytes, what = int(args.region_mib * (1 << 20)), f"--region-mib={args.region_mib:g}"
+    else:
+        total = sum(r for _, _, r in entries) * block
+        nbytes = int(total * args.region_fraction)
+        what = (f"--region-fraction={args.region_fraction:g} of the entries' {total / 2**20:.4g} MiB (--entries="
+                f"{args.entries} of 1 to --max-rows={args.max_rows} rows of --hidden={args.hidden} x {args.dtype})")
+    largest = args.max_rows * block
+    if largest > nbytes:
+        nbytes, what = largest, f"the largest entry (--max-rows={args.max_rows} rows of --hidden={args.hidden} x {args.dtype})"
+    return nbytes, what
+
+
 def entry_data(seed: int, index: int, rows: int, hidden: int, dtype) -> np.ndarray:
     """What the 'encoder' outputs for entry ``index``; the consumer recomputes it to verify."""
     rng = np.random.default_rng([seed, index])
@@ -255,10 +274,7 @@ def run(args, comm) -> dict:
     rank = comm.Get_rank()
     entries = make_entries(args)
     dtype = np.dtype(args.dtype)
-    block = args.hidden * dtype.itemsize
-    total = sum(r for _, _, r in entries) * block
-    region_bytes = int(args.region_mib * (1 << 20)) if args.region_mib else int(total * args.region_fraction)
-    region_bytes = max(region_bytes, args.max_rows * block)  # the largest entry must fit
+    region_bytes, _ = region_size(args, entries)
     backend = _backend(args)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(f"[rank {rank}]", *a, flush=True))
     on_point = args.inject.on_point(rank) if args.inject else None
@@ -352,6 +368,14 @@ def main(argv=None) -> int:
         parser.error(f"--region-mib={args.region_mib:g} is smaller than the largest entry ({largest / 2**20:.3g} MiB: "
                      f"--max-rows={args.max_rows} rows of --hidden={args.hidden} x {args.dtype}), which could never "
                      "be saved")
+    if args.entries > MAX_ENTRIES:
+        parser.error(f"--entries={args.entries}: at most {MAX_ENTRIES} (each entry is produced, saved, loaded and "
+                     "verified in turn)")
+    # The region the fraction (or the largest entry) makes must fit too: it failed on a rank, later.
+    try:
+        check_fits_in_memory(*region_size(args, make_entries(args)))
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.inject is not None:
         # Only now is the job's size known: refuse a fault whose rank never passes its point
         # (rank 0 is the producer, rank 1 the consumer leader, the rest its other consumer ranks).

@@ -133,6 +133,10 @@ def test_a_fault_that_could_never_fire_is_refused_once_under_mpiexec(spec, words
 @pytest.mark.parametrize("ranks, args, words", [
     (2, ["--region-mib", "0.0001"], "--region-mib=0.0001 is smaller than the largest entry"),  # was enlarged silently
     (1, [], "needs at least 2 ranks (an encoder and a consumer)"),  # was '[rank 0] failed while running'
+    # A region the fraction or --max-rows makes too large failed on a rank, naming region_bytes:
+    (2, ["--region-fraction", "1e6"], "--region-fraction=1e+06 of the entries' "),
+    (2, ["--max-rows", "1000000000"], "--max-rows=1000000000 rows of --hidden=64 x float16): more than this machine"),
+    (2, ["--entries", "1000000000"], "--entries=1000000000: at most 100000"),  # (was a MemoryError)
 ])
 def test_a_job_that_cannot_run_is_a_usage_error_said_once(ranks, args, words):
     p = _run(ranks, *SMALL, *args, timeout=60)
