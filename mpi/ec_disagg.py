@@ -111,7 +111,8 @@ def region_size(args, entries) -> tuple[int, str]:
                 f"{args.entries} of 1 to --max-rows={args.max_rows} rows of --hidden={args.hidden} x {args.dtype})")
     largest = args.max_rows * block
     if largest > nbytes:
-        nbytes, what = largest, f"the largest entry (--max-rows={args.max_rows} rows of --hidden={args.hidden} x {args.dtype})"
+        nbytes = largest
+        what = f"the largest entry (--max-rows={args.max_rows} rows of --hidden={args.hidden} x {args.dtype})"
     return nbytes, what
 
 
