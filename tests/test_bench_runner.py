@@ -332,6 +332,12 @@ def test_bench_model_compares_tpsp_with_the_regular_forward(tmp_path):
     (["mpi/ec_disagg.py", "--region-mib", "1e12"], "--region-mib=1e+12: more than this machine has free"),
     (["-m", "vtnumba", "bench", "memory", "--sizes", "99999999999999"], "--sizes: 9.53674e+07 MiB is more than"),
     (["-m", "vtnumba", "bench", "peer", "--sizes", "1e9"], "--sizes: 1e+09 MiB is more than this machine has free"),
+    # (a second CLI probe: MemoryError inside the suite, or hours of sentences)
+    (["-m", "vtnumba", "bench", "kernels", "--norm-shape", "100000000x100000000"],
+     "--norm-shape=100000000x100000000: 2.28882e+11 MiB is more than this machine has free"),
+    (["-m", "vtnumba", "bench", "kernels", "--host-matmul-sizes", "100000000"], "--host-matmul-sizes 100000000: "),
+    (["-m", "vtnumba", "bench", "tpsp", "--tokens", "100000000"], "--tokens 100000000 (with H=4096, K=4096): "),
+    (["-m", "vtnumba", "bench", "model", "--sentences", "100000000"], "--sentences=100000000: at most 100000"),
     (["-m", "vtnumba", "bench", "memory", "--quick", "--json="], "argument --json: an empty path"),
     (["-m", "vtnumba", "bench", "memory", "--quick", "--plot="], "argument --plot: an empty path"),
     (["-m", "vtnumba", "trace", "--out", "", "--", "true"], "argument --out: an empty path"),

@@ -98,6 +98,20 @@ def _norm_shape_arg(text: str) -> str:
     return text
 
 
+def check_arguments(args, world_size: int) -> None:
+    """Sizes that cannot fit in this machine's memory: ValueError naming the flag, before any suite runs
+    (they were a MemoryError inside the suite).  A norm row set is held about six times over (input,
+    bias, residual, outputs, numpy's temporaries), a host matmul three times."""
+    from vtnumba.bench.runner import check_sizes_fit
+
+    shape = getattr(args, "norm_shape", None)
+    if shape:
+        rows, h = _parse_shape(shape)
+        check_sizes_fit([6 * 4 * rows * h], f"--norm-shape={shape}")
+    for n in getattr(args, "host_matmul_sizes", None) or ():
+        check_sizes_fit([3 * 4 * n * n], f"--host-matmul-sizes {n}")
+
+
 def _settings(args) -> dict:
     quick = bool(getattr(args, "quick", False))
     shape = getattr(args, "norm_shape", None)

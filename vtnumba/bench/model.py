@@ -24,7 +24,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batches", type=positive_int, nargs="+", default=None,
                         help="batch sizes (default 8 32 64; quick 16 64)")
     parser.add_argument("--sentences", type=positive_int, default=None,
-                        help="sentences per measurement (default 256; quick 64)")
+                        help=f"sentences per measurement (default 256; quick 64; at most {MAX_SENTENCES})")
+
+
+#: The most ``--sentences`` a measurement takes: each is made, tokenized and encoded several
+#: times (TPSP and regular, every batch size, every round) -- a typo's extra digits ran for hours.
+MAX_SENTENCES = 100_000
+
+
+def check_arguments(args, world_size: int) -> None:
+    """``--sentences`` above :data:`MAX_SENTENCES`: ValueError naming it, before the suite runs."""
+    n = getattr(args, "sentences", None)
+    if n is not None and n > MAX_SENTENCES:
+        raise ValueError(f"--sentences={n}: at most {MAX_SENTENCES} (each is encoded several times per round)")
 
 
 

@@ -97,11 +97,19 @@ def _settings(args, tp: int, target: str) -> tuple[list[int], int, int, int]:
 
 
 def check_arguments(args, world_size: int) -> None:
-    """The hidden size is split over the ranks: ValueError naming ``--hidden`` unless they divide it."""
+    """The hidden size is split over the ranks: ValueError naming ``--hidden`` unless they divide it;
+    and a token count whose arrays cannot fit in memory is named too (it was a MemoryError inside
+    the suite).  A rank holds x [T, K], out and the residuals [T, H] and its weight share."""
+    from vtnumba.bench.runner import check_sizes_fit
+
     H = getattr(args, "hidden", None)
     if H is not None and H % world_size:
         raise ValueError(f"--hidden={H} is not divisible by the {world_size} ranks (each rank normalises "
                          f"H / {world_size} columns of the fused op's output)")
+    K = getattr(args, "k_total", None) or 4096
+    H = H or 4096
+    for T in getattr(args, "tokens", None) or ():
+        check_sizes_fit([4 * T * (K + 3 * H)], f"--tokens {T} (with H={H}, K={K})")
 
 
 def estimate_s(args, ranks: int):
