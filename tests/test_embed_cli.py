@@ -100,9 +100,9 @@ def test_a_missing_model_is_said_once(tmp_path):
 
 def test_a_truncated_text_is_one_warning_line_from_rank_0():
     # Every rank tokenizes the same texts: three ranks printed three two-line warnings pointing
-    # into vtnumba's source.
-    proc = _embed("word " * 300, mpiexec=3)
+    # into vtnumba's source -- and then one, naming texts[1], where the user passed TEXT 2.
+    proc = _embed("fine", "word " * 300, mpiexec=3)
     err = proc.stderr.decode("utf-8", "replace")
     assert proc.returncode == 0, err
-    assert err.count("TruncationWarning") == 1
-    assert "[rank 0] vtnumba: warning: TruncationWarning: truncated texts[0] (302 tokens)" in err
+    assert err.count("warning") == 1 and "TruncationWarning" not in err, err
+    assert "vtnumba embed: warning: TEXT argument 2 has 302 tokens; only its first 256 are embedded" in err, err

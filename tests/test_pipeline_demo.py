@@ -171,6 +171,14 @@ def test_pipeline_demo_refuses_a_query_without_word_pieces_before_it_starts(weig
     assert proc.stderr.count("--queries: query 2 ('\\u200b\\x07') has no word pieces") == 1, proc.stderr
 
 
+def test_pipeline_demo_says_a_truncated_query_by_its_number_once(weights):
+    # The consumer's tokenizer warned "truncated texts[42]": an index into the demo's own list.
+    proc = vt("demo", "--target", "cpu", "--queries", "pasta " * 300, ranks=2, timeout=120)
+    assert proc.returncode == 0 and "RESULT: PASS" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr.count("warning") == 1 and "texts[" not in proc.stderr, proc.stderr
+    assert "vtnumba demo: warning: --queries: query 1 has 302 tokens; only its first 256" in proc.stderr
+
+
 def test_pipeline_demo_refuses_a_fault_on_an_encoder_rank_without_an_endpoint():
     # With 3 ranks, encoder ranks 0 and 1 run the model; only rank 0 owns the producer endpoint.
     proc = vt("demo", "--target", "cpu", "--inject", "stop:1:saving", ranks=3, timeout=60)

@@ -100,14 +100,20 @@ def run_embed(args) -> int:
             hook("loading")
             tpe = TensorParallelEncoder(group, use_tpsp=not args.no_tpsp)
         say(f"vtnumba embed: encoding {len(args.texts)} text(s) (a first run also compiles the kernels) ...")
-        if group.rank != 0:  # every rank tokenizes the same texts: rank 0 says what was truncated
-            warnings.filterwarnings("ignore", category=TruncationWarning)
         with tpe, phase("encoding the texts"):
             # A text of control characters or zero-width spaces only passes _bad_argument and
             # has no word piece: only the tokenizer can tell.  Every rank finds the same one.
-            empty = tpe.encoder.tokenizer.first_without_pieces(args.texts)
+            tokenizer = tpe.encoder.tokenizer
+            counts = tokenizer.token_counts(args.texts)
+            empty = next((i for i, n in enumerate(counts) if n <= 2), None)
             if empty is not None:
                 raise InputRejected(f"TEXT argument {empty + 1} ({args.texts[empty]!r}) {NO_PIECES}")
+            # Truncation is said here, by TEXT argument (the tokenizer's warning counts from 0).
+            for i, n in enumerate(counts):
+                if n > tokenizer.max_seq_length:
+                    say(f"vtnumba embed: warning: TEXT argument {i + 1} has {n} tokens; only its first "
+                        f"{tokenizer.max_seq_length} are embedded, as sentence-transformers does")
+            warnings.filterwarnings("ignore", category=TruncationWarning)
             hook("encoding")
             emb = tpe.encoder.encode(args.texts)
             mode = "TPSP" if tpe.tpsp_enabled and tpe.fused_calls() else "regular forward"

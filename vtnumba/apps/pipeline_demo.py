@@ -40,6 +40,7 @@ import math
 import pickle
 import sys
 import time
+import warnings
 import zlib
 
 import numpy as np
@@ -87,8 +88,9 @@ def plan_ranks(world_size: int, encoder_ranks: int | None) -> tuple[int, int]:
     return e, world_size - e
 
 
-def check_options(args, world_size: int) -> tuple[float, object]:
-    """(timeout in seconds, fault injection or None); ValueError naming the flag for bad values.
+def check_options(args, world_size: int) -> tuple[float, object, list[str]]:
+    """(timeout in seconds, fault injection or None, warnings for rank 0 to print); ValueError
+    naming the flag for bad values.
 
     Every rank checks the same command line, so every rank refuses it alike -- before any
     rank waits for another.
@@ -125,9 +127,15 @@ def check_options(args, world_size: int) -> tuple[float, object]:
             tokenizer = MiniLMTokenizer(find_minilm_dir())
         except (OSError, ValueError):
             tokenizer = None  # (the run says so, on the ranks that load the model)
-        empty = tokenizer.first_without_pieces(args.queries) if tokenizer is not None else None
+        counts = tokenizer.token_counts(args.queries) if tokenizer is not None else []
+        empty = next((i for i, n in enumerate(counts) if n <= 2), None)
         if empty is not None:
             raise ValueError(f"--queries: query {empty + 1} ({args.queries[empty]!r}) {NO_PIECES}")
+        # Said here, by query number (the consumer's tokenizer warning counted in its own list).
+        notes = [f"--queries: query {i + 1} has {n} tokens; only its first {tokenizer.max_seq_length} are embedded, "
+                 "as sentence-transformers does" for i, n in enumerate(counts) if n > tokenizer.max_seq_length]
+    else:
+        notes = []
     inject = None
     if args.inject:
         # Encoder rank 0 is the producer, the first consumer rank the leader; the other encoder
@@ -135,7 +143,7 @@ def check_options(args, world_size: int) -> tuple[float, object]:
         encoders, _ = plan_ranks(world_size, args.encoder_ranks)
         inject = FaultInjection.parse(args.inject).check_fires(
             world_size, lambda r: points_passed(r, 0, range(encoders, world_size)))
-    return timeout, inject
+    return timeout, inject, notes
 
 
 class _Pipeline:
@@ -339,12 +347,15 @@ class _Pipeline:
     def consumer_loop(self, ep) -> dict:
         from vtnumba.backend.arrays import to_host
         from vtnumba.models.minilm import pool_embedding
+        from vtnumba.models.minilm_tokenizer import TruncationWarning
 
         queries = list(self.args.queries or DEFAULT_QUERIES)
         # Rounds of requests: the corpus, the queries, then repeats (cache hits, or misses
         # for entries evicted meanwhile) -- every round's answers are checked the same way.
         texts = self.corpus + queries + [queries[0], self.corpus[-1], self.corpus[0]]
-        ids = self.tokenizer.encode(texts)
+        with warnings.catch_warnings():  # (rank 0 said which queries are truncated, by their number)
+            warnings.simplefilter("ignore", TruncationWarning)
+            ids = self.tokenizer.encode(texts)
         hashes = [mm_hash_of(t) for t in ids]
         embeddings: dict[str, np.ndarray] = {}
         pending = list(range(len(texts)))  # indices still to request
@@ -476,11 +487,14 @@ def run_pipeline_demo(args) -> int:
     comm = MPI.COMM_WORLD
     try:
         sizes = plan_ranks(comm.Get_size(), args.encoder_ranks)
-        timeout, inject = check_options(args, comm.Get_size())
+        timeout, inject, notes = check_options(args, comm.Get_size())
     except ValueError as exc:
         if comm.Get_rank() == 0:
             print(f"vtnumba demo: {exc}", file=sys.stderr)
         return 2
+    if comm.Get_rank() == 0:
+        for note in notes:
+            print(f"vtnumba demo: warning: {note}", file=sys.stderr, flush=True)
     set_default_timeout(timeout)  # every wait for another rank, in vtnumba too (TPSP, groups, ...)
     # A rank that fails tells the others and says what it was doing; a rank that stops
     # answering makes the others give up after --timeout; either way the job ends.

@@ -160,15 +160,16 @@ class MiniLMTokenizer:
             raise ValueError(f"tokenizer.json has no {token} token; this is not a BERT tokenizer")
         return int(tid)
 
+    def token_counts(self, texts: Sequence[str]) -> list[int]:
+        """How many tokens each text has, ``[CLS]`` and ``[SEP]`` included, before any truncation
+        -- for a program's own messages about texts :meth:`encode` would refuse or truncate."""
+        return [len(enc.ids) for enc in self._tok.encode_batch(_check_texts(texts))]
+
     def first_without_pieces(self, texts: Sequence[str]) -> int | None:
         """The index of the first text that has no word piece once normalised -- only control
         characters, zero-width spaces or combining marks, say -- or None.  :meth:`encode`
         refuses such a text; a program can ask this first, to refuse it as bad input."""
-        texts = _check_texts(texts)
-        for i, enc in enumerate(self._tok.encode_batch(texts)):
-            if len(enc.ids) <= 2:  # [CLS] [SEP] only
-                return i
-        return None
+        return next((i for i, n in enumerate(self.token_counts(texts)) if n <= 2), None)  # [CLS] [SEP] only
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids (``int64``, ``[CLS] ... [SEP]``) for each text, truncated per ``on_long``."""
