@@ -144,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             select_target(_chosen_target(parser, args), source="--target")
         except TargetError as exc:
             parser.error(str(exc))
+        if args.command == "info":  # (info reports what a program would run with: bad switches first)
+            from vtnumba.apps.processes import check_environment
+
+            check_environment(_command_parser(parser, args))
     else:
         choose_target(parser, _chosen_target(parser, args))
 

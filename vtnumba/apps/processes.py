@@ -60,9 +60,10 @@ class RankZeroErrorsParser(argparse.ArgumentParser):
 
 def check_environment(parser: argparse.ArgumentParser) -> None:
     """Read now the ``VTNUMBA_*`` switches the library reads deep inside -- where a bad value
-    was a traceback per rank as a module loaded (``VTNUMBA_CHECK_HAZARDS``), or was taken
-    for the default (``VTNUMBA_CPU_QUEUES``): a usage error naming the variable, said once.
-    (Called by :func:`choose_target`, after the target is chosen: these modules load numba.)"""
+    was a traceback per rank as a module loaded (``VTNUMBA_CHECK_HAZARDS``), was taken for
+    the default (``VTNUMBA_CPU_QUEUES``), or was ignored off the GPU (``VTNUMBA_DEVICE``): a
+    usage error naming the variable, said once.  (Called by :func:`choose_target` and by
+    ``vtnumba info``, after the target is chosen: these modules load numba.)"""
     try:
         from vtnumba.memory.hazards import mode_from_env  # (a bad value raises as it loads, too)
 
@@ -70,6 +71,9 @@ def check_environment(parser: argparse.ArgumentParser) -> None:
         from vtnumba.backend.cpu import threaded_from_env
 
         threaded_from_env()
+        from vtnumba.device_rule import requested_device
+
+        requested_device()
     except ValueError as exc:
         parser.error(str(exc))
 
