@@ -260,6 +260,31 @@ def test_freed_memory_is_no_longer_a_valid_target(backend):
         batched_copy([src_ptr], [dst.ptr], [64], backend=backend)
 
 
+def test_freeing_a_buffer_that_queued_copies_still_target_waits_for_them_not_a_crash():
+    # The queued copy holds plain addresses: the free released the memory at once and the
+    # copies behind it wrote into freed pages -- a segmentation fault on the queue's thread.
+    # Now a threaded queue keeps the memory until it has passed the free (in a subprocess:
+    # a crash must fail this test, not end the test run).
+    code = """
+import faulthandler, numpy as np
+faulthandler.enable()
+from vtnumba.backend.cpu import CPUBackend
+from vtnumba.memory.copy_engine import batched_copy
+be = CPUBackend(threaded=True)
+dst, src, q = be.alloc(1 << 26), be.alloc(1 << 26), be.create_queue()
+src.array[:] = 7
+for _ in range(5):
+    batched_copy([src.ptr], [dst.ptr], [1 << 26], queue=q, backend=be)
+be.free(dst)
+be.synchronize(q)
+be.close()
+print("done")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "VTNUMBA_TRACE"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stdout + proc.stderr
+
+
 def test_registration_is_undone_after_the_with_block():
     a = np.zeros(64, np.uint8)
     before = len(LIVE)

@@ -221,7 +221,16 @@ class CPUBackend(Backend):
         return Buffer(self, self.device, nbytes, arr, pinned=True, ptr=arr.ctypes.data)
 
     def _free(self, buf: Buffer) -> None:
-        buf._array = None  # drop the reference; numpy frees the memory with the last view
+        array, buf._array = buf._array, None  # numpy frees the memory with the last reference
+        if self.threaded:
+            # Work queued before this free may still touch the memory *by address* -- a
+            # batched copy's descriptors are plain integers, and holding no array they would
+            # write into freed memory (a segmentation fault).  So every queue still busy keeps
+            # the array until it has passed this point: a free in queue order, as cuMemFree
+            # waits for the device first.  (The no-op holds it in its default argument.)
+            for q in list(self._all_queues.values()):
+                if q.busy():
+                    q.put("free (memory kept until here)", lambda _kept=array: None, marker=True)
 
     def _memset(self, q, buf, value, nbytes, offset) -> None:
         view = buf.array[offset:offset + nbytes]
