@@ -7,6 +7,7 @@ hold for both."""
 import gc
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -690,6 +691,35 @@ def test_flag_writes_and_waits_are_refused_while_capturing_and_not_queued():
     b.end_capture(q)
     b.write_value32(q, flags, 0, 5)       # nor is the queue once its capture ended
     assert flags.tolist() == [5, 1]
+    b.close()
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["cpu", "cpu-threaded"])
+def test_query_queue_says_whether_everything_submitted_has_finished(threaded):
+    b = CPUBackend(threaded=threaded)
+    q = b.create_queue("qq")
+    assert b.query_queue(q)  # nothing submitted
+    if threaded:
+        gate = threading.Event()
+        b.launch_host_func(q, gate.wait)
+        b.launch_host_func(q, lambda: 1 / 0)  # a failure counts as finished; synchronize says it
+        assert not b.query_queue(q)
+        gate.set()
+        for _ in range(2000):
+            if b.query_queue(q):
+                break
+            time.sleep(0.001)
+        assert b.query_queue(q)
+        with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+            b.synchronize(q)
+    else:
+        b.launch_host_func(q, lambda: None)  # runs inline
+        assert b.query_queue(q)
+    with pytest.raises(TypeError):
+        b.query_queue("qq")
+    b.destroy_queue(q)
+    with pytest.raises((RuntimeError, ValueError)):
+        b.query_queue(q)
     b.close()
 
 

@@ -127,6 +127,36 @@ def test_checker_flags_the_missing_record_stream(threaded):
         alloc.free(again)
 
 
+def test_a_cross_queue_use_that_finished_before_the_free_is_not_a_hazard(threaded):
+    # The use on the side queue was waited for before the free.  The checker still recorded
+    # an event there at free time, which the idle queue's thread had not reached when the
+    # next allocation looked: a false report every time (and HazardError in raise mode).
+    alloc = CachingAllocator(threaded)
+    main, side = threaded.create_queue("main"), threaded.create_queue("side")
+    src = threaded.alloc(N)
+    with check_hazards("raise") as checker:
+        for _ in range(20):
+            block = alloc.allocate(N, main)
+            threaded.copy(side, block.view(np.uint8), src, N)
+            threaded.synchronize(side)  # the use is complete
+            assert threaded.query_queue(side) and threaded.query_queue(main)
+            alloc.free(block)
+            alloc.free(alloc.allocate(N, main))  # the same memory again: fine
+    assert checker.reports == []
+    # ... while a use still in flight is reported, as before (the side queue held at a gate).
+    gate = threading.Event()
+    threaded.launch_host_func(side, gate.wait)
+    assert not threaded.query_queue(side)
+    with check_hazards("record") as checker:
+        block = alloc.allocate(N, main)
+        threaded.copy(side, block.view(np.uint8), src, N)
+        alloc.free(block)
+        alloc.free(alloc.allocate(N, main))
+        gate.set()
+        threaded.synchronize(side)
+    assert [r.kind for r in checker.reports] == ["reuse-before-complete"]
+
+
 def test_checker_in_raise_mode_refuses_the_reuse(threaded):
     hold, release = _gate_holder(threaded)
     alloc = CachingAllocator(threaded)

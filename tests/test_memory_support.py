@@ -60,6 +60,7 @@ class Holder:
             self._epoch = 1  # what held queues wait for; raised by release
         elif not self.threaded:
             real_record, real_query = backend.record_event, backend._query_event
+            real_idle = backend._query_queue
 
             def record_event(e, q):
                 real_record(e, q)
@@ -71,8 +72,12 @@ class Holder:
             def query(e):
                 return e.id not in self._pending and real_query(e)
 
+            def idle(q):  # a held queue has work it has not done (query_queue)
+                return q.id not in self._held and real_idle(q)
+
             backend.record_event = record_event
             backend._query_event = query
+            backend._query_queue = idle
 
     def hold(self, q) -> None:
         if self.on_device:
@@ -100,5 +105,5 @@ class Holder:
         if self.on_device:
             self.backend.destroy_queue(self._opener)
         elif not self.threaded:
-            for name in ("record_event", "_query_event"):
+            for name in ("record_event", "_query_event", "_query_queue"):
                 self.backend.__dict__.pop(name, None)

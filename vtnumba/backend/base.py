@@ -796,6 +796,17 @@ class Backend(abc.ABC):
         self._check_event(e)
         return self._query_event(e)
 
+    def query_queue(self, q: Queue) -> bool:
+        """True when everything submitted to ``q`` so far has finished (``cudaStreamQuery``;
+        never blocks).  A failed operation counts as finished: :meth:`synchronize` raises it."""
+        self._check_queue(q)
+        return self._query_queue(q)
+
+    def _query_queue(self, q: Queue) -> bool:
+        # (Where a backend cannot tell, a queue is never known to be idle: callers then take
+        # the careful path -- an event, a wait.)
+        return False
+
     def queue_wait_event(self, q: Queue, e: Event) -> None:
         """Make later work on ``q`` wait until ``e`` (as recorded now) has fired."""
         self._check_queue(q)

@@ -304,6 +304,9 @@ class CPUBackend(Backend):
     def _query_event(self, e) -> bool:
         return e.mark.done.is_set()
 
+    def _query_queue(self, q) -> bool:
+        return not q.busy()  # (a synchronous queue ran everything as it was submitted)
+
     def _queue_wait_event(self, q, e) -> None:
         mark = e.mark  # capture the recording as of now, like cudaStreamWaitEvent
         q.put("wait_event", mark.done.wait, {"event": e.id})

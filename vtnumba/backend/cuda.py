@@ -481,6 +481,14 @@ class CUDABackend(Backend):
     def _stream_idle(self, q) -> bool:
         return _stream_done(q.handle, f"queue {q.name}")
 
+    def _query_queue(self, q) -> bool:
+        if self.simulator:
+            return True  # launches and copies are synchronous there
+        try:
+            return self._stream_idle(q)
+        except RuntimeError:
+            return True  # a failed stream has stopped: synchronize reports why
+
     def defer_frees(self):
         """numba's ``defer_cleanup`` on a real GPU (see :meth:`Backend.defer_frees`)."""
         return contextlib.nullcontext() if self.simulator else _gpu().defer_cleanup()

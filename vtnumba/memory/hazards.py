@@ -168,7 +168,12 @@ class HazardChecker:
                 self._drop(records, rec)
             recorded = []
             for qid, q in uses.queues.items():
-                if q.destroyed:  # destroy_queue drained it: its uses are complete
+                # A destroyed queue was drained, and an idle one has finished everything it was
+                # given: their uses are complete.  (An event recorded now on an idle queue would
+                # still read "not fired" until the queue got to it -- on a threaded queue, or a
+                # GPU stream a few microseconds later -- and the next allocation would report a
+                # hazard that is not there.)
+                if q.destroyed or backend.query_queue(q):
                     continue
                 ev = backend.create_event(timing=False)  # orders only: never timed
                 backend.record_event(ev, q)
