@@ -265,7 +265,8 @@ def profile_tpsp(backend, ops_groups, max_batched_tokens: int, *, search: bool =
                                              or not 1 <= threshold_tokens <= max_batched_tokens):
             raise ValueError(f"threshold_tokens={threshold_tokens!r} must be an int in 1..max_batched_tokens="
                              f"{max_batched_tokens}")
-        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
+        if isinstance(budget_s, (bool, np.bool_)) or not isinstance(budget_s, (int, float, np.integer, np.floating)) \
+                or not 0 < budget_s < math.inf:
             raise ValueError(f"budget_s={budget_s!r} must be a positive number of seconds")
         for name, flag in (("search", search), ("parity_check", parity_check)):
             if not isinstance(flag, (bool, np.bool_)):
@@ -275,13 +276,20 @@ def profile_tpsp(backend, ops_groups, max_batched_tokens: int, *, search: bool =
     except (ValueError, TypeError) as exc:
         error = exc
     agree_errors(error, group, context="profile", timeout_s=backend.timeout_s)
+    # The ops groups too: each is opened, measured and checked collectively, in order -- ranks
+    # with other groups (another count, names, widths or dtypes) waited for each other's calls
+    # until the timeout, and then blamed the parity check.  (Not the projection's input width:
+    # a row-parallel shard of K may be a row narrower on some ranks.)
+    shapes = [(ops.name, int(ops.projection.weight.shape[0]), np.dtype(ops.projection.weight.dtype).name,
+               tuple(ops.norm.weight.shape)) for ops in groups]
     mine = repr((int(max_batched_tokens), threshold_tokens, bool(search), config, float(budget_s),
-                 bool(parity_check))).encode()
+                 bool(parity_check), shapes)).encode()
     everyone = allgather_bytes(mine, group, backend.timeout_s)
     if any(b != mine for b in everyone):
         shown = "; ".join(f"rank {r}: {b.decode()}" for r, b in enumerate(everyone))
         raise ValueError("profile: the ranks passed different arguments (max_batched_tokens, threshold_tokens, "
-                         f"search, config, budget_s, parity_check) -- {shown}; every rank must pass the same ones")
+                         "search, config, budget_s, parity_check, and each ops group's name, output width, "
+                         f"dtype and norm weight shape) -- {shown}; every rank must pass the same ones")
     hidden = int(np.prod(groups[0].norm.weight.shape))
     started = time.monotonic()
     deadline = started + float(budget_s)
