@@ -222,3 +222,32 @@ def test_region_flags_must_be_bools(flag):
     with pytest.raises(TypeError, match=f"{flag}='no' must be True or False"):
         create_ec_shared_region(**kwargs)
     assert not [f for f in os.listdir("/dev/shm") if "bad-flag" in f]
+
+
+def test_a_read_only_output_is_named_not_a_numba_typing_error(rng):
+    # numba's compiled host kernels refused it with a long "setitem(readonly array ...)" typing
+    # error that named no argument; linear's numpy path said "output array is read-only".
+    def ro(a):
+        a = a.copy()
+        a.flags.writeable = False
+        return a
+
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    w = rng.standard_normal(4).astype(np.float32)
+    mm = rng.standard_normal((5, 4)).astype(np.float32)
+    calls = {
+        "out": [lambda: kernels.fused_add_rms_norm(x, x, w, 1e-5, out=ro(x)),
+                lambda: kernels.activation(x, "gelu", out=ro(x)),
+                lambda: kernels.linear(x, mm, out=ro(np.zeros((3, 5), np.float32))),
+                lambda: kernels.attention(np.zeros((2, 3), np.float32), np.array([0, 2]), 1, 1,
+                                          out=ro(np.zeros((2, 1), np.float32))),
+                lambda: kernels.peer_reduce_norm([x, x], None, x, w, None, 1e-5, ro(x), x.copy())],
+        "new_residual": [lambda: kernels.fused_add_rms_norm(x, x, w, 1e-5, new_residual=ro(x))],
+        "x": [lambda: kernels.add_bias(ro(x), w)],
+        r"dests\[0\]": [lambda: kernels.gather_rows(x, [ro(x)])],
+    }
+    for name, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(ValueError, match=rf"^{name} is a read-only array \(numpy's writeable flag is off\)"):
+                fn()
+    assert kernels.activation(ro(x), "relu").flags.writeable  # a read-only *input* is fine

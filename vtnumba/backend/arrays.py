@@ -380,16 +380,18 @@ def _shape_fits(got: tuple, want: tuple) -> bool:
 
 
 def check_array(name: str, arr, *, ndim: int, dtypes: Iterable, shape: tuple | None = None,
-                contiguous: bool = True) -> None:
+                contiguous: bool = True, writable: bool = False) -> None:
     """Validate one array argument; ``shape`` entries of None are free; ``dtypes``: what
-    ``np.dtype`` takes."""
+    ``np.dtype`` takes; ``writable``: an output, which a read-only numpy array cannot be
+    (numba's compiled kernels refused it with a long typing error naming no argument)."""
     if type(dtypes) is tuple:
         # The usual call, an array that is what was asked for, in a few attribute reads (every
         # kernel call checks each of its arrays).  Anything else -- something wrong, or dtypes
         # that are not a tuple -- takes the checks below, which say what is wrong.
         try:
             if arr.ndim == ndim and arr.dtype in dtypes and (shape is None or _shape_fits(arr.shape, shape)) \
-                    and (not contiguous or is_c_contiguous(arr)):
+                    and (not contiguous or is_c_contiguous(arr)) \
+                    and (not writable or type(arr) is not np.ndarray or arr.flags.writeable):
                 return
         except (AttributeError, TypeError):
             pass
@@ -410,6 +412,9 @@ def check_array(name: str, arr, *, ndim: int, dtypes: Iterable, shape: tuple | N
                                  f"(axis {axis} is {got}, not {want})")
     if contiguous and not is_c_contiguous(arr):
         raise ValueError(f"{name} (shape {tuple(arr.shape)}) must be C-contiguous; pass a contiguous copy")
+    if writable and isinstance(arr, np.ndarray) and not arr.flags.writeable:
+        raise ValueError(f"{name} is a read-only array (numpy's writeable flag is off); expected an array this call "
+                         "can write its result into")
 
 
 __all__ = [

@@ -184,7 +184,7 @@ def activation(x, kind: str = "gelu", out=None, *, bias=None, queue=None, backen
         check_array("bias", bias, ndim=1, dtypes=_F32, shape=(cols,))
     if out is None:
         out = empty(kind_of, (rows, cols), np.float32)
-    check_array("out", out, ndim=2, dtypes=_F32, shape=(rows, cols))
+    check_array("out", out, ndim=2, dtypes=_F32, shape=(rows, cols), writable=True)
     # In place means *the same* bytes (each element read before it is written by one thread);
     # a shifted view would read rows another thread has already overwritten.
     check_not_partly_overlapping("out", out, "x", x)
@@ -205,7 +205,7 @@ def bias_gelu_(x, bias, *, queue=None, backend=None):
 def add_bias(x, bias, *, queue=None, backend=None):
     """``x[r, :] += bias`` in place for a float32 ``[rows, cols]`` array; returns ``x``."""
     kind = common_kind({"x": x, "bias": bias})
-    check_array("x", x, ndim=2, dtypes=_F32)
+    check_array("x", x, ndim=2, dtypes=_F32, writable=True)
     cols = int(x.shape[1])
     if getattr(bias, "ndim", None) == 1 and int(bias.shape[0]) != cols:
         raise ValueError(f"bias has {bias.shape[0]} entries; x has {cols} columns")

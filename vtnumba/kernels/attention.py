@@ -245,7 +245,7 @@ def attention(qkv, offsets, num_heads: int, head_dim: int, *, bias=None, out=Non
                              "(its shared-memory score buffer)")
     if out is None:
         out = empty(kind, (T, K), np.float32)
-    check_array("out", out, ndim=2, dtypes=_F32, shape=(T, K))
+    check_array("out", out, ndim=2, dtypes=_F32, shape=(T, K), writable=True)
     # Every block reads the K and V rows of its whole sentence while other blocks write their
     # rows of out: an out inside qkv would be read after another block overwrote it (on the
     # host the workspace happens to hide that; a GPU's concurrent blocks would not).

@@ -133,7 +133,7 @@ def _matmul_into(name, a_name, a, b_name, b, trans_b, bias, out, queue, backend,
     M, K, N = _check_inputs(a_name, a, b_name, b, trans_b, bias)
     if out is None:
         out = empty(kind, (M, N), np.float32)
-    check_array("out", out, ndim=2, dtypes=_OUT_DTYPES, shape=(M, N))
+    check_array("out", out, ndim=2, dtypes=_OUT_DTYPES, shape=(M, N), writable=True)
     check_outputs_apart({"out": out}, {a_name: a, b_name: b, "bias": bias})
     run(kind, name if kind == HOST else f"{name}[{variant}]", queue, backend, uses=(a, b, bias, out),
         host_fn=lambda: matmul_rows_host(a, b, bias, out, 0, M, trans_b),
@@ -182,7 +182,7 @@ def linear_rows_to(x, w, bias, dests, rows_per_dest: int, queue=None, backend=No
         raise ValueError(f"dests hold len(dests) * rows_per_dest = {len(dests)} * {R} = {len(dests) * R} rows "
                          f"but x has M={M} rows; expected at least {M}")
     for d, dest in enumerate(dests):
-        check_array(f"dests[{d}]", dest, ndim=2, dtypes=_OUT_DTYPES, shape=(R, N))
+        check_array(f"dests[{d}]", dest, ndim=2, dtypes=_OUT_DTYPES, shape=(R, N), writable=True)
     check_outputs_apart({f"dests[{d}]": dest for d, dest in enumerate(dests)}, {"x": x, "w": w, "bias": bias})
     queue_linear_rows_to(kind, x, w, bias, list(dests), R, queue, backend, variant)
     return dests

@@ -156,8 +156,8 @@ def _fused_add_norm(name, y, residual, weight, norm_bias, eps, bias, out, new_re
         out = empty(kind, (rows, h), np.float32)
     if new_residual is None:
         new_residual = empty(kind, (rows, h), np.float32)
-    check_array("out", out, ndim=2, dtypes=_F32, shape=(rows, h))
-    check_array("new_residual", new_residual, ndim=2, dtypes=_F32, shape=(rows, h))
+    check_array("out", out, ndim=2, dtypes=_F32, shape=(rows, h), writable=True)
+    check_array("new_residual", new_residual, ndim=2, dtypes=_F32, shape=(rows, h), writable=True)
     # Row i of the inputs is read before row i of the outputs is written, so an output may *be*
     # an input (in place); out and new_residual never share memory (z is re-read after out
     # is written), and no output may overlap an input shifted by some rows.

@@ -190,8 +190,8 @@ def peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, out, new_r
         check_array("norm_bias", norm_bias, ndim=1, dtypes=_F32, shape=(h,))
     if out is None or new_residual is None:
         raise ValueError("out and new_residual are required [R, H] float32 arrays (TPSP owns these buffers)")
-    check_array("out", out, ndim=2, dtypes=_F32, shape=(R, h))
-    check_array("new_residual", new_residual, ndim=2, dtypes=_F32, shape=(R, h))
+    check_array("out", out, ndim=2, dtypes=_F32, shape=(R, h), writable=True)
+    check_array("new_residual", new_residual, ndim=2, dtypes=_F32, shape=(R, h), writable=True)
     # By address (out=buf[:] is not buf): z is re-read after out is written, and a row the
     # outputs write must not be one another row still reads.  new_residual may be residual
     # exactly (the in-place update).
@@ -224,7 +224,7 @@ def gather_rows(src, dests, row_offset: int = 0, queue=None, backend=None, max_b
         raise ValueError(f"row_offset={row_offset!r} must be a non-negative int")
     row_offset = int(row_offset)
     for k, dest in enumerate(dests):
-        check_array(f"dests[{k}]", dest, ndim=2, dtypes=_F32, shape=(None, h))
+        check_array(f"dests[{k}]", dest, ndim=2, dtypes=_F32, shape=(None, h), writable=True)
         if row_offset + n > dest.shape[0]:
             raise ValueError(f"dests[{k}] has {dest.shape[0]} rows; rows [{row_offset}, {row_offset + n}) "
                              f"do not fit (row_offset={row_offset}, src has {n} rows)")
