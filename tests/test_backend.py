@@ -723,6 +723,22 @@ def test_query_queue_says_whether_everything_submitted_has_finished(threaded):
     b.close()
 
 
+def test_backends_take_a_device_written_as_text(device_backend_factory):
+    # CPUBackend("cpu") was "AttributeError: 'str' object has no attribute 'type'", while the
+    # registry's functions all take "cpu" and "cuda:0".
+    b = CPUBackend("cpu")
+    assert b.device == CPU
+    b.close()
+    with pytest.raises(ValueError, match="device=cuda:0 must be a CPU device for CPUBackend"):
+        CPUBackend("cuda:0")
+    with pytest.raises(ValueError, match="device='gpu' is not a device; expected 'cpu', 'cuda' or 'cuda:N'"):
+        CPUBackend("gpu")
+    from vtnumba.backend.cuda import CUDABackend
+
+    with pytest.raises(ValueError, match="device=cpu:0 must be a CUDA device for CUDABackend"):
+        CUDABackend("cpu")
+
+
 def test_a_host_function_waiting_for_its_own_threaded_queue_is_an_error_not_a_hang():
     """The worker would wait for itself forever (found by a lifecycle probe: synchronize,
     destroy_queue or close inside a host function hung the caller too).  A GPU refuses CUDA

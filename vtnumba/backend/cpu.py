@@ -26,7 +26,7 @@ import numpy as np
 from vtnumba import trace
 from vtnumba.backend.atomics import load_acquire, store_release
 from vtnumba.backend.base import Backend, Buffer, Capabilities, Event, EventMark, Queue
-from vtnumba.backend.device import CPU, Device, DeviceType
+from vtnumba.backend.device import CPU, Device, DeviceType, as_device
 from vtnumba.backend.polling import WaitTimeout, poll_until
 
 ALIGNMENT = 64
@@ -180,7 +180,8 @@ class CPUBackend(Backend):
     #: Always :attr:`DeviceType.CPU <vtnumba.backend.device.DeviceType.CPU>`.
     device_type = DeviceType.CPU
 
-    def __init__(self, device: Device = CPU, threaded: bool | None = None):
+    def __init__(self, device: Device | str = CPU, threaded: bool | None = None):
+        device = as_device(device)  # ("cpu" too, as the registry's functions take it)
         if device.type is not DeviceType.CPU:
             raise ValueError(f"device={device} must be a CPU device for CPUBackend")
         super().__init__(device)

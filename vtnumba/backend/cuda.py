@@ -61,7 +61,7 @@ from vtnumba.backend.arrays import (
 from vtnumba.backend.atomics import store_release
 from vtnumba.backend.base import QUEUE_PRIORITIES, Backend, Buffer, Capabilities, Event, EventMark, Queue
 from vtnumba.backend.cpu import aligned_empty, wait_flag_word
-from vtnumba.backend.device import Device, DeviceType
+from vtnumba.backend.device import Device, DeviceType, as_device
 from vtnumba.backend.device_choice import process_cuda_device
 from vtnumba.target import ask_for_cuda_connections, current_target
 
@@ -198,11 +198,12 @@ class CUDABackend(Backend):
     #: Always :attr:`DeviceType.CUDA <vtnumba.backend.device.DeviceType.CUDA>`, the simulator included.
     device_type = DeviceType.CUDA
 
-    def __init__(self, device: Device | None = None):
+    def __init__(self, device: Device | str | None = None):
         if device is None:
             # The simulator has one device; only a real GPU asks which one is this process's
             # (asking there would also fix the process's target as a side effect).
             device = Device(DeviceType.CUDA, process_cuda_device().index if not simulator_active() else 0)
+        device = as_device(device)  # ("cuda:1" too, as the registry's functions take it)
         if device.type is not DeviceType.CUDA:
             raise ValueError(f"device={device} must be a CUDA device for CUDABackend")
         super().__init__(device)
