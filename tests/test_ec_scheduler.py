@@ -90,7 +90,34 @@ def test_producer_serves_remote_reads():
     assert not s.cache.lookup("a").pinned
     with pytest.raises(KeyError, match="mm_hash 'ghost'"):
         s.release_read("ghost")
+    with pytest.raises(RuntimeError, match=r"release_read\('a'\): no read of it was granted"):
+        s.release_read("a")  # (released already)
     assert (s.stats["reads_granted"], s.stats["reads_refused"]) == (1, 1)
+
+
+def test_a_both_schedulers_own_load_pin_cannot_be_released_as_a_read():
+    # release_read took the pin of the scheduler's own load; its completion report then failed
+    # in the middle of update_connector_output, dropping the next report: 'b' stayed pinned and
+    # has_pending_work() True for good.
+    s = ECScheduler("both", 8)
+    for h in ("a", "b"):
+        s.request_save(h, 2)
+    s.build_connector_meta()
+    s.update_connector_output(ECWorkerMetadata(completed_saves=["a", "b"]))
+    ta, tb = s.request_load("a"), s.request_load("b")
+    s.build_connector_meta()
+    with pytest.raises(RuntimeError, match=r"release_read\('a'\): no read of it was granted .* own loads"):
+        s.release_read("a")
+    update = s.update_connector_output(ECWorkerMetadata(completed_loads=[ta, tb]))
+    assert update.released == ["a", "b"] and not s.has_pending_work()
+    assert not s.cache.lookup("a").pinned and not s.cache.lookup("b").pinned
+
+
+def test_a_consumer_scheduler_refuses_a_cache_it_would_not_use():
+    from vtnumba.ec import EmbeddingCache
+
+    with pytest.raises(ValueError, match="cache= is for a producer or both scheduler"):
+        ECScheduler("consumer", 4, cache=EmbeddingCache(4))
 
 
 def test_bad_input():

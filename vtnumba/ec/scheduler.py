@@ -70,6 +70,9 @@ class ECScheduler:
             raise TypeError(f"cache must be an EmbeddingCache or None, got {type(cache).__name__}")
         if cache is not None and cache.num_blocks != self.num_blocks:
             raise ValueError(f"cache has {cache.num_blocks} blocks but num_blocks={num_blocks}")
+        if cache is not None and not self.is_producer:
+            raise ValueError("cache= is for a producer or both scheduler; a consumer has none (the producer "
+                             "owns the blocks and the pins)")  # (it was ignored)
         # A consumer-only scheduler has no cache: the producer owns the blocks and the pins.
         self.cache = (cache or EmbeddingCache(self.num_blocks)) if self.is_producer else None
         self.expected_load_reports = int(expected_load_reports)
@@ -79,6 +82,9 @@ class ECScheduler:
         # transfer_id -> [mm_hash, reports still outstanding, the ranks that reported it]
         self._load_acks: dict[int, list] = {}
         self._transfer_ids = itertools.count()
+        # mm_hash -> pins grant_read took and release_read has not dropped: only those may be
+        # released by a reader (a 'both' scheduler's own loads hold pins of their own).
+        self._granted: dict[str, int] = {}
         self.stats = {"saves_scheduled": 0, "saves_completed": 0, "saves_without_room": 0,
                       "loads_scheduled": 0, "loads_completed": 0, "reads_granted": 0, "reads_refused": 0,
                       "stale_reports": 0}
@@ -93,6 +99,8 @@ class ECScheduler:
 
         Returns the block ids, or None when no save is scheduled: the entry already exists
         (cached, or its save is in flight), or the region has no room even after eviction.
+        An entry of more rows than the whole region has blocks could never be saved:
+        ValueError.
         """
         self._need(self.is_producer, "request_save", "producer")
         if not isinstance(mm_hash, str):
@@ -112,14 +120,32 @@ class ECScheduler:
     def grant_read(self, mm_hash: str) -> np.ndarray | None:
         """Pin a ready entry for a (remote) reader and return its block ids; None if not ready/absent."""
         self._need(self.is_producer, "grant_read", "producer")
-        ids = self.cache.pin_if_ready(mm_hash)
-        self.stats["reads_granted" if ids is not None else "reads_refused"] += 1
+        with self._lock:
+            ids = self.cache.pin_if_ready(mm_hash)
+            self.stats["reads_granted" if ids is not None else "reads_refused"] += 1
+            if ids is not None:
+                self._granted[mm_hash] = self._granted.get(mm_hash, 0) + 1
         return ids
 
     def release_read(self, mm_hash: str) -> None:
-        """Unpin an entry granted by :meth:`grant_read` (KeyError if unknown)."""
+        """Unpin an entry granted by :meth:`grant_read` (KeyError if unknown).
+
+        RuntimeError for an entry with no read granted and not yet released: its pins are a
+        ``both`` scheduler's own loads', which :meth:`update_connector_output` drops -- taking
+        one here made that call fail later, dropping the other reports of its step.
+        """
         self._need(self.is_producer, "release_read", "producer")
-        self.cache.unpin(mm_hash)
+        with self._lock:
+            if self._granted.get(mm_hash, 0) == 0:
+                if self.cache.lookup(mm_hash) is None:
+                    self.cache.unpin(mm_hash)  # (its KeyError names the unknown mm_hash)
+                raise RuntimeError(f"release_read({mm_hash!r}): no read of it was granted (grant_read) and not "
+                                   "yet released; pins of this scheduler's own loads are released by "
+                                   "update_connector_output")
+            self.cache.unpin(mm_hash)
+            self._granted[mm_hash] -= 1
+            if not self._granted[mm_hash]:
+                del self._granted[mm_hash]
 
     def has_cache_item(self, mm_hash: str) -> bool:
         """Is ``mm_hash`` ready in the local cache (producer / both)?"""
