@@ -25,6 +25,7 @@ from vtnumba.backend.arrays import is_device_array, to_host
 from vtnumba.kernels import fused_add_layer_norm
 from vtnumba.models import (
     ENV_VAR,
+    MiniLMConfig,
     MiniLMEncoder,
     MiniLMModel,
     MiniLMTokenizer,
@@ -548,3 +549,29 @@ def test_a_truncation_warning_points_at_the_callers_line(encoder):
     with pytest.warns(TruncationWarning) as caught:
         encoder.encode(["word " * 300])
     assert caught[0].filename == __file__
+
+
+@pytest.mark.parametrize("file, key, value, says", [
+    # ZeroDivisionError, "math domain error", IndexError, or accepted silently (0 -> 512 tokens,
+    # 384.7 -> 384, true -> 1 layer):
+    ("config.json", "num_attention_heads", 0, "num_attention_heads=0; expected a whole number >= 1"),
+    ("config.json", "num_attention_heads", -1, "num_attention_heads=-1; expected a whole number >= 1"),
+    ("config.json", "num_hidden_layers", 0, "num_hidden_layers=0; expected a whole number >= 1"),
+    ("config.json", "num_hidden_layers", True, "num_hidden_layers=True; expected a whole number >= 1"),
+    ("config.json", "hidden_size", 384.7, "hidden_size=384.7; expected a whole number >= 1"),
+    ("config.json", "layer_norm_eps", 0, "layer_norm_eps=0; expected a positive number"),
+    ("sentence_bert_config.json", "max_seq_length", 0, "sentence_bert_config.json max_seq_length=0; expected a whole"),
+    ("sentence_bert_config.json", "max_seq_length", "abc", "sentence_bert_config.json max_seq_length='abc'"),
+])
+def test_a_config_value_out_of_range_is_named_with_its_file(tmp_path, file, key, value, says):
+    import json
+
+    real = _model_dir()
+    for name in ("config.json", "sentence_bert_config.json"):
+        if (real / name).exists():
+            (tmp_path / name).write_text((real / name).read_text())
+    raw = json.loads((tmp_path / file).read_text()) if (tmp_path / file).exists() else {}
+    raw[key] = value
+    (tmp_path / file).write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=re.escape(says)):
+        MiniLMConfig.from_dir(tmp_path)

@@ -65,24 +65,32 @@ class MiniLMConfig:
             if got != want:
                 raise ValueError(f"config.json {key}={got!r} is not supported; expected {want!r}")
         st_path = model_dir / "sentence_bert_config.json"
-        max_seq = _read_json(st_path).get("max_seq_length") if st_path.is_file() else None
-        try:
-            cfg = cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
-            num_attention_heads=int(raw["num_attention_heads"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            max_position_embeddings=int(raw["max_position_embeddings"]),
-            type_vocab_size=int(raw.get("type_vocab_size", 2)),
-            layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
-            pad_token_id=int(raw.get("pad_token_id", 0)),
-            max_seq_length=int(max_seq) if max_seq else int(raw["max_position_embeddings"]),
-            )
-        except KeyError as exc:
-            raise ValueError(f"{model_dir / 'config.json'} has no {exc.args[0]!r}; it is not a BERT config") from None
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{model_dir / 'config.json'} has a value that is not a number ({exc})") from None
+        st_raw = _read_json(st_path) if st_path.is_file() else {}
+
+        def whole(key: str, default=None, minimum: int = 1, source: dict = raw, file: str = "config.json") -> int:
+            # A count or a size: a JSON integer (not 384.7, not true), at least ``minimum`` -- a 0
+            # or negative one failed later as ZeroDivisionError, "math domain error" or IndexError.
+            value = source.get(key, default)
+            if value is None:
+                raise ValueError(f"{model_dir / file} has no {key!r}; it is not a BERT config")
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{model_dir / file} {key}={value!r}; expected a whole number >= {minimum}")
+            return value
+
+        sizes = {key: whole(key) for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                             "intermediate_size", "max_position_embeddings")}
+        eps = raw.get("layer_norm_eps", 1e-12)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+            raise ValueError(f"{model_dir / 'config.json'} layer_norm_eps={eps!r}; expected a positive number")
+        cfg = cls(
+            **sizes,
+            type_vocab_size=whole("type_vocab_size", 2),
+            layer_norm_eps=float(eps),
+            pad_token_id=whole("pad_token_id", 0, minimum=0),
+            # (sentence-transformers' truncation length; without the file, the model's positions)
+            max_seq_length=whole("max_seq_length", sizes["max_position_embeddings"], minimum=2, source=st_raw,
+                                 file="sentence_bert_config.json"),
+        )
         if cfg.hidden_size % cfg.num_attention_heads:
             raise ValueError(
                 f"config.json hidden_size={cfg.hidden_size} is not a multiple of num_attention_heads={cfg.num_attention_heads}"
