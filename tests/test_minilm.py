@@ -575,3 +575,29 @@ def test_a_config_value_out_of_range_is_named_with_its_file(tmp_path, file, key,
     (tmp_path / file).write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=re.escape(says)):
         MiniLMConfig.from_dir(tmp_path)
+
+
+def test_weights_that_are_not_floating_point_are_refused_by_name(tmp_path):
+    # int32 LayerNorm weights were accepted silently, complex ones cast with a ComplexWarning.
+    import shutil
+
+    import safetensors.numpy as st_numpy
+
+    real = _model_dir()
+    for name in ("config.json", "tokenizer.json", "sentence_bert_config.json"):
+        if (real / name).exists():
+            shutil.copy(real / name, tmp_path / name)
+    tensors = st_numpy.load_file(str(real / "model.safetensors"))
+    key = next(k for k in tensors if k.endswith("embeddings.LayerNorm.weight"))
+    tensors[key] = np.ones(tensors[key].shape, np.int32)
+    st_numpy.save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"tensor 'embeddings.LayerNorm.weight' has dtype int32; expected floating"):
+        load_minilm_weights(tmp_path)
+
+
+def test_encode_ids_names_what_is_wrong_with_the_ids(encoder):
+    enc = encoder
+    with pytest.raises(TypeError, match="token_ids must be a list of 1-D id arrays .*got NoneType"):
+        enc.encode_ids(None)
+    with pytest.raises(ValueError, match=r"token_ids\[0\] is not a flat sequence of ids"):
+        enc.encode_ids([[101, [2000]]])

@@ -206,7 +206,14 @@ class MiniLMEncoder:
     def _check_ids(self, token_ids) -> list[np.ndarray]:
         if isinstance(token_ids, np.ndarray) and token_ids.ndim == 1:
             raise TypeError("token_ids must be a list of 1-D id arrays (one per text), not one array; wrap it in a list")
-        ids = [np.asarray(t) for t in token_ids]
+        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+            raise TypeError(f"token_ids must be a list of 1-D id arrays (one per text), got {type(token_ids).__name__}")
+        ids = []
+        for i, t in enumerate(token_ids):
+            try:
+                ids.append(np.asarray(t))
+            except ValueError:  # (numpy's "inhomogeneous shape" for a ragged nested list)
+                raise ValueError(f"token_ids[{i}] is not a flat sequence of ids") from None
         if not ids:
             raise ValueError("token_ids is empty; expected at least one text's ids")
         limit, vocab = self.config.max_position_embeddings, self.config.vocab_size

@@ -201,6 +201,9 @@ def load_minilm_weights(model_dir: str | os.PathLike | None = None) -> MiniLMWei
             raise ValueError(f"model.safetensors in {folder} has no tensor {name!r}")
         if tuple(arr.shape) != shape:
             raise ValueError(f"model.safetensors tensor {name!r} has shape {tuple(arr.shape)}; expected {shape}")
+        if np.dtype(arr.dtype).kind != "f":  # (complex was cast with a warning, ints silently)
+            raise ValueError(f"model.safetensors tensor {name!r} has dtype {np.dtype(arr.dtype).name}; expected "
+                             "floating point weights (float16, float32 or float64)")
         return np.ascontiguousarray(arr, dtype=np.float32)
 
     H, I = cfg.hidden_size, cfg.intermediate_size
