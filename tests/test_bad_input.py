@@ -79,6 +79,21 @@ def test_linear_weights_that_hold_no_numbers_are_named(weight, bias, exc, match)
         nn.ColumnParallelLinear(8, 4, weight=weight, bias=bias, tp_size=1, tp_rank=0)
 
 
+def test_norm_weights_that_hold_no_numbers_and_float32_overflow_are_named():
+    # RMSNorm(weight="abc") said only "could not convert string to float"; a 1e300 weight
+    # became inf with numpy's RuntimeWarning.
+    with pytest.raises(TypeError, match="weight='abc' must be an array of numbers"):
+        nn.RMSNorm(3, weight="abc")
+    with pytest.raises(TypeError, match="bias must be an array of numbers"):
+        nn.LayerNorm(2, bias=["a", "b"])
+    with pytest.raises(ValueError, match="weight holds values too large for float32"):
+        nn.ColumnParallelLinear(1, 1, weight=[[1e300]], tp_size=1, tp_rank=0)
+    with pytest.raises(ValueError, match="weight holds values too large for float32"):
+        nn.RMSNorm(2, weight=np.array([1.0, 1e39]))
+    # (an inf or NaN given as such is the caller's to keep: the NaN tests pass them on purpose)
+    assert np.isinf(nn.ColumnParallelLinear(1, 1, weight=[[np.inf]], tp_size=1, tp_rank=0).weight).all()
+
+
 def test_a_numpy_bool_bias_is_a_flag_not_an_array():
     assert nn.ColumnParallelLinear(8, 4, bias=np.True_, tp_size=1, tp_rank=0).bias.shape == (4,)
     assert nn.RowParallelLinear(8, 4, bias=np.False_, tp_size=1, tp_rank=0).bias is None

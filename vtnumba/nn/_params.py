@@ -27,6 +27,24 @@ def _upload(host: np.ndarray):
     return default_backend(default_cuda_device()).asarray(np.ascontiguousarray(host, dtype=np.float32))
 
 
+def float32_array(name: str, value) -> np.ndarray:
+    """``value`` (an array, nested lists) as float32: a module's parameter.  TypeError naming
+    ``name`` if it holds no numbers; ValueError if a finite value is too large for float32
+    (1e300 became inf with only numpy's RuntimeWarning)."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name}={value!r} must be an array of numbers")
+    try:
+        given = np.asarray(value)
+        with np.errstate(over="ignore"):
+            arr = np.asarray(given, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be an array of numbers ({exc})") from None
+    if given.dtype.kind in "fiu" and given.dtype.itemsize > 4 and not np.isfinite(arr).all() \
+            and np.isfinite(given).all():
+        raise ValueError(f"{name} holds values too large for float32 (its largest is about 3.4e38)")
+    return arr
+
+
 def check_input(layer, name: str, x, features: int, meaning: str, dtypes=(np.float32,)) -> None:
     """``x`` must be a 2-D ``[tokens, features]`` array of one of ``dtypes`` for ``layer``.
 
@@ -66,4 +84,4 @@ class Params:
         return cache[name]
 
 
-__all__ = ["Params", "is_host", "check_input"]
+__all__ = ["Params", "is_host", "check_input", "float32_array"]

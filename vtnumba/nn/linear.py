@@ -26,7 +26,7 @@ import numpy as np
 from vtnumba.backend.arrays import check_int, is_int
 from vtnumba.dist.comm import check_group
 from vtnumba.kernels import add_bias, linear
-from vtnumba.nn._params import Params, check_input
+from vtnumba.nn._params import Params, check_input, float32_array
 
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
     """``[start, stop)`` of part ``index`` when ``total`` items are split into ``parts`` near-equal parts."""
@@ -53,22 +53,12 @@ def _tp(tp_size, tp_rank) -> tuple[int, int]:
     return tp_size, check_int("tp_rank", tp_rank, min_value=0, max_value=tp_size - 1)
 
 
-def _float32_array(name: str, value) -> np.ndarray:
-    """``value`` (an array, nested lists) as float32; TypeError naming ``name`` if it holds no numbers."""
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"{name}={value!r} must be an array of numbers")
-    try:
-        return np.asarray(value, dtype=np.float32)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{name} must be an array of numbers ({exc})") from None
-
-
 def _full_weight(weight, out_features: int, in_features: int, seed: int) -> np.ndarray:
     if weight is None:
         rng = np.random.default_rng(seed)
         return (rng.standard_normal((out_features, in_features), dtype=np.float32)
                 / np.float32(np.sqrt(in_features)))
-    w = _float32_array("weight", weight)
+    w = float32_array("weight", weight)
     if w.shape != (out_features, in_features):
         raise ValueError(f"weight has shape {w.shape}; expected (out_features, in_features) = "
                          f"({out_features}, {in_features})")
@@ -82,7 +72,7 @@ def _full_bias(bias, out_features: int, seed: int) -> np.ndarray | None:
         return np.random.default_rng(seed + 1).standard_normal(out_features, dtype=np.float32) * np.float32(0.1)
     if isinstance(bias, (int, float, np.number, str, bytes)):
         raise TypeError(f"bias={bias!r} must be True, False, None or an array of out_features={out_features} values")
-    b = _float32_array("bias", bias)
+    b = float32_array("bias", bias)
     if b.shape != (out_features,):
         raise ValueError(f"bias has shape {b.shape}; expected (out_features,) = ({out_features},)")
     return b

@@ -16,7 +16,7 @@ import numpy as np
 
 from vtnumba.backend.arrays import check_eps, check_int
 from vtnumba.kernels import fused_add_layer_norm, fused_add_rms_norm
-from vtnumba.nn._params import Params, check_input
+from vtnumba.nn._params import Params, check_input, float32_array
 
 
 def _vector(value, hidden: int, default: float, name: str, seed: int | None) -> np.ndarray:
@@ -25,7 +25,7 @@ def _vector(value, hidden: int, default: float, name: str, seed: int | None) -> 
             return np.full(hidden, default, dtype=np.float32)
         rng = np.random.default_rng(seed)
         return (np.float32(default) + np.float32(0.1) * rng.standard_normal(hidden, dtype=np.float32))
-    v = np.asarray(value, dtype=np.float32)
+    v = float32_array(name, value)
     if v.shape != (hidden,):
         raise ValueError(f"{name} has shape {v.shape}; expected (hidden_size,) = ({hidden},)")
     return np.ascontiguousarray(v)
