@@ -207,7 +207,8 @@ class MiniLMEncoder:
         if isinstance(token_ids, np.ndarray) and token_ids.ndim == 1:
             raise TypeError("token_ids must be a list of 1-D id arrays (one per text), not one array; wrap it in a list")
         if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
-            raise TypeError(f"token_ids must be a list of 1-D id arrays (one per text), got {type(token_ids).__name__}")
+            raise TypeError("token_ids must be a list of 1-D id arrays (one per text), got "
+                            f"{type(token_ids).__name__}")
         ids = []
         for i, t in enumerate(token_ids):
             try:
