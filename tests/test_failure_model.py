@@ -614,3 +614,53 @@ def test_a_second_run_in_one_process_watches_the_board_again():
     finally:
         failures.uninstall()
     assert board.check not in polling._watches
+
+
+# A program's main(), run by run_collectively on every rank; argv: the rank that fails, and how.
+LATE_OR_EXIT = """
+import sys, time
+from mpi4py import MPI
+from vtnumba import dist
+rank, bad, how = MPI.COMM_WORLD.Get_rank(), int(sys.argv[1]), sys.argv[2]
+
+def main():
+    tp = dist.init_distributed()
+    dist.barrier(tp)
+    if rank == bad:
+        time.sleep(0.5)  # the others have finished and closed their groups by now
+        if how == "exit":
+            sys.exit(3)
+        raise RuntimeError("printing the report failed")
+    if how == "exit":
+        dist.barrier(tp)  # waits for the rank that leaves
+    dist.destroy_distributed()
+    return 0
+
+sys.exit(dist.run_collectively(main, timeout_s=20))
+"""
+
+
+@pytest.mark.parametrize("ranks, bad", [(2, 0), (3, 2)])
+def test_a_rank_failing_after_the_others_finished_ends_the_job_at_once(tmp_path, ranks, bad):
+    # The finished ranks had closed their failure board (destroy_distributed) and waited in an
+    # exit barrier on another communicator than the failing rank's: both waited out the whole
+    # timeout, then blamed a "stopped or hung" rank.
+    script = tmp_path / "late.py"
+    script.write_text(LATE_OR_EXIT)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc, elapsed, out = _job([MPIEXEC, "-n", str(ranks), sys.executable, str(script), str(bad), "raise"], env)
+    assert proc.returncode == 1 and elapsed < 15, (elapsed, out)
+    assert f"[rank {bad}] failed while running: RuntimeError: printing the report failed" in out, out
+    assert "did not leave" not in out and "Traceback" not in out, out
+
+
+def test_sys_exit_on_one_rank_is_a_failure_the_others_hear_of(tmp_path):
+    # sys.exit(3) on one rank (argparse's error, say) was not caught: the others waited out
+    # their timeouts (twice), blaming rank 0, and rank 2 was never named.
+    script = tmp_path / "exit.py"
+    script.write_text(LATE_OR_EXIT)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc, elapsed, out = _job([MPIEXEC, "-n", "3", sys.executable, str(script), "2", "exit"], env)
+    assert proc.returncode == 1 and elapsed < 15, (elapsed, out)
+    assert "[rank 2] failed while running: RuntimeError: exited with status 3" in out, out
+    assert out.count("because rank 2 failed while running") == 2 and "timed out" not in out, out

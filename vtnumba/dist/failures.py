@@ -16,7 +16,9 @@ with that text.  So a failure travels in milliseconds instead of a timeout, and 
 each rank prints names the rank that failed first and what it was doing (:func:`phase`).
 
 **The exit protocol.**  :func:`exit_after_failure` is how a failed rank leaves: it waits
-(bounded) in a barrier of the failure board's communicator; when every rank arrives --
+(bounded) in a barrier of a communicator of its own (opened with the first board, and kept
+after :func:`uninstall`: a rank that finished and closed its board meets a late-failing
+peer there); when every rank arrives --
 they all failed, or gave up after the report, or (under :func:`run_collectively`, which
 ends a *successful* run with the same barrier) finished their part -- it returns and the
 program exits normally (``MPI_Finalize`` completes).  If some rank never arrives (stopped, or stuck where no watch
@@ -154,6 +156,11 @@ class FailureBoard:
 
 
 _board: FailureBoard | None = None
+#: The exit barrier's communicator: a Dup of the first board's, kept for the process's life.
+#: Not the board's own -- a rank that finished closes its board (destroy_distributed) before
+#: it leaves, and a peer that fails later must find it in the same barrier -- and not the
+#: world, where the barrier could match a collective the application still has pending.
+_exit_comm: MPI.Comm | None = None
 _previous_sigint = None  # the SIGINT handler install() replaced (restored by uninstall)
 _deferred = False  # a SIGINT landed in a callback from C: raised again shortly (see _interrupted)
 _REDELIVER_S = 0.05  # how soon a SIGINT that landed in a callback from C is raised again
@@ -235,11 +242,13 @@ def install(comm: MPI.Comm | None = None, timeout_s: float = DEFAULT) -> Failure
 
     Opening it is a ``Dup`` and an ``allgather``, which block in C: every rank arrives first,
     in a barrier that polls up to ``timeout_s`` (:func:`vtnumba.dist.comm.arrive`)."""
-    global _board, _previous_sigint
+    global _board, _previous_sigint, _exit_comm
     if _board is None:
         comm = MPI.COMM_WORLD if comm is None else comm
         arrive(comm, "opening the failure board", timeout_s)
         _board = FailureBoard(comm)
+        if _exit_comm is None:
+            _exit_comm = comm.Dup()  # (collective, as the board's: every rank is here)
         polling.add_watch(_board.check)
         # A Ctrl-C tells the peers at once (see _interrupted) -- where Python's own handler is
         # in place (a program's or a test runner's own is left alone) and signals can be set.
@@ -365,7 +374,7 @@ def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
     instead of waiting out its timeout for ranks already inside ``MPI_Finalize``.)"""
     global _deferred
     board = _board
-    comm = board.comm if board is not None else MPI.COMM_WORLD
+    comm = _exit_comm if _exit_comm is not None else MPI.COMM_WORLD
     if board is not None:
         polling.remove_watch(board.check)  # we are leaving anyway: peers' notes change nothing
     _deferred = False  # (nor may a Ctrl-C put off in a compile cut into the exit barrier now)
@@ -429,11 +438,22 @@ def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
     A rank that fails before the board is open (a Ctrl-C while the ranks arrive) can tell
     nobody, and the others may be inside a blocking setup collective where nothing of ours
     runs: it leaves at once, without ``MPI_Finalize``, and ``mpiexec`` ends the job."""
+    resolve_timeout(timeout_s)  # (a bad one is the caller's error, said here -- not again inside the failure path)
     board_open = False
     try:
         install(timeout_s=timeout_s)
         board_open = True
-        code = int(main() or 0)
+        try:
+            code = int(main() or 0)
+        except SystemExit as stop:
+            # sys.exit() on one rank (argparse's error, say) is a failure the peers must hear of,
+            # unless it says success; its message, if any, is this rank's to print.
+            status = stop.code
+            if status is None or status == 0:
+                code = 0
+            else:
+                raise RuntimeError(f"exited with status {status}" if isinstance(status, int)
+                                   else f"exited: {status}") from None
     except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 - every failure must reach the peers
         arm_exit_watchdog(timeout_s)  # from here on, nothing may keep this process alive
         ignore_ctrl_c()  # (nor cut into the way out: the watchdog bounds it)
