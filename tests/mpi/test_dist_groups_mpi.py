@@ -171,6 +171,28 @@ def test_barrier_that_a_peer_never_joins_times_out(fresh):
     assert errs[0].startswith("barrier on group 'probe' (rank 0 of") and "timed out after 0.3 s" in errs[0], errs
 
 
+def test_a_bad_timeout_on_one_rank_posts_nothing(fresh):
+    # The timeout was checked after the request was posted: a rank that refused timeout_s=-1
+    # had already let its peer through the barrier (and left an allgather for it to wait out).
+    import numpy as np
+
+    me = COMM.Get_rank()
+    collectively(lambda: dist.init_distributed())
+    probe = dist.new_group("probe_timeout", list(range(COMM.Get_size())))
+    got = None
+    if me == 1:
+        with pytest.raises(ValueError, match=r"timeout_s=-1 must be a positive, finite number of seconds"):
+            dist.barrier(probe, timeout_s=-1)
+        with pytest.raises(TypeError, match=r"timeout_s='5' must be a number of seconds, got str"):
+            dist.allgather_bytes(b"x", probe, timeout_s="5")
+    COMM.Barrier()
+    # Nothing was posted on rank 1: the next barrier matches everyone's first one.  (numpy's
+    # numbers are seconds too.)
+    dist.barrier(probe, timeout_s=np.float32(10.0))
+    got = dist.allgather_bytes(bytes([me]), probe, timeout_s=np.int64(10))
+    assert got == [bytes([r]) for r in range(COMM.Get_size())]
+
+
 def test_group_spanning_nodes_has_no_peer_buffers(fresh, monkeypatch):
     n = COMM.Get_size()
     collectively(lambda: dist.init_distributed())

@@ -21,6 +21,8 @@ once, so a teardown's chain of barriers after a lost peer takes one timeout, not
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 from mpi4py import MPI
 
@@ -61,7 +63,10 @@ def resolve_timeout(timeout_s) -> float:
 
 
 def _check_timeout(timeout_s) -> float:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < float("inf")):
+    # (numpy's numbers are seconds too; a str or a bool is a TypeError, as check_seconds says it)
+    if isinstance(timeout_s, (bool, np.bool_)) or not isinstance(timeout_s, numbers.Real):
+        raise TypeError(f"timeout_s={timeout_s!r} must be a number of seconds, got {type(timeout_s).__name__}")
+    if not 0 < timeout_s < float("inf"):
         raise ValueError(f"timeout_s={timeout_s!r} must be a positive, finite number of seconds")
     return float(timeout_s)
 
@@ -109,11 +114,13 @@ def arrive(comm: MPI.Comm, what: str, timeout_s: float = DEFAULT) -> None:
     there would leave the others inside them for good.  Here they hear of it, or give up
     after ``timeout_s`` (naming ``what``); once all have arrived, the blocking calls return
     at once."""
+    timeout_s = resolve_timeout(timeout_s)  # (before the request: see barrier)
     wait_for_every_rank(comm.Ibarrier(), what, timeout_s)
 
 
 def dup_comm(comm: MPI.Comm, what: str, timeout_s: float = DEFAULT) -> MPI.Comm:
     """``comm.Dup()`` without blocking in C: ``Idup``, polled as :func:`arrive` is."""
+    timeout_s = resolve_timeout(timeout_s)
     new, req = comm.Idup()
     wait_for_every_rank(req, what, timeout_s)
     return new
@@ -130,6 +137,9 @@ def wait_for_every_rank(req: MPI.Request, what: str, timeout_s: float = DEFAULT)
 def barrier(group, timeout_s: float = DEFAULT) -> None:
     """A barrier over ``group`` that raises RuntimeError (naming group and rank) after ``timeout_s``."""
     check_group(group)
+    # Checked before the request is posted: a rank that refused a bad timeout after posting
+    # had already let its peers through the barrier, or left them a collective to wait out.
+    timeout_s = resolve_timeout(timeout_s)
     with trace.span("barrier", "mpi", f"mpi:{group.name}"):
         wait_request(group.cpu_comm.Ibarrier(), group, "barrier", timeout_s)
 
@@ -140,6 +150,7 @@ def all_ranks_ready(ok: bool, group, timeout_s: float = DEFAULT) -> bool:
     The agreement of vLLM's ``CudaTPSPBackend.open()``: an all-reduce with MIN of 0/1.  Every rank must call it.
     """
     check_group(group)
+    timeout_s = resolve_timeout(timeout_s)  # (before the request: see barrier)
     send = np.array([1 if ok else 0], dtype=np.int32)
     recv = np.zeros(1, dtype=np.int32)
     with trace.span("all_ranks_ready", "mpi", f"mpi:{group.name}", ok=bool(ok)):
@@ -156,6 +167,7 @@ def allreduce_max(value: float, group, what: str, timeout_s: float = DEFAULT) ->
     (``what`` names it in the timeout's message).
     """
     check_group(group)
+    timeout_s = resolve_timeout(timeout_s)  # (before the request: see barrier)
     # NaN reaches every rank as NaN: MPI's MAX compares, and every comparison with NaN is
     # false, so a NaN on one rank would be dropped there and kept elsewhere -- ranks that
     # agree on nothing.  It travels as a flag of its own.
@@ -175,6 +187,7 @@ def allgather_bytes(data: bytes, group, timeout_s: float = DEFAULT) -> list[byte
     check_group(group)
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    timeout_s = resolve_timeout(timeout_s)  # (before the request: see barrier)
     payload = np.frombuffer(bytes(data), dtype=np.uint8)
     n = group.size
     with trace.span("allgather_bytes", "mpi", f"mpi:{group.name}", bytes=payload.size):
