@@ -399,6 +399,18 @@ def test_signals_single_rank(group, shm_clean):
         assert sig.meta(0) == (1, 2, 3, 0, 0, 0, 0, 0)
         with pytest.raises(ValueError, match="at most 8 values"):
             sig.set_meta(range(9))
+        # 1.7 was stored as 1; 2**63, 2**64 and NaN were numpy's or int()'s own errors, unnamed.
+        with pytest.raises(TypeError, match=r"value=1.7 must be an int \(flags count epochs\)"):
+            sig.set("consumed", 0, 1.7)
+        with pytest.raises(ValueError, match=r"value=9223372036854775808 must be an epoch in 0\.\."):
+            sig.set("consumed", 0, 2**63)
+        with pytest.raises(TypeError, match="value=nan must be an int"):
+            sig.wait("consumed", float("nan"))
+        with pytest.raises(ValueError, match=r"epoch=18446744073709551616 must be an epoch"):
+            sig.abort(2**64)
+        with pytest.raises(ValueError, match=r"18446744073709551616 does not fit the int64 a meta slot holds"):
+            sig.set_meta([2**64])
+        assert sig.get("consumed", 0) == 3
 
 
 def test_signal_wait_times_out_naming_rank_flag_expected_and_seen(group, shm_clean):

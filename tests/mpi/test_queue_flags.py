@@ -241,6 +241,8 @@ def test_bad_arguments_are_named(group, threaded):
                 flags.signal(q, "ready", 1, targets=99)
             with pytest.raises(ValueError, match=f"must be an epoch in 0..{RELEASED - 1}"):
                 flags.signal(q, "ready", RELEASED)
+            with pytest.raises(TypeError, match="flag value '3' must be an int epoch"):
+                flags.wait(q, "ready", "3")  # (it was "'<=' not supported", naming nothing)
         with pytest.raises(RuntimeError, match="closed"):
             flags.signal(q, "ready", 1)
 

@@ -154,6 +154,8 @@ class QueueFlags:
         return [int(r) for r in out]
 
     def _check_epoch(self, value: int) -> int:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"flag value {value!r} must be an int epoch")  # ('3' failed at '<=' unnamed)
         value = int(value)
         if not 0 <= value < RELEASED:
             raise ValueError(f"flag value {value} must be an epoch in 0..{RELEASED - 1}; reopen the flags "
@@ -173,7 +175,7 @@ class QueueFlags:
         """Queue on ``q``: later work waits until every source (default: every rank) raised ``name``
         to at least ``value`` in this rank's area."""
         self._check_open()
-        if value <= 0:
+        if is_int(value) and value <= 0:
             return  # every word starts at 0: "at least 0" needs no wait (step g-1 of chunk 0)
         value = self._check_epoch(value)
         me = self.group.rank

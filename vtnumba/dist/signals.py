@@ -53,6 +53,16 @@ META_BANKS = 2
 ABORT_FOREVER = 1 << 62
 
 
+def _epoch(what: str, value, most: int = ABORT_FOREVER - 1) -> int:
+    """A flag value: an int in ``0 .. most`` (a flag word is an int64, and abort stamps sit
+    above every epoch).  1.7 was stored as 1, 2**63 an OverflowError from numpy."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what}={value!r} must be an int (flags count epochs)")
+    if not 0 <= int(value) <= most:
+        raise ValueError(f"{what}={value} must be an epoch in 0..{most}")
+    return int(value)
+
+
 def flag_names_error(names) -> tuple[tuple[str, ...] | None, ValueError | None]:
     """``(names as a tuple, None)``, or ``(None, the error)`` when ``names`` is not a non-empty
     tuple of distinct non-empty strings -- returned, not raised, so that the ranks can compare
@@ -144,7 +154,7 @@ class PeerSignals:
         self._check_open()
         target = self._rank(target_rank, "target_rank")
         slot = self._slot(name, self.group.rank)
-        value = int(value)
+        value = _epoch("value", value)
         if after is not None:
             self._finish(after)
         area = self._areas[target]
@@ -184,7 +194,7 @@ class PeerSignals:
         else:
             sources = [self._rank(s, "source") for s in source]
         timeout_s = self.timeout_s if timeout_s is None else check_seconds("timeout_s", timeout_s)
-        value = int(value)
+        value = _epoch("value", value)
         area = self._areas[me]
         base = self._slot(name, 0)
         pending = list(sources)
@@ -228,7 +238,7 @@ class PeerSignals:
         """
         if self._pb.closed:
             return
-        self._stamp_abort(self.group.rank, ABORT_FOREVER if epoch is None else int(epoch))
+        self._stamp_abort(self.group.rank, ABORT_FOREVER if epoch is None else _epoch("epoch", epoch, ABORT_FOREVER))
 
     def relay_abort(self, rank: int) -> None:
         """Pass on the news that ``rank`` gave up: copy its abort stamp, as this rank sees it,
@@ -270,6 +280,9 @@ class PeerSignals:
         values = [int(v) for v in values]
         if len(values) > META_SLOTS:
             raise ValueError(f"set_meta takes at most {META_SLOTS} values, got {len(values)}")
+        big = [v for v in values if not -2**63 <= v < 2**63]
+        if big:
+            raise ValueError(f"values={values!r}: {big[0]} does not fit the int64 a meta slot holds")
         # Plain stores: ordered before the next flag this rank raises by that flag's release store.
         padded = values + [0] * (META_SLOTS - len(values))
         self._areas[self.group.rank][self._meta_slice(bank)] = padded
