@@ -64,7 +64,7 @@ def _inject(text: str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = RankZeroErrorsParser(  # a usage error is printed by rank 0 only
-        prog="mpiexec -n 2 python mpi/ec_disagg.py",
+        prog="mpiexec -n N python mpi/ec_disagg.py",  # (N >= 2: one producer, the rest consumers)
         description="Encoder (rank 0) hands embeddings to prefill (rank 1, + extra TP ranks) through the "
                     "encoder-cache region, with eviction pressure; every load is verified.")
     p.add_argument("--target", choices=("auto", "cuda", "cudasim", "cpu"), default=None,
