@@ -156,7 +156,7 @@ class FailureBoard:
 
 
 _board: FailureBoard | None = None
-#: The exit barrier's communicator: a Dup of the first board's, kept for the process's life.
+#: The exit barrier's communicator: a Dup of the first world-wide board's, kept for the process's life.
 #: Not the board's own -- a rank that finished closes its board (destroy_distributed) before
 #: it leaves, and a peer that fails later must find it in the same barrier -- and not the
 #: world, where the barrier could match a collective the application still has pending.
@@ -247,7 +247,7 @@ def install(comm: MPI.Comm | None = None, timeout_s: float = DEFAULT) -> Failure
         comm = MPI.COMM_WORLD if comm is None else comm
         arrive(comm, "opening the failure board", timeout_s)
         _board = FailureBoard(comm)
-        if _exit_comm is None:
+        if _exit_comm is None and comm.Get_size() == MPI.COMM_WORLD.Get_size():
             _exit_comm = comm.Dup()  # (collective, as the board's: every rank is here)
         polling.add_watch(_board.check)
         # A Ctrl-C tells the peers at once (see _interrupted) -- where Python's own handler is
@@ -374,7 +374,8 @@ def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
     instead of waiting out its timeout for ranks already inside ``MPI_Finalize``.)"""
     global _deferred
     board = _board
-    comm = _exit_comm if _exit_comm is not None else MPI.COMM_WORLD
+    # (A board over part of the world -- a test's -- keeps its own barrier, as before.)
+    comm = _exit_comm if _exit_comm is not None else board.comm if board is not None else MPI.COMM_WORLD
     if board is not None:
         polling.remove_watch(board.check)  # we are leaving anyway: peers' notes change nothing
     _deferred = False  # (nor may a Ctrl-C put off in a compile cut into the exit barrier now)
