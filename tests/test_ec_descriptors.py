@@ -136,3 +136,43 @@ def test_copy_block_runs_with_an_unregistered_flat_side_checks_the_region_side(r
     with pytest.raises(ValueError, match="dst_ptrs"):  # the region side, no longer live: refused
         bufs.copy_block_runs(ids, 4, 8, region.ctypes.data, flat.ctypes.data, BLOCK, 4 * BLOCK, True,
                              check_flat=False)
+
+
+def test_marks_shorter_than_the_region_are_refused_not_written_past():
+    # The compiled loop wrote marks[id] for every id: a marks array of 4 for a 16-block region
+    # wrote into memory it did not own (here: the rest of a bigger array).
+    bufs = DescriptorBufferPool().acquire(4)
+    big = np.zeros(32, np.uint32)
+    with pytest.raises(ValueError, match=r"marks \(if given\) of num_blocks=16 entries"):
+        bufs.add_block_runs(0, np.array([10], np.int64), 1, 16, 0, 0, 8, 8, True, False, big[:4], 7)
+    assert not big.any()
+    assert bufs.add_block_runs(0, np.array([10], np.int64), 1, 16, 0, 0, 8, 8, True, False, big[:16], 7) == 1
+    assert big[10] == 7
+
+
+def test_add_copies_refuses_what_it_would_have_broadcast_or_wrapped():
+    bufs = DescriptorBufferPool().acquire(4)
+    # One destination was broadcast to three sources; -1 became 2**64 - 1; 1.5 became 1.
+    with pytest.raises(ValueError, match="have 3, 1 and 3 entries; expected one of each per descriptor"):
+        bufs.add_copies(0, [1, 2, 3], [5], [8, 8, 8])
+    with pytest.raises(ValueError, match=r"src_ptrs=\[-1\] holds a value outside 0..2\*\*64-1"):
+        bufs.add_copies(0, [-1], [4], [8])
+    with pytest.raises(TypeError, match=r"sizes=\[1.5\] must be a flat sequence of whole numbers"):
+        bufs.add_copies(0, [1], [4], [1.5])
+    with pytest.raises(TypeError, match="start=1.0 must be an int slot"):
+        bufs.add_copies(1.0, [1], [4], [8])
+    # A device address with the high bit set, beside small ones, keeps every bit.
+    assert bufs.add_copies(0, [2**63 + 16, 4], [8, 2**64 - 1], [8, 8]) == 2
+    assert bufs.src_ptrs[:2].tolist() == [2**63 + 16, 4] and bufs.dst_ptrs[1] == 2**64 - 1
+
+
+@pytest.mark.parametrize("ids, exc, match", [
+    ([1.5, 2.5, 3.9], TypeError, "must be whole-number int block ids, got dtype float64"),  # (truncated to 1 run)
+    (["1", "2"], TypeError, "must be whole-number int block ids"),
+    ([2**63 - 1, -2**63], ValueError, r"must be block ids in 0..2\*\*62-1"),  # (the difference wrapped to 1)
+    (np.array([2**64 - 1, 0], np.uint64), ValueError, r"must be block ids in 0..2\*\*62-1"),
+    (5, ValueError, "must be a flat sequence of block ids"),
+])
+def test_coalesce_runs_refuses_ids_it_would_have_mangled(ids, exc, match):
+    with pytest.raises(exc, match=match):
+        coalesce_runs(ids)

@@ -38,6 +38,7 @@ import numba
 import numpy as np
 
 from vtnumba.backend.arrays import is_int
+from vtnumba.ec.region import block_id_array
 from vtnumba.memory.copy_engine import (
     CHECK_BOTH,
     CHECK_DST,
@@ -59,9 +60,9 @@ def coalesce_runs(block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.
     ``num_blocks[k]`` its length.  ``[4, 5, 6, 9, 10, 2]`` gives slots ``[0, 3, 5]``, first
     blocks ``[4, 9, 2]`` and lengths ``[3, 2, 1]``.  An empty input gives three empty arrays.
     """
-    ids = np.asarray(block_ids if isinstance(block_ids, np.ndarray) else list(block_ids), dtype=np.int64)
-    if ids.ndim != 1:
-        raise ValueError(f"block_ids must be a flat sequence of ints, got shape={ids.shape}")
+    ids = block_id_array(block_ids)  # (ints only, checked and named: 1.5 was truncated to 1)
+    if ids.size and (ids.min() < 0 or ids.max() >= 1 << 62):  # (so the differences below cannot wrap)
+        raise ValueError(f"block_ids must be block ids in 0..2**62-1, got {int(ids.min())}..{int(ids.max())}")
     n = ids.size
     if n == 0:
         empty = np.zeros(0, dtype=np.int64)
@@ -98,6 +99,8 @@ def _fill_block_runs(ids, n_used, num_blocks, region_base, flat_base, block_size
     for i in range(n):
         if ids[i] < 0 or ids[i] >= num_blocks:
             return -1 - i
+    if marks.shape[0] and marks.shape[0] < num_blocks:
+        return _DOES_NOT_FIT  # (marks hold one epoch per block of the region: a shorter array would be written past)
     if marks.shape[0]:
         # Writers (saves) mark each block with the step's epoch: a block marked already is
         # written twice this step -- by this entry or by another -- and one entry's rows would
@@ -199,14 +202,40 @@ class DescriptorBuffers(NamedTuple):
         Addresses are added up in ``uint64``: device addresses can have the high bit set,
         which signed arithmetic would reject.
         """
-        src = np.asarray(src_ptrs).astype(np.uint64, copy=False)
+        if not is_int(start):
+            raise TypeError(f"start={start!r} must be an int slot")
+        arrays = []
+        for name, values in (("src_ptrs", src_ptrs), ("dst_ptrs", dst_ptrs), ("sizes", sizes)):
+            # Whole, non-negative numbers only: -1 became 2**64-1 and 1.5 became 1, silently.
+            if isinstance(values, (list, tuple)) and all(is_int(v) for v in values):
+                # Python ints, built as uint64 directly: numpy would make [2**63 + 16, 4] float64
+                # (a device address with the high bit set, beside small ones), losing bits.
+                if any(not 0 <= int(v) < 1 << 64 for v in values):
+                    raise ValueError(f"{name}={values!r} holds a value outside 0..2**64-1 (addresses and sizes "
+                                     "are never negative)")
+                raw = np.array([int(v) for v in values], dtype=np.uint64)
+            else:
+                try:
+                    raw = np.asarray(values) if not isinstance(values, (str, bytes)) else None
+                except ValueError:  # (a ragged nested list)
+                    raw = None
+            if raw is None or raw.ndim != 1 or raw.dtype.kind not in "iu":
+                raise TypeError(f"{name}={values!r} must be a flat sequence of whole numbers (addresses, byte counts)")
+            # (A device address with the high bit set arrives as uint64: kept as it is.)
+            if raw.dtype.kind == "i" and raw.size and raw.min() < 0:
+                raise ValueError(f"{name} holds {int(raw.min())}; addresses and sizes are never negative")
+            arrays.append(raw.astype(np.uint64, copy=False))
+        src, dst, sz = arrays
         n = int(src.size)
+        if dst.size != n or sz.size != n:  # (numpy broadcast one destination to every source)
+            raise ValueError(f"src_ptrs, dst_ptrs and sizes have {n}, {dst.size} and {sz.size} entries; expected "
+                             "one of each per descriptor")
         if start < 0 or start + n > self.capacity:
             raise ValueError(f"add_copies of {n} descriptors at start={start} overflows the buffer's "
                              f"capacity {self.capacity}")
         self.src_ptrs[start:start + n] = src
-        self.dst_ptrs[start:start + n] = np.asarray(dst_ptrs).astype(np.uint64, copy=False)
-        self.sizes[start:start + n] = np.asarray(sizes).astype(np.uint64, copy=False)
+        self.dst_ptrs[start:start + n] = dst
+        self.sizes[start:start + n] = sz
         return start + n
 
     def add_block_runs(self, count: int, ids: np.ndarray, n_used: int, num_blocks: int, region_base: int,
@@ -264,8 +293,8 @@ class DescriptorBuffers(NamedTuple):
         if code == _DOES_NOT_FIT:
             raise ValueError(f"add_block_runs: n_used={n_used}, count={count}, total_bytes={total_bytes} do not fit "
                              f"{ids.shape[0]} ids of {block_size} bytes and {self.sizes.shape[0]} descriptor slots; "
-                             "expected n_used <= len(ids), count + n_used <= capacity and the last used block "
-                             "partly filled")
+                             "expected n_used <= len(ids), count + n_used <= capacity, the last used block "
+                             f"partly filled, and marks (if given) of num_blocks={num_blocks} entries")
         i = -1 - code  # i < len(ids): a bad id; beyond it, an id already written this step
         if i >= ids.shape[0]:
             raise RepeatedBlockId(i - ids.shape[0], int(ids[i - ids.shape[0]]))
