@@ -472,3 +472,35 @@ def test_gpu_check_reports_the_progress_of_a_test_run_cut_off_by_its_time_limit(
                                       text=True, check=True).stdout.strip()
     assert run(log) == "so far: 23 passed, 2 failed, 2 skipped (55%)"
     assert run(tmp_path / "missing.log") == ""
+
+
+def test_enable_writes_at_exit_and_keeps_numpy_numbers_as_numbers(tmp_path):
+    # flush() says the file is "also written automatically at exit", but only VTNUMBA_TRACE
+    # did that; and np.int64(3) was recorded as the text '3'.
+    code = ("import numpy as np\n"
+            "from vtnumba import trace\n"
+            f"trace.enable({str(tmp_path / 'ex')!r})\n"
+            "with trace.span('x', 'host', 'host', n=np.int64(3), f=np.float32(1.5), b=np.bool_(True), "
+            "nan=float('nan')):\n"
+            "    pass\n")
+    env = {k: v for k, v in clean_env().items() if k != "VTNUMBA_TRACE"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "ex.rank0.json").read_text())
+    (args,) = [e["args"] for e in data["traceEvents"] if e.get("ph") == "X"]
+    assert args == {"n": 3, "f": 1.5, "b": True, "nan": "nan"}
+
+
+def test_formatters_never_write_an_exponent_and_stats_need_times():
+    from vtnumba.bench.schema import format_bytes, format_count, format_number, format_size
+    from vtnumba.bench.timing import stats_from_times
+
+    # Rounded after the prefix was chosen, 1023.999 Ki was '1.02e+03 Ki'; 9999.6 was '1e+04'.
+    assert (format_count(1048575), format_bytes(1048575)) == ("1 Mi", "1 MiB")
+    assert (format_number(9999.6), format_size(2048.5, "M=N=K")) == ("10000", "2048³")
+    assert [format_count(n) for n in (1023, 4096, 1023 * 1024, 1500000)] == ["1023", "4 Ki", "1023 Ki", "1.43 Mi"]
+    assert [format_bytes(n) for n in (512, 1000, 1536, 1 << 20)] == ["512 B", "1000 B", "1.5 KiB", "1 MiB"]
+    with pytest.raises(ValueError, match="times must be a non-empty flat list of seconds"):
+        stats_from_times([])  # (numpy's IndexError)
+    with pytest.raises(ValueError, match=r"got shape \(\)"):
+        stats_from_times(None)

@@ -37,6 +37,14 @@ import threading
 import time
 
 
+def _json_scalar(v):
+    if type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0:
+        v = v.item()  # a numpy scalar (np.int64(3) was recorded as the text '3'); numpy itself not imported here
+    if isinstance(v, (int, str, bool)) or v is None or (isinstance(v, float) and math.isfinite(v)):
+        return v
+    return str(v)
+
+
 class Recorder:
     """Collects complete ("X") events for one process."""
 
@@ -61,10 +69,8 @@ class Recorder:
               "dur": max(end_ns - start_ns, 0) / 1000.0, "tid": self.track_id(track), "track": track}
         if args:
             # JSON scalars only; NaN and infinities as text (json.dump would write NaN, which a
-            # strict parser -- a browser's JSON.parse -- refuses).
-            ev["args"] = {k: (v if isinstance(v, (int, str, bool)) or v is None
-                              or (isinstance(v, float) and math.isfinite(v)) else str(v))
-                          for k, v in args.items()}
+            # strict parser -- a browser's JSON.parse -- refuses); numpy's numbers as Python's.
+            ev["args"] = {k: _json_scalar(v) for k, v in args.items()}
         with self._lock:
             self.events.append(ev)
 
@@ -113,6 +119,7 @@ def world_rank() -> int | None:
 
 
 RECORDER: Recorder | None = None
+_flush_registered = False
 now_ns = time.perf_counter_ns
 
 
@@ -126,6 +133,10 @@ def enable(path: str, rank: int | None = None) -> Recorder:
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise ValueError(f"rank={rank!r} must be None (MPI's world rank) or an int >= 0")
     RECORDER = Recorder(path, rank)
+    global _flush_registered
+    if not _flush_registered:  # (flush: "also done automatically at exit" -- for enable() too, not only the variable)
+        atexit.register(flush)
+        _flush_registered = True
     return RECORDER
 
 
@@ -220,7 +231,6 @@ def _enable_from_env() -> None:
             print(f"vtnumba: VTNUMBA_TRACE={path!r} cannot be written ({exc}); this run records no trace",
                   file=sys.stderr)
             return
-        atexit.register(flush)
 
 
 _enable_from_env()

@@ -162,29 +162,41 @@ def format_count(n) -> str:
     """
     n = float(n)
     if not n.is_integer():
-        return f"{n:.3g}"
+        return f"{n:.3g}" if abs(n) < 1000 else f"{n:.0f}"  # (2048.5 was '2.05e+03')
     n = int(n)
     if abs(n) < 1024:
         return str(n)
-    k = 0
-    while k + 1 < len(_BINARY) and abs(n) >= 1024 ** (k + 1):
-        k += 1
+    k = _prefix(n)
     if n % 1024 ** k == 0:
         return f"{n // 1024 ** k} {_BINARY[k]}"
     if abs(n) < 10_000:
         return str(n)
+    return _three_digits(n, k)
+
+
+def _prefix(n: float) -> int:
+    """The binary prefix (index into _BINARY) for ``n``: the largest power of 1024 not above it."""
+    k = 0
+    while k + 1 < len(_BINARY) and abs(n) >= 1024 ** (k + 1):
+        k += 1
+    return k
+
+
+def _three_digits(n: float, k: int) -> str:
+    """``n`` in prefix ``k`` with three significant digits -- one prefix up where it would need
+    four digits before the point, which ``.3g`` writes as an exponent (1048575 is '1 Mi', not
+    '1.02e+03 Ki')."""
+    if k + 1 < len(_BINARY) and abs(n) / 1024 ** k >= 999.5:
+        k += 1
     return f"{n / 1024 ** k:.3g} {_BINARY[k]}"
 
 
 def format_bytes(n) -> str:
     """``512 B``, ``4 KiB``, ``64 MiB``, ``1.5 GiB``."""
     n = float(n)
-    k = 0
-    while k + 1 < len(_BINARY) and abs(n) >= 1024 ** (k + 1):
-        k += 1
+    k = _prefix(n)
     v = n / 1024 ** k
-    text = f"{v:.0f}" if v.is_integer() else f"{v:.3g}"
-    return f"{text} {_BINARY[k]}B"
+    return f"{v:.0f} {_BINARY[k]}B" if v.is_integer() else f"{_three_digits(n, k)}B"
 
 
 _BYTE_UNITS = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
@@ -219,7 +231,8 @@ def format_number(v: float, digits: int = 4) -> str:
     benchmark (``12345``, not ``1.234e+04``)."""
     if v != 0 and (abs(v) >= 10 ** digits or abs(v) < 1e-3):
         return f"{v:.0f}" if abs(v) >= 1 else f"{v:.{digits}g}"
-    return f"{v:.{digits}g}"
+    text = f"{v:.{digits}g}"
+    return f"{v:.0f}" if "e" in text and abs(v) >= 1 else text  # (9999.6 rounds to '1e+04')
 
 
 def format_relative(value: float, median: float) -> str:

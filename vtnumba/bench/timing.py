@@ -86,7 +86,12 @@ def measure(fn: Callable[[], object], *, repeat: int = 10, warmup: int = 2, min_
 
 def stats_from_times(times) -> Stats:
     """Median and 10th/90th percentiles of a list of single-call times (seconds)."""
-    arr = np.asarray(times, dtype=np.float64)
+    try:
+        arr = np.asarray(times, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"times={times!r} must be a list of seconds") from None
+    if arr.ndim != 1 or arr.size == 0:  # (an empty list was numpy's IndexError; 2-D counted its rows)
+        raise ValueError(f"times must be a non-empty flat list of seconds, got shape {arr.shape}")
     return Stats(float(np.median(arr)), float(np.percentile(arr, 10)), float(np.percentile(arr, 90)), len(arr))
 
 
