@@ -190,3 +190,9 @@ def test_flag_word_check_quick_path_agrees_with_the_full_checks(name, idx, value
         assert isinstance(full, tuple) and isinstance(full[0], type) and quick[0] is full[0]
     else:
         assert quick == full and all(type(v) is int for v in quick)
+
+
+def test_check_seconds_of_an_int_past_floats_range_is_named():
+    # float(10**400) was a bare OverflowError.
+    with pytest.raises(ValueError, match="timeout_s=inf must be a positive, finite number of seconds"):
+        check_seconds("timeout_s", 10**400)

@@ -218,6 +218,15 @@ def test_bench_schema_validation():
         validate_suite(bad)
     with pytest.raises(ValueError, match="lacks 'ratios'"):
         validate_suite({k: v for k, v in s.items() if k != "ratios"})
+    # (None, a string row, suites=5, machine=5 were Python's own TypeErrors, or passed)
+    with pytest.raises(ValueError, match="a suite result should be a dict, got NoneType"):
+        validate_suite(None)
+    with pytest.raises(ValueError, match=r"results\[0\] should be a dict \(one row\), got str"):
+        validate_suite(dict(s, results=["row"]))
+    with pytest.raises(ValueError, match="field 'suites' should be a list, got int"):
+        validate_all({"machine": {}, "suites": 5})
+    with pytest.raises(ValueError, match="field 'machine' should be a dict, got int"):
+        validate_all({"machine": 5, "suites": [s]})
 
 
 GPU_RESULT_FILES = {"0-summary.txt", "1-info.txt", "2-serial-tests.log", "3-mpi-tests.log", "4-benchmarks.log",

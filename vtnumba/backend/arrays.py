@@ -84,7 +84,10 @@ def check_seconds(name: str, value) -> float:
         return value  # the usual timeout, in one comparison (every queued flag wait checks its own)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}={value!r} must be a number of seconds, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # (an int past float's range, 10**400: not finite either)
+        value = float("inf")
     if not (value > 0 and np.isfinite(value)):
         raise ValueError(f"{name}={value!r} must be a positive, finite number of seconds")
     return value

@@ -116,6 +116,8 @@ def suite(name: str, target: str, ranks: int, results: list, ratios: dict, basel
 
 def _check_rows(rows, keys: dict, where: str) -> None:
     for i, r in enumerate(rows):
+        if not isinstance(r, dict):  # (a string row was "string indices must be integers")
+            raise ValueError(f"{where}[{i}] should be a dict (one row), got {type(r).__name__}")
         for key, typ in keys.items():
             if key not in r or not isinstance(r[key], typ):
                 raise ValueError(f"{where}[{i}] field {key!r} missing or not {typ}")
@@ -126,6 +128,8 @@ def _check_rows(rows, keys: dict, where: str) -> None:
 
 def validate_suite(d: dict) -> None:
     """Raise ValueError naming the first field that does not follow the schema."""
+    if not isinstance(d, dict):
+        raise ValueError(f"a suite result should be a dict, got {type(d).__name__}")
     for key, typ in SUITE_KEYS.items():
         if key not in d:
             raise ValueError(f"suite result lacks {key!r}")
@@ -142,9 +146,13 @@ def validate_suite(d: dict) -> None:
 
 
 def validate_all(d: dict) -> None:
-    """Check a ``bench all`` document: the machine, and every suite with :func:`validate_suite`."""
-    if "machine" not in d or "suites" not in d:
+    """Check a ``bench all`` (or ``--json``) document: the machine, and every suite with :func:`validate_suite`."""
+    if not isinstance(d, dict) or "machine" not in d or "suites" not in d:
         raise ValueError("bench-all result needs 'machine' and 'suites'")
+    if not isinstance(d["machine"], dict):
+        raise ValueError(f"bench-all field 'machine' should be a dict, got {type(d['machine']).__name__}")
+    if not isinstance(d["suites"], list):
+        raise ValueError(f"bench-all field 'suites' should be a list, got {type(d['suites']).__name__}")
     for s in d["suites"]:
         validate_suite(s)
 
