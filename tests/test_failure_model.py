@@ -626,6 +626,8 @@ rank, bad, how = MPI.COMM_WORLD.Get_rank(), int(sys.argv[1]), sys.argv[2]
 def main():
     tp = dist.init_distributed()
     dist.barrier(tp)
+    if how == "all_exit":  # a usage error every rank finds alike (argparse's exit 2)
+        sys.exit(2)
     if rank == bad:
         time.sleep(0.5)  # the others have finished and closed their groups by now
         if how == "exit":
@@ -661,6 +663,15 @@ def test_sys_exit_on_one_rank_is_a_failure_the_others_hear_of(tmp_path):
     script.write_text(LATE_OR_EXIT)
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     proc, elapsed, out = _job([MPIEXEC, "-n", "3", sys.executable, str(script), "2", "exit"], env)
-    assert proc.returncode == 1 and elapsed < 15, (elapsed, out)
+    assert proc.returncode == 3 and elapsed < 15, (elapsed, out)  # (its own status, kept)
     assert "[rank 2] failed while running: RuntimeError: exited with status 3" in out, out
     assert out.count("because rank 2 failed while running") == 2 and "timed out" not in out, out
+
+
+def test_sys_exit_on_every_rank_keeps_its_status(tmp_path):
+    # (A usage error every rank finds exits 2 on every rank, at once, as before.)
+    script = tmp_path / "exit.py"
+    script.write_text(LATE_OR_EXIT)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc, elapsed, out = _job([MPIEXEC, "-n", "2", sys.executable, str(script), "0", "all_exit"], env)
+    assert proc.returncode == 2 and elapsed < 15 and "timed out" not in out, (elapsed, out)

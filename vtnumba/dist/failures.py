@@ -453,8 +453,9 @@ def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
             if status is None or status == 0:
                 code = 0
             else:
-                raise RuntimeError(f"exited with status {status}" if isinstance(status, int)
-                                   else f"exited: {status}") from None
+                exited = RuntimeError(f"exited with status {status}" if isinstance(status, int) else f"exited: {status}")
+                exited.exit_status = status if isinstance(status, int) else 1  # (kept: a usage error's 2 stays 2)
+                raise exited from None
     except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 - every failure must reach the peers
         arm_exit_watchdog(timeout_s)  # from here on, nothing may keep this process alive
         ignore_ctrl_c()  # (nor cut into the way out: the watchdog bounds it)
@@ -462,7 +463,8 @@ def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
         if not board_open:
             sys.stdout.flush()
             os._exit(1)
-        return exit_after_failure(timeout_s, interrupted=isinstance(exc, KeyboardInterrupt))
+        return exit_after_failure(timeout_s, getattr(exc, "exit_status", 1),
+                                  interrupted=isinstance(exc, KeyboardInterrupt))
     return _leave_together(timeout_s, code, succeeded=True)
 
 
