@@ -54,7 +54,7 @@ def run_embed(args) -> int:
     from vtnumba.dist import allgather_bytes, destroy_distributed, init_distributed, phase
     from vtnumba.faults import parse_inject
     from vtnumba.models import MiniLMConfig, TruncationWarning, check_tp_size, find_minilm_dir
-    from vtnumba.models.minilm_tokenizer import NO_PIECES
+    from vtnumba.models.minilm_tokenizer import NO_PIECES, first_without_pieces_in
     from vtnumba.models.tp_runtime import TensorParallelEncoder
 
     group = init_distributed()
@@ -105,7 +105,7 @@ def run_embed(args) -> int:
             # has no word piece: only the tokenizer can tell.  Every rank finds the same one.
             tokenizer = tpe.encoder.tokenizer
             counts = tokenizer.token_counts(args.texts)
-            empty = next((i for i, n in enumerate(counts) if n <= 2), None)
+            empty = first_without_pieces_in(counts)
             if empty is not None:
                 raise InputRejected(f"TEXT argument {empty + 1} ({args.texts[empty]!r}) {NO_PIECES}")
             # Truncation is said here, by TEXT argument (the tokenizer's warning counts from 0).

@@ -121,14 +121,14 @@ def check_options(args, world_size: int) -> tuple[float, object, list[str]]:
         # A query of control characters or zero-width spaces only has no word piece: only the
         # tokenizer can tell (it failed on the consumer, after loading, naming an internal index).
         from vtnumba.models import find_minilm_dir
-        from vtnumba.models.minilm_tokenizer import NO_PIECES, MiniLMTokenizer
+        from vtnumba.models.minilm_tokenizer import NO_PIECES, MiniLMTokenizer, first_without_pieces_in
 
         try:
             tokenizer = MiniLMTokenizer(find_minilm_dir())
         except (OSError, ValueError):
             tokenizer = None  # (the run says so, on the ranks that load the model)
         counts = tokenizer.token_counts(args.queries) if tokenizer is not None else []
-        empty = next((i for i, n in enumerate(counts) if n <= 2), None)
+        empty = first_without_pieces_in(counts)
         if empty is not None:
             raise ValueError(f"--queries: query {empty + 1} ({args.queries[empty]!r}) {NO_PIECES}")
         # Said here, by query number (the consumer's tokenizer warning counted in its own list).

@@ -86,6 +86,12 @@ NO_PIECES = ("has no word pieces after normalisation (only control characters, z
              "marks); expected some text")
 
 
+def first_without_pieces_in(token_counts) -> int | None:
+    """The index of the first of :meth:`MiniLMTokenizer.token_counts` that is ``[CLS] [SEP]`` only
+    (no word piece), or None -- for a program that also reads the counts for truncation."""
+    return next((i for i, n in enumerate(token_counts) if n <= 2), None)
+
+
 def invalid_text(text: str) -> str | None:
     """Why ``text`` cannot be tokenized, or None when it can.
 
@@ -169,7 +175,7 @@ class MiniLMTokenizer:
         """The index of the first text that has no word piece once normalised -- only control
         characters, zero-width spaces or combining marks, say -- or None.  :meth:`encode`
         refuses such a text; a program can ask this first, to refuse it as bad input."""
-        return next((i for i, n in enumerate(self.token_counts(texts)) if n <= 2), None)  # [CLS] [SEP] only
+        return first_without_pieces_in(self.token_counts(texts))
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids (``int64``, ``[CLS] ... [SEP]``) for each text, truncated per ``on_long``."""
