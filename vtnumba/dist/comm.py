@@ -21,12 +21,11 @@ once, so a teardown's chain of barriers after a lost peer takes one timeout, not
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 from mpi4py import MPI
 
 from vtnumba import trace
+from vtnumba.backend.arrays import check_seconds
 from vtnumba.backend.polling import WaitTimeout, poll_until
 
 #: How long any wait for another rank may take before it raises, unless a program says otherwise.
@@ -49,7 +48,7 @@ _default_timeout_s = DEFAULT_TIMEOUT_S
 def set_default_timeout(seconds: float) -> None:
     """Make ``seconds`` the timeout of every wait that is not given one (programs' ``--timeout``)."""
     global _default_timeout_s
-    _default_timeout_s = _check_timeout(seconds)
+    _default_timeout_s = check_seconds("seconds", seconds)
 
 
 def default_timeout() -> float:
@@ -59,16 +58,7 @@ def default_timeout() -> float:
 
 def resolve_timeout(timeout_s) -> float:
     """``timeout_s`` as a number of seconds: :data:`DEFAULT` means the process's default."""
-    return _default_timeout_s if timeout_s is DEFAULT else _check_timeout(timeout_s)
-
-
-def _check_timeout(timeout_s) -> float:
-    # (numpy's numbers are seconds too; a str or a bool is a TypeError, as check_seconds says it)
-    if isinstance(timeout_s, (bool, np.bool_)) or not isinstance(timeout_s, numbers.Real):
-        raise TypeError(f"timeout_s={timeout_s!r} must be a number of seconds, got {type(timeout_s).__name__}")
-    if not 0 < timeout_s < float("inf"):
-        raise ValueError(f"timeout_s={timeout_s!r} must be a positive, finite number of seconds")
-    return float(timeout_s)
+    return _default_timeout_s if timeout_s is DEFAULT else check_seconds("timeout_s", timeout_s)
 
 
 def _describe(group) -> str:
