@@ -12,7 +12,7 @@ tests compare the two paths case by case.
 import numpy as np
 import pytest
 
-from vtnumba.backend.arrays import check_array, check_eps, check_int, check_seconds, is_int
+from vtnumba.backend.arrays import cdiv, check_array, check_eps, check_int, check_seconds, check_shape, is_int
 
 
 def _outcome(fn, *args, **kwargs):
@@ -196,3 +196,19 @@ def test_check_seconds_of_an_int_past_floats_range_is_named():
     # float(10**400) was a bare OverflowError.
     with pytest.raises(ValueError, match="timeout_s=inf must be a positive, finite number of seconds"):
         check_seconds("timeout_s", 10**400)
+
+
+def test_cdiv_names_a_zero_divisor():
+    # cdiv(5, 0) was a bare ZeroDivisionError ("integer division or modulo by zero").
+    assert cdiv(5, 2) == 3 and cdiv(0, 4) == 0 and cdiv(np.int64(9), 3) == 3
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=rf"cdiv\(5, {bad}\): the divisor must be a positive int"):
+            cdiv(5, bad)
+
+
+@pytest.mark.parametrize("shape", [b"ab", bytearray(b"\x02"), {4: 1}, {3}, memoryview(b"\x02")])
+def test_check_shape_refuses_iterables_that_are_not_shapes(shape):
+    # tuple(b"ab") is (97, 98) and tuple({4: 1}) is (4,): both were taken as shapes.
+    with pytest.raises(TypeError, match=r"shape=.* must be an int or a sequence of ints, got"):
+        check_shape("shape", shape)
+    assert check_shape("shape", np.array([2, 3])) == (2, 3) and check_shape("shape", [4]) == (4,)

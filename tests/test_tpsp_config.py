@@ -157,6 +157,13 @@ def test_shard_and_unshard_round_trip(T, tp, rng):
     np.testing.assert_array_equal(unshard_residual(shards, T), full)
 
 
+def test_token_range_of_numpy_ints_does_not_wrap():
+    # start + R in int64 wrapped to a negative stop for T near 2**63.
+    T = np.int64(2**63 - 1)
+    assert token_range(T, 2, np.int64(1)) == (2**62, 2**63 - 1)
+    assert all(type(v) is int for v in token_range(np.int64(10), np.int32(3), np.int8(2)))
+
+
 def test_shard_argument_errors():
     with pytest.raises(ValueError, match="2-D"):
         shard_residual(np.zeros(4, np.float32), 2, 0)

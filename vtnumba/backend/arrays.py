@@ -29,7 +29,7 @@ Nothing here imports ``numba.cuda`` unless an array that came from it is actuall
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,10 @@ DEVICE = "device"
 # ---------------------------------------------------------------------------- small arithmetic
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for non-negative ints, without floats (rows per rank, blocks per grid)."""
-    return -(-int(a) // int(b))
+    b = int(b)
+    if b <= 0:  # (a bare ZeroDivisionError would not say which count was 0)
+        raise ValueError(f"cdiv({a!r}, {b}): the divisor must be a positive int (a tile, block or rank count)")
+    return -(-int(a) // b)
 
 
 # ---------------------------------------------------------------------------- argument checks
@@ -144,6 +147,9 @@ def dtype_labels(a, b) -> tuple[str, str]:
 def check_shape(name: str, shape) -> tuple[int, ...]:
     """A shape: an int or a sequence of non-negative ints (``-1`` and other negatives refused)."""
     dims = (shape,) if is_int(shape) else shape
+    if isinstance(dims, (str, bytes, bytearray, memoryview, Mapping, Set)):
+        # Iterable, but not a shape: b"ab" would read as (97, 98), {4: 1} as (4,).
+        raise TypeError(f"{name}={shape!r} must be an int or a sequence of ints, got {type(shape).__name__}")
     try:
         dims = tuple(dims)
     except TypeError:

@@ -30,6 +30,8 @@ def token_range(num_tokens: int, tp: int, rank: int) -> tuple[int, int]:
     R = shard_rows(num_tokens, tp)
     if not is_int(rank) or not 0 <= rank < tp:
         raise ValueError(f"rank={rank!r} must be an int in 0..{tp - 1}")
+    # Python ints from here: numpy's int64 would wrap silently for a huge num_tokens * rank.
+    num_tokens, rank = int(num_tokens), int(rank)
     start = min(rank * R, num_tokens)
     return start, min(start + R, num_tokens)
 
