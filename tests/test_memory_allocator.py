@@ -224,6 +224,8 @@ def test_out_of_memory_empties_cache_and_retries_once(backend):
     assert isinstance(err.value, MemoryError)
     assert "nbytes=3145728" in msg and "limit_bytes=4194304" in msg and "reserved_bytes=4194304" in msg
     assert err.value.stats["allocated_bytes"] == 4 * MiB and a.stats()["oom_retries"] == 1
+    # A request that allocated nothing is not a cache miss (a miss makes a new segment).
+    assert a.stats()["cache_misses"] == 1 and a.stats()["num_allocs"] == 1
     a.free(first)
     # q2's pool is empty and a new segment would pass the limit: the retry releases q1's
     # cached segment and succeeds.

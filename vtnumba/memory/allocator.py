@@ -238,8 +238,9 @@ class CachingAllocator:
             if piece is not None:
                 self._c["cache_hits"] += 1
             else:
-                self._c["cache_misses"] += 1
                 piece = self._new_segment_or_oom(queue, kind, size, nbytes)
+                # (counted once it succeeded: a request that ran out of memory allocated nothing)
+                self._c["cache_misses"] += 1
             self._split(piece, size, kind)
             piece.state = _LIVE
             block = Block(self, piece, nbytes)
