@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -433,6 +434,25 @@ def test_enable_refuses_paths_and_ranks_it_cannot_write(tmp_path):
     with pytest.raises(ValueError, match="rank='x' must be None"):
         trace.enable(str(tmp_path / "t"), rank="x")
     assert trace.RECORDER is None or trace.RECORDER.path != str(tmp_path / "t")
+
+
+def test_one_span_object_entered_inside_itself_draws_each_block(tmp_path):
+    # One start time per object: the inner block's start overwrote the outer's, so the
+    # outer block was drawn from the inner's start -- too short, and nested wrongly.
+    trace.enable(str(tmp_path / "t"), rank=0)
+    try:
+        s = trace.span("recurse", "host", "host")
+        with s:
+            time.sleep(0.02)
+            with s:
+                time.sleep(0.001)
+        assert s.t0 == 0  # nothing open
+        path = trace.flush()
+    finally:
+        trace.disable()
+    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e["name"] == "recurse"]
+    inner, outer = sorted(events, key=lambda e: e["dur"])
+    assert outer["ts"] < inner["ts"] and outer["dur"] >= 20_000 > inner["dur"]  # (microseconds)
 
 
 def test_spans_from_before_tracing_and_non_finite_args_are_not_garbage(tmp_path):

@@ -178,9 +178,13 @@ def record(name: str, cat: str, track: str, start_ns: int, end_ns: int, **args) 
 
 
 class span:
-    """``with span("allgather", "mpi", "mpi:tp"):`` records the block's duration when tracing."""
+    """``with span("allgather", "mpi", "mpi:tp"):`` records the block's duration when tracing.
 
-    __slots__ = ("name", "cat", "track", "args", "t0")
+    One ``span`` object may be entered again while it is open (a recursive helper reusing
+    it): each ``with`` keeps its own start, so every exit draws its own block's duration.
+    """
+
+    __slots__ = ("name", "cat", "track", "args", "_starts")
     #: The event's name, category (``queue``, ``host``, ``peer``, ``mpi``, ...) and track (its row).
     name: str
     #: The category (see ``name``).
@@ -189,20 +193,25 @@ class span:
     track: str
     #: Extra event arguments (``flow_out`` / ``flow_in`` draw arrows, see the module docstring).
     args: dict
-    #: The start time (``perf_counter_ns``), set on entry.
-    t0: int
 
     def __init__(self, name: str, cat: str, track: str, **args):
         self.name, self.cat, self.track, self.args = name, cat, track, args
+        self._starts: list[int] = []  # a stack: the open ``with`` blocks' start times, innermost last
+
+    @property
+    def t0(self) -> int:
+        """The innermost open block's start time (``perf_counter_ns``; 0 when tracing was off)."""
+        return self._starts[-1] if self._starts else 0
 
     def __enter__(self):
-        self.t0 = now_ns() if RECORDER is not None else 0
+        self._starts.append(now_ns() if RECORDER is not None else 0)
         return self
 
     def __exit__(self, *exc):
+        t0 = self._starts.pop()
         rec = RECORDER
-        if rec is not None and self.t0:  # (t0 == 0: entered before tracing was on -- no start to draw)
-            rec.add(self.name, self.cat, self.track, self.t0, now_ns(), self.args)
+        if rec is not None and t0:  # (t0 == 0: entered before tracing was on -- no start to draw)
+            rec.add(self.name, self.cat, self.track, t0, now_ns(), self.args)
         return False
 
 
