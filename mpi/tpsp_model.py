@@ -36,7 +36,7 @@ import warnings
 
 def parse_args(argv=None):
     from vtnumba.apps.processes import RankZeroErrorsParser, choose_target
-    from vtnumba.bench.runner import non_negative_int
+    from vtnumba.bench.runner import check_hidden_split, default_hidden_size, non_negative_int
 
     # (A usage error is printed by rank 0 only; every rank exits with status 2.)
     p = RankZeroErrorsParser(description="TPSP vs. the regular tensor-parallel forward on an MLP stack "
@@ -77,15 +77,16 @@ def parse_args(argv=None):
 
     ranks = MPI.COMM_WORLD.Get_size()
     if args.hidden is None:  # (the hidden size is split over the ranks)
-        args.hidden = -(-1024 // (8 * ranks)) * 8 * ranks
+        args.hidden = default_hidden_size(1024, ranks)
     for name in ("layers", "tokens", "hidden", "ffn", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     if args.chunk is not None and args.chunk < 1:
         p.error("--chunk must be >= 1")
-    if args.hidden % ranks:
-        p.error(f"--hidden={args.hidden} is not divisible by the {ranks} ranks (each rank normalises "
-                f"H / {ranks} columns)")
+    try:
+        check_hidden_split(args.hidden, ranks)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.ffn < ranks:
         p.error(f"--ffn={args.ffn} is smaller than the {ranks} ranks (each rank holds a non-empty slice of "
                 "the feed-forward width)")

@@ -147,6 +147,22 @@ def check_sizes_fit(sizes_bytes, flag: str = "--sizes") -> None:
                              "memory and swap)")
 
 
+def default_hidden_size(preferred: int, ranks: int) -> int:
+    """A TPSP hidden size near ``preferred`` that ``ranks`` can share: rounded up to a multiple of
+    8 x the rank count (each rank normalises H / ranks columns, in whole 8-column groups), so
+    4096 stays 4096 on 2 and 4 ranks and becomes 4104 on 3."""
+    step = 8 * ranks
+    return -(-preferred // step) * step
+
+
+def check_hidden_split(hidden: int, ranks: int, flag: str = "--hidden") -> None:
+    """ValueError naming ``flag`` unless the ``ranks`` divide the hidden size (the fused op's
+    output columns are split evenly over the ranks)."""
+    if hidden % ranks:
+        raise ValueError(f"{flag}={hidden} is not divisible by the {ranks} ranks (each rank normalises "
+                         f"H / {ranks} columns of the fused op's output)")
+
+
 def _inject_hook(args, name: str, rank: int, world_size: int):
     """This rank's hook for the ``--inject`` flag: it fails as the suite starts (None: no fault here)."""
     spec = check_inject(args, world_size)

@@ -81,6 +81,8 @@ def add_arguments(parser) -> None:
 
 def _settings(args, tp: int, target: str) -> tuple[list[int], int, int, int]:
     """``(tokens, H, K_total, rounds)`` from the flags, the defaults and the target."""
+    from vtnumba.bench.runner import default_hidden_size
+
     quick = bool(getattr(args, "quick", False))
     given_tokens = getattr(args, "tokens", None) or getattr(args, "sizes", None)
     given = (given_tokens, getattr(args, "hidden", None), getattr(args, "k_total", None), getattr(args, "repeat", None))
@@ -88,7 +90,7 @@ def _settings(args, tp: int, target: str) -> tuple[list[int], int, int, int]:
     # fastest round to the next, so --quick takes seven rounds: one odd round cannot set p10/p90 alone.
     # The hidden size is split over the ranks: the default is rounded up to a multiple of 8 x the
     # rank count (4096 on 2 and 4 ranks, 4104 on 3 -- which failed every rank's open before).
-    defaults = ((QUICK_TOKENS if quick else FULL_TOKENS), cdiv(1024 if quick else 4096, 8 * tp) * 8 * tp,
+    defaults = ((QUICK_TOKENS if quick else FULL_TOKENS), default_hidden_size(1024 if quick else 4096, tp),
                 (1024 if quick else 4096), (7 if quick else 11))
     if target == "cudasim":  # the simulator runs ~7000 threads/s: tiny defaults (the flags given still count)
         defaults = ([4, 8], 8 * tp, 16, 2)
@@ -100,12 +102,11 @@ def check_arguments(args, world_size: int) -> None:
     """The hidden size is split over the ranks: ValueError naming ``--hidden`` unless they divide it;
     and a token count whose arrays cannot fit in memory is named too (it was a MemoryError inside
     the suite).  A rank holds x [T, K], out and the residuals [T, H] and its weight share."""
-    from vtnumba.bench.runner import check_sizes_fit
+    from vtnumba.bench.runner import check_hidden_split, check_sizes_fit
 
     H = getattr(args, "hidden", None)
-    if H is not None and H % world_size:
-        raise ValueError(f"--hidden={H} is not divisible by the {world_size} ranks (each rank normalises "
-                         f"H / {world_size} columns of the fused op's output)")
+    if H is not None:
+        check_hidden_split(H, world_size)
     K = getattr(args, "k_total", None) or 4096
     H = H or 4096
     for T in getattr(args, "tokens", None) or ():
