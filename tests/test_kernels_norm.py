@@ -291,6 +291,30 @@ def test_host_layer_norm_with_large_mean(rng):
     assert rel_err(out, ref) <= 1e-4
 
 
+@pytest.mark.parametrize("eps", [1e-45, 1e-40, 1.1e-38, 1e-30])
+@pytest.mark.parametrize("scale", [0.0, 1e-20, 1e-10])
+def test_tiny_rows_and_an_eps_below_float32s_normals(rng, scale, eps):
+    # check_eps accepts eps down to float32's smallest subnormal.  mean(z^2) + eps below the
+    # smallest normal (1.2e-38) went through the fast-math reciprocal square root, which takes
+    # subnormals for 0: RMSNorm gave -inf, LayerNorm of a constant row NaN.
+    from vtnumba.kernels import peer_reduce_norm
+
+    y = (scale * (1.0 + rng.random((3, 8)))).astype(np.float32)
+    y[2] = np.float32(scale)  # a constant row: LayerNorm's variance is exactly 0
+    weight = (1.0 + rng.random(8)).astype(np.float32)
+    for layer in (False, True):
+        ref, _ = reference(y, None, weight, eps, layer=layer)
+        norm = fused_add_layer_norm(y, None, weight, None, eps)[0] if layer else \
+            fused_add_rms_norm(y, None, weight, eps)[0]
+        out, new_res = nans(y.shape), nans(y.shape)
+        peer_reduce_norm([y * 0.5, y * 0.5], None, None, weight, None, eps, out, new_res,
+                         norm="layer" if layer else "rms")
+        for got in (norm, out):
+            assert np.isfinite(got).all(), (layer, got)
+            # (z^2 of 1e-20 is itself subnormal in float32, with ~4 digits: float32's limit, on a GPU too)
+            np.testing.assert_allclose(got, ref, rtol=2e-5 if scale != 1e-20 else 1e-3, atol=1e-6)
+
+
 def test_threaded_queue_runs_host_reference(rng):
     backend = CPUBackend(threaded=True)
     q = backend.create_queue("norm")

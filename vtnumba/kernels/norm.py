@@ -58,6 +58,7 @@ from vtnumba.kernels._streaming import STREAM_MIN_BYTES, store_fence, store_norm
 drop_stale_numba_cache(__file__, "_streaming.py", "_common.py")
 
 _F32 = (np.float32,)
+_F32_TINY = np.float32(np.finfo(np.float32).tiny)  # the smallest normal float32, about 1.18e-38
 
 
 # ---------------------------------------------------------------------------- host reference
@@ -67,8 +68,15 @@ def _rsqrt(s):
     # lets the compiler rewrite the division into a form that yields NaN there -- and a row
     # whose sum of squares overflows would come out all NaN instead of 0 (a NaN in z still
     # gives NaN in its own element: NaN * 0).
+    #
+    # And below float32's smallest normal (an eps under 1.2e-38, which check_eps allows, on a
+    # row of tiny values) the same rewrite -- an approximate reciprocal square root that takes
+    # subnormals for 0 -- gave -inf or NaN; the GPU's IEEE division and sqrt give 1 / sqrt(s)
+    # there, which float32 holds (at most ~2.6e22), so work it out in float64 instead.
     if s == np.inf:
         return np.float32(0.0)
+    if s < _F32_TINY:
+        return np.float32(1.0 / np.sqrt(np.float64(s)))
     return np.float32(1.0) / np.sqrt(s)
 
 
