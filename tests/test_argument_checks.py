@@ -212,3 +212,15 @@ def test_check_shape_refuses_iterables_that_are_not_shapes(shape):
     with pytest.raises(TypeError, match=r"shape=.* must be an int or a sequence of ints, got"):
         check_shape("shape", shape)
     assert check_shape("shape", np.array([2, 3])) == (2, 3) and check_shape("shape", [4]) == (4,)
+
+
+def test_check_array_names_the_byte_order_of_a_swapped_dtype():
+    # Both byte orders are named "float32": the message read "has dtype float32; expected float32".
+    from vtnumba.kernels import fused_add_rms_norm
+
+    y = np.ones((2, 4), np.dtype(">f4"))
+    with pytest.raises(TypeError, match=r"y has dtype >f4 \(float32 in the other byte order\); expected <f4: "
+                                        r"convert it with \.astype\(np\.float32\)"):
+        fused_add_rms_norm(y, None, np.ones(4, np.float32), 1e-5)
+    with pytest.raises(TypeError, match=r"has dtype int32; expected float32 or float16"):
+        check_array("a", np.ones((2, 2), np.int32), ndim=2, dtypes=(np.float32, np.float16))

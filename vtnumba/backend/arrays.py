@@ -411,8 +411,14 @@ def check_array(name: str, arr, *, ndim: int, dtypes: Iterable, shape: tuple | N
         raise ValueError(f"{name} must be a {ndim}-D array, got ndim={getattr(arr, 'ndim', None)} "
                          f"(shape {getattr(arr, 'shape', None)})")
     if np.dtype(arr.dtype) not in dtypes:
+        got = np.dtype(arr.dtype)
+        swapped = [d for d in dtypes if d.name == got.name]
+        if swapped:  # ("has dtype float32; expected float32": the same name in both byte orders)
+            got_label, want_label = dtype_labels(got, swapped[0])
+            raise TypeError(f"{name} has dtype {got_label} ({got.name} in the other byte order); expected "
+                            f"{want_label}: convert it with .astype(np.{got.name})")
         names = " or ".join(d.name for d in dtypes)
-        raise TypeError(f"{name} has dtype {np.dtype(arr.dtype).name}; expected {names}")
+        raise TypeError(f"{name} has dtype {got.name}; expected {names}")
     if shape is not None:
         for axis, (got, want) in enumerate(zip(arr.shape, shape, strict=True)):
             if want is not None and got != want:
