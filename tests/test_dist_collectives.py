@@ -105,6 +105,8 @@ def test_sum_rows_validation():
         ((out, [np.zeros((4, 2), np.float32)], 0, 1), ValueError, r"sources\[0\] has shape \(4, 2\); expected"),
         ((out, [a.astype(np.float64)], 0, 1), TypeError, "sources\\[0\\] has dtype float64; expected out's float32"),
         ((out, [a], 3, 2), ValueError, r"rows \[3, 5\) run past sources\[0\]'s 4 rows"),
+        # out inside a source: the later steps would read what the first one wrote
+        ((a[:2], [a[2:], a[1:3], a[:2]], 0, 2), ValueError, r"out and sources\[1\] share memory"),
     ]:
         with pytest.raises(exc, match=match):
             kr.sum_rows(*args, backend=be, queue=q)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtnumba.backend.arrays import common_kind, is_int
+from vtnumba.backend.arrays import check_outputs_apart, common_kind, is_int
 from vtnumba.kernels._common import run
 
 
@@ -71,6 +71,9 @@ def _check_rows(out, sources, row0, nrows) -> None:
                             f"{np.dtype(out.dtype).name}")
         if row0 + nrows > int(s.shape[0]):
             raise ValueError(f"rows [{row0}, {row0 + nrows}) run past sources[{j}]'s {int(s.shape[0])} rows")
+    # Not in place: the sum runs one source after another, so an out inside a later source
+    # would be read back after the first step overwrote it (2 * (s0 + s1) for out=sources[2]).
+    check_outputs_apart({"out": out}, {f"sources[{j}]": s for j, s in enumerate(sources)})
 
 
 def sum_rows(out, sources, row0: int, nrows: int, *, backend, queue) -> None:
