@@ -180,6 +180,43 @@ def test_checker_in_raise_mode_refuses_the_reuse(threaded):
         alloc.free(fine)
 
 
+def test_a_refused_block_leaves_no_trace_in_the_checker(threaded):
+    # The refused block stayed "live" in the checker: the next legal use of its memory on
+    # another queue was reported as a use after free of a block nobody ever received.
+    hold, release = _gate_holder(threaded)
+    alloc = CachingAllocator(threaded)
+    main, side = threaded.create_queue("main"), threaded.create_queue("side")
+    out = np.zeros(N, np.uint8)
+    with check_hazards() as checker:
+        block = alloc.allocate(N, main)
+        hold(side)
+        threaded.copy(side, out, block, N)
+        alloc.free(block)
+        with pytest.raises(HazardError):
+            alloc.allocate(N, main)
+        release()
+        threaded.synchronize()
+        fresh = alloc.allocate(N, main)
+        alloc.record_stream(fresh, side)
+        threaded.copy(side, out, fresh, N)  # legal: was a false "use after free"
+        threaded.synchronize(side)
+        alloc.free(fresh)
+        assert len(checker.reports) == 1
+
+
+def test_a_free_after_the_backend_was_closed_is_allowed_with_the_checker_on(threaded):
+    # Backend.close lets outstanding memory still be freed; with the checker on, the free
+    # asked the closed backend about its queues, raised, and left the block live.
+    alloc = CachingAllocator(threaded)
+    q, side = threaded.create_queue("q"), threaded.create_queue("side")
+    with check_hazards() as checker:
+        block = alloc.allocate(N, q)
+        threaded.copy(side, np.zeros(N, np.uint8), block, N)
+        threaded.close()
+        alloc.free(block)
+        assert alloc.stats()["active_blocks"] == 0 and not checker.reports
+
+
 def test_with_record_stream_nothing_is_flagged_and_bytes_are_intact(threaded):
     hold, release = _gate_holder(threaded)
     with check_hazards() as checker:

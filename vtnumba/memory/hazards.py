@@ -139,6 +139,16 @@ class HazardChecker:
                         if q is not block.queue and not block.backend.query_event(ev):
                             found.append((rec, q, covered))
             self._live[block.id] = _Uses(block)
+        try:
+            self._report_reuses(block, found)
+        except BaseException:
+            # Raised: allocate gives the memory back, so the block never reaches its caller --
+            # a live entry left behind would match the next legal use of these addresses.
+            with self._lock:
+                self._live.pop(block.id, None)
+            raise
+
+    def _report_reuses(self, block, found) -> None:
         for rec, q, covered in found:
             if covered:
                 msg = (f"allocator bug: {_describe(block)} reuses the memory of freed {rec.desc} before the "
@@ -173,8 +183,8 @@ class HazardChecker:
                 # still read "not fired" until the queue got to it -- on a threaded queue, or a
                 # GPU stream a few microseconds later -- and the next allocation would report a
                 # hazard that is not there.)
-                if q.destroyed or backend.query_queue(q):
-                    continue
+                if q.destroyed or backend.closed or backend.query_queue(q):
+                    continue  # (a closed backend drained every queue: its frees stay legal)
                 ev = backend.create_event(timing=False)  # orders only: never timed
                 backend.record_event(ev, q)
                 recorded.append((q, ev, qid in uses.covered))
