@@ -394,6 +394,31 @@ def test_flag_arguments_are_checked(backend):
     backend.destroy_queue(q)
 
 
+@pytest.mark.parametrize("threaded", [False, True], ids=["sync", "threaded"])
+def test_flag_stores_refuse_read_only_and_misaligned_words_at_the_call(threaded):
+    # A read-only view of an immutable bytes object was written through its address; a
+    # misaligned word passed on threaded queues and failed later, as the queue's sticky error.
+    b = CPUBackend(threaded=threaded)
+    q = b.create_queue()
+    data = bytes(16)
+    frozen = np.frombuffer(data, np.uint32)
+    with pytest.raises(ValueError, match="flags is a read-only array"):
+        b.write_value32(q, frozen, 0, 7)
+    with pytest.raises(ValueError, match="flags is a read-only array"):
+        b.release_flag_word(frozen, 1, 9)
+    assert data == bytes(16)
+    assert b.read_flag_word(frozen, 0) == 0  # reading a read-only word is fine
+    b.wait_value32(q, frozen, 0, 0, timeout_s=5)  # and so is waiting on one
+    raw = np.zeros(5 * 4, np.uint8)
+    crooked = raw[1:17].view(np.uint32)
+    for call in (lambda: b.write_value32(q, crooked, 0, 1), lambda: b.wait_value32(q, crooked, 0, 0),
+                 lambda: b.release_flag_word(crooked, 0, 1)):
+        with pytest.raises(ValueError, match="must be 4-byte aligned for atomic access"):
+            call()
+    b.synchronize(q)  # no sticky error: nothing bad was queued
+    b.close()
+
+
 def test_cyclic_comparison_is_cudas_geq():
     assert flag_reached(5, 5) and flag_reached(6, 5) and not flag_reached(4, 5)
     assert flag_reached(1 << 30, 12345)          # a released word passes every epoch wait
@@ -484,6 +509,22 @@ def test_host_functions_and_flags_are_refused_while_capturing(backend):
         except RuntimeError:
             pass  # an empty capture may be refused; the point was the launch above
     backend.destroy_queue(q)
+
+
+def test_a_capturing_queue_is_never_idle_and_the_driver_is_not_asked(monkeypatch):
+    # cuStreamQuery on a capturing stream is an error that also invalidates the capture (the
+    # hazard checker asks at every free).  Capture needs a GPU; the bookkeeping is the base
+    # class's, so a cpu backend with a capture entered by hand shows the rule.
+    b = CPUBackend()
+    q = b.create_queue()
+    assert b.query_queue(q)
+    monkeypatch.setattr(b, "_query_queue", lambda q: pytest.fail("the driver was asked about a capturing queue"))
+    b._capturing[q.id] = (q, None)
+    try:
+        assert b.query_queue(q) is False
+    finally:
+        b._capturing.clear()
+    b.close()
 
 
 def test_host_function_errors_are_sticky_on_threaded_queues():

@@ -39,6 +39,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import itertools
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -185,7 +186,7 @@ class Buffer:
         if shape is None:
             shape = ((self.nbytes - offset) // dtype.itemsize,)
         shape = check_shape("shape", shape)
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)  # (Python ints: numpy's int64 product wraps for huge shapes)
         need = count * dtype.itemsize
         if offset % dtype.itemsize:
             raise ValueError(f"offset={offset} is not a multiple of {dtype.name}'s itemsize {dtype.itemsize}")
@@ -329,12 +330,14 @@ class Backend(abc.ABC):
     def asarray(self, host: np.ndarray):
         """A copy of the numpy array ``host`` in this backend's memory, as an array its kernels
         take (numpy on cpu, a device array on cuda and in the simulator).  Synchronous."""
+        self._check_open()
         if not isinstance(host, np.ndarray):
             raise TypeError(f"host must be a numpy array, got {type(host).__name__}")
         return self._asarray(np.ascontiguousarray(host))
 
     def empty(self, shape, dtype=np.float32):
         """A new uninitialised array of ``shape`` in this backend's memory (kernel-usable)."""
+        self._check_open()
         return self._empty(check_shape("shape", shape), numeric_dtype("dtype", dtype))
 
     def to_host(self, arr) -> np.ndarray:
@@ -465,8 +468,14 @@ class Backend(abc.ABC):
             self._check_own_buffer(name, obj)
             return obj.nbytes
         nbytes = getattr(obj, "nbytes", None)
-        if nbytes is None:
+        dtype = getattr(obj, "dtype", None)
+        if nbytes is None or dtype is None or getattr(obj, "shape", None) is None or isinstance(obj, np.generic):
+            # (A numpy scalar has nbytes too, but a copy into it lands in a temporary; a
+            # memoryview has no dtype to view its bytes by.)
             raise TypeError(f"{name} must be a Buffer or an array, got {type(obj).__name__}")
+        if np.dtype(dtype).hasobject:
+            raise TypeError(f"{name} holds Python objects (dtype {np.dtype(dtype)}); expected an array of numbers "
+                            "or bytes to copy")
         flags = getattr(obj, "flags", None)
         if flags is not None and not (flags["C_CONTIGUOUS"] if not isinstance(flags, dict) else flags.get("C_CONTIGUOUS", True)):
             raise ValueError(f"{name} must be C-contiguous")
@@ -665,7 +674,7 @@ class Backend(abc.ABC):
         """
         self._check_queue(q)
         self._refuse_flags_in_capture(q, "wait_value32")
-        index, value = self._check_flag(flags, index, value)
+        index, value = self._check_flag(flags, index, value, store=False)
         timeout_s = check_seconds("timeout_s", timeout_s)
         self._wait_value32(q, flags, index, value, timeout_s)
 
@@ -702,7 +711,7 @@ class Backend(abc.ABC):
         stream waits on (an error message naming the flags that never came) cannot block:
         RuntimeError after ``timeout_s``.
         """
-        index, _ = self._check_flag(flags, index, 0)
+        index, _ = self._check_flag(flags, index, 0, store=False)
         timeout_s = check_seconds("timeout_s", timeout_s)
         view = host_view(flags)
         if view is not None:
@@ -734,8 +743,11 @@ class Backend(abc.ABC):
             self.destroy_event(ev)
         self.synchronize(q)  # done: returns at once, and raises the queue's error if the store failed
 
-    def _check_flag(self, flags, index, value) -> tuple[int, int]:
+    def _check_flag(self, flags, index, value, *, store: bool = True) -> tuple[int, int]:
+        # ``store``: the call writes the word (a read-only array -- np.frombuffer of bytes --
+        # must not be written through its raw address, which is all a flag store uses).
         if (type(flags) is np.ndarray and flags.dtype is _UINT32 and flags.ndim == 1 and flags.flags.c_contiguous
+                and flags.flags.aligned and (flags.flags.writeable or not store)
                 and type(index) is int and 0 <= index < flags.shape[0] and type(value) is int
                 and 0 <= value <= FLAG_MAX):
             # The usual call, a word of a host flag area and two Python ints, in a few reads:
@@ -746,6 +758,13 @@ class Backend(abc.ABC):
                             f"dtype={getattr(flags, 'dtype', None)} ndim={getattr(flags, 'ndim', None)}")
         if not is_c_contiguous(flags):  # (the flag kernels and the driver's stream ops address it as one range)
             raise ValueError("flags must be a contiguous uint32 array, not a strided view such as flags[::2]")
+        if int(flags.shape[0]) and address_of(flags) % 4:
+            # Checked here, on every queue kind: a threaded queue found it only when the store
+            # ran, as a sticky error of the queue (and a GPU's stream ops need 4-byte words).
+            raise ValueError(f"flags (at address {address_of(flags):#x}) must be 4-byte aligned for atomic access")
+        if store and isinstance(flags, np.ndarray) and not flags.flags.writeable:
+            raise ValueError("flags is a read-only array (numpy's writeable flag is off, e.g. np.frombuffer of "
+                             "bytes); expected memory a flag store may write")
         index = check_int("index", index, min_value=0, max_value=int(flags.shape[0]) - 1)
         value = check_int("value", value, min_value=0, max_value=FLAG_MAX)
         return index, value
@@ -798,8 +817,13 @@ class Backend(abc.ABC):
 
     def query_queue(self, q: Queue) -> bool:
         """True when everything submitted to ``q`` so far has finished (``cudaStreamQuery``;
-        never blocks).  A failed operation counts as finished: :meth:`synchronize` raises it."""
+        never blocks).  A failed operation counts as finished: :meth:`synchronize` raises it.
+        A queue that is capturing a graph is never idle (its work runs at replay)."""
         self._check_queue(q)
+        if q.id in self._capturing:
+            # Its work is being recorded, not run -- so not idle; and asking the driver about a
+            # capturing stream is an error that also invalidates the capture.
+            return False
         return self._query_queue(q)
 
     def _query_queue(self, q: Queue) -> bool:

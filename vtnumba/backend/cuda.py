@@ -656,14 +656,14 @@ class CUDABackend(Backend):
             _check_cu(err, "cuLaunchHostFunc")
 
     # ---------------------------------------------------------------- flags in queue order
-    def _check_flag(self, flags, index, value) -> tuple[int, int]:
+    def _check_flag(self, flags, index, value, *, store: bool = True) -> tuple[int, int]:
         # On a GPU the word's address goes to the driver (or a kernel) as a *device* pointer: a
         # numpy or simulator array's host address there is invalid -- at best an error, at worst
         # an illegal access that kills the process's CUDA context.
         if not self.simulator and not is_gpu_array(flags):
             raise TypeError(f"flags must be GPU memory (a numba device array: backend.empty, a Buffer's view, "
                             f"peer memory) on {self.name}, got {type(flags).__module__}.{type(flags).__name__}")
-        return super()._check_flag(flags, index, value)
+        return super()._check_flag(flags, index, value, store=store)
 
     def _write_value32(self, q, flags, index, value) -> None:
         if self.simulator:
