@@ -791,3 +791,38 @@ def test_a_threaded_backend_dropped_without_close_ends_its_workers():
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert threading.active_count() == before
+
+
+def test_copies_refuse_what_is_not_a_buffer_or_an_array_on_every_backend(device_backend):
+    # The simulator "copied" into a numpy scalar (a temporary) and reported success; a
+    # memoryview was an AttributeError there; an object array a numpy error naming nothing.
+    for be in (CPUBackend(), device_backend):
+        q = be.create_queue()
+        buf = be.alloc(64)
+        for bad in (np.float32(0), memoryview(bytearray(64))):
+            with pytest.raises(TypeError, match=r"dst must be a Buffer or an array, got (float32|memoryview)"):
+                be.copy(q, bad, buf, 4)
+        with pytest.raises(TypeError, match=r"dst holds Python objects \(dtype object\)"):
+            be.copy(q, np.empty(8, object), buf, 8)
+        be.free(buf)
+        be.destroy_queue(q)
+
+
+def test_buffer_views_of_huge_shapes_are_refused_by_size():
+    # np.prod in int64 wrapped: (2**32 + 1) * (2**32 - 1) came out as 2**64 - 1 -> reshape error.
+    be = CPUBackend()
+    buf = be.alloc(64)
+    for shape in ((2**32 + 1, 2**32 - 1), (2**64 + 16,)):
+        with pytest.raises(ValueError, match=r"view of shape=.* needs \d+ bytes but buffer #\d+ has only 64"):
+            buf.view(np.uint8, shape)
+    be.close()
+
+
+def test_supported_dtypes_checks_its_target_and_compute_capability():
+    from vtnumba.backend.dtype import DType, check_dtype_supported, supported_dtypes
+
+    assert DType.BFLOAT16 in supported_dtypes("cuda", (9, 0))
+    with pytest.raises(TypeError, match=r"compute_capability=\[9, 0\] must be a \(major, minor\) tuple"):
+        check_dtype_supported("bf16", "cuda", [9, 0])
+    with pytest.raises(ValueError, match=r"target='gpu' is not a target; expected one of cpu, cudasim, cuda"):
+        supported_dtypes("gpu")

@@ -11,6 +11,7 @@ threads: ``tests/mpi/test_tpsp_lifecycle.py``.)
 
 import threading
 
+import numpy as np
 import pytest
 
 from vtnumba import dist
@@ -108,6 +109,26 @@ def test_a_closed_backend_is_refused_by_what_holds_its_memory():
     with dist.distributed(tp_size=1) as g:
         with pytest.raises(RuntimeError, match="backend CPUBackend on cpu:0 was closed"):
             dist.PeerBuffers(64, g, b)
+
+
+def test_a_closed_backend_makes_no_arrays_either():
+    # close() says allocating raises from now on: alloc did, empty and asarray did not.
+    b = CPUBackend()
+    b.close()
+    for call in (lambda: b.empty(3), lambda: b.asarray(np.zeros(3)), lambda: b.alloc(8)):
+        with pytest.raises(RuntimeError, match="CPUBackend on cpu:0 was closed; make a new backend"):
+            call()
+
+
+@pytest.mark.parametrize("value", ["no", "false", "0", 1, None])
+def test_cpu_backend_threaded_must_be_a_bool(value, monkeypatch):
+    # CPUBackend(threaded="no") made threaded queues ("no" is truthy).
+    monkeypatch.delenv("VTNUMBA_CPU_QUEUES", raising=False)
+    if value is None:
+        assert CPUBackend(threaded=None).threaded is False  # None: the environment's choice
+        return
+    with pytest.raises(TypeError, match=rf"threaded={value!r} must be True, False or None"):
+        CPUBackend(threaded=value)
 
 
 def test_two_backends_of_one_kind_are_told_apart():

@@ -187,6 +187,8 @@ class CPUBackend(Backend):
         super().__init__(device)
         if threaded is None:
             threaded = threaded_from_env()
+        elif not isinstance(threaded, (bool, np.bool_)):  # ("no" would be truthy: threaded queues)
+            raise TypeError(f"threaded={threaded!r} must be True, False or None (None: $VTNUMBA_CPU_QUEUES)")
         self.threaded = bool(threaded)
         self._all_queues: dict[int, _CPUQueue] = {}
 

@@ -56,8 +56,18 @@ def as_dtype(value) -> DType:
         raise TypeError(f"dtype={value!r} is not supported; expected float32, float16 or bfloat16") from None
 
 
+_TARGETS = ("cpu", "cudasim", "cuda")
+
+
 def supported_dtypes(target: str, compute_capability: tuple[int, int] | None = None) -> list[DType]:
     """Which dtypes a target can compute in (bfloat16 only on real GPUs with cc >= 8.0)."""
+    if target not in _TARGETS:
+        raise ValueError(f"target={target!r} is not a target; expected one of {', '.join(_TARGETS)}")
+    if compute_capability is not None:
+        cc = compute_capability
+        if not (isinstance(cc, tuple) and len(cc) == 2 and all(type(v) is int and v >= 0 for v in cc)):
+            # ([9, 0] compared with (8, 0) was a bare TypeError from inside the comparison)
+            raise TypeError(f"compute_capability={cc!r} must be a (major, minor) tuple of ints, e.g. (9, 0)")
     dts = [DType.FLOAT32, DType.FLOAT16]
     if target == "cuda" and compute_capability is not None and compute_capability >= (8, 0):
         dts.append(DType.BFLOAT16)

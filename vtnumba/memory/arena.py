@@ -13,6 +13,8 @@ reuse the memory (queue order protects it), or be waited for before ``reset``.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from vtnumba.backend.arrays import cdiv, check_shape, numeric_dtype
@@ -69,7 +71,7 @@ class StepArena:
             shape = (nbytes // dtype.itemsize,)
         else:
             shape = check_shape("shape", shape)  # ("ab" or (2.5,) are errors, not int()-ed)
-            need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            need = math.prod(shape) * dtype.itemsize  # (Python ints: no int64 wrap)
             if need != nbytes:
                 raise ValueError(f"shape={shape} of {dtype.name} is {need} bytes, but nbytes={nbytes}")
         offset = _align(self.used)
