@@ -145,7 +145,7 @@ def test_all_ranks_ready_barrier_allgather_bytes(world):
     assert dist.allgather_bytes(b"", world) == [b""]
     with pytest.raises(TypeError, match="data must be bytes"):
         dist.allgather_bytes("text", world)
-    with pytest.raises(ValueError, match=r"timeout_s=0 must be a positive, finite number"):
+    with pytest.raises(ValueError, match=r"timeout_s=0(\.0)? must be a positive, finite number"):
         dist.barrier(world, timeout_s=0)
     with pytest.raises(TypeError, match="must be a vtnumba ProcessGroup"):
         dist.barrier(None)
