@@ -174,6 +174,42 @@ def test_roles_and_misuse(be, pair):
         ECProducer(hidden_size=HIDDEN, region_bytes=1024, on_point="nope")
 
 
+@pytest.mark.parametrize("name, exc, match", [
+    ("a/b", ValueError, r"name='a/b' must be a str of 1-100 characters of \[A-Za-z0-9_.-\]"),
+    ("n" * 101, ValueError, r"name='n{101}' must be a str of 1-100 characters"),
+    (5, TypeError, r"name=5 must be a str, got int"),
+])
+def test_a_bad_producer_name_is_named_as_given(be, name, exc, match):
+    # The message named engine_id (never passed), with a pid and random characters added,
+    # and name=5 was taken (as "5").
+    with pytest.raises(exc, match=match):
+        ECProducer(hidden_size=HIDDEN, region_bytes=1024, backend=be, name=name)
+    ECProducer(hidden_size=HIDDEN, region_bytes=1024, backend=be, name="n" * 100).close()
+
+
+def test_pin_memory_must_be_a_bool(be):
+    # "no" is a true string: it would have pinned the region on a GPU.
+    with pytest.raises(TypeError, match="pin_memory='no' must be True or False"):
+        ECProducer(hidden_size=HIDDEN, region_bytes=1024, backend=be, pin_memory="no")
+
+
+def test_the_first_save_compiles_nothing(be):
+    # The worker warmed the descriptor builder with writable ids, but the cache hands out
+    # read-only ones: the first save compiled a new signature inside its timed copy (0.5 s
+    # with a cold numba cache, in the step's copy_ms and the demo's throughput).
+    from vtnumba.ec import descriptors
+
+    with ECProducer(hidden_size=HIDDEN, dtype="float32", region_bytes=16 * HIDDEN * 4, backend=be) as prod:
+        kernels = (descriptors._fill_and_copy, descriptors._fill_block_runs)
+        before = [len(k.signatures) for k in kernels]
+        for step in (["a"], ["b", "c"]):  # one entry in a step, then two (the multi-entry path)
+            for h in step:
+                prod.request_save(h, 2)
+            prod.save({h: np.ones((2, HIDDEN), np.float32) for h in step})
+            prod.wait_saves()
+        assert [len(k.signatures) for k in kernels] == before
+
+
 def test_consumer_with_another_model_config_is_refused(be):
     with ECProducer(hidden_size=HIDDEN, dtype="float32", region_bytes=1024, backend=be) as prod:
         with pytest.raises(ValueError, match="hidden_size=16 but the producer"):

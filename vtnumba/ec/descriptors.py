@@ -182,6 +182,12 @@ def prepare_descriptors() -> None:
     out = np.zeros(1, np.uint64)
     _fill_block_runs(ids, 1, 1, 0, 0, 1, 1, out, out.copy(), out.copy(), 0, True, True, NO_MARKS, 1)
     _fill_and_copy(ids, 0, 1, 0, 0, 1, 0, out, out.copy(), out.copy(), True, NO_MARKS, 1, out, out, CHECK_BOTH)
+    # Block ids also arrive read-only (EmbeddingCache shares one frozen array per entry), a
+    # type numba compiles apart: warm that one too, or the first real save compiles it.
+    frozen = ids.copy()
+    frozen.flags.writeable = False
+    _fill_block_runs(frozen, 1, 1, 0, 0, 1, 1, out, out.copy(), out.copy(), 0, True, True, NO_MARKS, 1)
+    _fill_and_copy(frozen, 0, 1, 0, 0, 1, 0, out, out.copy(), out.copy(), True, NO_MARKS, 1, out, out, CHECK_BOTH)
 
 
 class DescriptorBuffers(NamedTuple):
