@@ -170,7 +170,9 @@ def test_add_copies_refuses_what_it_would_have_broadcast_or_wrapped():
     ([1.5, 2.5, 3.9], TypeError, "must be whole-number int block ids, got dtype float64"),  # (truncated to 1 run)
     (["1", "2"], TypeError, "must be whole-number int block ids"),
     ([2**63 - 1, -2**63], ValueError, r"must be block ids in 0..2\*\*62-1"),  # (the difference wrapped to 1)
-    (np.array([2**64 - 1, 0], np.uint64), ValueError, r"must be block ids in 0..2\*\*62-1"),
+    (np.array([2**64 - 1, 0], np.uint64), ValueError, r"holds block id 18446744073709551615, outside any region's"),
+    ([2**70], ValueError, r"holds block id 1180591620717411303424, outside any region's block ids"),  # (OverflowError)
+    ([-2**70, 0], ValueError, r"holds block id -1180591620717411303424, outside"),
     (5, ValueError, "must be a flat sequence of block ids"),
 ])
 def test_coalesce_runs_refuses_ids_it_would_have_mangled(ids, exc, match):

@@ -132,6 +132,11 @@ def test_bad_input():
         c.request_load("h")
     with pytest.raises(TypeError, match="must be int block ids, got dtype float64"):
         c.request_load("h", [1.7])  # not silently block 1
+    # Python ints past int64 are ints (dtype object), out of range; uint64's top half is not -1.
+    with pytest.raises(ValueError, match=r"block id 1180591620717411303424 is outside the region's 0..3"):
+        c.request_load("h", [2**70])
+    with pytest.raises(ValueError, match=r"block id 18446744073709551615 is outside the region's 0..3"):
+        c.request_load("h", np.array([2**64 - 1], np.uint64))
     assert c.request_load("h", np.array([1, 2], np.int32)) == 0
     with pytest.raises(ValueError, match="num_blocks=-1"):
         ECScheduler("producer", -1)

@@ -241,7 +241,17 @@ def block_id_array(block_ids, what: str = "block_ids") -> np.ndarray:
     # Integer dtypes only: converting 1.7 to int64 would silently copy block 1.
     if raw.dtype.kind not in "iu" and not (raw.dtype == object and all(is_int(v) for v in raw)):
         raise TypeError(f"{what}={block_ids!r} must be whole-number int block ids, got dtype {raw.dtype}")
+    # Ids past int64 (Python ints as dtype object, or uint64's top half) cannot be any region's
+    # block: named here -- the conversion below was a bare OverflowError, or wrapped to negatives.
+    if raw.dtype == object or raw.dtype == np.uint64:
+        beyond = [v for v in raw.tolist() if not _INT64_MIN <= v <= _INT64_MAX] if raw.dtype == object else \
+            raw[raw > _INT64_MAX].tolist()
+        if beyond:
+            raise ValueError(f"{what} holds block id {beyond[0]}, outside any region's block ids (int64)")
     return np.ascontiguousarray(raw, dtype=np.int64)
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _check_ownership(fd: int, what: str) -> os.stat_result:

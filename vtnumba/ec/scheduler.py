@@ -184,14 +184,17 @@ class ECScheduler:
                     raise ValueError(f"request_load({mm_hash!r}): block_ids must be a flat list of block ids, "
                                      f"got shape {raw.shape}")
                 # Whole numbers only: np.asarray(..., dtype=int64) would turn 1.7 into block 1.
-                if raw.size and raw.dtype.kind not in "iu":
+                # (Python ints past int64 arrive as dtype object: ints still, out of range below.)
+                if raw.size and raw.dtype.kind not in "iu" and not (raw.dtype == object
+                                                                   and all(is_int(v) for v in raw)):
                     raise TypeError(f"request_load({mm_hash!r}): block_ids={block_ids!r} must be int block ids, "
                                     f"got dtype {raw.dtype}")
+                # The range is checked before the int64 conversion, which would wrap 2**64 - 1 to -1.
+                outside = (raw < 0) | (raw >= self.num_blocks)
+                if raw.size and outside.any():
+                    raise ValueError(f"request_load({mm_hash!r}): block id {int(raw[outside][0])} is outside the "
+                                     f"region's 0..{self.num_blocks - 1}")
                 ids = raw.astype(np.int64)
-                if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
-                    bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
-                    raise ValueError(f"request_load({mm_hash!r}): block id {bad} is outside the region's "
-                                     f"0..{self.num_blocks - 1}")
             tid = next(self._transfer_ids)
             self._pending_loads[mm_hash] = (tid, ids)
             self._load_acks[tid] = [mm_hash, self.expected_load_reports, set()]
