@@ -131,12 +131,17 @@ def make_entries(args) -> list[tuple[str, int, int]]:
     return [(h, i, int(r)) for i, (h, r) in enumerate(zip(hashes, rows))]
 
 
-def verify(args, h: str, index: int, got_device, who: str) -> None:
-    """Byte-exact comparison of a loaded entry with what the encoder produced."""
+def verify(args, h: str, index: int, rows: int, got_device, who: str) -> None:
+    """Byte-exact comparison of a loaded entry with what the encoder produced: all ``rows``
+    of it (every rank derives the entries from the seed, so each knows how many there are)."""
     from vtnumba.backend.arrays import to_host
 
     got = to_host(got_device)
-    expect = entry_data(args.seed, index, got.shape[0], args.hidden, np.dtype(args.dtype))
+    if tuple(got.shape) != (rows, args.hidden):
+        # (The data of a prefix matches: the generator's rows do not depend on the count.)
+        raise RuntimeError(f"{who}: entry {h} (index {index}) loaded with shape {tuple(got.shape)}; the encoder "
+                           f"produced ({rows}, {args.hidden})")
+    expect = entry_data(args.seed, index, rows, args.hidden, np.dtype(args.dtype))
     if got.dtype != expect.dtype or not np.array_equal(got.view(np.uint8), expect.view(np.uint8)):
         raise RuntimeError(f"{who}: entry {h} (index {index}, {got.shape[0]} rows) differs from what the encoder "
                            "produced")
@@ -207,7 +212,7 @@ def producer(ep, args, entries, backend, log) -> dict:
 
 # ----------------------------------------------------------------------------- rank 1: the prefill scheduler
 def consumer(ep, args, entries) -> dict:
-    index = {h: i for h, i, _ in entries}
+    index = {h: (i, rows) for h, i, rows in entries}
     wanted: deque = deque()
     pending: set = set()  # requested, not yet granted or refused
     verified = refused = step = 0
@@ -222,7 +227,7 @@ def consumer(ep, args, entries) -> dict:
         # Every consumer rank loads the granted entries; when load() returns, all have them.
         loaded = ep.load(msg["grants"])
         for h, arr in loaded.items():
-            verify(args, h, index[h], arr, "consumer")
+            verify(args, h, *index[h], arr, "consumer")
             verified += 1
             pending.discard(h)
         requests = []
@@ -251,9 +256,9 @@ def consumer(ep, args, entries) -> dict:
 
 # ----------------------------------------------------------------------------- ranks 2..: more consumer TP ranks
 def consumer_tp(ep, args, entries) -> dict:
-    index = {h: i for h, i, _ in entries}
+    index = {h: (i, rows) for h, i, rows in entries}
     who = f"consumer TP rank {ep.rank - 1}"
-    verified = ep.serve(on_load=lambda h, arr: verify(args, h, index[h], arr, who))
+    verified = ep.serve(on_load=lambda h, arr: verify(args, h, *index[h], arr, who))
     summary = {"rank": ep.rank, "verified": verified, "bytes_loaded": ep.worker.stats["load"]["bytes"]}
     ep.send(summary, what="this rank's summary")
     return summary

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import shm_files
 
@@ -160,3 +161,20 @@ def _demo_module():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_verify_refuses_a_load_that_came_back_short_or_shifted():
+    # The expected data was rebuilt with the *loaded* row count, and the generator's rows do
+    # not depend on the count: a load of the first 3 of 50 rows passed as byte-exact.
+    import types
+
+    d = _demo_module()
+    args = types.SimpleNamespace(seed=0, hidden=32, dtype="float16")
+    full = d.entry_data(0, 7, 50, 32, np.dtype("float16"))
+    d.verify(args, "h", 7, 50, full, "consumer")  # the real thing passes
+    with pytest.raises(RuntimeError, match=r"entry h \(index 7\) loaded with shape \(3, 32\); the encoder "
+                                           r"produced \(50, 32\)"):
+        d.verify(args, "h", 7, 50, full[:3], "consumer")
+    shifted = np.concatenate([full[1:], full[:1]])
+    with pytest.raises(RuntimeError, match="differs from what the encoder produced"):
+        d.verify(args, "h", 7, 50, shifted, "consumer")
