@@ -111,3 +111,18 @@ def test_stopped_consumer_tp_rank_is_named_by_the_leader():
     assert "rank 0 gave up" not in proc.stderr  # ... and does not blame the (innocent) leader
     assert elapsed < 2 * TIMEOUT + STARTUP_S, f"took {elapsed:.1f} s"
     assert shm_files() <= before
+
+
+@pytest.mark.parametrize("where, failed, doing", [
+    ("1:loaded@1", 1, "consumer leader, while returning \\d+ loaded entries"),
+    ("0:shared", 0, "producer, while sharing the region \\(every consumer has opened it\\)"),
+])
+def test_a_failure_after_the_waits_names_what_the_rank_was_doing(where, failed, doing):
+    # The last wait's text stayed: "while waiting for consumer rank 2's load report" -- an
+    # innocent rank named, though every report was in (and every consumer had the region).
+    proc, _ = run(3, "--inject", f"raise:{where}", "--timeout", str(KILL_TIMEOUT))
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    others = [r for r in range(3) if r != failed]
+    for r in others:
+        assert said(proc, r, rf"because rank {failed} failed: {doing}: RuntimeError: injected failure"), proc.stderr
+    assert "while waiting for consumer rank" not in proc.stderr, proc.stderr

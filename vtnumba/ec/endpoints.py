@@ -67,6 +67,7 @@ fault tests use it to kill or stop a rank at an exact moment.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from collections.abc import Mapping
 
@@ -112,6 +113,10 @@ def points_passed(rank: int, producer: int, consumers, steps: int | None = None)
 
 
 _BETWEEN = "the program's own work, between encoder-cache calls"  # what a failure report says then
+# An endpoint's name, before the pid (up to 7 digits) and 17 random characters: the engine id
+# it starts must stay within the region's 128.
+_NAME_MAX = 100
+_NAME = re.compile(rf"[A-Za-z0-9_.-]{{1,{_NAME_MAX}}}")
 
 
 class FaultInjection(_FaultInjection):
@@ -278,7 +283,14 @@ class _Endpoint:
             self.close()
 
     def _engine_id(self, name: str) -> str:
-        # Random bits, not only the pid: a name (or memfd label) nobody can predict.
+        # Random bits, not only the pid: a name (or memfd label) nobody can predict.  The
+        # name is checked here, as given: the engine id's error named an argument nobody
+        # passed, with the pid and the random suffix in it.
+        if not isinstance(name, str):
+            raise TypeError(f"name={name!r} must be a str, got {type(name).__name__}")
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"name={name!r} must be a str of 1-{_NAME_MAX} characters of [A-Za-z0-9_.-] (it prefixes "
+                             "the region's engine id, which adds the process id and random characters)")
         return f"{name}{os.getpid()}_{secrets.token_hex(8)}"
 
 
@@ -335,6 +347,7 @@ class ECProducer(_Endpoint):
                 pending.remove(exc.rank)
         if failures:
             raise failures[min(failures)]
+        self.activity = "sharing the region (every consumer has opened it)"  # (waiting for no one now)
         self._passing("shared")
         self.activity = "closing the region's descriptor"
         self.region.unlink()  # every consumer has mapped it: from now on nobody else can open it
@@ -549,10 +562,13 @@ class ECConsumer(_Endpoint):
         for r in self.followers:
             self.activity = f"waiting for consumer rank {r}'s load report"
             reports.append(self._channel.recv(r, TAG_LOAD, what="its load report"))
+        # (Every report is in: a failure from here on is not a wait for rank r.)
+        self.activity = f"checking the {len(reports)} load reports of {len(meta.loads)} entries"
         update = self.scheduler.update_connector_output(ECWorkerMetadata.aggregate_all(reports))
         if len(update.released) != len(meta.loads):
             raise RuntimeError(f"load: {len(meta.loads)} entries loaded but {len(update.released)} reported by "
                                f"all {len(self.consumers)} consumer ranks")
+        self.activity = f"returning {len(update.released)} loaded entries"
         self._passing("loaded")
         self.activity = _BETWEEN
         return {h: loaded[h] for h in update.released}

@@ -205,6 +205,8 @@ class ECWorker:
         if region.closed:
             raise RuntimeError(f"{region.label} was already cleaned up")
         tp_rank = check_int("tp_rank", tp_rank, min_value=0)
+        if not isinstance(pin_memory, (bool, np.bool_)):  # ("no" is a true string: it would pin)
+            raise TypeError(f"pin_memory={pin_memory!r} must be True or False")
         if backend is None:
             from vtnumba.backend.default import default_backend
 
