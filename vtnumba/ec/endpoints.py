@@ -299,8 +299,10 @@ class ECProducer(_Endpoint):
     """The encoder side: creates the region, owns the block cache (scheduler) and a saving worker.
 
     ``region_bytes`` sizes the region (one block per row of ``hidden_size`` x ``dtype``).
-    ``consumers`` are the consumer ranks (default: every other rank of ``comm``).  See the
-    module docstring for the setup and the failure rules.
+    ``consumers`` are the consumer ranks (default: every other rank of ``comm``).  ``name``
+    (1-100 characters of ``[A-Za-z0-9_.-]``) starts the region's engine id, which adds the
+    process id and random characters.  ``pin_memory`` (True or False): page-lock the region
+    for a GPU's copy engine.  See the module docstring for the setup and the failure rules.
     """
 
     role = "producer"  #: this side, in failure reports
