@@ -253,6 +253,18 @@ def test_bench_peer_runs_on_one_rank_and_follows_the_schema():
     assert any("1 rank" in n for n in d["notes"])
 
 
+def test_bench_peer_names_the_size_it_measured():
+    # 0.01 MiB is less than a row (16 KiB): S is rounded up to one row per rank, and busbw
+    # used it, but the row said 0.01 MiB -- busbw x time then came to twice the bytes named.
+    import argparse
+
+    from vtnumba.bench import peer
+
+    d = peer.run(argparse.Namespace(quick=True, sizes=[0.01], repeat=2))
+    assert {r["size"] for r in d["results"]} == {16 * 1024 / 2**20}
+    assert any(k.endswith("@0.015625MiB") for k in d["ratios"]) and not any("@0.01MiB" in k for k in d["ratios"])
+
+
 def test_allreduce_max_keeps_nan(group):
     # MPI's MAX drops a NaN (every comparison with it is false): ranks then disagreed, and
     # mpi/tpsp_model.py printed OK on one rank and failed on another.
