@@ -413,3 +413,17 @@ def test_a_multi_rank_suite_asked_for_alone_is_a_usage_error():
                           text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2
     assert "bench peer runs over 2 or more ranks: mpiexec -n 2 python -m vtnumba bench peer" in proc.stderr
+
+
+def test_measure_interleaved_alternates_rotates_and_prepares_untimed():
+    from vtnumba.bench.timing import measure_interleaved
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    st = measure_interleaved(fns, rounds=3, repeat=2, warmup=1, prepare={"b": lambda: calls.append("prep-b")})
+    assert calls[:4] == ["a", "prep-b", "b", "c"]  # the warm-ups, b prepared first
+    timed = calls[4:]
+    assert timed == ["a", "a", "prep-b", "b", "prep-b", "b", "c", "c",      # round 0: a b c
+                     "prep-b", "b", "prep-b", "b", "c", "c", "a", "a",      # round 1: b c a
+                     "c", "c", "a", "a", "prep-b", "b", "prep-b", "b"]      # round 2: c a b
+    assert {k: v.samples for k, v in st.items()} == {"a": 6, "b": 6, "c": 6}

@@ -43,16 +43,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import time
 
 import numpy as np
 
 from vtnumba.bench import schema
 from vtnumba.bench.timing import (
     device_copy_rate,
-    measure,
+    measure_interleaved,
     memcpy_bandwidth_gbs,
-    stats_from_times,
     stream_handle,
     time_on_queue,
 )
@@ -143,27 +141,6 @@ def _numpy_norm(y, bias, residual, weight, norm_bias, layer):
     return z / np.sqrt((z * z).mean(axis=-1, keepdims=True) + EPS) * weight, z
 
 
-def _interleaved(fns: dict, rounds: int, repeat: int) -> dict:
-    """Time several functions in alternating rounds and pool each one's samples.
-
-    On a shared machine the available memory bandwidth drifts; alternating the contenders
-    exposes them to the same conditions, so their *ratios* stay meaningful.
-    """
-    samples = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()  # warm up (first-call compilation, page faults of fresh outputs)
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - t0)
-    out = {}
-    for name, times in samples.items():
-        out[name] = stats_from_times(times)
-    return out
-
-
 def _bench_host_norms(cfg, results, ratios, baselines):
     from vtnumba.kernels import fused_add_layer_norm, fused_add_rms_norm, peer_reduce_norm
 
@@ -186,7 +163,8 @@ def _bench_host_norms(cfg, results, ratios, baselines):
     }
     # Rounds of one call each: a median over 9 interleaved rounds (about 0.2 s at --quick's
     # 1024 x 1024) instead of 2, whose ratios swung by half between runs on a busy machine.
-    st = _interleaved(fns, rounds=9 if cfg["quick"] else 5, repeat=1 if cfg["quick"] else max(1, cfg["repeat"] // 3))
+    st = measure_interleaved(fns, rounds=9 if cfg["quick"] else 5,
+                             repeat=1 if cfg["quick"] else max(1, cfg["repeat"] // 3))
     elem = rows * h * 4
     copy_gbs = 2 * elem / st["memcpy"].median_s / 1e9  # traffic: read n + write n
     results.append(schema.row("memcpy", "numpy.copyto", rows * h, "elements", "GB/s (traffic)", copy_gbs,
@@ -211,17 +189,20 @@ def _bench_host_matmul(cfg, results, ratios):
         w = rng.standard_normal((n, n), dtype=np.float32)
         out = np.empty((n, n), np.float32)
         flops = 2.0 * n ** 3
-        st_v = measure(lambda: linear(x, w, out=out), repeat=cfg["repeat"], warmup=1)
-        st_b = measure(lambda: np.matmul(x, w.T, out=out), repeat=cfg["repeat"], warmup=1)
-        results.append(schema.row("linear_fp32", "vtnumba-host", n, "M=N=K", "GFLOP/s", flops / st_v.median_s / 1e9,
-                                  st_v))
-        results.append(schema.row("linear_fp32", "numpy-blas", n, "M=N=K", "GFLOP/s", flops / st_b.median_s / 1e9,
-                                  st_b))
-        ratios[f"linear_fp32 n={n} vtnumba / numpy"] = st_b.median_s / st_v.median_s
         x16, w16 = x.astype(np.float16), w.astype(np.float16)
-        st_h = measure(lambda: linear(x16, w16, out=out), repeat=cfg["repeat"], warmup=1)
-        results.append(schema.row("linear_fp16_in_fp32_acc", "vtnumba-host", n, "M=N=K", "GFLOP/s",
-                                  flops / st_h.median_s / 1e9, st_h))
+        # The float16 baseline is what numpy offers for it: widen to float32, then BLAS
+        # (numpy's own float16 matmul is a slow loop, no baseline worth beating).
+        st = measure_interleaved({
+            "fp32": lambda: linear(x, w, out=out),
+            "fp32 numpy": lambda: np.matmul(x, w.T, out=out),
+            "fp16": lambda: linear(x16, w16, out=out),
+            "fp16 numpy": lambda: np.matmul(x16.astype(np.float32), w16.astype(np.float32).T, out=out),
+        }, rounds=max(5, cfg["repeat"]))
+        for case, dt in (("linear_fp32", "fp32"), ("linear_fp16_in_fp32_acc", "fp16")):
+            mine, base = st[dt], st[f"{dt} numpy"]
+            results.append(schema.row(case, "vtnumba-host", n, "M=N=K", "GFLOP/s", flops / mine.median_s / 1e9, mine))
+            results.append(schema.row(case, "numpy-blas", n, "M=N=K", "GFLOP/s", flops / base.median_s / 1e9, base))
+            ratios[f"{case} n={n} vtnumba / numpy"] = base.median_s / mine.median_s
 
 
 # ---------------------------------------------------------------------------- device part

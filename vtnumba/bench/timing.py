@@ -84,6 +84,41 @@ def measure(fn: Callable[[], object], *, repeat: int = 10, warmup: int = 2, min_
     return stats_from_times(times)
 
 
+def measure_interleaved(fns: dict[str, Callable[[], object]], *, rounds: int, repeat: int = 1, warmup: int = 1,
+                        prepare: dict[str, Callable[[], object]] | None = None) -> dict[str, Stats]:
+    """Time several contenders in alternating rounds; return each one's pooled :class:`Stats`.
+
+    On a shared machine the speed of memory and cores drifts from second to second: timing
+    one contender to the end and then the next compares two different machines, and their
+    ratio is noise (a ratio of two calls of the same BLAS routine came out anywhere from
+    0.02 to 2.9).  Here every round times each contender ``repeat`` times, so all meet the
+    same conditions; the order rotates from round to round, so none always runs right after
+    the same other one (whose cache contents or freed memory it might inherit).
+    ``prepare[name]``, if given, runs untimed before each of that contender's samples (e.g.
+    warm a cache the contender before it emptied).
+    """
+    names = list(fns)
+    prepare = prepare or {}
+    for name in names:
+        for _ in range(warmup):  # first-call compilation, page faults of fresh outputs
+            prepare.get(name, _nothing)()
+            fns[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, before = fns[name], prepare.get(name, _nothing)
+            for _ in range(repeat):
+                before()
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
+    return {name: stats_from_times(times) for name, times in samples.items()}
+
+
+def _nothing() -> None:
+    pass
+
+
 def stats_from_times(times) -> Stats:
     """Median and 10th/90th percentiles of a list of single-call times (seconds)."""
     try:
