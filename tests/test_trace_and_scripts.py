@@ -361,13 +361,17 @@ def test_gpu_check_judges_every_aim_and_fails_on_a_missing_one(tmp_path):
         "tpsp": {"fused / matmul T=4096": 1.2, "fused / matmul T=1024": 1.0},
     }
 
-    def merge(suites, cut_off=None):
+    pinned = ["region memory, producer mapping: pinned (cuMemHostRegister)",
+              "region memory, consumer mapping: pinned (cuMemHostRegister)"]
+
+    def merge(suites, cut_off=None, ec_notes=pinned):
         work = tmp_path / "work"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
         for name, r in suites.items():
             (work / f"bench-{name}.json").write_text(json.dumps(
-                {"machine": {}, "suites": [{"suite": name, "ratios": r, "baselines": {}}]}))
+                {"machine": {}, "suites": [{"suite": name, "ratios": r, "baselines": {},
+                                            "notes": ec_notes if name == "ec" else []}]}))
         if cut_off:  # a suite killed while it wrote its file
             (work / f"bench-{cut_off}.json").write_text('{"machine": {}, "suites": [{"suite": "')
         proc = subprocess.run([sys.executable, str(program), str(work), str(tmp_path / "bench.json"),
@@ -388,6 +392,15 @@ def test_gpu_check_judges_every_aim_and_fails_on_a_missing_one(tmp_path):
     rc, aims = merge(ratios)
     assert rc == 0 and aims[0] == "aims of issue 17: 9/9 measured, 7 met", aims
     assert aims[-1].split() == "reduce-scatter memory traffic / copy traffic, 64 MiB 0.450".split(), aims
+    # The EC aims are against a pinned copy: a region that could not be pinned (both sides'
+    # copies pageable) measures another ceiling -- not the aim, whatever the ratio.
+    unpinned = [pinned[0], "region memory, consumer mapping: NOT PINNED (cuMemHostRegister failed: "
+                           "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED): its copies and their baseline are pageable"]
+    for notes in (unpinned, []):
+        rc, aims = merge(ratios, ec_notes=notes)
+        assert rc == 3 and aims[0] == "aims of issue 17: 5/9 measured, 3 met", aims
+        row = {line.split("  ")[1].strip(): line for line in aims[1:] if line.startswith("  ")}
+        assert "NOT MEASURED" in row["EC save / pinned copy, 1 MiB"] and "not pinned" in row["EC save / pinned copy, 1 MiB"]
     # One unreadable file costs its own aims, not the whole block.
     del ratios["ec"]
     rc, aims = merge(ratios, cut_off="ec")
