@@ -427,3 +427,25 @@ def test_measure_interleaved_alternates_rotates_and_prepares_untimed():
                      "prep-b", "b", "prep-b", "b", "c", "c", "a", "a",      # round 1: b c a
                      "c", "c", "a", "a", "prep-b", "b", "prep-b", "b"]      # round 2: c a b
     assert {k: v.samples for k, v in st.items()} == {"a": 6, "b": 6, "c": 6}
+
+
+def test_derived_rows_show_no_spread_and_paired_ratios_do(tmp_path, monkeypatch):
+    # A fixed cost worked out from two medians was printed with "+0% +0%" and plotted as a
+    # "median of 1 sample"; a paired ratio's p10-p90 bars were captioned "no spread".
+    import matplotlib.figure
+
+    from vtnumba.bench.timing import Stats, stats_from_times
+
+    timed = schema.row("copy", "ec save", 1 << 20, "bytes", "us", 30.0, Stats(30e-6, 27e-6, 36e-6, 9))
+    derived = schema.row("fixed cost", "ec save", 1 << 20, "bytes", "us", 11.0, stats_from_times([0.0]))
+    paired = schema.paired_row("tpsp", "fused / regular", 512, "tokens", "ratio",
+                               types.SimpleNamespace(median=0.9, p10=0.8, p90=1.05, samples=7))
+    cells = {r["case"]: runner._row_cells(r)[0] for r in (timed, derived)}
+    assert cells["fixed cost"][5:7] == ("", "") and cells["copy"][5:7] == ("-10%", "+20%")
+    titles = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle", lambda self, t, **kw: titles.append(t))
+    for rows in ([paired, dict(paired, size=1024)], [timed, derived, dict(timed, size=2 << 20)]):
+        res = {"suite": "synthetic", "target": "cpu", "ranks": 1, "results": rows, "ratios": {}}
+        runner.plot_suite(res, str(tmp_path / "plots"))
+    assert "median of 7 samples; bars: 10th to 90th percentile" in titles[0], titles
+    assert "median of 9 samples" in titles[1] and "no bar: a count, or a value derived from medians" in titles[1]

@@ -434,14 +434,21 @@ def _table(lines: list[tuple]) -> list[str]:
     return out
 
 
+def _has_spread(r: dict) -> bool:
+    """Does the row carry a spread of its own -- a timing's percentiles, or a paired ratio's?
+    (Not a count, nor a value worked out from medians, such as a fixed cost per step.)"""
+    lo, hi = value_bounds(r)
+    return not (lo == hi == r["value"] and (r.get("median_s", 0.0) == 0.0 or metric_kind(r["metric"]) == "count"))
+
+
 def _row_cells(r: dict) -> tuple[tuple, bool]:
     """A result row's cells: p10/p90 relative to the median, and whether the row is noisy."""
     lo, hi = value_bounds(r)
     v = r["value"]
     noisy = v != 0 and (hi - lo) / abs(v) > NOISY
     size = format_size(r["size"], r["size_unit"], r.get("shape"))
-    if lo == hi == v and metric_kind(r["metric"]) == "count":
-        p10 = p90 = ""  # a count, not a timing: nothing varies
+    if not _has_spread(r):
+        p10 = p90 = ""  # a count, or a value derived from medians: no spread of its own
     else:
         p10, p90 = format_relative(lo, v), format_relative(hi, v)
     return (r["case"], r["impl"], size, format_number(v), r["metric"], p10, p90, "noisy" if noisy else ""), noisy
@@ -641,7 +648,8 @@ def plot_suite(res: dict, out_dir: str) -> list[str]:
         samples = set()
         for ax, (group, rows) in zip(axes.flat, groups.items()):
             metrics = list(dict.fromkeys(r["metric"] for r in rows))
-            samples.update(r["samples"] for r in rows)
+            # (only rows with a spread count: a value derived from medians has no samples of its own)
+            samples.update(r["samples"] for r in rows if _has_spread(r))
             single = len({float(r["size"]) for r in rows}) == 1
             if single:
                 _draw_bars(ax, rows, colors, cmap)
@@ -660,10 +668,14 @@ def plot_suite(res: dict, out_dir: str) -> list[str]:
             ax.grid(True, alpha=0.3, which="major")
         for ax in list(axes.flat)[n:]:
             ax.set_visible(False)
-        counts = f"{min(samples)}" if len(samples) == 1 else f"{min(samples)}-{max(samples)}"
-        timed = any(metric_kind(r["metric"]) != "count" for rows in groups.values() for r in rows)
-        how = (f"points: median of {counts} sample{'' if counts == '1' else 's'}; bars: 10th to 90th percentile"
-               if timed else "counts and values derived from medians: no spread")
+        derived = any(not _has_spread(r) for rows in groups.values() for r in rows)
+        if samples:
+            counts = f"{min(samples)}" if len(samples) == 1 else f"{min(samples)}-{max(samples)}"
+            how = f"points: median of {counts} sample{'' if counts == '1' else 's'}; bars: 10th to 90th percentile"
+            if derived:
+                how += " (no bar: a count, or a value derived from medians)"
+        else:
+            how = "counts and values derived from medians: no spread"
         fig.suptitle(f"bench {res['suite']}: {figure_title(family, groups)}   "
                      f"[{res['target']}, {ranks} rank{'s' if ranks > 1 else ''}]\n{how}", fontsize=11)
         path = os.path.join(out_dir, f"bench_{res['suite']}_{_slug(family)}_vs_{_slug(unit)}.png")
