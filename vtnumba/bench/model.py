@@ -114,8 +114,9 @@ def run(args) -> dict:
                                       "sentences/s", st_rate, st_stats))
             ratios[f"vtnumba TPSP / sentence-transformers sentences/s, batch {big}"] = rates[("tpsp", big)] / st_rate
     # The other ranks wait for rank 0's sentence-transformers run in a *sleeping* barrier: a
-    # plain MPI Barrier spins and would steal a core from the baseline being measured.
-    barrier(group, timeout_s=1800.0)
+    # plain MPI Barrier spins and would steal a core from the baseline being measured.  Its
+    # deadline is the command's --timeout (3600 s by default), as for every other wait.
+    barrier(group)
     notes.append(f"{n} random 8-40-word sentences, {tokens} tokens, {repeat} timed passes per mode and batch")
     return schema.suite("model", current_target().name, group.size, results, ratios,
                         {"tokens per pass": tokens}, notes)

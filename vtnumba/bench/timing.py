@@ -221,7 +221,9 @@ def paired_ratios(a, b) -> PairedStats:
 
 
 def memcpy_bandwidth_gbs(nbytes: int = 64 << 20, repeat: int = 10) -> float:
-    """Host memcpy bandwidth in GB/s (bytes read + written counted once, like STREAM copy)."""
+    """Host memcpy bandwidth in GB/s: bytes copied per second, each byte counted once (STREAM's
+    Copy counts it twice, read and written: that figure is twice this one -- the "copy traffic"
+    the suites compare memory-bound kernels with)."""
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     st = measure(lambda: np.copyto(dst, src), repeat=repeat, warmup=2)
