@@ -180,8 +180,8 @@ def test_the_regular_forwards_refuse_calls_the_ranks_disagree_on(group):
 
     w, b, nw, H = f(8, 4), f(8), np.ones(8, np.float32), 8
     T = 2 * n
-    with pytest.raises(ValueError, match=r"called it with different shapes \(rank 0: T=%d, H=8, norm=rms; rank 1: "
-                                         r"T=%d" % (T, T + 1)):
+    with pytest.raises(ValueError, match=r"called it with different arguments \(rank 0: T=%d, H=8, norm=rms, eps=1e-05, "
+                                         r"bias=given, norm_bias=None; rank 1: T=%d" % (T, T + 1)):
         regular_matmul_rs_norm_ag(group, f(T + (me > 0) * me, 4), w, b, f(-(-(T + me) // n), H), nw, 1e-5)
     if me == 1:
         with pytest.raises(ValueError, match=r"w has shape \(8, 4\)"):
@@ -189,8 +189,17 @@ def test_the_regular_forwards_refuse_calls_the_ranks_disagree_on(group):
     else:
         with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of group .* refused their arguments"):
             regular_matmul_rs_norm_ag(group, f(T, 4), w, b, f(2, H), nw, 1e-5)
-    with pytest.raises(ValueError, match="called it with different shapes"):
+    with pytest.raises(ValueError, match="called it with different arguments"):
         regular_matmul_ar_norm(group, f(4 + me, 4), w, b, f(4 + me, H), nw, 1e-5, norm="rms" if me else "layer")
+    # An eps, or a bias, on one rank only: each rank normalised its rows its own way, and the
+    # outputs came back wrong (or, replicated, different on every rank) with no error.
+    with pytest.raises(ValueError, match=r"eps=1e-05, bias=given.*eps=1, bias=given.*the same T, H, norm, eps, bias, "
+                                         r"norm_bias"):
+        regular_matmul_rs_norm_ag(group, f(T, 4), w, b, f(2, H), nw, 1.0 if me else 1e-5)
+    with pytest.raises(ValueError, match=r"rank 0: .*bias=given.*rank 1: .*bias=None"):
+        regular_matmul_rs_norm_ag(group, f(T, 4), w, None if me else b, f(2, H), nw, 1e-5)
+    with pytest.raises(ValueError, match=r"eps=1e-05.*eps=0.5"):
+        regular_matmul_ar_norm(group, f(4, 4), w, b, f(4, H), nw, 0.5 if me else 1e-5)
     # Not an array at all (x=None on rank 1, through the op a model calls): a TypeError there,
     # and the others hear of it at once (left waiting, they would raise WaitTimeout instead).
     op = TPSPOp(None, "bad-input", group=group, timeout_s=20)
@@ -205,6 +214,31 @@ def test_the_regular_forwards_refuse_calls_the_ranks_disagree_on(group):
     def ok():
         got, _ = regular_matmul_rs_norm_ag(group, f(T, 4), w, b, f(2, H), nw, 1e-5)
         assert got.shape == (T, H) and np.isfinite(got).all()
+
+    collectively(ok)
+
+
+def test_row_parallel_linear_refuses_token_counts_the_ranks_disagree_on(group):
+    # The all-reduce of different lengths returned garbage rows with no error; a rank refusing
+    # its input left the others in the all-reduce for the whole timeout.
+    from vtnumba.nn import RowParallelLinear
+
+    me, n = group.rank, group.size
+    proj = RowParallelLinear(3 * n, 4, seed=1)
+    lo, hi = proj.in_range
+    x = np.ones((4 + me, hi - lo), np.float32)
+    with pytest.raises(ValueError, match=r"RowParallelLinear: .* different arguments \(rank 0: T=4; rank 1: T=5"):
+        proj(x, group)
+    if me == 1:
+        with pytest.raises(ValueError, match=r"x_local has shape \(4, 7\)"):
+            proj(np.ones((4, 7), np.float32), group)
+    else:
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of group .* refused their arguments"):
+            proj(np.ones((4, hi - lo), np.float32), group)
+
+    def ok():
+        full = proj(np.ones((4, hi - lo), np.float32), group)
+        assert full.shape == (4, 4) and np.isfinite(full).all()
 
     collectively(ok)
 

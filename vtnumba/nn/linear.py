@@ -167,19 +167,28 @@ class RowParallelLinear(Params):
 
     def __call__(self, x_local, group=None):
         """The complete output ``sum_r partial_r + bias``, via an MPI all-reduce over ``group``."""
-        from vtnumba.tpsp.regular import mpi_all_reduce_
+        from vtnumba.tpsp.regular import agree_on_call, mpi_all_reduce_
 
         if group is None:
             from vtnumba.dist import get_tp_group
 
             group = get_tp_group()
         check_layer_group(self, group)
-        out = self.partial(x_local)
-        if group.size > 1:
+        if group.size == 1:
+            out = self.partial(x_local)
+        else:
+            # The ranks agree on the token count first: an all-reduce of different lengths
+            # returns garbage rows without an error, and a rank refusing its input would leave
+            # the others waiting in the all-reduce.
+            out = agree_on_call(group, "RowParallelLinear", lambda: self._partial_and_rows(x_local), ("T",))
             mpi_all_reduce_(out, group)
         if self.bias is not None:
             add_bias(out, self.param("bias", out))
         return out
+
+    def _partial_and_rows(self, x_local):
+        out = self.partial(x_local)
+        return out, (int(out.shape[0]),)
 
     def __repr__(self) -> str:
         return (f"RowParallelLinear({self.in_features} -> {self.out_features}, rank {self.tp_rank}/{self.tp_size} "

@@ -28,9 +28,10 @@ benchmark should time); a number bounds every wait.
 ``Reduce_scatter_block``: each rank gets *some* rows and returns.  And a rank whose own
 arguments fail its checks raises before the collective, so the others' collective is
 matched with its *next* call -- wrong rows, then a hang.  So before the first collective
-every rank shares one small row -- ``[refused?, T, H, norm]`` -- in one ``Allgather``: a rank
-that refused raises its own error, the others say which ranks refused, and different shapes
-are one ValueError on every rank.  (The fused op does the same through its peer flags.)
+every rank shares one small row -- ``[refused?, T, H, norm, eps, bias?, norm_bias?]`` -- in one
+``Allgather``: a rank that refused raises its own error, the others say which ranks refused,
+and different arguments are one ValueError on every rank (an eps or a bias on one rank only
+would normalise each rank's rows differently, and nothing else would notice).  (The fused op does the same through its peer flags.)
 ``agree=False`` skips it, for a benchmark that times the stock collectives alone.
 """
 
@@ -61,25 +62,56 @@ def add_norm(y, residual, weight, eps, bias, norm_bias, norm: str, out, new_resi
     return fused_add_rms_norm(y, residual, weight, eps, bias=bias, out=out, new_residual=new_residual)
 
 
-_NORM_CODES = {"rms": 0, LAYER: 1}
+def _encode(value) -> int:
+    """One agreed value as an int64: ints as they are, floats by their bits (the ranks must agree
+    exactly), a short str by its bytes."""
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, str):
+        return int.from_bytes(value.encode()[:8].ljust(8, b"\0"), "little", signed=True)
+    if isinstance(value, (float, np.floating)):
+        return int(np.float64(value).view(np.int64))
+    return int(value)
 
 
-def _agree_on_call(group, what: str, check, timeout_s, agree: bool):
-    """Run this rank's argument checks (``check()`` -> ``(result, (T, H, norm))``), then -- over
-    ``group``, unless ``agree`` is false -- learn every rank's outcome (see the module docstring)."""
+def _decode(code: int, like) -> str:
+    if isinstance(like, (bool, np.bool_)):
+        return "given" if code else "None"
+    if isinstance(like, str):
+        return int(code).to_bytes(8, "little", signed=True).rstrip(b"\0").decode(errors="replace")
+    if isinstance(like, (float, np.floating)):
+        return f"{float(np.int64(code).view(np.float64)):g}"
+    return str(int(code))
+
+
+def agree_on_call(group, what: str, check, fields: tuple[str, ...], timeout_s=DEFAULT, agree: bool = True):
+    """Run this rank's argument checks, then -- over ``group``, unless ``agree`` is false --
+    learn every rank's outcome before any collective (see the module docstring).
+
+    ``check()`` returns ``(result, values)``: ``values`` are what every rank must agree on,
+    one per name in ``fields`` (ints, floats -- compared bit for bit --, bools for "given or
+    None", short strs).  Returns ``result``.  A rank whose check raised raises its own error;
+    the others raise ValueError naming the ranks that refused; values that differ are one
+    ValueError on every rank, listing each rank's.  (Collective over ``group``: every rank
+    calls it, or the others wait out ``timeout_s``.)
+    """
     error = result = None
-    shape = (0, 0, "rms")
+    values = None
     try:
-        result, shape = check()
+        result, values = check()
+        if len(values) != len(fields):
+            raise AssertionError(f"{what}: check() gave {len(values)} values for {len(fields)} fields")
     except Exception as exc:  # any failure, not only a refused argument: the peers must hear of it, or they hang
-        error = exc
+        error, values = exc, None
     if agree and group is not None and group.size > 1:
-        mine = np.array([int(error is not None), shape[0], shape[1], _NORM_CODES.get(shape[2], -1)], np.int64)
-        rows = np.empty((group.size, 4), np.int64)
+        mine = np.array([int(error is not None)] + ([_encode(v) for v in values] if values is not None
+                                                    else [0] * len(fields)), np.int64)
+        rows = np.empty((group.size, mine.size), np.int64)
         if timeout_s is None:
             group.comm.Allgather(mine, rows)
         else:
-            wait_request(group.comm.Iallgather(mine, rows), group, f"{what}: every rank's arguments", timeout_s)
+            wait_request(group.comm.Iallgather(mine, rows), group, f"{what}: every rank's arguments",
+                         timeout_s)
         refused = [r for r in range(group.size) if rows[r, 0]]
         if error is not None:
             raise error
@@ -87,13 +119,19 @@ def _agree_on_call(group, what: str, check, timeout_s, agree: bool):
             raise ValueError(f"{what}: rank(s) {refused} of group {group.name!r} refused their arguments (their "
                              "own errors say why); no rank ran the collectives")
         if (rows[:, 1:] != rows[0, 1:]).any():
-            names = {v: k for k, v in _NORM_CODES.items()}
-            shown = "; ".join(f"rank {r}: T={t}, H={h}, norm={names.get(n, n)}" for r, (_, t, h, n) in enumerate(rows))
-            raise ValueError(f"{what}: the ranks of group {group.name!r} called it with different shapes ({shown}); "
-                             "every rank must pass the same T, H and norm")
+            shown = "; ".join(f"rank {r}: " + ", ".join(f"{name}={_decode(code, like)}" for name, code, like
+                                                         in zip(fields, row[1:], values))
+                              for r, row in enumerate(rows))
+            raise ValueError(f"{what}: the ranks of group {group.name!r} called it with different arguments "
+                             f"({shown}); every rank must pass the same {', '.join(fields)}")
     elif error is not None:
         raise error
     return result
+
+
+#: What the ranks must agree on before a regular forward's collectives (bias and norm_bias:
+#: given on every rank or on none).
+_FORWARD_FIELDS = ("T", "H", "norm", "eps", "bias", "norm_bias")
 
 
 def regular_matmul_rs_norm_ag(group, x, w, bias, residual, norm_weight, eps, norm_bias=None, *, norm="rms",
@@ -109,9 +147,10 @@ def regular_matmul_rs_norm_ag(group, x, w, bias, residual, norm_weight, eps, nor
     def check():
         shape, checked_eps = check_call(x, w, bias, residual, norm_weight, eps, norm_bias, norm, group.size,
                                         out=out, new_residual=new_residual)
-        return (shape, checked_eps), (shape.T, shape.H, shape.norm)
+        return (shape, checked_eps), (shape.T, shape.H, shape.norm, checked_eps, bias is not None,
+                                      norm_bias is not None)
 
-    shape, eps = _agree_on_call(group, "regular_matmul_rs_norm_ag", check, timeout_s, agree)
+    shape, eps = agree_on_call(group, "regular_matmul_rs_norm_ag", check, _FORWARD_FIELDS, timeout_s, agree)
     T, H, R = shape.T, shape.H, shape.R
     partial = linear(x, w)                                  # [T, H] partial sum of this rank's K shard
     y = _empty_like_kind(x, (R, H))
@@ -166,9 +205,10 @@ def regular_matmul_ar_norm(group, x, w, bias, residual, norm_weight, eps, norm_b
             if kind != LAYER:
                 raise ValueError(f"norm_bias is given but norm={kind!r}: only LayerNorm has a bias")
             check_tpsp_array("norm_bias", norm_bias, (H,))
-        return (kind, T, H, check_eps(eps)), (T, H, kind)
+        checked_eps = check_eps(eps)
+        return (kind, T, H, checked_eps), (T, H, kind, checked_eps, bias is not None, norm_bias is not None)
 
-    norm, T, H, eps = _agree_on_call(group, "regular_matmul_ar_norm", check, timeout_s, agree)
+    norm, T, H, eps = agree_on_call(group, "regular_matmul_ar_norm", check, _FORWARD_FIELDS, timeout_s, agree)
     partial = linear(x, w)
     if group is not None and group.size > 1:
         mpi_all_reduce_(partial, group, timeout_s)
@@ -180,4 +220,4 @@ def regular_matmul_ar_norm(group, x, w, bias, residual, norm_weight, eps, norm_b
     return out, new_residual
 
 
-__all__ = ["regular_matmul_rs_norm_ag", "regular_matmul_ar_norm", "add_norm", "mpi_all_reduce_"]
+__all__ = ["regular_matmul_rs_norm_ag", "regular_matmul_ar_norm", "add_norm", "mpi_all_reduce_", "agree_on_call"]
