@@ -180,8 +180,8 @@ def test_the_regular_forwards_refuse_calls_the_ranks_disagree_on(group):
 
     w, b, nw, H = f(8, 4), f(8), np.ones(8, np.float32), 8
     T = 2 * n
-    with pytest.raises(ValueError, match=r"called it with different arguments \(rank 0: T=%d, H=8, norm=rms, eps=1e-05, "
-                                         r"bias=given, norm_bias=None; rank 1: T=%d" % (T, T + 1)):
+    with pytest.raises(ValueError, match=r"called it with different arguments \(rank 0: T=%d, H=8, norm=rms, "
+                                         r"eps=1e-05, bias=given, norm_bias=None; rank 1: T=%d" % (T, T + 1)):
         regular_matmul_rs_norm_ag(group, f(T + (me > 0) * me, 4), w, b, f(-(-(T + me) // n), H), nw, 1e-5)
     if me == 1:
         with pytest.raises(ValueError, match=r"w has shape \(8, 4\)"):

@@ -28,6 +28,7 @@ from vtnumba.dist.comm import check_group
 from vtnumba.kernels import add_bias, linear
 from vtnumba.nn._params import Params, check_input, float32_array
 
+
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
     """``[start, stop)`` of part ``index`` when ``total`` items are split into ``parts`` near-equal parts."""
     for name, v in (("total", total), ("parts", parts), ("index", index)):

@@ -31,8 +31,10 @@ matched with its *next* call -- wrong rows, then a hang.  So before the first co
 every rank shares one small row -- ``[refused?, T, H, norm, eps, bias?, norm_bias?]`` -- in one
 ``Allgather``: a rank that refused raises its own error, the others say which ranks refused,
 and different arguments are one ValueError on every rank (an eps or a bias on one rank only
-would normalise each rank's rows differently, and nothing else would notice).  (The fused op does the same through its peer flags.)
-``agree=False`` skips it, for a benchmark that times the stock collectives alone.
+would normalise each rank's rows differently, and nothing else would notice).  (The fused
+op does the same through its peer flags; :func:`agree_on_call` serves other collectives too,
+such as :class:`vtnumba.nn.RowParallelLinear`'s all-reduce.)  ``agree=False`` skips it, for a
+benchmark that times the stock collectives alone.
 """
 
 from __future__ import annotations
