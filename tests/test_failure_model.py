@@ -675,3 +675,42 @@ def test_sys_exit_on_every_rank_keeps_its_status(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     proc, elapsed, out = _job([MPIEXEC, "-n", "2", sys.executable, str(script), "0", "all_exit"], env)
     assert proc.returncode == 2 and elapsed < 15 and "timed out" not in out, (elapsed, out)
+
+
+_PROFILE_FAILS_ON_ONE_RANK = '''
+from mpi4py import MPI
+
+import vtnumba.tpsp.profiling as profiling
+from vtnumba import dist
+from vtnumba.nn import ParallelMLPStack
+from vtnumba.tpsp import HostTPSPBackend
+
+timed = profiling._Runner.regular
+
+def regular(self, tokens):  # rank 1 runs out of memory in the middle of the threshold scan
+    if MPI.COMM_WORLD.rank == 1:
+        raise MemoryError("rank 1 cannot allocate the scan's inputs")
+    return timed(self, tokens)
+
+profiling._Runner.regular = regular
+
+def main():
+    dist.init_distributed()
+    with dist.phase("profiling"):
+        HostTPSPBackend("tp").profile(ParallelMLPStack(1, 32, 64).ops_groups(), 64, search=True)
+
+raise SystemExit(dist.run_collectively(main, timeout_s={timeout}))
+'''
+
+
+def test_a_rank_failing_inside_profile_tpsp_is_reported_at_once(tmp_path):
+    # profile_tpsp closed its handles (a collective barrier) before the error left it, while
+    # the peer waited in a measurement's collective: both waited out the timeout, and the
+    # timeout's WaitTimeout replaced the MemoryError on both ranks.
+    script = tmp_path / "profile_fails.py"
+    script.write_text(_PROFILE_FAILS_ON_ONE_RANK.format(timeout=20))
+    proc, elapsed, out = _run_cmd([MPIEXEC, "-n", "2", sys.executable, str(script)])
+    assert proc.returncode != 0 and elapsed < 15, (elapsed, out)
+    assert "[rank 1] failed while profiling: MemoryError: rank 1 cannot allocate the scan's inputs" in out, out
+    assert "[rank 0] stopped while profiling, because rank 1 failed while profiling: MemoryError" in out, out
+    assert "WaitTimeout" not in out, out

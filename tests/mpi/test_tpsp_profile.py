@@ -121,6 +121,15 @@ def test_profile_arguments_are_agreed_across_ranks(group, no_leaks):
         with pytest.raises(ValueError, match=r"profile: the ranks passed different arguments .*ops group's name"):
             be.profile(g[:1] if me == 1 else g, 16)
         assert time.monotonic() - t0 < 10
+        # Another norm type or eps on one rank: it only showed up as a failed parity check (a
+        # warning, and the regular forward), or not at all with parity_check=False.
+        for other in (_groups(group, layer=me == 1), _groups(group)):
+            if me == 1 and other[0].norm.__class__.__name__ == "RMSNorm":
+                other[0].norm.eps = 0.5
+            t0 = time.monotonic()
+            with pytest.raises(ValueError, match=r"profile: the ranks passed different arguments .*norm type, eps"):
+                be.profile(other, 16, parity_check=False)
+            assert time.monotonic() - t0 < 10
         with pytest.raises(TypeError, match=r"search='no' must be True or False"):
             be.profile(g, 16, search="no")
         ctx = be.profile(g, 16, budget_s=np.float32(5.0))  # the group still works (and numpy seconds count)

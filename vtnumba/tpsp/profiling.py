@@ -27,6 +27,7 @@ and returns ``None``: callers use the regular forward.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
@@ -42,6 +43,8 @@ from vtnumba.tpsp.config import TPSPConfig, TPSPContext, TPSPProfile, check_ops_
 from vtnumba.tpsp.norm_type import get_tpsp_norm_type
 from vtnumba.tpsp.regular import regular_matmul_rs_norm_ag
 from vtnumba.tpsp.sharding import shard_rows
+
+_LOG = logging.getLogger(__name__)
 
 _SCREEN_TRIALS = 3
 _TRIALS = 5
@@ -280,8 +283,18 @@ def profile_tpsp(backend, ops_groups, max_batched_tokens: int, *, search: bool =
     # with other groups (another count, names, widths or dtypes) waited for each other's calls
     # until the timeout, and then blamed the parity check.  (Not the projection's input width:
     # a row-parallel shard of K may be a row narrower on some ranks.)
+    # The norm's kind and eps, and which biases exist, too: a rank normalising differently only
+    # showed up later, as a failed parity check -- a warning and the regular forward.
+    def norm_kind(norm):
+        try:
+            return get_tpsp_norm_type(norm)
+        except (TypeError, ValueError) as exc:  # (said on every rank alike: the shapes differ or not)
+            return f"unknown ({exc})"
+
     shapes = [(ops.name, int(ops.projection.weight.shape[0]), np.dtype(ops.projection.weight.dtype).name,
-               tuple(ops.norm.weight.shape)) for ops in groups]
+               tuple(ops.norm.weight.shape), norm_kind(ops.norm), float(getattr(ops.norm, "eps", math.nan)),
+               getattr(ops.projection, "bias", None) is not None, getattr(ops.norm, "bias", None) is not None)
+              for ops in groups]
     mine = repr((int(max_batched_tokens), threshold_tokens, bool(search), config, float(budget_s),
                  bool(parity_check), shapes)).encode()
     everyone = allgather_bytes(mine, group, backend.timeout_s)
@@ -289,7 +302,8 @@ def profile_tpsp(backend, ops_groups, max_batched_tokens: int, *, search: bool =
         shown = "; ".join(f"rank {r}: {b.decode()}" for r, b in enumerate(everyone))
         raise ValueError("profile: the ranks passed different arguments (max_batched_tokens, threshold_tokens, "
                          "search, config, budget_s, parity_check, and each ops group's name, output width, "
-                         f"dtype and norm weight shape) -- {shown}; every rank must pass the same ones")
+                         "dtype, norm weight shape, norm type, eps, and whether the projection and the norm have a "
+                         f"bias) -- {shown}; every rank must pass the same ones")
     hidden = int(np.prod(groups[0].norm.weight.shape))
     started = time.monotonic()
     deadline = started + float(budget_s)
@@ -336,6 +350,22 @@ def profile_tpsp(backend, ops_groups, max_batched_tokens: int, *, search: bool =
         enabled = True
         report.elapsed_s = time.monotonic() - started
         return TPSPContext(TPSPProfile(True, int(threshold), max_batched_tokens, reason), backend, handles, report)
+    except BaseException as exc:
+        # This rank leaves the profile mid-way: its peers may be inside a measurement's
+        # collective it will never join, so a collective close would wait for them while they
+        # wait for it -- until both timed out, and the timeout replaced this error.  The group's
+        # collectives cannot match up again: say so (the teardown's barriers then end at once),
+        # release this rank's part, and let the error itself reach the caller (run_collectively
+        # tells the peers).
+        if handles and not group.unusable:
+            group.unusable = f"profile_tpsp failed on rank {group.rank} ({type(exc).__name__}) before its teardown"
+        for h in handles.values():
+            try:
+                backend.close(h)
+            except Exception as close_exc:  # (expected: the barriers refused; the mappings are released)
+                _LOG.debug("profile_tpsp: closing %r after a failure: %s", h, close_exc)
+        handles.clear()
+        raise
     finally:
         if not enabled:
             for h in handles.values():
