@@ -300,6 +300,25 @@ def test_ranks_with_different_token_counts_all_raise(backend, group):
     collectively(body)
 
 
+def test_an_op_called_past_max_batched_tokens_on_one_rank_fails_everywhere_at_once(backend, group):
+    # The op asked profile.is_active(T) first, which raised on that rank alone: the others,
+    # already in the fused call, waited for its flags until the timeout.
+    from vtnumba.tpsp import TPSPContext, TPSPProfile
+
+    def body():
+        h = _open(backend, group, max_batched_tokens=8)
+        op = TPSPOp(TPSPContext(TPSPProfile(True, 1, 8), backend, {"h": h}), "h")
+        T = 9 if group.rank == 1 else 8
+        a = _inputs(group, T=T)
+        t0 = time.monotonic()
+        with pytest.raises((ValueError, RuntimeError), match="more than max_batched_tokens=8|rank 1 aborted"):
+            op(a["x"], a["w"], a["bias"], a["residual"], a["norm_weight"], a["eps"])
+        assert time.monotonic() - t0 < 10
+        backend.close(h)
+
+    collectively(body)
+
+
 def test_profile_is_active_range_and_regular_fallback(backend, group):
     from vtnumba.nn import RMSNorm, RowParallelLinear
     from vtnumba.tpsp import TPSPOpsGroup

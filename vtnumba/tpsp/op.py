@@ -60,7 +60,16 @@ class TPSPOp:
         # Something that is not an array takes the regular path, whose argument check names it
         # (TypeError) and -- unlike an error raised here -- tells the other ranks, which are
         # already waiting in that path's first collective.
-        fused = T is not None and self.uses_tpsp(T)
+        try:
+            fused = T is not None and self.uses_tpsp(T)
+        except ValueError:
+            # T outside the profiled range 1..max_batched_tokens.  Raised here, on this rank
+            # alone, it left the peers (called with a T in range) waiting for this rank's flags
+            # until their timeout; the fused call refuses the same T and stamps its abort on
+            # the handle's flags, so every rank hears of it at once.
+            if self.handle is None:
+                raise
+            fused = True
         try:
             if fused:
                 self.fused_calls += 1
