@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from vtnumba.dist import list_segments
 from vtnumba.tpsp import CudaTPSPBackend, HostTPSPBackend, TPSPConfig, TPSPOp, shard_residual
+from vtnumba.tpsp.regular import regular_matmul_rs_norm_ag
 
 from mpi_helpers import collectively, group  # noqa: E402,F401 (group is a fixture)
 
@@ -182,7 +183,7 @@ def test_a_rank_that_cannot_map_peer_buffers_makes_every_rank_fall_back(backend,
 
 @pytest.mark.parametrize("case", [
     "unsupported_norm", "norm_bias_with_rms", "residual_wrong_shape", "too_many_tokens", "hidden_mismatch",
-    "float64_input", "eps_zero", "out_wrong_shape", "chunk_beyond_capacity", "sm_count_on_host",
+    "float64_input", "eps_zero", "out_wrong_shape", "sm_count_on_host",
 ])
 def test_bad_call_arguments_raise_clear_errors(backend, group, case):
     def body():
@@ -208,14 +209,6 @@ def test_bad_call_arguments_raise_clear_errors(backend, group, case):
             a["eps"], words = 0.0, "eps"
         elif case == "out_wrong_shape":
             kw["out"], words = np.empty((8, 4 * group.size), np.float32), "out has shape"
-        elif case == "chunk_beyond_capacity":
-            backend.close(h)
-            backend.tpsp_max_microchunk_tokens = 2 * group.size  # a tiny workspace: 2 rows per rank
-            try:
-                h = _open(backend, group)
-            finally:
-                backend.tpsp_max_microchunk_tokens = 16_384
-            kw["config"], words = 4, "exceeds the P2P workspace capacity"
         elif case == "sm_count_on_host":
             kw["config"], words = TPSPConfig(4, sm_count_target=8), "GPUs only"
         with pytest.raises(exc, match=words):
@@ -223,6 +216,29 @@ def test_bad_call_arguments_raise_clear_errors(backend, group, case):
         # The failed call poisoned the handle on every rank: a clear error, then close works.
         with pytest.raises(RuntimeError, match="unusable after a failed call"):
             _call(backend, h, _inputs(group))
+        backend.close(h)
+
+    collectively(body)
+
+
+def test_a_chunk_beyond_the_workspace_slot_takes_the_slot(backend, group):
+    # set_config and profile accepted such a chunk; the first call whose shard passed the slot
+    # then failed ("exceeds the P2P workspace capacity") and left the handle unusable.
+    def body():
+        backend.tpsp_max_microchunk_tokens = 2 * group.size  # a tiny workspace: 2 rows per rank
+        try:
+            h = _open(backend, group)
+        finally:
+            backend.tpsp_max_microchunk_tokens = 16_384
+        assert h.max_chunk_rows == 2
+        backend.set_config(h, 100)
+        for T in (3, 9, 2 * group.size * 4 + 1):  # shards of 1 .. 5 rows: one step, then several
+            a = _inputs(group, T=T)
+            got, new_res = _call(backend, h, a)
+            ref, ref_res = regular_matmul_rs_norm_ag(group, a["x"], a["w"], a["bias"], a["residual"],
+                                                     a["norm_weight"], a["eps"])
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(new_res, ref_res, rtol=1e-5, atol=1e-5)
         backend.close(h)
 
     collectively(body)

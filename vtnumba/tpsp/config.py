@@ -36,7 +36,8 @@ class TPSPConfig:
     #: Microchunk size ``c`` -- each pipeline step handles ``c`` rows of *every* rank's token shard
     #: (``tp * c`` tokens).  Smaller chunks overlap more (chunk i+1's matmul runs while chunk i is
     #: exchanged) but pay more per-step overhead; a chunk at least as large as the shard means one
-    #: step (no pipelining).
+    #: step (no pipelining) -- as long as the handle's workspace slot holds the shard: a step never
+    #: moves more than a slot's ``max_chunk_rows``, so a larger chunk takes the slot's size.
     chunk_tokens_per_rank: int
     #: On GPUs only, the most streaming multiprocessors the exchange kernels (reduce + norm, gather) may
     #: occupy at once, leaving the rest to the next chunk's matmul.  ``None`` = no limit.  The host

@@ -195,11 +195,10 @@ class TPSPCall:
         shape, eps = check_call(x, w, bias, residual, norm_weight, eps, norm_bias, norm, limits.tp,
                                 hidden_size=limits.hidden_size, max_tokens=limits.max_tokens, out=out,
                                 new_residual=new_residual)
-        rows = min(limits.chunk, shape.R)  # a chunk beyond the shard is the whole shard
-        if rows > limits.max_chunk_rows:
-            raise ValueError(f"a microchunk of {rows} rows per rank (chunk_tokens_per_rank={limits.chunk}, "
-                             f"R={shape.R}) exceeds the P2P workspace capacity of {limits.max_chunk_rows} rows "
-                             "per rank")
+        # A chunk beyond the shard is the whole shard (one step), and one beyond the workspace
+        # slot is the slot: a step moves at most what a slot holds.  (Refused here, a chunk a
+        # profile or set_config had accepted failed the first large call and broke the handle.)
+        rows = min(limits.chunk, shape.R, limits.max_chunk_rows)
         out = limits.empty((shape.T, shape.H)) if out is None else out
         new_residual = limits.empty((shape.R, shape.H)) if new_residual is None else new_residual
         return cls(x, w, bias, residual, norm_weight, eps, norm_bias, shape.norm, out, new_residual, shape, rows,
