@@ -152,6 +152,23 @@ def test_ranks_with_different_tpsp_backends_are_told_which(group):
     collectively(body)
 
 
+@pytest.mark.parametrize("arg, mine, others", [("hidden_size", 4, 8), ("max_batched_tokens", 8, 7)])
+def test_ranks_opening_different_handles_are_told_which_argument(backend, group, arg, mine, others):
+    # Other sizes were refused as "PeerBuffers(nbytes=...) must be the same", naming no argument;
+    # max_batched_tokens 8 vs 7 was accepted, and the first call of 8 tokens failed on one rank.
+    def body():
+        nonlocal mine, others
+        if arg == "hidden_size":  # (multiples of the rank count: each rank normalises H / tp columns)
+            mine, others = mine * group.size, others * group.size
+        value = mine if group.rank == 0 else others
+        with pytest.raises(ValueError, match=rf"passed different arguments -- rank 0: .*{arg}={mine}.*rank 1: "
+                                             rf".*{arg}={others}.*every rank must open the same handle"):
+            _open(backend, group, **{arg: value})
+        assert not backend._handles
+
+    collectively(body)
+
+
 def test_declines_are_agreed(backend, group):
     def body():
         assert _open(backend, group, dtype=np.float16) is None

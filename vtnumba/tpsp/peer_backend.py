@@ -165,12 +165,22 @@ class PeerTPSPBackend(TPSPBackend):
         # The same kind of backend everywhere: a cpu rank and a simulator rank (or a push rank and
         # a pull rank) size their peer buffers differently, and would be told only that the sizes
         # differ -- not why.
+        # And the same handle: other sizes were refused only later, as peer buffers of
+        # different sizes (naming no argument), and max_batched_tokens 8 vs 7 not at all -- the
+        # first call of 8 tokens failed on one rank.
         mine = f"{type(self).__name__} (exchange={self.exchange!r}, data on {self.data_backend.name})"
-        kinds = [b.decode() for b in allgather_bytes(mine.encode(), group, self.timeout_s)]
+        # (Not the dtype: one that TPSP does not compute in makes every rank decline, below.)
+        args = f"hidden_size={hidden_size}, max_batched_tokens={max_batched_tokens}, name={name!r}"
+        every = [b.decode().split("\n") for b in allgather_bytes(f"{mine}\n{args}".encode(), group, self.timeout_s)]
+        kinds = [k for k, _ in every]
         if len(set(kinds)) > 1:
             raise ValueError(f"{type(self).__name__}.open: the ranks of group {group.name!r} opened different TPSP "
                              "backends -- " + "; ".join(f"rank {r}: {k}" for r, k in enumerate(kinds))
                              + "; start every rank with the same target and options")
+        if len({a for _, a in every}) > 1:
+            raise ValueError(f"{type(self).__name__}.open: the ranks of group {group.name!r} passed different "
+                             "arguments -- " + "; ".join(f"rank {r}: {a}" for r, (_, a) in enumerate(every))
+                             + "; every rank must open the same handle")
         reason = None
         if dtype != np.float32:
             reason = f"dtype={np.dtype(dtype).name} (TPSP computes in float32)"
