@@ -201,6 +201,10 @@ def test_collective_argument_errors_keep_the_channel_usable(group, rng):
             dist.reduce_scatter(pb, x, over, sig)
         with pytest.raises(ValueError, match=r"bytes 0\.\.64 .* where x_shard is staged .* the in-place layout"):
             dist.all_gather(pb, x, over, sig)
+        # Nor x itself: this rank's rows are summed from x while out is written.  (Refused only
+        # inside the step, it named an internal sources[0] and left QueuedSignals unusable.)
+        with pytest.raises(ValueError, match=r"out and x share memory"):
+            dist.reduce_scatter(pb, x, x, sig)
         (past,) = pb.views(np.float32, (4, 4), offset=64)
         dist.reduce_scatter(pb, x, past, sig)
         np.testing.assert_array_equal(past, x)

@@ -424,6 +424,10 @@ def reduce_scatter(pb, x, out, signals, *, offset: int = 0, queue=None, timeout_
                              f"pb has nbytes={pb.nbytes}")
         _check_clear_of_staging(pb, "out", out, offset, T * H * dt.itemsize, "x",
                                 "an out outside them (memory of its own, or the peer buffer past x)")
+        # Nor x itself: this rank's rows are summed from x while out is written (refused here,
+        # with the other checks -- inside the step it named an internal sources[k] and left
+        # the signals unusable).
+        check_outputs_apart({"out": out}, {"x": x})
         return T, H, R, dt
 
     (T, H, R, dt), q = _validated(pb, signals, check, queue, timeout_s)
