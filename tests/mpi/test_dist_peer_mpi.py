@@ -401,6 +401,24 @@ def test_the_mpi_baselines_take_aliased_buffers_and_name_bad_ones(tp):
         dist.mpi_reduce_scatter(x, [[0.0] * 4] * 2, tp)
     with pytest.raises(TypeError, match="group must be a vtnumba ProcessGroup"):
         dist.mpi_all_gather(np.ones((2, 4), np.float32), np.empty((2 * n, 4), np.float32), None)
+    # Shapes that differ between ranks: MPI returned some rows to each, without an error (a
+    # zero row in the gather); and a rank refusing its arguments left the others in the call.
+    T = 2 * n + (me == 1) * 2
+    with pytest.raises(ValueError, match=r"mpi_reduce_scatter: .* different arguments \(rank 0: T=%d, H=4, "
+                                         r"dtype=float32; rank 1: T=%d" % (2 * n, 2 * n + 2)):
+        dist.mpi_reduce_scatter(np.ones((T, 4), np.float32), np.empty((-(-T // n), 4), np.float32), tp)
+    R = 2 + (me == 1)
+    with pytest.raises(ValueError, match=r"mpi_all_gather: .* different arguments \(rank 0: R=2, H=4, T=%d" % (2 * n)):
+        dist.mpi_all_gather(np.ones((R, 4), np.float32), np.empty((2 * n, 4), np.float32), tp)
+    t0 = time.monotonic()
+    if me == 1:
+        with pytest.raises(ValueError, match=r"out has shape \(3, 4\)"):
+            dist.mpi_reduce_scatter(x, np.empty((3, 4), np.float32), tp)
+    else:
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of group .* refused their arguments"):
+            dist.mpi_reduce_scatter(x, np.empty((2, 4), np.float32), tp)
+    assert time.monotonic() - t0 < 10
+    dist.mpi_reduce_scatter(x, x[:2], tp)  # the group still works
 
 
 # ---------------------------------------------------------------------------- queued signals

@@ -155,14 +155,15 @@ def _measure_size(group, backend, size_mib: float, repeat: int, to_target, on_de
         backend.synchronize(q)
         g_mpi_inplace = np.zeros((T, H), np.float32)
         g_mpi_inplace[me * R:(me + 1) * R] = shard_host
+        stock = dict(timeout_s=None, agree=False)  # the MPI baselines: the stock collectives alone
         impls = {
             ("reduce_scatter", "peer-in-buffer"): lambda: dist.reduce_scatter(pb, x_in, out, sig),
             ("reduce_scatter", "peer-staged"): lambda: dist.reduce_scatter(pb, x, out, sig),
-            ("reduce_scatter", "mpi4py"): lambda: dist.mpi_reduce_scatter(x, out, group, timeout_s=None),
+            ("reduce_scatter", "mpi4py"): lambda: dist.mpi_reduce_scatter(x, out, group, **stock),
             ("all_gather", "peer-in-buffer"): lambda: dist.all_gather(pb, shard_in, gathered, sig),
             ("all_gather", "peer-staged"): lambda: dist.all_gather(pb, shard, gathered, sig),
             ("all_gather", "peer-in-place"): lambda: dist.all_gather(pb, shard_inplace, g_inplace, sig, offset=S),
-            ("all_gather", "mpi4py"): lambda: dist.mpi_all_gather(shard, gathered, group, timeout_s=None),
+            ("all_gather", "mpi4py"): lambda: dist.mpi_all_gather(shard, gathered, group, **stock),
             # The same in-buffer and in-place calls with their flags queued (QueuedSignals): no
             # host synchronization between the steps of a call.  (Each call starts at a barrier,
             # so no rank writes a buffer a peer is still reading in the other protocol.)

@@ -5,7 +5,7 @@ Reading order (each module is one concept):
 * :mod:`~vtnumba.dist.groups`       -- ``init_distributed`` (or ``with distributed()``), named groups,
   ``get_tp_group``;
 * :mod:`~vtnumba.dist.comm`         -- ``all_ranks_ready`` (vLLM TPSP's agreement), ``barrier``
-  with a timeout, ``allgather_bytes``, ``allreduce_max``, ``agree_errors``;
+  with a timeout, ``allgather_bytes``, ``allreduce_max``, ``agree_errors``, ``agree_on_call``;
 * :mod:`~vtnumba.dist.shm`          -- shared-memory segments, anonymous (``memfd``; a named ``/dev/shm``
   file only where ``/proc/<pid>/fd`` cannot be opened): cpu / cudasim peer memory;
 * :mod:`~vtnumba.dist.cuda_ipc`     -- CUDA IPC handles as raw bytes (real-GPU peer memory);
@@ -24,6 +24,7 @@ from vtnumba.dist.collectives import QueuedSignals, all_gather, mpi_all_gather, 
 from vtnumba.dist.comm import (
     DEFAULT_TIMEOUT_S,
     agree_errors,
+    agree_on_call,
     all_ranks_ready,
     allgather_bytes,
     allreduce_max,
@@ -54,6 +55,7 @@ __all__ = [
     "new_group", "get_group", "get_tp_group", "get_world_group",
     "DEFAULT_TIMEOUT_S", "set_default_timeout", "all_ranks_ready", "barrier", "allgather_bytes", "allreduce_max",
     "agree_errors",
+    "agree_on_call",
     "PeerBuffers", "PeerAccessError", "ShmSegment", "list_segments",
     "PeerFailed", "phase", "run_collectively", "PeerSignals", "DEFAULT_NAMES", "QueueFlags", "QueueFlagsError", "RELEASED",
     "reduce_scatter", "all_gather", "mpi_reduce_scatter", "mpi_all_gather", "QueuedSignals",

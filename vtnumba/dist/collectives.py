@@ -68,10 +68,20 @@ import numpy as np
 from mpi4py import MPI
 
 from vtnumba import trace
-from vtnumba.backend.arrays import (DEVICE, HOST, array_kind, cdiv, check_outputs_apart, check_seconds, host_view,
-                                    is_c_contiguous, is_int, to_host)
+from vtnumba.backend.arrays import (
+    DEVICE,
+    HOST,
+    array_kind,
+    cdiv,
+    check_outputs_apart,
+    check_seconds,
+    host_view,
+    is_c_contiguous,
+    is_int,
+    to_host,
+)
 from vtnumba.backend.polling import WaitTimeout
-from vtnumba.dist.comm import DEFAULT, check_group, wait_request
+from vtnumba.dist.comm import DEFAULT, agree_on_call, check_group, wait_request
 from vtnumba.dist.peer_buffers import PeerBuffers
 from vtnumba.dist.queue_flags import QueueFlags, QueueFlagsError
 from vtnumba.dist.signals import PeerSignals
@@ -558,22 +568,31 @@ def _run_mpi(group, what: str, blocking, nonblocking, timeout_s) -> None:
             wait_request(nonblocking(), group, what, timeout_s)
 
 
-def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT):
+def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT, agree: bool = True):
     """Same contract as :func:`reduce_scatter`, with ``MPI_Reduce_scatter_block`` on ``group.comm``.
 
-    ``timeout_s=None`` makes the plain blocking call (the stock baseline the benchmark
-    times); a number uses the non-blocking call and raises RuntimeError after it.
+    ``timeout_s=None`` makes the plain blocking call; a number uses the non-blocking call and
+    raises RuntimeError after it.  MPI cannot tell that ranks passed different shapes -- each
+    gets *some* rows back -- so the ranks first agree on ``T``, ``H`` and the dtype, and on
+    whether every rank's arguments passed (:func:`~vtnumba.dist.comm.agree_on_call`: one small
+    allgather).  ``agree=False`` skips that: the stock baseline a benchmark times, or a caller
+    that agreed already.
     """
     check_group(group)
-    T, H = _check_2d("x", x)
+
+    def check():
+        T, H = _check_2d("x", x)
+        R = cdiv(T, group.size)
+        if _check_2d("out", out) != (R, H):
+            raise ValueError(f"out has shape {tuple(out.shape)}; expected (R, H) = ({R}, {H})")
+        dt = np.dtype(x.dtype)
+        if dt not in [np.dtype(d) for d in _MPI_DTYPES] or np.dtype(out.dtype) != dt:
+            raise TypeError(f"mpi_reduce_scatter supports float32/float64/int32/int64 with out of x's dtype; "
+                            f"got x {dt.name}, out {np.dtype(out.dtype).name}")
+        return (T, H, R, dt), (T, H, dt.name)
+
+    T, H, R, dt = agree_on_call(group, "mpi_reduce_scatter", check, ("T", "H", "dtype"), timeout_s, agree)
     tp = group.size
-    R = cdiv(T, tp)
-    if _check_2d("out", out) != (R, H):
-        raise ValueError(f"out has shape {tuple(out.shape)}; expected (R, H) = ({R}, {H})")
-    dt = np.dtype(x.dtype)
-    if dt not in [np.dtype(d) for d in _MPI_DTYPES] or np.dtype(out.dtype) != dt:
-        raise TypeError(f"mpi_reduce_scatter supports float32/float64/int32/int64 with out of x's dtype; "
-                        f"got x {dt.name}, out {np.dtype(out.dtype).name}")
     xh = _to_host(x)
     if T == tp * R:
         send = xh
@@ -590,18 +609,26 @@ def mpi_reduce_scatter(x, out, group, *, timeout_s: float | None = DEFAULT):
     return out
 
 
-def mpi_all_gather(x_shard, out, group, *, timeout_s: float | None = DEFAULT):
-    """Same contract as :func:`all_gather`, with ``MPI_Allgather`` on ``group.comm``."""
+def mpi_all_gather(x_shard, out, group, *, timeout_s: float | None = DEFAULT, agree: bool = True):
+    """Same contract as :func:`all_gather`, with ``MPI_Allgather`` on ``group.comm``; the ranks
+    first agree on ``R``, ``H``, ``T`` and the dtype, unless ``agree=False`` (see
+    :func:`mpi_reduce_scatter`)."""
     check_group(group)
-    R, H = _check_2d("x_shard", x_shard)
-    T, oH = _check_2d("out", out)
+
+    def check():
+        R, H = _check_2d("x_shard", x_shard)
+        T, oH = _check_2d("out", out)
+        tp = group.size
+        if oH != H or not 1 <= T <= tp * R:
+            raise ValueError(f"out has shape ({T}, {oH}); expected (T, {H}) with 1 <= T <= tp*R = {tp * R}")
+        dt = np.dtype(x_shard.dtype)
+        if dt not in [np.dtype(d) for d in _MPI_DTYPES] or np.dtype(out.dtype) != dt:
+            raise TypeError(f"mpi_all_gather supports float32/float64/int32/int64 with out of x_shard's dtype; "
+                            f"got x_shard {dt.name}, out {np.dtype(out.dtype).name}")
+        return (R, H, T, dt), (R, H, T, dt.name)
+
+    R, H, T, dt = agree_on_call(group, "mpi_all_gather", check, ("R", "H", "T", "dtype"), timeout_s, agree)
     tp = group.size
-    if oH != H or not 1 <= T <= tp * R:
-        raise ValueError(f"out has shape ({T}, {oH}); expected (T, {H}) with 1 <= T <= tp*R = {tp * R}")
-    dt = np.dtype(x_shard.dtype)
-    if dt not in [np.dtype(d) for d in _MPI_DTYPES] or np.dtype(out.dtype) != dt:
-        raise TypeError(f"mpi_all_gather supports float32/float64/int32/int64 with out of x_shard's dtype; "
-                        f"got x_shard {dt.name}, out {np.dtype(out.dtype).name}")
     xh = _to_host(x_shard)
     out_h = host_view(out)
     recv = out_h if (out_h is not None and T == tp * R) else np.empty((tp * R, H), dtype=dt)

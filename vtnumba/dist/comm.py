@@ -225,6 +225,73 @@ def agree_errors(error: BaseException | str | None, group, *, context: str = "",
     raise exc_type(f"{prefix}failed on {len(failures)} of {group.size} ranks of group {group.name!r} -- {parts}")
 
 
+def _encode(value) -> int:
+    """One agreed value as an int64: ints as they are, floats by their bits (the ranks must agree
+    exactly), a short str by its bytes."""
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, str):
+        return int.from_bytes(value.encode()[:8].ljust(8, b"\0"), "little", signed=True)
+    if isinstance(value, (float, np.floating)):
+        return int(np.float64(value).view(np.int64))
+    return int(value)
+
+
+def _decode(code: int, like) -> str:
+    if isinstance(like, (bool, np.bool_)):
+        return "given" if code else "None"
+    if isinstance(like, str):
+        return int(code).to_bytes(8, "little", signed=True).rstrip(b"\0").decode(errors="replace")
+    if isinstance(like, (float, np.floating)):
+        return f"{float(np.int64(code).view(np.float64)):g}"
+    return str(int(code))
+
+
+def agree_on_call(group, what: str, check, fields: tuple[str, ...], timeout_s=DEFAULT, agree: bool = True):
+    """Run this rank's argument checks, then -- over ``group``, unless ``agree`` is false --
+    learn every rank's outcome before any collective (see the module docstring).
+
+    ``check()`` returns ``(result, values)``: ``values`` are what every rank must agree on,
+    one per name in ``fields`` (ints, floats -- compared bit for bit --, bools for "given or
+    None", short strs).  Returns ``result``.  A rank whose check raised raises its own error;
+    the others raise ValueError naming the ranks that refused; values that differ are one
+    ValueError on every rank, listing each rank's.  (Collective over ``group``: every rank
+    calls it, or the others wait out ``timeout_s``.)
+    """
+    error = result = None
+    values = None
+    try:
+        result, values = check()
+        if len(values) != len(fields):
+            raise AssertionError(f"{what}: check() gave {len(values)} values for {len(fields)} fields")
+    except Exception as exc:  # any failure, not only a refused argument: the peers must hear of it, or they hang
+        error, values = exc, None
+    if agree and group is not None and group.size > 1:
+        mine = np.array([int(error is not None)] + ([_encode(v) for v in values] if values is not None
+                                                    else [0] * len(fields)), np.int64)
+        rows = np.empty((group.size, mine.size), np.int64)
+        if timeout_s is None:
+            group.comm.Allgather(mine, rows)
+        else:
+            wait_request(group.comm.Iallgather(mine, rows), group, f"{what}: every rank's arguments",
+                         timeout_s)
+        refused = [r for r in range(group.size) if rows[r, 0]]
+        if error is not None:
+            raise error
+        if refused:
+            raise ValueError(f"{what}: rank(s) {refused} of group {group.name!r} refused their arguments (their "
+                             "own errors say why); no rank ran the collectives")
+        if (rows[:, 1:] != rows[0, 1:]).any():
+            shown = "; ".join(f"rank {r}: " + ", ".join(f"{name}={_decode(code, like)}" for name, code, like
+                                                         in zip(fields, row[1:], values))
+                              for r, row in enumerate(rows))
+            raise ValueError(f"{what}: the ranks of group {group.name!r} called it with different arguments "
+                             f"({shown}); every rank must pass the same {', '.join(fields)}")
+    elif error is not None:
+        raise error
+    return result
+
+
 def check_group(group) -> None:
     """TypeError unless ``group`` is a :class:`~vtnumba.dist.ProcessGroup`; RuntimeError once it
     was freed.  (Duck-typed on ``cpu_comm``: :mod:`vtnumba.dist.groups` imports this module.)
@@ -243,4 +310,4 @@ def check_group(group) -> None:
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT", "set_default_timeout", "default_timeout", "resolve_timeout", "wait_request",
            "arrive", "dup_comm", "wait_for_every_rank", "barrier", "all_ranks_ready", "allgather_bytes", "agree_errors",
-           "check_group"]
+           "agree_on_call", "check_group"]

@@ -168,7 +168,8 @@ class RowParallelLinear(Params):
 
     def __call__(self, x_local, group=None):
         """The complete output ``sum_r partial_r + bias``, via an MPI all-reduce over ``group``."""
-        from vtnumba.tpsp.regular import agree_on_call, mpi_all_reduce_
+        from vtnumba.dist.comm import agree_on_call
+        from vtnumba.tpsp.regular import mpi_all_reduce_
 
         if group is None:
             from vtnumba.dist import get_tp_group

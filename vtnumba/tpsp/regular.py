@@ -32,8 +32,8 @@ every rank shares one small row -- ``[refused?, T, H, norm, eps, bias?, norm_bia
 ``Allgather``: a rank that refused raises its own error, the others say which ranks refused,
 and different arguments are one ValueError on every rank (an eps or a bias on one rank only
 would normalise each rank's rows differently, and nothing else would notice).  (The fused
-op does the same through its peer flags; :func:`agree_on_call` serves other collectives too,
-such as :class:`vtnumba.nn.RowParallelLinear`'s all-reduce.)  ``agree=False`` skips it, for a
+op does the same through its peer flags; :func:`vtnumba.dist.comm.agree_on_call` serves other
+collectives too, such as :class:`vtnumba.nn.RowParallelLinear`'s all-reduce.)  ``agree=False`` skips it, for a
 benchmark that times the stock collectives alone.
 """
 
@@ -45,7 +45,7 @@ from mpi4py import MPI
 from vtnumba import trace
 from vtnumba.backend.arrays import array_kind, check_eps, empty, host_view
 from vtnumba.dist import mpi_all_gather, mpi_reduce_scatter
-from vtnumba.dist.comm import DEFAULT, check_group, wait_request
+from vtnumba.dist.comm import DEFAULT, agree_on_call, check_group, wait_request
 from vtnumba.kernels import fused_add_layer_norm, fused_add_rms_norm, linear
 from vtnumba.tpsp.norm_type import LAYER, get_tpsp_norm_type
 from vtnumba.tpsp.pipeline import check_call, check_tpsp_array
@@ -62,73 +62,6 @@ def add_norm(y, residual, weight, eps, bias, norm_bias, norm: str, out, new_resi
         return fused_add_layer_norm(y, residual, weight, norm_bias, eps, bias=bias, out=out,
                                     new_residual=new_residual)
     return fused_add_rms_norm(y, residual, weight, eps, bias=bias, out=out, new_residual=new_residual)
-
-
-def _encode(value) -> int:
-    """One agreed value as an int64: ints as they are, floats by their bits (the ranks must agree
-    exactly), a short str by its bytes."""
-    if isinstance(value, (bool, np.bool_)):
-        return int(value)
-    if isinstance(value, str):
-        return int.from_bytes(value.encode()[:8].ljust(8, b"\0"), "little", signed=True)
-    if isinstance(value, (float, np.floating)):
-        return int(np.float64(value).view(np.int64))
-    return int(value)
-
-
-def _decode(code: int, like) -> str:
-    if isinstance(like, (bool, np.bool_)):
-        return "given" if code else "None"
-    if isinstance(like, str):
-        return int(code).to_bytes(8, "little", signed=True).rstrip(b"\0").decode(errors="replace")
-    if isinstance(like, (float, np.floating)):
-        return f"{float(np.int64(code).view(np.float64)):g}"
-    return str(int(code))
-
-
-def agree_on_call(group, what: str, check, fields: tuple[str, ...], timeout_s=DEFAULT, agree: bool = True):
-    """Run this rank's argument checks, then -- over ``group``, unless ``agree`` is false --
-    learn every rank's outcome before any collective (see the module docstring).
-
-    ``check()`` returns ``(result, values)``: ``values`` are what every rank must agree on,
-    one per name in ``fields`` (ints, floats -- compared bit for bit --, bools for "given or
-    None", short strs).  Returns ``result``.  A rank whose check raised raises its own error;
-    the others raise ValueError naming the ranks that refused; values that differ are one
-    ValueError on every rank, listing each rank's.  (Collective over ``group``: every rank
-    calls it, or the others wait out ``timeout_s``.)
-    """
-    error = result = None
-    values = None
-    try:
-        result, values = check()
-        if len(values) != len(fields):
-            raise AssertionError(f"{what}: check() gave {len(values)} values for {len(fields)} fields")
-    except Exception as exc:  # any failure, not only a refused argument: the peers must hear of it, or they hang
-        error, values = exc, None
-    if agree and group is not None and group.size > 1:
-        mine = np.array([int(error is not None)] + ([_encode(v) for v in values] if values is not None
-                                                    else [0] * len(fields)), np.int64)
-        rows = np.empty((group.size, mine.size), np.int64)
-        if timeout_s is None:
-            group.comm.Allgather(mine, rows)
-        else:
-            wait_request(group.comm.Iallgather(mine, rows), group, f"{what}: every rank's arguments",
-                         timeout_s)
-        refused = [r for r in range(group.size) if rows[r, 0]]
-        if error is not None:
-            raise error
-        if refused:
-            raise ValueError(f"{what}: rank(s) {refused} of group {group.name!r} refused their arguments (their "
-                             "own errors say why); no rank ran the collectives")
-        if (rows[:, 1:] != rows[0, 1:]).any():
-            shown = "; ".join(f"rank {r}: " + ", ".join(f"{name}={_decode(code, like)}" for name, code, like
-                                                         in zip(fields, row[1:], values))
-                              for r, row in enumerate(rows))
-            raise ValueError(f"{what}: the ranks of group {group.name!r} called it with different arguments "
-                             f"({shown}); every rank must pass the same {', '.join(fields)}")
-    elif error is not None:
-        raise error
-    return result
 
 
 #: What the ranks must agree on before a regular forward's collectives (bias and norm_bias:
@@ -156,14 +89,15 @@ def regular_matmul_rs_norm_ag(group, x, w, bias, residual, norm_weight, eps, nor
     T, H, R = shape.T, shape.H, shape.R
     partial = linear(x, w)                                  # [T, H] partial sum of this rank's K shard
     y = _empty_like_kind(x, (R, H))
-    mpi_reduce_scatter(partial, y, group, timeout_s=timeout_s)   # rank r keeps its R rows of the sum
+    # (agree=False: the ranks agreed on the shapes above, or were told not to)
+    mpi_reduce_scatter(partial, y, group, timeout_s=timeout_s, agree=False)  # rank r keeps its R rows of the sum
     normed = _empty_like_kind(x, (R, H))
     if new_residual is None:
         new_residual = _empty_like_kind(x, (R, H))
     add_norm(y, residual, norm_weight, eps, bias, norm_bias, shape.norm, normed, new_residual)
     if out is None:
         out = _empty_like_kind(x, (T, H))
-    mpi_all_gather(normed, out, group, timeout_s=timeout_s)      # every rank gets all T normalised rows
+    mpi_all_gather(normed, out, group, timeout_s=timeout_s, agree=False)  # every rank gets all T normalised rows
     return out, new_residual
 
 
@@ -222,4 +156,4 @@ def regular_matmul_ar_norm(group, x, w, bias, residual, norm_weight, eps, norm_b
     return out, new_residual
 
 
-__all__ = ["regular_matmul_rs_norm_ag", "regular_matmul_ar_norm", "add_norm", "mpi_all_reduce_", "agree_on_call"]
+__all__ = ["regular_matmul_rs_norm_ag", "regular_matmul_ar_norm", "add_norm", "mpi_all_reduce_"]
