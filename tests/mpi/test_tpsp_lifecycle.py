@@ -261,6 +261,27 @@ def test_a_chunk_beyond_the_workspace_slot_takes_the_slot(backend, group):
     collectively(body)
 
 
+def test_a_handle_whose_flag_epochs_are_spent_says_so_on_every_rank(backend, group):
+    # Each microchunk takes a 32-bit flag epoch; past the last one the flags refused the value
+    # mid-call ("flag value ... reopen the flags"), which named no handle.
+    from vtnumba.dist.queue_flags import RELEASED
+
+    def body():
+        h = _open(backend, group)
+        backend.set_config(h, 1)
+        h.workspace.chunks_done = RELEASED - 2  # (a server that ran for weeks; nothing was queued for them)
+        with pytest.raises(RuntimeError, match=r"this TPSP handle has run 1073741822 microchunks; .* close the "
+                                               r"handle and open a new one"):
+            _call(backend, h, _inputs(group, T=4 * group.size))
+        backend.close(h)
+        h = _open(backend, group)  # a new handle counts afresh
+        got, _ = _call(backend, h, _inputs(group, T=4 * group.size))
+        assert np.isfinite(got).all()
+        backend.close(h)
+
+    collectively(body)
+
+
 def test_invalid_configs_are_refused(backend, group):
     def body():
         h = _open(backend, group)

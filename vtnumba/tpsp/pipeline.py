@@ -73,7 +73,7 @@ from vtnumba import trace
 from vtnumba.backend.arrays import (array_kind, cdiv, check_array, check_eps, check_not_partly_overlapping,
                                     check_outputs_apart)
 from vtnumba.backend.polling import WaitTimeout
-from vtnumba.dist.queue_flags import QueueFlagsError
+from vtnumba.dist.queue_flags import RELEASED, QueueFlagsError
 from vtnumba.kernels.peer import queue_gather_rows, queue_peer_reduce_norm
 from vtnumba.tpsp.norm_type import LAYER, get_tpsp_norm_type
 
@@ -366,6 +366,14 @@ class ChunkPipeline:
                 f"the ranks of group {self.ws.group.name!r} called the fused TPSP op with different shapes or "
                 f"arguments ({shown}); every rank must pass the same T, hidden size, norm type and eps (and use "
                 "the same config)")
+        # Each microchunk raises the flags to its own epoch, a 32-bit counter that waits compare
+        # cyclically: a handle can count RELEASED - 1 of them (about a billion) in its life.
+        # Said here, the same on every rank (the count is), before anything is queued -- past it
+        # the flags refused the epoch mid-call, naming flags, not the handle.
+        if self.ws.chunks_done + self.n >= RELEASED:
+            raise RuntimeError(f"this TPSP handle has run {self.ws.chunks_done} microchunks; its queue flags count "
+                               f"at most {RELEASED - 1} (32-bit epochs, compared cyclically): close the handle "
+                               "and open a new one (or profile again) to start counting afresh")
         self.base = self.ws.chunks_done
         self.ws.chunks_done += self.n
 
