@@ -433,11 +433,20 @@ def test_a_handle_serves_one_thread_at_a_time(backend, group):
             except RuntimeError as exc:
                 errors.append(str(exc))
 
+        def closer():  # closing under a call pulled its queues and flags away ("QueueFlags ... are closed")
+            try:
+                backend.close(h)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
         with h.caller:  # as if another thread of this rank were inside a call
-            t = threading.Thread(target=second_thread)
-            t.start()
-            t.join(30)
-        assert len(errors) == 1 and "TPSP handle 'threads' is already running a call on another thread" in errors[0]
+            for target in (second_thread, closer):
+                t = threading.Thread(target=target)
+                t.start()
+                t.join(30)
+        assert len(errors) == 2 and all("TPSP handle 'threads' is already running a call on another thread" in e
+                                        for e in errors), errors
+        assert not h.closed
         assert h.broken is None
         out, _ = _call(backend, h, a)  # every rank's next call pairs up as before
         assert np.isfinite(out).all()

@@ -356,6 +356,15 @@ class PeerTPSPBackend(TPSPBackend):
         """Collective (in vLLM's order): finish queued work, barrier, unmap peers, barrier, free.  Idempotent."""
         if h.closed:
             return
+        # Not while another thread is inside a call on it: its queues and flags would go away
+        # under the call (which then failed with "QueueFlags ... are closed").  Refused at once,
+        # as a second caller is; the calling thread itself may close (re-entrant).
+        with h.caller:
+            self._close_owned_handle(h)
+
+    def _close_owned_handle(self, h: TPSPHandle) -> None:
+        if h.closed:
+            return
         h.closed = True
         with self._lock:
             self._handles.pop(id(h), None)
