@@ -758,10 +758,13 @@ class Backend(abc.ABC):
                             f"dtype={getattr(flags, 'dtype', None)} ndim={getattr(flags, 'ndim', None)}")
         if not is_c_contiguous(flags):  # (the flag kernels and the driver's stream ops address it as one range)
             raise ValueError("flags must be a contiguous uint32 array, not a strided view such as flags[::2]")
-        if int(flags.shape[0]) and address_of(flags) % 4:
-            # Checked here, on every queue kind: a threaded queue found it only when the store
-            # ran, as a sticky error of the queue (and a GPU's stream ops need 4-byte words).
-            raise ValueError(f"flags (at address {address_of(flags):#x}) must be 4-byte aligned for atomic access")
+        # Checked here, on every queue kind: a threaded queue found it only when the store ran,
+        # as a sticky error of the queue (and a GPU's stream ops need 4-byte words).  (A GPU
+        # array's pointer attribute is cheap to read: every queued flag wait comes through here.)
+        pointer = getattr(flags, "device_ctypes_pointer", None) if host_view(flags) is None else None
+        address = (pointer.value or 0) if pointer is not None else address_of(flags)
+        if int(flags.shape[0]) and address % 4:
+            raise ValueError(f"flags (at address {address:#x}) must be 4-byte aligned for atomic access")
         if store and isinstance(flags, np.ndarray) and not flags.flags.writeable:
             raise ValueError("flags is a read-only array (numpy's writeable flag is off, e.g. np.frombuffer of "
                              "bytes); expected memory a flag store may write")
