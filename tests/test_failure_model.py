@@ -714,3 +714,51 @@ def test_a_rank_failing_inside_profile_tpsp_is_reported_at_once(tmp_path):
     assert "[rank 1] failed while profiling: MemoryError: rank 1 cannot allocate the scan's inputs" in out, out
     assert "[rank 0] stopped while profiling, because rank 1 failed while profiling: MemoryError" in out, out
     assert "WaitTimeout" not in out, out
+
+
+_FAILS_INSIDE_THE_FUSED_OP = '''
+from mpi4py import MPI
+
+import numpy as np
+
+import vtnumba.tpsp.pipeline as pipeline
+from vtnumba import dist
+from vtnumba.tpsp import HostTPSPBackend, shard_residual
+
+reduce = pipeline.ChunkPipeline.reduce
+
+def failing_reduce(self, i):  # the last rank fails in the middle of the call, its peers inside it
+    if MPI.COMM_WORLD.rank == MPI.COMM_WORLD.size - 1 and i == 2:
+        raise RuntimeError("injected in the middle of the fused op")
+    return reduce(self, i)
+
+pipeline.ChunkPipeline.reduce = failing_reduce
+
+def main():
+    g = dist.init_distributed()
+    H, K, T = 8 * g.size, 16, 16 * g.size
+    rng = np.random.default_rng(0)
+    be = HostTPSPBackend("tp", threaded=True)
+    h = be.open(tp_size=g.size, hidden_size=H, max_batched_tokens=T, name="p")
+    be.set_config(h, 2)  # 8 microchunks: the failure lands mid-pipeline
+    x, w = rng.standard_normal((T, K), dtype=np.float32), rng.standard_normal((H, K), dtype=np.float32)
+    res = shard_residual(rng.standard_normal((T, H), dtype=np.float32), g.size, g.rank)
+    with dist.phase("the fused op"):
+        be.tpsp_matmul_rs_norm_ag(h, x, w, None, res, np.ones(H, np.float32), 1e-5)
+
+raise SystemExit(dist.run_collectively(main, timeout_s=20))
+'''
+
+
+def test_a_rank_failing_inside_the_fused_op_is_the_only_one_that_says_failed(tmp_path):
+    # With 3 ranks, a healthy rank could see another healthy rank's relayed abort stamp first
+    # and report "failed ... QueueFlagsError: rank 1, 2 aborted" -- as if it had failed itself.
+    script = tmp_path / "fused_fails.py"
+    script.write_text(_FAILS_INSIDE_THE_FUSED_OP)
+    proc, elapsed, out = _run_cmd([MPIEXEC, "-n", "3", sys.executable, str(script)])
+    assert proc.returncode != 0 and elapsed < 15, (elapsed, out)
+    assert "[rank 2] failed while the fused op: RuntimeError: injected in the middle of the fused op" in out, out
+    for r in (0, 1):
+        assert (f"[rank {r}] stopped while the fused op, because rank 2 failed while the fused op: RuntimeError: "
+                "injected" in out), out
+    assert "QueueFlagsError" not in out and out.count("failed while") == 3, out  # (2 of them quote rank 2)

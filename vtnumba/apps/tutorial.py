@@ -458,6 +458,7 @@ def _end_together_on_failure(timeout_s: float) -> None:
 
     set_default_timeout(timeout_s)
     failures.install()
+    failures.expect_peer_reports()
     previous = sys.excepthook
     failed = []
 

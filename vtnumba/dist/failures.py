@@ -51,6 +51,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from contextlib import contextmanager
 
 from mpi4py import MPI
@@ -77,6 +78,48 @@ class PeerFailed(RuntimeError):
         super().__init__(text)
         self.rank = rank
         self.text = text
+
+
+class PeerAborted(RuntimeError):
+    """A peer abandoned a step this rank shares with it (its abort stamp in the flags): this
+    rank stops *because of* that peer -- it did not fail itself (see :func:`report`)."""
+
+    caused_by_peer = True
+
+
+#: How long a rank that saw a peer's abort stamp waits for that peer's own report on the board,
+#: which names the rank that failed first and what it was doing.  (The stamp comes first: the
+#: failing rank stamps, releases every wait and drains its queues, then reports.)
+PEER_REPORT_GRACE_S = 0.5
+
+
+_peers_report = False  # set by the programs whose failing ranks post their failure (run_collectively)
+
+
+def expect_peer_reports() -> None:
+    """Say that this program's ranks post their failures on the board (every rank runs the
+    same program): :func:`run_collectively` and the tutorials' hook call it.  Only then does
+    :func:`raise_peer_report` wait for a report -- elsewhere (a test catching a peer's error
+    and going on) none would come."""
+    global _peers_report
+    _peers_report = True
+
+
+def raise_peer_report(grace_s: float = PEER_REPORT_GRACE_S) -> None:
+    """Raise the :class:`PeerFailed` a peer posts within ``grace_s`` seconds; return if none
+    comes (or no board is installed, or the program's ranks do not post failures).  Called by
+    a rank that saw an abort stamp, before it raises :class:`PeerAborted`: with three ranks, a
+    healthy rank that saw only another healthy rank's relayed stamp said it had failed
+    itself, naming no culprit."""
+    board = _board
+    if board is None or not _peers_report:
+        return
+    deadline = time.monotonic() + grace_s
+    while True:
+        board.check()  # PeerFailed once a note is in (KeyboardInterrupt if this rank was interrupted)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)
 
 
 _phases: list[str] = []
@@ -440,6 +483,7 @@ def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
     nobody, and the others may be inside a blocking setup collective where nothing of ours
     runs: it leaves at once, without ``MPI_Finalize``, and ``mpiexec`` ends the job."""
     resolve_timeout(timeout_s)  # (a bad one is the caller's error, said here -- not again inside the failure path)
+    expect_peer_reports()
     board_open = False
     try:
         install(timeout_s=timeout_s)
@@ -468,6 +512,7 @@ def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
     return _leave_together(timeout_s, code, succeeded=True)
 
 
-__all__ = ["EXIT_GRACE_S", "INTERRUPT_EXIT_S", "PeerFailed", "FailureBoard", "phase", "current_phase", "install",
+__all__ = ["EXIT_GRACE_S", "INTERRUPT_EXIT_S", "PEER_REPORT_GRACE_S", "PeerFailed", "PeerAborted", "raise_peer_report",
+           "expect_peer_reports", "FailureBoard", "phase", "current_phase", "install",
            "uninstall", "report", "say", "ignore_ctrl_c", "end_stopped_peers", "arm_exit_watchdog",
            "exit_after_failure", "end_together", "run_collectively"]

@@ -51,6 +51,7 @@ from vtnumba.backend.arrays import host_view, is_int
 from vtnumba.backend.atomics import store_release
 from vtnumba.backend.polling import WaitTimeout, poll_until
 from vtnumba.dist.comm import DEFAULT, agree_errors, barrier, resolve_timeout
+from vtnumba.dist.failures import PeerAborted, raise_peer_report
 from vtnumba.dist.peer_buffers import PeerBuffers
 from vtnumba.dist.signals import PeerSignals, flag_names_error
 
@@ -62,9 +63,16 @@ RELEASED = 1 << 30
 #: queues (see :meth:`QueueFlags._drain`).
 RERELEASE_S = 0.05
 
+#: What :meth:`QueueFlags.missing` says when every awaited flag has arrived.
+NOTHING_MISSING = "every awaited flag has arrived"
+
 
 class QueueFlagsError(RuntimeError):
     """A queue-ordered exchange failed on this rank or a peer (raised after releasing every wait)."""
+
+
+class QueuePeerAborted(QueueFlagsError, PeerAborted):
+    """The exchange failed because a peer aborted it: this rank stops because of that peer."""
 
 
 class QueueFlags:
@@ -209,7 +217,7 @@ class QueueFlags:
             return f"unknown (the flag words could not be read: {exc})"
         short = [f"{name!r} from rank {s}: {got[(name, s)]} (waited for {want})"
                  for (name, s), want in sorted(self.expected.items()) if got[(name, s)] < want]
-        return "; ".join(short) if short else "every awaited flag has arrived"
+        return "; ".join(short) if short else NOTHING_MISSING
 
     def _failure_epoch(self) -> int:
         """The call a failure of this rank belongs to: the one in progress, or -- between calls --
@@ -247,12 +255,15 @@ class QueueFlags:
         events = self._record(queues)
         failure: str | None = None
 
+        peer_aborted = False
+
         def done() -> bool:
-            nonlocal failure
+            nonlocal failure, peer_aborted
             # Aborts first: a wait released by a failing peer lets the queues finish, but
             # what they computed is garbage -- that must fail, not return.
             aborted = self._aborted_peers()
             if aborted:
+                peer_aborted = True
                 who = ", ".join(str(r) for r in aborted)
                 failure = (f"rank {self.group.rank} of group {self.group.name!r}: rank {who} aborted during {what} "
                            "(it raised an error or timed out; see its message)")
@@ -284,8 +295,13 @@ class QueueFlags:
             return
         missing = self.missing()  # before fail() releases the words
         self.fail(queues)
+        if failure is not None and missing != NOTHING_MISSING:
+            failure = f"{failure}; missing flags: {missing}"
+        if failure is not None and peer_aborted:
+            raise_peer_report()  # the failing rank's own report, if it comes soon: it names the cause
+            raise QueuePeerAborted(failure)  # (this rank did not fail: it stops because of the peer)
         if failure is not None:
-            raise QueueFlagsError(f"{failure}; missing flags: {missing}")
+            raise QueueFlagsError(failure)
         if isinstance(queued, WaitTimeout):  # a host queue's own wait ran out of time
             raise QueueFlagsError(f"rank {self.group.rank} of group {self.group.name!r}: {what} did not finish: "
                                   f"{queued}; missing flags: {missing}") from queued
@@ -469,4 +485,4 @@ class QueueFlags:
         return f"<QueueFlags {list(self.names)} on group {self.group.name!r} via {self.backend.name}>"
 
 
-__all__ = ["QueueFlags", "QueueFlagsError", "RELEASED"]
+__all__ = ["QueueFlags", "QueueFlagsError", "QueuePeerAborted", "RELEASED"]

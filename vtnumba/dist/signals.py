@@ -46,6 +46,7 @@ from vtnumba.backend.arrays import check_seconds, is_int
 from vtnumba.backend.atomics import load_acquire, store_release
 from vtnumba.backend.polling import WaitTimeout, poll_until
 from vtnumba.dist.comm import DEFAULT, agree_errors, allgather_bytes, check_group, resolve_timeout
+from vtnumba.dist.failures import PeerAborted, raise_peer_report
 
 DEFAULT_NAMES = ("inbox_ready", "gather_ready", "consumed")
 META_SLOTS = 8
@@ -206,7 +207,8 @@ class PeerSignals:
                 # Re-read the flag after seeing the stamp: a source that finished its part
                 # (raised the flag) before aborting is not a failure.
                 if load_acquire(area, self._abort_at + s) >= value and load_acquire(area, base + s) < value:
-                    raise RuntimeError(
+                    raise_peer_report()  # the failing rank's own report, if it comes soon: it names the cause
+                    raise PeerAborted(
                         f"rank {me} of group {self.group.name!r}: waiting for flag {name!r} >= {value} from rank "
                         f"{s}, but rank {s} aborted (it raised an error in the same step)")
             return not pending
