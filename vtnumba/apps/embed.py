@@ -96,6 +96,15 @@ def run_embed(args) -> int:
         # first call's kernel compilation take seconds.
         say = (lambda text: print(text, file=sys.stderr, flush=True)) if group.rank == 0 else (lambda text: None)
         say(f"vtnumba embed: loading all-MiniLM-L6-v2 on {group.size} rank(s) ...")
+        if not args.no_tpsp and group.size > 1:  # (one rank has nothing to exchange: no TPSP)
+            from vtnumba.target import current_target
+
+            slow = current_target().name == "cudasim"
+            # (Opening TPSP checks the fused op against the regular forward on every projection:
+            # quick on cpu and a GPU, many minutes in the simulator's ~7000 threads/s.)
+            say("vtnumba embed: opening TPSP: a fused and a regular forward of each of the model's "
+                f"{2 * config.num_hidden_layers} row-parallel projections, compared"
+                + (" -- many minutes in the CUDA simulator; --no-tpsp skips it" if slow else " ..."))
         with phase("loading the model"):
             hook("loading")
             tpe = TensorParallelEncoder(group, use_tpsp=not args.no_tpsp)
