@@ -230,6 +230,9 @@ def test_embed_json_matches_sentence_transformers(weights, extra):
     texts = ref["texts"]
     proc = vt("embed", "--target", "cpu", "--json", *extra, *texts, ranks=2, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    # Rank 0 says what takes the time before the first text: TPSP's opening profile, unless skipped.
+    assert ("opening TPSP: a fused and a regular forward of each of the model's 12 row-parallel projections"
+            in proc.stderr) == (not extra), proc.stderr
     data = json.loads(proc.stdout)
     assert [d["text"] for d in data] == texts
     emb = np.array([d["embedding"] for d in data], dtype=np.float32)
