@@ -239,6 +239,16 @@ def test_embed_json_matches_sentence_transformers(weights, extra):
     assert np.abs(emb - ref["emb"]).max() <= 1e-5
 
 
+def test_the_pipeline_demo_is_refused_in_the_simulator_said_once():
+    # It ran there: the consumer gave up after --timeout waiting for the encoder's first
+    # outputs (hours away in the simulator), blaming an encoder rank that was only busy.
+    proc = vt("demo", "--target", "cudasim", ranks=3, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("vtnumba demo: the pipeline demo runs all-MiniLM-L6-v2 over its whole corpus, which in "
+                             "numba's CUDA simulator") == 1, proc.stderr
+    assert "vtnumba demo runtime --target cudasim" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_embed_refuses_bad_input_on_every_rank(weights):
     proc = vt("embed", "--target", "cpu", "fine", "   ", ranks=2, timeout=60)
     assert proc.returncode != 0 and "empty" in (proc.stderr + proc.stdout).lower()

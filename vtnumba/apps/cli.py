@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(or 'demo runtime': queues, events, async copies)")
     _add_target(p)
     p.add_argument("which", nargs="?", default="pipeline", choices=("pipeline", "runtime"),
-                   help="pipeline (default): the real-model pipeline; runtime: the device-runtime tour")
+                   help="pipeline (default): the real-model pipeline (cpu or cuda: the simulator would take "
+                        "hours); runtime: the device-runtime tour (every target)")
     p.add_argument("--encoder-ranks", type=int, default=None,
                    help="pipeline: ranks running the encoder tensor-parallel (default: all but the last rank)")
     p.add_argument("--region-mib", type=float, default=None,

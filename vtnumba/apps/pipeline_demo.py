@@ -477,6 +477,24 @@ def _print_report(measure: dict, prod: dict, cons: dict, args, sizes, memcpy_gbs
     sys.stdout.flush()
 
 
+def refuse_the_simulator() -> None:
+    """ValueError on the ``cudasim`` target: the demo's model cannot run there in useful time.
+
+    Every GPU thread of numba's simulator is a Python thread (~7000 a second): encoding the
+    corpus -- TPSP's opening profile first -- takes hours, and the consumer, which waits
+    ``--timeout`` for the encoder's first outputs, gave up long before, blaming a rank that
+    was only busy.  The GPU code does run in the simulator elsewhere, at sizes made for it.
+    """
+    from vtnumba.target import current_target
+
+    if current_target().name == "cudasim":
+        raise ValueError("the pipeline demo runs all-MiniLM-L6-v2 over its whole corpus, which in numba's CUDA "
+                         "simulator (~7000 GPU threads/s) takes hours; run it with --target cpu (or on a GPU), and "
+                         "see the GPU code in the simulator with 'vtnumba demo runtime --target cudasim', "
+                         "'vtnumba embed --target cudasim --no-tpsp TEXT', mpi/tpsp_model.py, mpi/ec_disagg.py or "
+                         "the tutorials")
+
+
 def run_pipeline_demo(args) -> int:
     """``vtnumba demo``: run the pipeline on every rank of the world; returns the exit status."""
     from mpi4py import MPI
@@ -486,6 +504,7 @@ def run_pipeline_demo(args) -> int:
 
     comm = MPI.COMM_WORLD
     try:
+        refuse_the_simulator()
         sizes = plan_ranks(comm.Get_size(), args.encoder_ranks)
         timeout, inject, notes = check_options(args, comm.Get_size())
     except ValueError as exc:
