@@ -243,8 +243,9 @@ def block_id_array(block_ids, what: str = "block_ids") -> np.ndarray:
         raise TypeError(f"{what}={block_ids!r} must be whole-number int block ids, got dtype {raw.dtype}")
     # Ids past int64 (Python ints as dtype object, or uint64's top half) cannot be any region's
     # block: named here -- the conversion below was a bare OverflowError, or wrapped to negatives.
-    if raw.dtype == object or raw.dtype == np.uint64:
-        beyond = [v for v in raw.tolist() if not _INT64_MIN <= v <= _INT64_MAX] if raw.dtype == object else \
+    kind = raw.dtype.kind
+    if kind == "O" or (kind == "u" and raw.dtype.itemsize == 8):  # (signed ints, the usual case: nothing to do)
+        beyond = [v for v in raw.tolist() if not _INT64_MIN <= v <= _INT64_MAX] if kind == "O" else \
             raw[raw > _INT64_MAX].tolist()
         if beyond:
             raise ValueError(f"{what} holds block id {beyond[0]}, outside any region's block ids (int64)")
