@@ -84,6 +84,7 @@ class PeerAborted(RuntimeError):
     """A peer abandoned a step this rank shares with it (its abort stamp in the flags): this
     rank stops *because of* that peer -- it did not fail itself (see :func:`report`)."""
 
+    #: This rank stopped because of a peer (see :func:`report`).
     caused_by_peer = True
 
 
