@@ -298,3 +298,31 @@ def test_tpsp_forward_matches_float64_and_really_runs_fused(group, checkpoint, w
     finally:
         if group.rank == 0 and report:
             print(f"\n[tp={group.size}, target {current_target().name}] {report}")
+
+
+def test_a_batch_past_max_batched_tokens_runs_the_regular_forward(group, checkpoint, weights, reference):
+    # A batch of long documents passed the TPSP workspace's max_batched_tokens: the encoder
+    # crashed ("x has T=6599 token rows, more than max_batched_tokens=4096") and every later
+    # batch failed on the broken handle.  It takes the regular forward, as documented.  And
+    # the encoder's timeout_s bounds the fused op's waits too (they used the process default).
+    folder, texts, ids = checkpoint
+    want = reference["hidden"]
+    small = 2 * max(len(i) for i in ids)  # one text fits, all of them together do not
+
+    def body():
+        with TensorParallelEncoder(group, use_tpsp=True, weights=weights, timeout_s=45,
+                                   max_batched_tokens=small) as tpe:
+            assert tpe.tpsp_enabled and tpe.tpsp_backend.timeout_s == 45
+            got = tpe.encoder.encode_tokens(texts)  # one batch of every text: past the workspace
+            assert sum(op.regular_calls for op in tpe.ops.values()) > 0
+            assert all(_rel_error([g], [w]) <= REL_TOL for g, w in zip(got.hidden_states, want))
+            fused = tpe.fused_calls()
+            got = tpe.encoder.encode_tokens(texts[:1], batch_size=1)  # within it: fused, the handle unharmed
+            assert tpe.fused_calls() > fused and _rel_error(got.hidden_states, want[:1]) <= REL_TOL
+
+    collectively(body)
+
+
+def test_the_tensor_parallel_encoder_names_a_missing_group(weights):
+    with pytest.raises(TypeError, match="group must be a vtnumba ProcessGroup .* got NoneType"):
+        TensorParallelEncoder(None, weights=weights)

@@ -33,6 +33,9 @@ class TensorParallelEncoder:
 
     def __init__(self, group, *, use_tpsp: bool = True, max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
                  search: bool = False, weights=None, **encoder_kwargs):
+        from vtnumba.dist.comm import check_group
+
+        check_group(group)  # (None failed on group.size, after the model had loaded)
         self.group = group
         self.encoder = MiniLMEncoder(group, weights=weights, **encoder_kwargs)
         self.max_batched_tokens = check_int("max_batched_tokens", max_batched_tokens, min_value=1)
@@ -62,7 +65,9 @@ class TensorParallelEncoder:
         from vtnumba.tpsp import TPSPOp, TPSPOpsGroup, get_tpsp_backend, profile_tpsp
         from vtnumba.tpsp.profiling import TPSPDisabledWarning
 
-        self.tpsp_backend = get_tpsp_backend(self.group.name, default_device())
+        # The encoder's timeout bounds the fused op's waits too (the backend's own default,
+        # the process's, applied while TPSP was on: a hung peer held a rank for 60 s, not timeout_s).
+        self.tpsp_backend = get_tpsp_backend(self.group.name, default_device(), timeout_s=self.encoder.timeout_s)
         ops_groups = [TPSPOpsGroup(name, proj, norm) for name, proj, norm in
                       self.encoder.model.row_parallel_projections()]
         with warnings.catch_warnings():

@@ -5,7 +5,8 @@ A model should not care whether a batch runs fused: it calls ::
     gathered, new_residual = op(x, W, bias, residual_shard, norm_weight, eps, norm_bias=None)
 
 and the op asks the context's :class:`~vtnumba.tpsp.config.TPSPProfile` whether ``T`` tokens
-are worth fusing (``profile.is_active(T)``).  If so it runs the backend's fused call on the
+are worth fusing (``profile.is_active(T)``; a batch above the profile's ``max_batched_tokens``,
+which the fused op's workspace is sized for, is not).  If so it runs the backend's fused call on the
 ops group's handle, otherwise :func:`~vtnumba.tpsp.regular.regular_matmul_rs_norm_ag` --
 same inputs, same outputs, same sharded residual.  With no context at all (``profile``
 declined on every rank) every call takes the regular path.  Every rank sees the same ``T``
@@ -60,16 +61,11 @@ class TPSPOp:
         # Something that is not an array takes the regular path, whose argument check names it
         # (TypeError) and -- unlike an error raised here -- tells the other ranks, which are
         # already waiting in that path's first collective.
-        try:
-            fused = T is not None and self.uses_tpsp(T)
-        except ValueError:
-            # T outside the profiled range 1..max_batched_tokens.  Raised here, on this rank
-            # alone, it left the peers (called with a T in range) waiting for this rank's flags
-            # until their timeout; the fused call refuses the same T and stamps its abort on
-            # the handle's flags, so every rank hears of it at once.
-            if self.handle is None:
-                raise
-            fused = True
+        # A batch larger than the handle's workspace (max_batched_tokens) cannot run fused: it
+        # takes the regular forward, which has no such limit (and agrees on T with the other
+        # ranks first) -- it raised here, and later broke the handle in the fused call.
+        fused = T is not None and (self.context is None or T <= self.context.profile.max_batched_tokens) \
+            and self.uses_tpsp(T)
         try:
             if fused:
                 self.fused_calls += 1
