@@ -69,10 +69,13 @@ def test_a_row_parallel_layer_names_a_wrong_group(group, rng):
 
 @pytest.mark.parametrize("weight, bias, exc, match", [
     ("w", True, TypeError, "weight='w' must be an array of numbers"),
-    ([["a"] * 8] * 4, True, TypeError, "weight must be an array of numbers"),
+    ([["a"] * 8] * 4, True, TypeError, "weight must be an array of real numbers, got dtype <U1"),
+    # None became NaN, a complex number lost its imaginary part: parameters of NaNs, no error
+    ([[None] * 8] * 4, True, TypeError, "weight must be an array of real numbers, got dtype object"),
+    (np.ones((4, 8), complex), True, TypeError, "weight must be an array of real numbers, got dtype complex128"),
     (None, "yes", TypeError, "bias='yes' must be True, False, None or an array"),
     (None, 2.5, TypeError, "bias=2.5 must be True, False, None or an array"),
-    (None, [["x"]], TypeError, "bias must be an array of numbers"),
+    (None, [["x"]], TypeError, "bias must be an array of real numbers"),
 ])
 def test_linear_weights_that_hold_no_numbers_are_named(weight, bias, exc, match):
     with pytest.raises(exc, match=match):
@@ -84,8 +87,15 @@ def test_norm_weights_that_hold_no_numbers_and_float32_overflow_are_named():
     # became inf with numpy's RuntimeWarning.
     with pytest.raises(TypeError, match="weight='abc' must be an array of numbers"):
         nn.RMSNorm(3, weight="abc")
-    with pytest.raises(TypeError, match="bias must be an array of numbers"):
+    with pytest.raises(TypeError, match="bias must be an array of real numbers"):
         nn.LayerNorm(2, bias=["a", "b"])
+    with pytest.raises(TypeError, match="weight must be an array of real numbers, got dtype object"):
+        nn.RMSNorm(2, weight=[None, None])
+    # The norms' seeds are checked as the linear layers' are (-1, 1.5 failed inside numpy; True passed)
+    for bad in (-1, 1.5, True, "3"):
+        for norm in (nn.RMSNorm, nn.LayerNorm):
+            with pytest.raises(ValueError, match=rf"seed={bad!r} must be a non-negative int \(or None\)"):
+                norm(4, seed=bad)
     with pytest.raises(ValueError, match="weight holds values too large for float32"):
         nn.ColumnParallelLinear(1, 1, weight=[[1e300]], tp_size=1, tp_rank=0)
     with pytest.raises(ValueError, match="weight holds values too large for float32"):

@@ -11,6 +11,8 @@ new array to a parameter drops its stale device copy.
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 
@@ -35,6 +37,14 @@ def float32_array(name: str, value) -> np.ndarray:
         raise TypeError(f"{name}={value!r} must be an array of numbers")
     try:
         given = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be an array of numbers ({exc})") from None
+    # Real numbers only: numpy turns None into NaN and drops a complex number's imaginary part
+    # (with a warning at most) -- a parameter of NaNs, or another one, with no error.
+    if given.dtype.kind not in "biuf" and not (given.dtype.kind == "O" and given.size and all(
+            isinstance(v, numbers.Real) and not isinstance(v, bool) for v in given.flat)):
+        raise TypeError(f"{name} must be an array of real numbers, got dtype {given.dtype}")
+    try:
         with np.errstate(over="ignore"):
             arr = np.asarray(given, dtype=np.float32)
     except (TypeError, ValueError) as exc:

@@ -14,9 +14,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtnumba.backend.arrays import check_eps, check_int
+from vtnumba.backend.arrays import check_eps, check_int, is_int
 from vtnumba.kernels import fused_add_layer_norm, fused_add_rms_norm
 from vtnumba.nn._params import Params, check_input, float32_array
+
+
+def _seed(seed) -> int | None:
+    """None, or a non-negative int (as the linear layers take it: True and 1.5 are refused)."""
+    if seed is not None and (isinstance(seed, (bool, np.bool_)) or not is_int(seed) or seed < 0):
+        raise ValueError(f"seed={seed!r} must be a non-negative int (or None)")
+    return None if seed is None else int(seed)
 
 
 def _vector(value, hidden: int, default: float, name: str, seed: int | None) -> np.ndarray:
@@ -40,7 +47,7 @@ class RMSNorm(Params):
     def __init__(self, hidden_size: int, eps: float = 1e-6, weight=None, *, seed: int | None = None):
         self.hidden_size = check_int("hidden_size", hidden_size, min_value=1)
         self.eps = check_eps(eps)
-        self.weight = _vector(weight, self.hidden_size, 1.0, "weight", seed)
+        self.weight = _vector(weight, self.hidden_size, 1.0, "weight", _seed(seed))
         self.bias = None  # RMSNorm has no bias (TPSP refuses a norm bias with RMSNorm)
 
     def __call__(self, x, residual=None, *, out=None, new_residual=None):
@@ -62,6 +69,7 @@ class LayerNorm(Params):
     def __init__(self, hidden_size: int, eps: float = 1e-5, weight=None, bias=None, *, seed: int | None = None):
         self.hidden_size = check_int("hidden_size", hidden_size, min_value=1)
         self.eps = check_eps(eps)
+        seed = _seed(seed)
         self.weight = _vector(weight, self.hidden_size, 1.0, "weight", seed)
         self.bias = _vector(bias, self.hidden_size, 0.0, "bias", None if seed is None else seed + 1)
 
