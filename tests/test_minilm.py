@@ -422,6 +422,35 @@ def test_bad_batch_size_and_token_ids(encoder, ref):
             encoder.encode_ids(bad)
 
 
+def test_pack_batch_and_forward_refuse_ids_they_would_mangle(weights):
+    # pack_batch truncated float ids (101.7 ran as 101), turned NaN into -2**63 with a warning,
+    # packed a 2-D array; forward([ids]) failed on a missing .max_len.
+    from vtnumba.models import random_sentences
+
+    for bad, exc, match in [
+        ([np.array([101.7, 7592.9, 102.2])], ValueError,
+         r"token_ids\[0\] is a float64 array .* 1-D int array"),
+        ([np.array([101, np.nan])], ValueError, r"token_ids\[0\] is a float64 array"),
+        ([np.array([[101, 102], [101, 102]])], ValueError, r"token_ids\[0\] is a int64 array of shape \(2, 2\)"),
+        (None, TypeError, "token_ids must be a list of 1-D id arrays"),
+        ("abc", TypeError, "token_ids must be a list of 1-D id arrays"),
+    ]:
+        with pytest.raises(exc, match=match):
+            pack_batch(bad)
+    model = MiniLMEncoder(weights=weights).model
+    with pytest.raises(TypeError, match=r"batch must be a PackedBatch \(pack_batch\(token_ids\)\), got list"):
+        model.forward([np.array([101, 102])])
+    assert model.forward(pack_batch([[101, 7592, 102]])).shape == (3, 384)
+    with pytest.raises(TypeError, match="weights must be MiniLMWeights"):
+        MiniLMEncoder(weights="x")
+    for kw, match in [({"n": 2.5}, "n=2.5 must be an int"), ({"n": None}, "n=None must be an int"),
+                      ({"n": 2, "seed": "a"}, "seed='a' must be an int"),
+                      ({"n": 2, "max_words": 10.5}, "max_words=10.5 must be an int")]:
+        with pytest.raises(TypeError, match=match):
+            random_sentences(**kw)
+    assert len(random_sentences(3, seed=1)) == 3
+
+
 def _long_text(words):
     return " ".join(["tensor"] * words)  # one word piece per word
 

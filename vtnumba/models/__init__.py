@@ -22,7 +22,7 @@ from vtnumba.models.bert_ops import attention, bias_gelu_, fast_erf
 from vtnumba.models.corpus import load_corpus, random_sentences
 from vtnumba.models.encoder import MiniLMEncoder, TokenOutputs
 from vtnumba.models.minilm import MiniLMModel, ShardedLayer, check_tp_size, pool_embedding, shard_layer
-from vtnumba.models.minilm_batch import PackedBatch, pack_batch
+from vtnumba.models.minilm_batch import PackedBatch, check_token_ids, pack_batch
 from vtnumba.models.minilm_files import ENV_VAR, INSTALL_HINT, find_minilm_dir
 from vtnumba.models.minilm_tokenizer import MiniLMTokenizer, TruncationWarning
 from vtnumba.models.minilm_weights import LayerWeights, MiniLMConfig, MiniLMWeights, load_minilm_weights
@@ -40,6 +40,6 @@ __all__ = [
     "DEFAULT_TIMEOUT_S", "ENV_VAR", "INSTALL_HINT", "LayerWeights", "MiniLMConfig", "MiniLMEncoder", "MiniLMModel",
     "MiniLMTokenizer", "MiniLMWeights", "PackedBatch", "ReduceNormBuffers", "RegularReduceNorm", "ShardedLayer",
     "StepBuffers", "TPSPReduceNorm", "TokenOutputs", "TruncationWarning", "as_mpi_comm", "as_process_group",
-    "attention", "bias_gelu_", "check_tp_size", "fast_erf", "find_minilm_dir", "load_corpus", "load_minilm_weights",
-    "pack_batch", "pool_embedding", "random_sentences", "shard_layer",
+    "attention", "bias_gelu_", "check_token_ids", "check_tp_size", "fast_erf", "find_minilm_dir", "load_corpus",
+    "load_minilm_weights", "pack_batch", "pool_embedding", "random_sentences", "shard_layer",
 ]

@@ -27,10 +27,13 @@ def random_sentences(n: int, seed: int = 0, min_words: int = 8, max_words: int =
     """
     import numpy as np
 
+    from vtnumba.backend.arrays import check_int
     from vtnumba.models.minilm_files import find_minilm_dir
 
-    if n < 0 or not 1 <= min_words <= max_words:
-        raise ValueError(f"n={n}, min_words={min_words}, max_words={max_words}: expected n >= 0 and 1 <= min <= max")
+    n = check_int("n", n, min_value=0)  # (2.5 and None failed inside numpy, naming nothing)
+    min_words = check_int("min_words", min_words, min_value=1)
+    max_words = check_int("max_words", max_words, min_value=min_words)
+    seed = check_int("seed", seed, min_value=0)
     vocab_file = find_minilm_dir(model_dir) / "vocab.txt"
     vocab = [w for w in (line.strip() for line in vocab_file.read_text(encoding="utf-8").splitlines())
              if w.isalpha() and w.isascii() and len(w) >= 3]

@@ -37,7 +37,7 @@ from vtnumba.backend.arrays import is_int
 from vtnumba.backend.single_caller import SingleCaller
 from vtnumba.dist.comm import DEFAULT, check_group, resolve_timeout, wait_request
 from vtnumba.models.minilm import MiniLMModel, check_tp_size, pool_embedding
-from vtnumba.models.minilm_batch import pack_batch
+from vtnumba.models.minilm_batch import check_token_ids, pack_batch
 from vtnumba.models.minilm_tokenizer import MiniLMTokenizer
 from vtnumba.models.minilm_weights import MiniLMWeights, load_minilm_weights
 from vtnumba.models.reduce_norm import RegularReduceNorm, TPSPReduceNorm, as_process_group
@@ -115,6 +115,9 @@ class MiniLMEncoder:
         self.comm = None if self.group is None else self.group.comm
         size = 1 if self.group is None else self.group.size
         self.rank = 0 if self.group is None else self.group.rank
+        if weights is not None and not isinstance(weights, MiniLMWeights):
+            raise TypeError(f"weights must be MiniLMWeights (load_minilm_weights()), or None to load them from "
+                            f"model_dir, got {type(weights).__name__}")
         self.weights = load_minilm_weights(model_dir) if weights is None else weights
         self.config = self.weights.config
         tp = size if tp_size is None else check_tp_size(tp_size, self.config)
@@ -204,28 +207,14 @@ class MiniLMEncoder:
 
     # -- forward --------------------------------------------------------------------------
     def _check_ids(self, token_ids) -> list[np.ndarray]:
-        if isinstance(token_ids, np.ndarray) and token_ids.ndim == 1:
-            raise TypeError("token_ids must be a list of 1-D id arrays (one per text), not one array; wrap it in a list")
-        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
-            raise TypeError("token_ids must be a list of 1-D id arrays (one per text), got "
-                            f"{type(token_ids).__name__}")
-        ids = []
-        for i, t in enumerate(token_ids):
-            try:
-                ids.append(np.asarray(t))
-            except ValueError:  # (numpy's "inhomogeneous shape" for a ragged nested list)
-                raise ValueError(f"token_ids[{i}] is not a flat sequence of ids") from None
-        if not ids:
-            raise ValueError("token_ids is empty; expected at least one text's ids")
+        ids = check_token_ids(token_ids)
         limit, vocab = self.config.max_position_embeddings, self.config.vocab_size
         for i, t in enumerate(ids):
-            if t.ndim != 1 or t.size < 1 or not np.issubdtype(t.dtype, np.integer):
-                raise ValueError(f"token_ids[{i}] is a {t.dtype} array of shape {t.shape}; expected a non-empty 1-D int array")
             if t.size > limit:
                 raise ValueError(f"token_ids[{i}] has {t.size} tokens; the model has only {limit} positions")
             if t.min() < 0 or t.max() >= vocab:
                 raise ValueError(f"token_ids[{i}] has ids outside [0, {vocab})")
-        return [t.astype(np.int64, copy=False) for t in ids]
+        return ids
 
     def encode_ids(self, token_ids: Sequence[np.ndarray], batch_size: int = 64) -> list[np.ndarray]:
         """``last_hidden_state`` per text (``[tokens_i, H]``, real tokens only) for already tokenized texts.

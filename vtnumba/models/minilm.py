@@ -216,6 +216,8 @@ class MiniLMModel:
 
     # -- the forward ----------------------------------------------------------------------
     def _check_batch(self, batch: PackedBatch) -> None:
+        if not isinstance(batch, PackedBatch):  # (a list of ids failed on a missing .max_len)
+            raise TypeError(f"batch must be a PackedBatch (pack_batch(token_ids)), got {type(batch).__name__}")
         if batch.max_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"a sentence has {batch.max_len} tokens; the model has only {self.config.max_position_embeddings} positions"

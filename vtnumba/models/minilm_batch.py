@@ -53,13 +53,34 @@ class PackedBatch:
         return [rows[self.offsets[b] : self.offsets[b + 1]] for b in range(self.num_sentences)]
 
 
+def check_token_ids(token_ids) -> list[np.ndarray]:
+    """``token_ids`` as a list of non-empty 1-D int64 arrays, one per text; TypeError or
+    ValueError naming the first that is not (a float id was truncated, a NaN became
+    -2**63, a 2-D array failed deep in the embedding gather).  Not the ids' range: the
+    model checks that against its vocabulary."""
+    if isinstance(token_ids, np.ndarray) and token_ids.ndim == 1:
+        raise TypeError("token_ids must be a list of 1-D id arrays (one per text), not one array; wrap it in a list")
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise TypeError(f"token_ids must be a list of 1-D id arrays (one per text), got {type(token_ids).__name__}")
+    ids = []
+    for i, t in enumerate(token_ids):
+        try:
+            ids.append(np.asarray(t))
+        except ValueError:  # (numpy's "inhomogeneous shape" for a ragged nested list)
+            raise ValueError(f"token_ids[{i}] is not a flat sequence of ids") from None
+    if not ids:
+        raise ValueError("token_ids is empty; expected at least one text's ids")
+    for i, t in enumerate(ids):
+        if t.ndim != 1 or t.size < 1 or not np.issubdtype(t.dtype, np.integer):
+            raise ValueError(f"token_ids[{i}] is a {t.dtype} array of shape {t.shape}; expected a non-empty 1-D int array")
+    return [t.astype(np.int64, copy=False) for t in ids]
+
+
 def pack_batch(token_ids: list[np.ndarray]) -> PackedBatch:
-    """Pack a list of 1-D id arrays (each ``[CLS] ... [SEP]``, non-empty) into a :class:`PackedBatch`."""
-    if not token_ids:
-        raise ValueError("token_ids is empty; expected at least one sentence")
-    lengths = np.asarray([len(t) for t in token_ids], dtype=np.int64)
-    if (lengths < 1).any():
-        raise ValueError(f"token_ids[{int(np.argmin(lengths))}] is empty; every sentence needs at least one token")
+    """Pack a list of 1-D id arrays (each ``[CLS] ... [SEP]``, non-empty) into a :class:`PackedBatch`
+    (checked by :func:`check_token_ids`)."""
+    token_ids = check_token_ids(token_ids)
+    lengths = np.asarray([t.size for t in token_ids], dtype=np.int64)
     offsets = np.zeros(lengths.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     total = int(offsets[-1])
@@ -67,7 +88,7 @@ def pack_batch(token_ids: list[np.ndarray]) -> PackedBatch:
     sentence = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)  # which sentence each token is in
     positions = np.arange(total, dtype=np.int64) - offsets[sentence]
     return PackedBatch(
-        ids=np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids]),
+        ids=np.concatenate(token_ids),
         positions=positions,
         offsets=offsets,
         max_len=max_len,
