@@ -247,6 +247,7 @@ def test_the_pipeline_demo_is_refused_in_the_simulator_said_once():
     assert proc.stderr.count("vtnumba demo: the pipeline demo runs all-MiniLM-L6-v2 over its whole corpus, which in "
                              "numba's CUDA simulator") == 1, proc.stderr
     assert "vtnumba demo runtime --target cudasim" in proc.stderr and "Traceback" not in proc.stderr
+    assert "embed" not in proc.stderr  # (the whole model in the simulator: minutes for one text)
 
 
 def test_embed_refuses_bad_input_on_every_rank(weights):

@@ -491,8 +491,8 @@ def refuse_the_simulator() -> None:
         raise ValueError("the pipeline demo runs all-MiniLM-L6-v2 over its whole corpus, which in numba's CUDA "
                          "simulator (~7000 GPU threads/s) takes hours; run it with --target cpu (or on a GPU), and "
                          "see the GPU code in the simulator with 'vtnumba demo runtime --target cudasim', "
-                         "'vtnumba embed --target cudasim --no-tpsp TEXT', mpi/tpsp_model.py, mpi/ec_disagg.py or "
-                         "the tutorials")
+                         "'mpi/ec_disagg.py --target cudasim', 'mpi/tpsp_model.py --target cudasim --layers 1 "
+                         "--tokens 32 --hidden 64 --ffn 64 --repeat 1' or the tutorials")
 
 
 def run_pipeline_demo(args) -> int:
