@@ -300,7 +300,7 @@ def test_a_tpsp_op_that_times_out_says_which_path_its_rank_took():
     def stuck(*args, **kwargs):
         raise WaitTimeout("timed out after 1 s waiting for flag 'call' from rank 1")
 
-    profile = SimpleNamespace(threshold_tokens=4, is_active=lambda t: t >= 4)
+    profile = SimpleNamespace(threshold_tokens=4, max_batched_tokens=64, is_active=lambda t: t >= 4)
     ctx = SimpleNamespace(profile=profile, handle=lambda name: SimpleNamespace(group=None),
                           backend=SimpleNamespace(tpsp_matmul_rs_norm_ag=stuck))
     op = TPSPOp(ctx, "down")
