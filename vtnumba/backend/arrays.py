@@ -332,7 +332,9 @@ def check_not_partly_overlapping(name_a: str, a, name_b: str, b, *, same_ok: boo
     raise ValueError(f"{name_a} and {name_b} share {how}; expected {expected}")
 
 
-def _byte_span(arr) -> tuple[int, int]:
+def byte_span(arr) -> tuple[int, int]:
+    """``(start, end)`` addresses of a C-contiguous array's bytes: device addresses for a GPU
+    array, host addresses for anything host-backed (numpy, or a simulator array's host view)."""
     pointer = getattr(arr, "device_ctypes_pointer", None)  # a numba device array: cheaper than its CAI dict
     start = (pointer.value or 0) if pointer is not None and host_view(arr) is None else address_of(arr)
     return start, start + int(arr.size) * np.dtype(arr.dtype).itemsize
@@ -352,7 +354,7 @@ def check_outputs_apart(outputs: dict[str, Any], inputs: dict[str, Any]) -> None
     others = outs + [(n, a) for n, a in inputs.items() if a is not None]
     views = [host_view(a) for _, a in others]
     on_host = all(v is not None for v in views)
-    spans = None if on_host else [_byte_span(a) for _, a in others]
+    spans = None if on_host else [byte_span(a) for _, a in others]
     for i, (name, _) in enumerate(outs):
         for j in range(i + 1, len(others)):
             if on_host:
@@ -435,6 +437,6 @@ def check_array(name: str, arr, *, ndim: int, dtypes: Iterable, shape: tuple | N
 __all__ = [
     "HOST", "DEVICE", "cdiv", "is_int", "check_int", "check_nbytes", "check_seconds", "check_eps", "check_shape",
     "simulator_active", "is_simulated_array", "is_device_array", "is_gpu_array", "array_kind", "common_kind",
-    "host_view", "to_host", "wrap_host_memory", "is_c_contiguous", "address_of", "check_not_partly_overlapping",
-    "empty", "check_array",
+    "host_view", "to_host", "wrap_host_memory", "is_c_contiguous", "address_of", "byte_span",
+    "check_not_partly_overlapping", "empty", "check_array",
 ]

@@ -49,8 +49,8 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend import address_ranges
-from vtnumba.backend.arrays import (address_of, check_int, check_nbytes, check_seconds, check_shape, host_view,
-                                    is_c_contiguous, is_int, numeric_dtype)
+from vtnumba.backend.arrays import (address_of, byte_span, check_int, check_nbytes, check_seconds, check_shape,
+                                    host_view, is_c_contiguous, is_int, numeric_dtype)
 from vtnumba.backend.device import Device, DeviceType
 
 _ids = itertools.count(1)
@@ -477,7 +477,11 @@ class Backend(abc.ABC):
             raise TypeError(f"{name} holds Python objects (dtype {np.dtype(dtype)}); expected an array of numbers "
                             "or bytes to copy")
         flags = getattr(obj, "flags", None)
-        if flags is not None and not (flags["C_CONTIGUOUS"] if not isinstance(flags, dict) else flags.get("C_CONTIGUOUS", True)):
+        if isinstance(flags, dict):  # (a simulator array's flags are a dict)
+            flags = flags.get("C_CONTIGUOUS", True)
+        elif flags is not None:
+            flags = flags["C_CONTIGUOUS"]
+        if flags is not None and not flags:
             raise ValueError(f"{name} must be C-contiguous")
         return int(nbytes)
 
@@ -761,8 +765,7 @@ class Backend(abc.ABC):
         # Checked here, on every queue kind: a threaded queue found it only when the store ran,
         # as a sticky error of the queue (and a GPU's stream ops need 4-byte words).  (A GPU
         # array's pointer attribute is cheap to read: every queued flag wait comes through here.)
-        pointer = getattr(flags, "device_ctypes_pointer", None) if host_view(flags) is None else None
-        address = (pointer.value or 0) if pointer is not None else address_of(flags)
+        address = byte_span(flags)[0]
         if int(flags.shape[0]) and address % 4:
             raise ValueError(f"flags (at address {address:#x}) must be 4-byte aligned for atomic access")
         if store and isinstance(flags, np.ndarray) and not flags.flags.writeable:

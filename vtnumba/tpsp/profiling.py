@@ -367,6 +367,9 @@ def profile_tpsp(backend, ops_groups, max_batched_tokens: int, *, search: bool =
         handles.clear()
         raise
     finally:
+        # The other way out without a context: a ``disabled(...)`` return.  Every rank decided it
+        # together (an agreed open, search or parity result), so the usual collective close is safe.
+        # (After an exception the handles were released above and cleared.)
         if not enabled:
             for h in handles.values():
                 backend.close(h)
