@@ -621,20 +621,112 @@ def test_a_queue_that_waits_for_an_event_inherits_its_flag_waits():
     assert q.flag_waits == [w1, w2]  # w1 once; w3 was queued after the event was recorded
 
 
-def test_tracing_never_waits_for_a_launch_on_a_held_queue():
-    # With tracing on, a GPU launch is timed by waiting for its end event -- which on a queue
-    # held by a flag wait (a peer's signal, a timing gate the host opens later) would never
-    # come.  There the span is the host's launch, marked as such.
+class _FakeEvent:
+    """A stand-in CUDA event: fired or not, at a device time (ms) of our choosing."""
+
+    def __init__(self, log):
+        self.log, self.handle, self.fired, self.ms = log, object(), False, None
+
+    def record(self, stream):
+        self.log.append(("record", stream))
+
+    def synchronize(self):  # tracing must never call this on a launch's events
+        raise AssertionError("a traced launch waited for its event")
+
+
+def _fake_gpu(capturing=(), origin=None):
+    """A stand-in CUDABackend for its tracing methods (no GPU needed)."""
+    from types import SimpleNamespace
+
+    from vtnumba.backend.cuda import CUDABackend
+
+    gpu = SimpleNamespace(simulator=False, _capturing=set(capturing), _trace_origin=lambda: origin)
+    gpu._traced = lambda *args: CUDABackend._traced(gpu, *args)
+    return gpu
+
+
+@pytest.fixture
+def fake_gpu_events(monkeypatch):
+    """_gpu().event() gives _FakeEvents; _event_done and _elapsed_ms read their fields."""
+    from types import SimpleNamespace
+
+    from vtnumba.backend import cuda as cuda_mod
+
+    log = []
+    monkeypatch.setattr(cuda_mod, "_gpu", lambda: SimpleNamespace(event=lambda: _FakeEvent(log)))
+    monkeypatch.setattr(cuda_mod, "_event_done", lambda handle, what: next(
+        e.fired for e in events if e.handle is handle))
+    monkeypatch.setattr(cuda_mod, "_elapsed_ms", lambda first, second: second.ms - first.ms)
+    events = []
+    real_event = _FakeEvent.__init__
+
+    def tracked(self, log_):
+        real_event(self, log_)
+        events.append(self)
+
+    monkeypatch.setattr(_FakeEvent, "__init__", tracked)
+    return SimpleNamespace(log=log, events=events)
+
+
+def test_tracing_never_waits_for_a_launch_on_a_held_queue(fake_gpu_events):
+    # With tracing on, a GPU launch is timed by CUDA events around it.  Waiting for the end
+    # event at the launch would block for good on a queue held by a flag wait, or by an event
+    # behind a host function this thread releases after the launch (the runtime tour's gate),
+    # and would serialise every traced call.  So the span waits, unsettled, until the events
+    # have fired -- and takes its times from them, on the host's clock.
     from types import SimpleNamespace
 
     from vtnumba import trace
     from vtnumba.backend.cuda import CUDABackend
 
-    gpu = SimpleNamespace(simulator=False, _capturing=set())
+    origin = _FakeEvent([])
+    origin.ms = 100.0
+    gpu = _fake_gpu(origin=(origin, 5_000_000))
     q = SimpleNamespace(id=1, name="held", stream="s", flag_waits=[(None, 0, 1, 0.0)])
+    launched = []
+    with trace.recording(rank=0) as rec:
+        CUDABackend._submit(gpu, q, lambda stream: launched.append(stream), "k", {"bytes": 4})
+        assert launched == ["s"] and fake_gpu_events.log == [("record", "s"), ("record", "s")]
+        start, end = fake_gpu_events.events[-2:]  # (the first is the origin)
+        rec.settle()  # not fired yet: nothing to draw
+        assert rec.events == []
+        start.fired, end.fired, start.ms, end.ms = True, True, 100.25, 100.75
+        rec.settle()
+        (ev,) = rec.events
+        assert ev["name"] == "k" and ev["track"] == "cuda:held" and ev["args"] == {"bytes": 4}
+        assert ev["ts"] == (5_000_000 + 250_000) / 1000 and ev["dur"] == 500.0  # microseconds
+        rec.settle()
+        assert len(rec.events) == 1  # settled once
+
+
+def test_a_traced_launch_unfinished_when_the_trace_is_written_shows_its_launch(fake_gpu_events):
+    from types import SimpleNamespace
+
+    from vtnumba import trace
+    from vtnumba.backend.cuda import CUDABackend
+
+    origin = _FakeEvent([])
+    origin.ms = 0.0
+    gpu = _fake_gpu(origin=(origin, 0))
+    q = SimpleNamespace(id=1, name="held", stream="s", flag_waits=[])
+    with trace.recording(rank=0) as rec:
+        CUDABackend._submit(gpu, q, lambda stream: None, "k", {"bytes": 4})
+    (ev,) = [e for e in rec.to_json()["traceEvents"] if e.get("ph") == "X"]
+    assert ev["args"]["timing"].startswith("host launch (not finished") and ev["args"]["bytes"] == 4
+
+
+def test_a_launch_captured_into_a_graph_is_traced_as_its_host_launch():
+    # Captured, the launch does not run: there is no device time to read.
+    from types import SimpleNamespace
+
+    from vtnumba import trace
+    from vtnumba.backend.cuda import CUDABackend
+
+    gpu = _fake_gpu(capturing={1})
+    q = SimpleNamespace(id=1, name="cap", stream="s", flag_waits=[])
     launched = []
     with trace.recording(rank=0) as rec:
         CUDABackend._submit(gpu, q, lambda stream: launched.append(stream), "k", {"bytes": 4})
     assert launched == ["s"]
     (ev,) = [e for e in rec.to_json()["traceEvents"] if e.get("ph") == "X"]
-    assert ev["name"] == "k" and ev["args"]["timing"].startswith("host launch") and ev["args"]["bytes"] == 4
+    assert ev["args"]["timing"] == "host launch (capturing a graph)" and ev["args"]["bytes"] == 4

@@ -546,3 +546,38 @@ def test_formatters_never_write_an_exponent_and_stats_need_times():
         stats_from_times([])  # (numpy's IndexError)
     with pytest.raises(ValueError, match=r"got shape \(\)"):
         stats_from_times(None)
+
+
+def test_deferred_events_are_added_once_they_can_be_and_all_when_the_trace_is_written():
+    # A GPU launch's times come from CUDA events that fire later: the recorder keeps a settle
+    # callable until it says it is done, and asks once more, finally, when writing the trace.
+    rec = trace.Recorder("unused", rank=0)
+    ready = {"a": False}
+    calls = []
+
+    def settle_a(final):
+        calls.append(("a", final))
+        if ready["a"] or final:
+            rec.add("a", "queue", "cuda:q", 10, 20 if ready["a"] else 10, None if ready["a"] else {"timing": "launch"})
+            return True
+        return False
+
+    def settle_b(final):
+        calls.append(("b", final))
+        rec.add("b", "queue", "cuda:q", 30, 40)
+        return True
+
+    rec.defer(settle_a)
+    rec.defer(settle_b)
+    rec.settle()
+    assert [e["name"] for e in rec.events] == ["b"]  # a has not fired: kept
+    rec.settle()
+    assert [e["name"] for e in rec.events] == ["b"] and calls.count(("b", False)) == 1  # b settled once
+    ready["a"] = True
+    data = rec.to_json()
+    names = [e["name"] for e in data["traceEvents"] if e["ph"] == "X"]
+    assert sorted(names) == ["a", "b"] and "args" not in rec.events[-1]  # fired: its event times
+    rec.defer(settle_a)
+    ready["a"] = False
+    rec.to_json()  # not fired when the trace is written: drawn as what is known (here: the launch)
+    assert rec.events[-1]["args"] == {"timing": "launch"} and not rec._deferred

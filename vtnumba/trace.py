@@ -54,6 +54,7 @@ class Recorder:
         self.events: list[dict] = []
         self._lock = threading.Lock()
         self._tracks: dict[str, int] = {}
+        self._deferred: list = []  # settle(final) callables of events whose times come later
         self.pid = os.getpid()
 
     def track_id(self, track: str) -> int:
@@ -74,8 +75,28 @@ class Recorder:
         with self._lock:
             self.events.append(ev)
 
+    def defer(self, settle) -> None:
+        """Add an event whose times are known only later -- a GPU launch, timed by CUDA events
+        that fire when the GPU gets there.  ``settle(final)`` adds it (with :meth:`add`) and
+        returns True once it can; with ``final`` (the trace is being written) it adds what it
+        knows now.  Settled at the backend's synchronize and by :meth:`to_json`."""
+        with self._lock:
+            self._deferred.append(settle)
+            crowded = len(self._deferred) >= 4096
+        if crowded:  # a program that traces many launches and never synchronizes
+            self.settle()
+
+    def settle(self, final: bool = False) -> None:
+        """Add the deferred events that can be added now (all of them with ``final``)."""
+        with self._lock:
+            pending, self._deferred = self._deferred, []
+        left = [s for s in pending if not s(final)]  # (outside the lock: settle calls add)
+        with self._lock:
+            self._deferred[:0] = left
+
     def to_json(self) -> dict:
         """This process's trace as a Chrome trace-event document (the rank as ``pid``)."""
+        self.settle(final=True)
         rank = self.rank if self.rank is not None else world_rank()
         pid = rank if rank is not None else self.pid
         with self._lock:

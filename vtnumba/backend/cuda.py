@@ -241,6 +241,7 @@ class CUDABackend(Backend):
         self._idle_streams: dict[str, list] = {p: [] for p in QUEUE_PRIORITIES}
         #: Streams this backend has created (a real GPU's; recycled ones count once).
         self.streams_created = 0
+        self._trace_origin_pair = None  # (event, host ns): see _trace_origin
 
     @property
     def name(self) -> str:
@@ -328,8 +329,7 @@ class CUDABackend(Backend):
 
         _gpu()  # (numba's memset calls the driver directly: this thread needs the context current)
         view = buf.array[offset:offset + nbytes]
-        with trace.span("memset", "queue", f"cuda:{q.name}", bytes=nbytes):
-            driver.device_memset(view, value, nbytes, stream=q.stream)
+        self._traced(q, "memset", {"bytes": nbytes}, lambda: driver.device_memset(view, value, nbytes, stream=q.stream))
 
     def _copy(self, q, dst, src, nbytes, dst_offset, src_offset) -> None:
         if nbytes == 0:
@@ -342,19 +342,20 @@ class CUDABackend(Backend):
             return
         _gpu()  # (numba's copies call the driver directly: this thread needs the context current)
         d_dev, s_dev = is_device_array(d), is_device_array(s)
-        with trace.span("copy", "queue", f"cuda:{q.name}", bytes=nbytes):
-            if d_dev != s_dev and q.flag_waits and not _page_locked(s if d_dev else d):
-                # With pageable host memory the driver stages the copy and may return only once
-                # it has run: behind a flag wait, a wait without a deadline.  Drain the queue
-                # first, under the waits' deadlines.
-                self._synchronize(q)
-            if d_dev:
-                d.copy_to_device(s, stream=q.stream)  # H2D or D2D
-            elif s_dev:
-                s.copy_to_host(d, stream=q.stream)  # D2H
-            else:
-                self._synchronize(q)  # H2H must still respect queue order (flag waits under their deadlines)
+        if not d_dev and not s_dev:
+            self._synchronize(q)  # H2H must still respect queue order (flag waits under their deadlines)
+            with trace.span("copy", "queue", f"cuda:{q.name}", bytes=nbytes):  # (the host's copy: a host span)
                 np.copyto(d, s)
+            return
+        if d_dev != s_dev and q.flag_waits and not _page_locked(s if d_dev else d):
+            # With pageable host memory the driver stages the copy and may return only once
+            # it has run: behind a flag wait, a wait without a deadline.  Drain the queue
+            # first, under the waits' deadlines.
+            self._synchronize(q)
+        if d_dev:
+            self._traced(q, "copy", {"bytes": nbytes}, lambda: d.copy_to_device(s, stream=q.stream))  # H2D or D2D
+        else:
+            self._traced(q, "copy", {"bytes": nbytes}, lambda: s.copy_to_host(d, stream=q.stream))  # D2H
 
     # ---------------------------------------------------------------- queues
     # Streams are recycled.  The GPU runs streams on a few hardware work queues
@@ -443,6 +444,7 @@ class CUDABackend(Backend):
                     self._wait_out_flag_waits(lambda: self._stream_idle(q), q.flag_waits, f"queue {q.name}")
                     q.flag_waits = []
                 q.stream.synchronize()
+            _settle_trace()
         self._raise_queue_error(q)
 
     def _synchronize_all(self) -> None:
@@ -463,6 +465,7 @@ class CUDABackend(Backend):
             for q in list(self._queues_by_id.values()):  # non-blocking streams: each on its own
                 if q.stream is not None:
                     q.stream.synchronize()
+            _settle_trace()
             if timed_out is not None:
                 raise timed_out
         for q in list(self._queues_by_id.values()):
@@ -596,29 +599,65 @@ class CUDABackend(Backend):
     def _submit(self, q, fn, name, trace_args) -> None:
         if self.simulator:
             self._run_sim(q, name, lambda: fn(q.stream), trace_args)
-            return
+        elif trace.RECORDER is None:
+            fn(q.stream)
+        else:
+            self._traced(q, name, trace_args, lambda: fn(q.stream))
+
+    def _traced(self, q, name, trace_args, launch) -> None:
+        """Call ``launch()``, which queues work on ``q``, and draw that work in the trace as the
+        GPU ran it: between CUDA events recorded before and after it on ``q``.
+
+        The events are read later, once they have fired (at the queue's next synchronize, or
+        when the trace is written).  Waiting for them here would serialise every traced GPU call
+        -- and block for good on a queue held by a flag wait, or by an event behind a host
+        function that this very thread releases after the launch (the runtime tour's gate).
+        So the queue's track shows device time: its spans never overlap (a stream runs its work
+        in order), and a span starts when the GPU got to it, not when the host queued it.
+        """
         rec = trace.RECORDER
         if rec is None:
-            fn(q.stream)
+            launch()
             return
-        if q.flag_waits or q.id in self._capturing:
-            # Held by a flag wait (a peer's signal, a timing gate the host opens later) or
-            # capturing a graph: waiting here for the launch to finish could block for good
-            # (or is illegal), so the span is the host's launch, and says so.
+        if q.id in self._capturing:
+            # Recorded into a graph, not run: there is no device time to read (each replay has
+            # its own), so the span is the host's launch, and says so.
             t0 = trace.now_ns()
-            fn(q.stream)
+            launch()
             rec.add(name, "queue", f"cuda:{q.name}", t0, trace.now_ns(),
-                    dict(trace_args or {}, timing="host launch (queue held by a flag wait or capturing)"))
+                    dict(trace_args or {}, timing="host launch (capturing a graph)"))
             return
-        # With tracing on, bracket the launch with events so the span is device time.
+        origin = self._trace_origin()
+        launch_ns = trace.now_ns()
         start, end = _gpu().event(), _gpu().event()
         start.record(q.stream)
-        fn(q.stream)
+        launch()
         end.record(q.stream)
-        end.synchronize()
-        t_end = trace.now_ns()
-        ms = _gpu().event_elapsed_time(start, end)
-        rec.add(name, "queue", f"cuda:{q.name}", t_end - int(ms * 1e6), t_end, trace_args)
+        rec.defer(_DeviceSpan(rec, name, f"cuda:{q.name}", trace_args, origin, start, end, launch_ns).settle)
+
+    def _trace_origin(self) -> tuple:
+        """``(event, host_ns)``: a CUDA event that fired at a known ``perf_counter_ns`` time -- what
+        turns a launch's event times into the trace's clock.  Taken on a stream of its own (the
+        queues may be held) and renewed every 10 s, as the GPU's and the host's clocks drift
+        apart (by parts per million)."""
+        origin = self._trace_origin_pair
+        if origin is not None and trace.now_ns() - origin[1] < 10_000_000_000:
+            return origin
+        from cuda.bindings import driver as cu
+
+        current_context()
+        err, handle = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        _check_cu(err, "cuStreamCreate(CU_STREAM_NON_BLOCKING)")
+        try:
+            event = _gpu().event()
+            before = trace.now_ns()
+            event.record(_gpu().external_stream(int(handle)))
+            event.synchronize()  # an empty stream: it fires at once, between the two readings
+            after = trace.now_ns()
+        finally:
+            self._destroy_stream(handle)
+        self._trace_origin_pair = (event, (before + after) // 2)
+        return self._trace_origin_pair
 
     def _launch_host_func(self, q, fn, name) -> None:
         if self.simulator:
@@ -812,9 +851,9 @@ class CUDABackend(Backend):
     def _replay(self, q, native) -> None:
         from cuda.bindings import driver as cu
 
-        with trace.span("graph_replay", "queue", f"cuda:{q.name}"):
-            (err,) = cu.cuGraphLaunch(native[1], q.handle)
-        _check_cu(err, "cuGraphLaunch")
+        errors = []
+        self._traced(q, "graph_replay", {}, lambda: errors.extend(cu.cuGraphLaunch(native[1], q.handle)))
+        _check_cu(errors[0], "cuGraphLaunch")
 
     def _destroy_graph(self, native) -> None:
         from cuda.bindings import driver as cu
@@ -833,6 +872,50 @@ def _stream_done(handle, what: str) -> bool:
         return False
     _check_cu(err, f"cuStreamQuery({what})")
     return True
+
+
+class _DeviceSpan:
+    """One traced GPU launch between two CUDA events, added to the trace once both have fired.
+
+    Its times are the events' offsets from the backend's origin event (see
+    ``CUDABackend._trace_origin``), on the host's clock.  A launch still unfinished when the
+    trace is written (``final``) is drawn at its launch time and says so.
+    """
+
+    __slots__ = ("rec", "name", "track", "args", "origin", "start", "end", "launch_ns")
+
+    def __init__(self, rec, name, track, args, origin, start, end, launch_ns):
+        self.rec, self.name, self.track, self.args = rec, name, track, args
+        self.origin, self.start, self.end, self.launch_ns = origin, start, end, launch_ns
+
+    def settle(self, final: bool) -> bool:
+        try:
+            fired = _event_done(self.end.handle, "a traced launch's end event")
+        except Exception:  # noqa: BLE001 (the context is gone -- at exit, or after a fatal GPU error)
+            fired = False
+        if fired:
+            origin_event, origin_ns = self.origin
+            t0 = origin_ns + round(_elapsed_ms(origin_event, self.start) * 1e6)
+            t1 = origin_ns + round(_elapsed_ms(origin_event, self.end) * 1e6)
+            self.rec.add(self.name, "queue", self.track, t0, t1, self.args)
+            return True
+        if final:
+            self.rec.add(self.name, "queue", self.track, self.launch_ns, self.launch_ns,
+                         dict(self.args or {}, timing="host launch (not finished when the trace was written)"))
+            return True
+        return False
+
+
+def _elapsed_ms(first, second) -> float:
+    """Milliseconds from CUDA event ``first`` to ``second`` (both fired)."""
+    return _gpu().event_elapsed_time(first, second)
+
+
+def _settle_trace() -> None:
+    """Add the traced launches whose events have fired (after a synchronize, usually all of them)."""
+    rec = trace.RECORDER
+    if rec is not None:
+        rec.settle()
 
 
 def _event_done(handle, what: str) -> bool:
