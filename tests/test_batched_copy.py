@@ -285,6 +285,61 @@ print("done")
     assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stdout + proc.stderr
 
 
+def _run_without_crashing(code: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", "import faulthandler; faulthandler.enable()\n" + code],
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "VTNUMBA_TRACE"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("other", ["CPUBackend()", "CPUBackend(threaded=True)"])
+def test_a_copy_queued_on_one_backend_keeps_another_backends_freed_buffer_alive(other):
+    # The addresses may be any backend's buffers: a free on a synchronous backend (which has no
+    # busy queue of its own) released the memory that a copy queued on another backend's
+    # worker thread -- held behind a gate -- then wrote into: a segmentation fault.
+    _run_without_crashing(f"""
+import gc, threading
+import numpy as np
+from vtnumba.backend.cpu import CPUBackend
+from vtnumba.memory.copy_engine import batched_copy
+x, y = CPUBackend(threaded=True), {other}
+qx = x.create_queue("x")
+n = 64 << 20  # large: numpy maps it on its own, and the free unmaps it
+src, dst = x.alloc(n), y.alloc(n)
+src.array[:] = 7
+gate = threading.Event()
+x.launch_host_func(qx, gate.wait)
+batched_copy([src.ptr], [dst.ptr], [n], qx, x)
+y.free(dst)
+del dst
+gc.collect()
+gate.set()
+x.synchronize(qx)
+x.close(); y.close()
+print("done")
+""")
+
+
+def test_a_queued_copy_uses_the_descriptors_it_was_given_not_what_they_became():
+    # The descriptors were checked at the call, but a worker thread read the caller's arrays
+    # when the copy ran: reusing them meanwhile sent an unchecked address to memmove.
+    be = CPUBackend(threaded=True)
+    q = be.create_queue()
+    a, b = be.alloc(4096), be.alloc(4096)
+    a.array[:] = np.arange(4096) % 251
+    b.array[:] = POISON
+    src, dst = np.array([a.ptr], np.uint64), np.array([b.ptr], np.uint64)
+    n = np.array([4096], np.uint64)
+    gate = threading.Event()
+    be.launch_host_func(q, gate.wait)
+    batched_copy(src, dst, n, q, be)
+    dst[0], n[0] = a.ptr, 1  # (an address of a live buffer, so a crash is not what this shows)
+    gate.set()
+    be.synchronize(q)
+    assert np.array_equal(b.array, np.arange(4096) % 251)
+    be.close()
+
+
 def test_registration_is_undone_after_the_with_block():
     a = np.zeros(64, np.uint8)
     before = len(LIVE)

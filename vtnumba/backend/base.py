@@ -57,6 +57,21 @@ _ids = itertools.count(1)
 QUEUE_PRIORITIES = ("normal", "high")  # see Backend.create_queue
 
 
+# Queues whose work runs later on a host thread (threaded cpu queues), of every backend in the
+# process.  Their queued work may touch memory *by address* -- a batched copy's descriptors are
+# plain integers, and it may address any backend's buffers -- so a free keeps the memory until
+# each of them has passed the point of the free (see Backend.free).  A GPU's cuMemFree waits
+# for the device the same way.
+_worker_queues: "weakref.WeakSet[Queue]" = weakref.WeakSet()
+
+
+def _keep_past_queued_host_work(memory) -> None:
+    """Hold ``memory`` (a freed buffer's array) until every busy worker queue has passed here."""
+    for q in list(_worker_queues):
+        if q.busy():
+            q.put("free (memory kept until here)", lambda _kept=memory: None, marker=True)
+
+
 # Who wants to hear about every use of memory on a queue (the hazard checker of vtnumba.memory,
 # while it is active): ``observer(backend, queue, [(address, nbytes), ...])`` after each copy,
 # memset and submit that names the memory it touches.  Empty -- and so free -- otherwise.
@@ -392,7 +407,10 @@ class Backend(abc.ABC):
             buf.freed = True
         if buf._range is not None:
             buf._range()  # unregister now (the finalizer runs at most once)
+        memory = buf._array
         self._free(buf)
+        if _worker_queues:
+            _keep_past_queued_host_work(memory)
 
     def flush_frees(self) -> None:
         """Hand back now the memory this process has let go of but the device runtime still holds.

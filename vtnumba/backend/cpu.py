@@ -25,7 +25,7 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.atomics import load_acquire, store_release
-from vtnumba.backend.base import Backend, Buffer, Capabilities, Event, EventMark, Queue
+from vtnumba.backend.base import Backend, Buffer, Capabilities, Event, EventMark, Queue, _worker_queues
 from vtnumba.backend.device import CPU, Device, DeviceType, as_device
 from vtnumba.backend.polling import WaitTimeout, poll_until
 
@@ -106,6 +106,7 @@ class _CPUQueue(Queue):
                                             name=f"vtnumba-{self.name}", daemon=True)
             self._thread.start()
             weakref.finalize(self, self._ops.put, None)
+            _worker_queues.add(self)  # (a free anywhere keeps its memory past this queue's work)
 
     # Work runs either inline (sync mode) or on the worker; both paths trace the same way.
     def _execute(self, name: str, fn, args: dict, marker: bool = False) -> None:
@@ -160,6 +161,7 @@ class _CPUQueue(Queue):
 
     def stop(self) -> None:
         if self._ops is not None:
+            _worker_queues.discard(self)
             self._ops.put(None)
             if threading.current_thread() is not self._thread:  # (the worker itself ends after this op)
                 self._thread.join()
@@ -224,16 +226,9 @@ class CPUBackend(Backend):
         return Buffer(self, self.device, nbytes, arr, pinned=True, ptr=arr.ctypes.data)
 
     def _free(self, buf: Buffer) -> None:
-        array, buf._array = buf._array, None  # numpy frees the memory with the last reference
-        if self.threaded:
-            # Work queued before this free may still touch the memory *by address* -- a
-            # batched copy's descriptors are plain integers, and holding no array they would
-            # write into freed memory (a segmentation fault).  So every queue still busy keeps
-            # the array until it has passed this point: a free in queue order, as cuMemFree
-            # waits for the device first.  (The no-op holds it in its default argument.)
-            for q in list(self._all_queues.values()):
-                if q.busy():
-                    q.put("free (memory kept until here)", lambda _kept=array: None, marker=True)
+        # numpy frees the memory with the last reference.  (Work still queued on a worker thread
+        # may write it by address: Backend.free keeps it until every busy queue has passed.)
+        buf._array = None
 
     def _memset(self, q, buf, value, nbytes, offset) -> None:
         view = buf.array[offset:offset + nbytes]

@@ -33,10 +33,12 @@ Ordering: the batch as a whole is ordered on its queue like any other work, but 
 *inside* one batch have no order among themselves (that is also ``cuMemcpyBatchAsync``'s
 contract) -- never put two descriptors whose ranges depend on each other in one batch.
 
-Lifetime: the descriptor arrays are read when the copy *runs*.  On threaded cpu queues
-that is later than the call, so keep them (and the memory they point at) unchanged until
-the queue has passed the copy -- which is why the encoder-cache worker recycles its
-descriptor buffers only after the copy's end event fires.
+Lifetime: the copy reads and writes the memory the descriptors point at when it *runs*.  On
+threaded cpu queues and GPUs that is later than the call, so keep that memory's contents as
+they should be copied until the queue has passed the copy.  The descriptor arrays themselves
+are taken at the call (copied for a worker thread, handed to the driver as lists on a GPU),
+and a buffer freed meanwhile is kept until the queue has passed (``Backend.free``), so
+reusing either cannot make the queued copy touch other memory.
 
 **Addresses are checked before anything is touched.**  ``batched_copy`` validates the
 *shape* of its input (equal lengths, integer dtypes, sizes >= 0, no null pointer with a
@@ -552,6 +554,10 @@ def batched_copy(src_ptrs, dst_ptrs, sizes, queue: Queue | None = None, backend:
         uses = [(int(p), int(n)) for p, n in zip(np.concatenate([src, dst]).tolist(), np.concatenate([sz, sz]).tolist())
                 if n] if observing_uses() else ()
         if plan.host:
+            # The copy runs later, on the queue's thread: copies of the descriptors checked
+            # above (they may be the caller's own arrays, which it is free to reuse at once --
+            # a changed address would reach memmove unchecked).
+            src, dst, sz = src.copy(), dst.copy(), sz.copy()
             be.submit(q, lambda _stream: _memmove_loop(src, dst, sz), "batched_copy", uses=uses,
                       descriptors=int(sz.size), bytes=total)
         else:
