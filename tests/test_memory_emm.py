@@ -133,6 +133,21 @@ def test_a_default_pool_free_waits_for_every_queue(core):
     assert core.alloc(4096).ptr in (ptr, other_ptr)  # once every queue caught up, the memory comes back
 
 
+def test_an_array_that_dies_after_the_backend_closed_is_freed_and_reset_releases_the_cache():
+    # numba finalizes arrays whenever the garbage collector gets to them -- after the backend
+    # closed, too.  drain() popped such a block and then raised on the closed backend's queues:
+    # the block was lost (allocated for good) and reset() never released the cache.
+    backend = CPUBackend()
+    core = _EMMCore(CachingAllocator(backend), backend.create_queue("emm-default"))
+    backend.create_queue("work")
+    block = core.alloc(4096)
+    backend.close()
+    core.finalizer(block)()
+    core.reset()
+    stats = core.allocator.stats()
+    assert block.freed and stats["allocated_bytes"] == 0 and stats["reserved_bytes"] == 0, stats
+
+
 def test_defer_cleanup_and_memory_info(core):
     block = core.alloc(1000)
     with core.defer_cleanup():

@@ -119,8 +119,9 @@ class _EMMCore:
             except IndexError:
                 return n
             if not block.freed:
-                if block.queue is self.default_queue:
+                if block.queue is self.default_queue and not self.allocator.backend.closed:
                     # Nobody said which queues used it: wait for every one that exists now.
+                    # (Once the backend is closed no queue runs anything: the block is free.)
                     for q in self.allocator.backend.live_queues():
                         if q is not block.queue:
                             self.allocator.record_stream(block, q)
