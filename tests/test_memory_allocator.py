@@ -128,6 +128,40 @@ def test_destroyed_side_queue_needs_no_event(backend):
     assert a.stats()["blocks_waiting_on_events"] == 0
 
 
+def test_a_destroyed_queues_memory_goes_to_the_next_queue_that_needs_it(backend, holder):
+    # Pools are per queue and queue ids never come back: a queue per step cached each step's
+    # memory in a pool nobody asked again -- 50 steps reserved 50 segments (100 MiB of large
+    # ones) and never hit the cache.
+    a = CachingAllocator(backend)
+    for step in range(50):
+        q = backend.create_queue(f"step{step}")
+        a.free(a.allocate(4096, q))
+        a.free(a.allocate(3 * MiB, q))
+        backend.destroy_queue(q)
+    s = a.stats()
+    assert s["num_segments"] == 2 and s["cache_hits"] == 98 and s["allocated_bytes"] == 0, s
+    a.check_invariants()
+    # Memory another live queue still uses stays out until its event fires, adopted or not.
+    q, side = backend.create_queue("owner"), backend.create_queue("side")
+    b = a.allocate(8192, q)
+    ptr = b.ptr
+    holder.hold(side)
+    backend.memset(side, b, 0x33)
+    a.record_stream(b, side)
+    a.free(b)
+    backend.destroy_queue(q)
+    nxt = backend.create_queue("next")
+    early = a.allocate(8192, nxt)
+    assert early.ptr != ptr, "memory reused before the side queue's event completed"
+    holder.release()
+    a.process_events()
+    late = a.allocate(8192, nxt)
+    assert late.ptr == ptr and late.queue is nxt
+    a.free(early)
+    a.free(late)
+    a.check_invariants()
+
+
 def test_large_blocks_round_to_2mib_segments_and_split(backend):
     a = CachingAllocator(backend)
     q = backend.create_queue()

@@ -19,7 +19,9 @@ How it works (the same design as PyTorch's CUDA caching allocator):
 * **One pool per queue.**  A segment belongs to the queue it was first allocated for, and
   ``free`` returns its pieces to that queue's pool.  The next ``allocate`` on the *same*
   queue may reuse the memory at once, even if kernels that used it are still queued:
-  queue order guarantees the new owner's work runs after the old owner's.
+  queue order guarantees the new owner's work runs after the old owner's.  When a queue is
+  destroyed (which waits for its work), its segments go to the next queue that finds its own
+  pool empty: queue ids never come back, so a pool per short-lived queue would never be reused.
 * **record_stream.**  That guarantee covers only the allocating queue.  If a block was also
   used on another queue (a copy on a side queue, a read by a second stream), the caller
   must say so with :meth:`CachingAllocator.record_stream`.  At ``free`` the allocator then
@@ -235,6 +237,8 @@ class CachingAllocator:
                 # Blocks whose events have fired since we last looked are reusable now.
                 self.process_events()
             piece = self._take_cached(queue, kind, size)
+            if piece is None and self._adopt_orphans(queue):
+                piece = self._take_cached(queue, kind, size)
             if piece is not None:
                 self._c["cache_hits"] += 1
             else:
@@ -443,6 +447,30 @@ class CachingAllocator:
             return None
         piece = self._pieces.pop(pool.pop(i))
         return piece
+
+    def _adopt_orphans(self, queue: Queue) -> bool:
+        """Give ``queue`` the segments of destroyed queues; True if there were any.
+
+        Pools are per queue, and a queue's id never comes back: without this, a program that
+        makes a queue per step (a timing gate, a request) would cache each step's memory in a
+        pool nobody asks again, and reserve a new segment every step.  destroy_queue waited
+        for the queue's work, so its free memory is safe on any queue; memory that other
+        queues still use waits on their events as before, and a block still live in such a
+        segment returns to the new owner's pool when it is freed.
+        """
+        orphans = [seg for seg in self._segments.values() if seg.queue.destroyed]
+        for seg in orphans:
+            free = []
+            piece = seg.first
+            while piece is not None:
+                if piece.state == _FREE:
+                    self._pool_remove(piece)
+                    free.append(piece)
+                piece = piece.next
+            seg.queue = queue
+            for piece in free:
+                self._pool_insert(piece)
+        return bool(orphans)
 
     def _pool_insert(self, piece: _Piece) -> None:
         key = piece.key
