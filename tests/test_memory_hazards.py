@@ -217,6 +217,30 @@ def test_a_free_after_the_backend_was_closed_is_allowed_with_the_checker_on(thre
         assert alloc.stats()["active_blocks"] == 0 and not checker.reports
 
 
+def test_finished_uses_of_released_segments_are_forgotten(threaded):
+    # The checker pruned a freed block's records only when the same segment was allocated from
+    # or freed into again -- never, once empty_cache had released it: each step of a loop kept
+    # a record and a backend event for good.
+    main, side = threaded.create_queue("main"), threaded.create_queue("side")
+    holder = Holder(threaded)
+    with check_hazards("record") as checker:
+        for _ in range(10):
+            alloc = CachingAllocator(threaded)
+            block = alloc.allocate(N, main)
+            holder.hold(side)
+            threaded.memset(side, block, 1)  # still queued when the block is freed: a record
+            alloc.record_stream(block, side)
+            alloc.free(block)
+            holder.release()
+            threaded.synchronize()
+            alloc.empty_cache()
+        alloc = CachingAllocator(threaded)
+        alloc.free(alloc.allocate(N, main))  # any free forgets every segment's finished uses
+        assert not checker._retired and len(threaded._events) == 0 and not checker.reports
+        assert checker.pending() == 0
+    holder.close()
+
+
 def test_with_record_stream_nothing_is_flagged_and_bytes_are_intact(threaded):
     hold, release = _gate_holder(threaded)
     with check_hazards() as checker:

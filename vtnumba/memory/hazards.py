@@ -173,9 +173,7 @@ class HazardChecker:
             if uses is None:  # allocated before this checker was active
                 return
             backend = block.backend
-            records = self._retired.get(block.segment_id, [])
-            for rec in [r for r in records if r.done(backend)]:  # forget finished uses as we go
-                self._drop(records, rec)
+            self._forget_finished()  # (every segment's: one that empty_cache released is never freed into again)
             recorded = []
             for qid, q in uses.queues.items():
                 # A destroyed queue was drained, and an idle one has finished everything it was
@@ -227,7 +225,18 @@ class HazardChecker:
     def pending(self) -> int:
         """How many freed blocks still have uses in flight."""
         with self._lock:
+            self._forget_finished()
             return sum(len(v) for v in self._retired.values())
+
+    def _forget_finished(self) -> None:
+        # Under the lock.  Records of finished uses, with their events, go -- of every segment:
+        # pruning only the segment being freed into or allocated from kept the records (and the
+        # backend's events) of segments the allocator had released, for good.
+        for segment_id, records in list(self._retired.items()):
+            for rec in [r for r in records if r.done(r.uses[0][1].backend)]:
+                self._drop(records, rec)
+            if not records:
+                del self._retired[segment_id]
 
     def close(self) -> None:
         """Destroy the checker's events and forget everything."""
