@@ -826,3 +826,21 @@ def test_supported_dtypes_checks_its_target_and_compute_capability():
         check_dtype_supported("bf16", "cuda", [9, 0])
     with pytest.raises(ValueError, match=r"target='gpu' is not a target; expected one of cpu, cudasim, cuda"):
         supported_dtypes("gpu")
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (3, 2)])
+def test_asarray_keeps_the_shape_and_contents_of_any_array(backend, shape):
+    # np.ascontiguousarray turns a 0-d array into shape (1,): asarray gave back (1,) for ().
+    rng = np.random.default_rng()
+    host = rng.standard_normal(shape).astype(np.float32)
+    for source in (host, host.T):  # a transposed (non-contiguous) source too
+        dev = backend.asarray(source)
+        back = np.array(backend.to_host(dev))
+        assert dev.shape == source.shape and back.shape == source.shape
+        np.testing.assert_array_equal(back, source)
+
+
+@pytest.mark.parametrize("bad", [np.array(["a"]), np.array([object()]), np.zeros(2, [("x", "f4")])])
+def test_asarray_refuses_what_device_memory_cannot_hold_like_empty(backend, bad):
+    with pytest.raises(TypeError, match=r"host.dtype=.* cannot be held in device memory; expected a number type"):
+        backend.asarray(bad)

@@ -348,7 +348,9 @@ class Backend(abc.ABC):
         self._check_open()
         if not isinstance(host, np.ndarray):
             raise TypeError(f"host must be a numpy array, got {type(host).__name__}")
-        return self._asarray(np.ascontiguousarray(host))
+        numeric_dtype("host.dtype", host.dtype, use="be held in device memory")  # (as empty() refuses it)
+        # (ascontiguousarray makes a 0-d array 1-d: the copy keeps the caller's shape.)
+        return self._asarray(np.ascontiguousarray(host).reshape(host.shape))
 
     def empty(self, shape, dtype=np.float32):
         """A new uninitialised array of ``shape`` in this backend's memory (kernel-usable)."""
