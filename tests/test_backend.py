@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import vtnumba
-from vtnumba.backend import (CPU, MAX_DEVICES_PER_TYPE, Buffer, CPUBackend, Device, DeviceResourceOps, DeviceType,
+from vtnumba.backend import (CPU, MAX_DEVICES_PER_TYPE, CPUBackend, Device, DeviceResourceOps, DeviceType,
                              get_backend, register_backend, try_get_backend, unregister_backend)
 from vtnumba.backend import registry
 

@@ -391,6 +391,14 @@ def test_flag_arguments_are_checked(backend):
         backend.write_value32(q, flags, 0, FLAG_MAX + 1)
     with pytest.raises(ValueError, match="timeout_s=0.0 must be a positive"):
         backend.wait_value32(q, flags, 0, 1, timeout_s=0)
+    if backend.device_type.value == "cuda":
+        # Host memory is no flag word for a GPU's driver or kernels -- in the simulator too,
+        # where it used to work (and the same program then failed on a GPU).
+        host = np.zeros(4, np.uint32)
+        for call in (lambda: backend.write_value32(q, host, 0, 1), lambda: backend.wait_value32(q, host, 0, 1),
+                     lambda: backend.read_flag_word(host, 0)):
+            with pytest.raises(TypeError, match="flags must be GPU memory"):
+                call()
     backend.destroy_queue(q)
 
 

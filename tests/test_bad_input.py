@@ -10,6 +10,7 @@ others at once -- are in ``tests/mpi/test_tpsp_fused.py``.)
 """
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -178,6 +179,23 @@ def test_device_strings_are_read_as_pytorch_writes_them():
         get_tpsp_backend("tp", "gpu")
     with pytest.raises(TypeError, match="device=0 must be a Device, a DeviceType, or a string"):
         default_backend(0)
+    for odd in ("cuda:1_0", "cuda: 1", "cuda:+1", "cuda:"):  # int() took these ("cuda:1_0" was cuda:10)
+        with pytest.raises(ValueError, match=re.escape(f"device='{odd}' is not a device")):
+            as_device(odd)
+
+
+def test_the_simulator_refuses_a_cuda_device_it_does_not_have(device_backend_factory):
+    # The simulator has one device; "cuda:7" was accepted (and registered) there, while the
+    # same program fails on a one-GPU machine.
+    from vtnumba.backend.cuda import CUDABackend
+
+    device_backend_factory().close()  # (skips where the device target is not the simulator's)
+    from vtnumba.backend.arrays import simulator_active
+
+    if not simulator_active():
+        pytest.skip("the simulator's rule: a GPU refuses a missing device in numba's select_device")
+    with pytest.raises(ValueError, match="device=cuda:7: numba's CUDA simulator has one device, cuda:0"):
+        CUDABackend("cuda:7")
 
 
 @pytest.mark.parametrize("dtype, match", [("foo", "dtype='foo' is not a numpy dtype"),

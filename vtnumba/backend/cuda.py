@@ -209,6 +209,9 @@ class CUDABackend(Backend):
         super().__init__(device)
         self.simulator = simulator_active()
         if self.simulator:
+            if device.index != 0:
+                # (A program that ran here on "cuda:3" would fail on a one-GPU machine: say so here.)
+                raise ValueError(f"device={device}: numba's CUDA simulator has one device, cuda:0")
             from vtnumba.backend.simulator_fixes import apply_simulator_fixes
 
             apply_simulator_fixes()  # shared arrays, barriers, threads, device calls: see simulator_fixes
@@ -699,7 +702,9 @@ class CUDABackend(Backend):
         # On a GPU the word's address goes to the driver (or a kernel) as a *device* pointer: a
         # numpy or simulator array's host address there is invalid -- at best an error, at worst
         # an illegal access that kills the process's CUDA context.
-        if not self.simulator and not is_gpu_array(flags):
+        if not (is_device_array(flags) if self.simulator else is_gpu_array(flags)):
+            # (The simulator refuses a numpy array too: a program that passed one there would
+            # fail on a GPU.)
             raise TypeError(f"flags must be GPU memory (a numba device array: backend.empty, a Buffer's view, "
                             f"peer memory) on {self.name}, got {type(flags).__module__}.{type(flags).__name__}")
         return super()._check_flag(flags, index, value, store=store)

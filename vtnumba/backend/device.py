@@ -68,6 +68,8 @@ def as_device(device) -> Device:
     if isinstance(device, str):
         kind, colon, index = device.partition(":")
         try:
+            if colon and not (index.isascii() and index.isdigit()):  # (int() also takes "1_0", " 1", "+1")
+                raise ValueError(index)
             return Device(kind, int(index) if colon else 0)
         except ValueError:
             raise ValueError(f"device={device!r} is not a device; expected 'cpu', 'cuda' or 'cuda:N' with "
