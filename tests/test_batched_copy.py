@@ -340,6 +340,18 @@ def test_a_queued_copy_uses_the_descriptors_it_was_given_not_what_they_became():
     be.close()
 
 
+def test_an_address_below_every_known_range_is_not_said_to_be_above_one():
+    # The message named "the known range starting closest below it" -- a range above it.
+    be = CPUBackend()
+    buf = be.alloc(64)
+    assert min(start for start, _, _ in LIVE._ranges.values()) > 0x10
+    with pytest.raises(ValueError, match=r"the known range nearest \(every known range starts above it\) is"):
+        batched_copy([buf.ptr], [0x10], [8], backend=be)
+    with pytest.raises(ValueError, match=r"the known range starting closest below it is buffer #\d+ on cpu:0 at"):
+        batched_copy([buf.ptr], [buf.ptr + 60], [8], backend=be)  # runs past the end of buf
+    be.free(buf)
+
+
 def test_registration_is_undone_after_the_with_block():
     a = np.zeros(64, np.uint8)
     before = len(LIVE)

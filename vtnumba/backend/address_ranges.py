@@ -116,8 +116,10 @@ class AddressRanges:
         addr, size = int(ptrs[i]), int(sizes[i])
         near = ""
         if starts.size:
-            k = max(int(idx[bad]), 0)
-            near = (f"; the known range starting closest below it is {whats[k]} at {int(starts[k]):#x}..{int(ends[k]):#x} "
+            k = int(idx[bad])
+            where = "starting closest below it" if k >= 0 else "nearest (every known range starts above it)"
+            k = max(k, 0)
+            near = (f"; the known range {where} is {whats[k]} at {int(starts[k]):#x}..{int(ends[k]):#x} "
                     f"({int(ends[k] - starts[k])} bytes)")
         raise ValueError(f"{name}[{i}] = {addr:#x} with sizes[{i}] = {size}: the range {addr:#x}..{addr + size:#x} "
                          f"is not inside any live allocation this process knows{near}; a raw-pointer copy there "
