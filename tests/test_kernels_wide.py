@@ -27,6 +27,9 @@ def test_wide_ok_needs_aligned_starts_and_rows():
     half = np.zeros(64, np.float16)
     half = half[(-half.ctypes.data % 8) // 2:]
     assert wide_ok(half[:16].reshape(2, 8)) and not wide_ok(half[2:18].reshape(2, 8))  # float16: 8-byte quads
+    wide = base[:128].reshape(4, 32)
+    assert not wide_ok(wide[:, :16])  # aligned start and a width of 16, but rows 32 apart: strided
+    assert not wide_ok(base[:128:2].reshape(4, 16))  # every other element
 
 
 # The instructions counted in each kernel's sm_90 PTX.

@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from vtnumba.backend.arrays import address_of, host_view, simulator_active
+from vtnumba.backend.arrays import address_of, host_view, is_c_contiguous, simulator_active
 
 #: Elements per wide access, and the alignment (bytes) of shared arrays used with load4/store4.
 #: ``cuda.shared.array(..., alignment=)`` is refused by the simulator, which gets None (numpy's
@@ -51,13 +51,16 @@ SMEM_ALIGN = None if simulator_active() else 16
 def wide_ok(*arrays) -> bool:
     """May a kernel use 4-wide accesses on all of ``arrays`` (None entries are skipped)?
 
-    True when every array starts at a multiple of ``4 * itemsize`` bytes and its last
-    dimension is a multiple of 4 (so every row starts aligned as well).  Host-side check,
-    made by the launchers; the kernels get the answer as a flag.
+    True when every array is C-contiguous, starts at a multiple of ``4 * itemsize`` bytes and
+    its last dimension is a multiple of 4 (so every row starts aligned as well).  Host-side
+    check, made by the launchers; the kernels get the answer as a flag.  (The public kernels
+    refuse strided arrays before they get here; the 4-wide loads assume C-contiguous rows.)
     """
     for arr in arrays:
         if arr is None:
             continue
+        if not is_c_contiguous(arr):
+            return False
         width = VEC * np.dtype(arr.dtype).itemsize
         if arr.shape[arr.ndim - 1] % VEC or address_of(arr) % width:  # (simulator shapes take no [-1])
             return False
