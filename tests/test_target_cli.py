@@ -73,6 +73,28 @@ def test_a_bad_switch_in_the_environment_is_a_usage_error_said_once(variable, va
     assert out.count(says) == 1 and "Traceback" not in out, out
 
 
+@pytest.mark.parametrize("bad_ranks", [(1,), (0,), (1, 2)])
+@pytest.mark.parametrize("program", [("-m", "vtnumba", "info", "--target", "cpu"),
+                                     ("tutorials/01_devices_queues_events.py", "--target", "cpu")])
+def test_a_usage_error_on_some_ranks_only_ends_the_job_and_names_them(bad_ranks, program):
+    # A rank whose own environment is bad (a launcher setting VTNUMBA_DEVICE per rank) left
+    # before MPI_Init: the others waited there for good, and nothing was said if rank 0 was fine.
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
+    cmd = ["mpiexec"]
+    for rank in range(3):
+        cmd += [":"] if rank else []
+        cmd += ["-n", "1", "env", *(["VTNUMBA_DEVICE=x"] if rank in bad_ranks else []), sys.executable, *program]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, stdin=subprocess.DEVNULL,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert out.count("VTNUMBA_DEVICE='x' is not a device") == len(bad_ranks if 0 not in bad_ranks else [0]), out
+    for rank in bad_ranks:
+        if rank:
+            assert f"error: [rank {rank}] VTNUMBA_DEVICE='x'" in out, out
+    assert "Traceback" not in out and "BAD TERMINATION" not in out and "MPI_Abort" not in out, out
+
+
 def test_the_switches_readers_name_their_variable(monkeypatch):
     from vtnumba.backend.cpu import CPUBackend, threaded_from_env
     from vtnumba.dist.groups import fake_node_size

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from vtnumba.faults import INTERRUPTED, say
@@ -39,18 +40,60 @@ def share_cores_between_local_ranks() -> None:
         os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
 
 
+#: How long a rank other than 0 with a usage error waits for rank 0 to end the job with the
+#: same message (the usual case: one command line, one environment) before saying its own.
+USAGE_GRACE_S = 0.5
+
+
 class RankZeroErrorsParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors and help only world rank 0 prints.
+    """An ``ArgumentParser`` whose usage errors and help only world rank 0 prints -- unless
+    the error is another rank's alone.
 
     Under ``mpiexec -n N`` every rank parses the same command line, so a bad flag would print
-    the same usage message N times; here the other ranks exit with the same status (2),
-    silently.  Subcommand parsers made from it behave the same (argparse makes them of the
-    parent's class)."""
+    the same usage message N times: rank 0 says it, and the job ends with status 2.  But a
+    rank may also fail alone -- its environment differs (a launcher that sets
+    ``VTNUMBA_DEVICE`` per rank), or so does its command line (``mpiexec ... : ...``).  A rank
+    that left before ``MPI_Init`` kept the others waiting there for good, and said nothing
+    if rank 0 was fine.  So a failing rank joins MPI first and then leaves without
+    ``MPI_Finalize``, which makes ``mpiexec`` end the whole job at once; a rank other than 0
+    waits :data:`USAGE_GRACE_S` for rank 0 to do that (the same error everywhere: said
+    once), and otherwise says its own error, naming itself.  Subcommand parsers made from it
+    behave the same (argparse makes them of the parent's class)."""
 
     def error(self, message):
-        if world_rank() not in (None, 0):
-            self.exit(2)
-        super().error(message)
+        rank = world_rank()
+        if rank is None:
+            super().error(message)  # (usage to stderr, status 2)
+        from mpi4py import MPI  # (joins the job: the other ranks may be waiting in MPI_Init for this one)
+
+        if MPI.COMM_WORLD.Get_size() == 1:
+            super().error(message)
+        if rank != 0:
+            time.sleep(USAGE_GRACE_S)  # (rank 0 with the same error ends the job meanwhile: said once)
+            message = f"[rank {rank}] {message}"
+        try:
+            if rank == 0:
+                self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        finally:
+            end_the_job(MPI.COMM_WORLD, 2)
+
+
+def end_the_job(comm, code: int):
+    """End every rank of ``comm``'s job now, with exit status ``code``: ``MPI_Abort``, after
+    what this rank wrote has left.
+
+    (Leaving with ``os._exit`` also ends the job, but ``mpiexec`` then sometimes reports the
+    ranks it killed -- status 9 and a banner -- instead of ``code``.  MPI_Abort's status is
+    ``code`` every time; its own line, "application called MPI_Abort", adds nothing to the
+    message just written, so stderr is closed first.)"""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(0.1)  # (mpiexec forwards the output before it takes the processes down)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    finally:
+        comm.Abort(code)
 
     def print_help(self, file=None):
         """The help text, from world rank 0 only (``--help`` under ``mpiexec``: once, not once per rank)."""
