@@ -78,6 +78,11 @@ class RankZeroErrorsParser(argparse.ArgumentParser):
         finally:
             end_the_job(MPI.COMM_WORLD, 2)
 
+    def print_help(self, file=None):
+        """The help text, from world rank 0 only (``--help`` under ``mpiexec``: once, not once per rank)."""
+        if world_rank() in (None, 0):
+            super().print_help(file)
+
 
 def end_the_job(comm, code: int):
     """End every rank of ``comm``'s job now, with exit status ``code``: ``MPI_Abort``, after
@@ -94,11 +99,6 @@ def end_the_job(comm, code: int):
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     finally:
         comm.Abort(code)
-
-    def print_help(self, file=None):
-        """The help text, from world rank 0 only (``--help`` under ``mpiexec``: once, not once per rank)."""
-        if world_rank() in (None, 0):
-            super().print_help(file)
 
 
 def check_environment(parser: argparse.ArgumentParser) -> None:
@@ -265,6 +265,6 @@ def check_output_folder(flag: str, folder) -> None:
                          "expected a folder this user can create files in") from None
 
 
-__all__ = ["RankZeroErrorsParser", "check_environment", "check_output_folder", "choose_target",
+__all__ = ["RankZeroErrorsParser", "USAGE_GRACE_S", "end_the_job", "check_environment", "check_output_folder", "choose_target",
            "exit_quietly_when_interrupted", "interrupted", "leave_after_interrupt", "one_line_warnings",
            "quiet_interrupts_at_top_level", "share_cores_between_local_ranks"]
