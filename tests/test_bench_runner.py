@@ -415,6 +415,25 @@ def test_a_multi_rank_suite_asked_for_alone_is_a_usage_error():
     assert "bench peer runs over 2 or more ranks: mpiexec -n 2 python -m vtnumba bench peer" in proc.stderr
 
 
+@pytest.mark.parametrize("suite", ["peer", "model"])
+def test_a_suite_that_cannot_run_in_the_simulator_is_refused_there_by_name_and_skipped_by_bench_all(suite):
+    # bench peer refused cudasim only when it ran (a RuntimeError on every rank, status 1), so
+    # 'bench all --target cudasim' could never succeed on 2 ranks; bench model ran for hours.
+    from argparse import Namespace
+
+    from vtnumba.bench.runner import check_suite_arguments, skip_reason
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "vtnumba", "bench", suite, "--quick",
+                           "--target", "cudasim"], cwd=root, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count(f"bench {suite} does not run on cudasim") == 1, proc.stderr
+    assert skip_reason(suite, 2, "cudasim").startswith("not on cudasim")
+    assert skip_reason(suite, 2, "cpu") is None and skip_reason("tpsp", 2, "cudasim") is None
+    check_suite_arguments(Namespace(suite="all", quick=True), 2)  # (bench all: skipped, no error)
+
+
 def test_measure_interleaved_alternates_rotates_and_prepares_untimed():
     from vtnumba.bench.timing import measure_interleaved
 

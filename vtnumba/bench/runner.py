@@ -45,6 +45,31 @@ from vtnumba.bench.schema import (
 )
 
 MULTI_RANK = {"peer", "tpsp", "model"}
+#: Suites that do not run in the CUDA simulator, and why (``bench all`` skips them there).
+NOT_IN_SIMULATOR = {
+    "peer": "it measures bandwidth, and the simulator runs about 7,000 GPU threads a second: its numbers would "
+            "mean nothing",
+    "model": "the MiniLM model takes many minutes per batch in the simulator",
+}
+
+
+def skip_reason(name: str, world_size: int, target: str | None = None) -> str | None:
+    """Why ``bench all`` skips suite ``name`` in this job (None: it runs).  Asked for by name,
+    such a suite is a usage error instead (:func:`check_suite_arguments`)."""
+    if name in MULTI_RANK and world_size < 2:
+        return "needs mpiexec -n 2 or more"
+    if target == "cudasim" and name in NOT_IN_SIMULATOR:
+        return f"not on cudasim: {NOT_IN_SIMULATOR[name]}; use --target cpu (or cuda on a GPU machine)"
+    return None
+
+
+def _current_target_name() -> str | None:
+    from vtnumba.target import current_target
+
+    try:
+        return current_target().name
+    except Exception:  # noqa: BLE001 (no target chosen yet: a library caller)
+        return None
 ORDER = ("kernels", "memory", "ec", "peer", "tpsp", "model")
 BENCH_SUITES = ORDER
 BENCH_HELP = {
@@ -110,7 +135,8 @@ def check_inject(args, world_size: int):
     if text is None:
         return None
     names = ORDER if args.suite == "all" else (args.suite,)
-    runs = tuple(n for n in names if n not in MULTI_RANK or world_size >= 2)
+    target = _current_target_name()
+    runs = tuple(n for n in names if skip_reason(n, world_size, target) is None)
     spec = FaultInjection.parse(text, BENCH_SUITES, world_size)
     if spec.point not in runs:
         raise ValueError(f"--inject={text!r}: this command runs {', '.join(runs) or 'no suite'} "
@@ -123,12 +149,16 @@ def check_suite_arguments(args, world_size: int) -> None:
     (a suite module's ``check_arguments(args, world_size)``, if it has one): ValueError naming
     the flag -- a usage error said once, not a failure of every rank minutes into the run."""
     names = ORDER if args.suite == "all" else (args.suite,)
+    target = _current_target_name()
     if args.suite in MULTI_RANK and world_size < 2:  # (asked for by name: it must run, not be skipped)
         raise ValueError(f"bench {args.suite} runs over 2 or more ranks: mpiexec -n 2 python -m vtnumba bench "
                          f"{args.suite}")
+    if args.suite in NOT_IN_SIMULATOR and target == "cudasim":
+        raise ValueError(f"bench {args.suite} does not run on cudasim: {NOT_IN_SIMULATOR[args.suite]}; use "
+                         "--target cpu (or cuda on a GPU machine)")
     for name in names:
-        if name in MULTI_RANK and world_size < 2:
-            continue  # (skipped on one rank by bench all)
+        if skip_reason(name, world_size, target) is not None:
+            continue  # (skipped by bench all)
         check = getattr(importlib.import_module(f"vtnumba.bench.{name}"), "check_arguments", None)
         if check is not None:
             check(args, world_size)
@@ -367,17 +397,16 @@ def run_suite(name: str, args, comm, *, target: str | None = None) -> dict | Non
     from vtnumba.bench.timing import Progress, set_progress
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    if name in MULTI_RANK and size < 2:
+    if target is None:
+        target = _current_target_name()
+    why = skip_reason(name, size, target)
+    if why is not None:
         if rank == 0:
-            say(f"bench {name}: skipped (needs mpiexec -n 2 or more)")
+            say(f"bench {name}: skipped ({why})")
         return None
     module = importlib.import_module(f"vtnumba.bench.{name}")
     sargs = suite_args(name, args)
     ranks = size if name in MULTI_RANK else 1
-    if target is None:
-        from vtnumba.target import current_target
-
-        target = current_target().name
     # (--ptxas compiles every kernel for two GPU generations: timed apart from the suite alone.)
     key = _duration_key(name, bool(args.quick), target, ranks, " +ptxas" if getattr(sargs, "ptxas", False) else "")
     if rank == 0:
@@ -714,7 +743,8 @@ def run_bench(args, stack: dict | None = None) -> int:
     for name in names:
         t_suite = time.perf_counter()
         res = run_suite(name, args, comm, target=target)
-        took[name] = time.perf_counter() - t_suite
+        if skip_reason(name, comm.Get_size(), target) is None:  # (a skipped suite took no time worth listing)
+            took[name] = time.perf_counter() - t_suite
         if res is not None:
             suites.append(res)
             if rank == 0 and json_path != "-":
