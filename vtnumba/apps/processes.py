@@ -265,6 +265,6 @@ def check_output_folder(flag: str, folder) -> None:
                          "expected a folder this user can create files in") from None
 
 
-__all__ = ["RankZeroErrorsParser", "USAGE_GRACE_S", "end_the_job", "check_environment", "check_output_folder", "choose_target",
-           "exit_quietly_when_interrupted", "interrupted", "leave_after_interrupt", "one_line_warnings",
-           "quiet_interrupts_at_top_level", "share_cores_between_local_ranks"]
+__all__ = ["RankZeroErrorsParser", "USAGE_GRACE_S", "end_the_job", "check_environment", "check_output_folder",
+           "choose_target", "exit_quietly_when_interrupted", "interrupted", "leave_after_interrupt",
+           "one_line_warnings", "quiet_interrupts_at_top_level", "share_cores_between_local_ranks"]
