@@ -218,6 +218,20 @@ def test_closed_pipe_is_not_a_traceback():
     assert proc.stdout.startswith("python")
 
 
+@pytest.mark.parametrize("command", ["-m vtnumba demo runtime --target cpu", "-m vtnumba bench memory --quick",
+                                     "tutorials/01_devices_queues_events.py --target cpu"])
+def test_a_reader_that_closes_the_pipe_ends_the_program_quietly(command):
+    # 'vtnumba bench ... | head -1' was "[rank 0] failed while running: BrokenPipeError", status 1
+    # (a tutorial: a traceback too): the programs' failure reports got the error before the
+    # entry point's quiet handler could.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(["bash", "-c", f"{sys.executable} {command} | head -1; exit ${{PIPESTATUS[0]}}"],
+                          capture_output=True, text=True, timeout=120, cwd=root, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr and "failed" not in proc.stderr
+    assert len(proc.stdout.splitlines()) == 1
+
+
 @pytest.mark.parametrize("argv, says", [
     (["bench", "memory", "--quick", "--json", "/proc/nonexistent/x.json"],
      "vtnumba bench memory: error: --json /proc/nonexistent: cannot write there (No such file or directory)"),

@@ -470,12 +470,17 @@ def _end_together_on_failure(timeout_s: float) -> None:
             return
         failures.arm_exit_watchdog(timeout_s)  # from here on, nothing may keep this rank alive
         failures.ignore_ctrl_c()  # (nor cut into the way out: the watchdog bounds it)
-        if not getattr(exc, "caused_by_peer", False) and not ctrl_c:  # (a Ctrl-C: the reader asked for it)
+        quiet = failures.reader_gone(exc)  # (| head: the reader asked for no more)
+        if not getattr(exc, "caused_by_peer", False) and not ctrl_c and not quiet:  # (a Ctrl-C: the reader's)
             previous(exc_type, exc, tb)  # the traceback first: it is what the reader needs
-        failures.say(failures.report(exc))
+        line = failures.report(exc)
+        if not quiet:
+            failures.say(line)
         # Returns once every rank has arrived (Python then exits 1 and finalizes MPI); does not
         # return if one never does.
         code = failures.exit_after_failure(timeout_s, interrupted=ctrl_c)
+        if quiet:
+            os._exit(0)  # (every rank agreed to leave; Python would exit 1 for the uncaught error)
         if ctrl_c:
             # Python ends a script whose KeyboardInterrupt went uncaught by killing itself with
             # SIGINT (so a shell sees it), and mpiexec calls that a "BAD TERMINATION": every

@@ -476,6 +476,20 @@ def end_together(timeout_s: float = DEFAULT, code: int = 0) -> int:
     return code
 
 
+def reader_gone(exc: BaseException) -> bool:
+    """Is ``exc`` the reader of this process's output going away (``vtnumba bench ... | head``)?
+    Then stdout is pointed at /dev/null -- nothing more can reach the reader, and Python's
+    flush at exit must not fail again -- and the rank leaves without a word: the reader asked
+    for no more, and a "failed" line (or a traceback) would say the program went wrong."""
+    if not isinstance(exc, BrokenPipeError):
+        return False
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # (no stdout file at all: nothing to point elsewhere)
+        pass
+    return True
+
+
 def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
     """Run ``main()`` -> exit code on every rank; on any failure, report it to the peers, print
     one line naming the rank and the phase, and leave with :func:`exit_after_failure`.
@@ -504,11 +518,14 @@ def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
     except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 - every failure must reach the peers
         arm_exit_watchdog(timeout_s)  # from here on, nothing may keep this process alive
         ignore_ctrl_c()  # (nor cut into the way out: the watchdog bounds it)
-        say(report(exc))
+        quiet = reader_gone(exc)
+        line = report(exc)  # (the peers are told all the same: this rank stops here)
+        if not quiet:
+            say(line)
         if not board_open:
             sys.stdout.flush()
-            os._exit(1)
-        return exit_after_failure(timeout_s, getattr(exc, "exit_status", 1),
+            os._exit(0 if quiet else 1)
+        return exit_after_failure(timeout_s, 0 if quiet else getattr(exc, "exit_status", 1),
                                   interrupted=isinstance(exc, KeyboardInterrupt))
     return _leave_together(timeout_s, code, succeeded=True)
 
@@ -516,4 +533,4 @@ def run_collectively(main, *, timeout_s: float = DEFAULT) -> int:
 __all__ = ["EXIT_GRACE_S", "INTERRUPT_EXIT_S", "PEER_REPORT_GRACE_S", "PeerFailed", "PeerAborted", "raise_peer_report",
            "expect_peer_reports", "FailureBoard", "phase", "current_phase", "install",
            "uninstall", "report", "say", "ignore_ctrl_c", "end_stopped_peers", "arm_exit_watchdog",
-           "exit_after_failure", "end_together", "run_collectively"]
+           "exit_after_failure", "end_together", "reader_gone", "run_collectively"]
