@@ -407,6 +407,27 @@ def test_a_tutorial_ends_when_a_rank_stops_after_its_last_step(tmp_path):
     assert "rank 1 is stopped (SIGSTOP): ending it (SIGKILL)" in out, out
 
 
+_ONE_RANK_CHECK_FAILS = '''"""A lesson whose self-check fails on rank 1 only."""
+from vtnumba.apps.tutorial import start
+
+lesson = start("a lesson with a failing check")
+lesson.check(lesson.rank != 1, "rank 1 agrees")
+lesson.say("not reached")
+'''
+
+
+def test_a_failing_self_check_is_said_once_naming_the_ranks(tmp_path):
+    # Every rank printed its SystemExit message (two lines ran into one) and none said which
+    # rank's check had failed.
+    script = tmp_path / "lesson.py"
+    script.write_text(_ONE_RANK_CHECK_FAILS)
+    proc, elapsed, out = _run_cmd([MPIEXEC, "-n", "3", sys.executable, str(script), "--target", "cpu",
+                                   "--timeout", "10"])
+    assert proc.returncode == 1 and elapsed < 30, (elapsed, out)
+    assert "check: rank 1 agrees: FAILED (on rank 1)" in out, out
+    assert out.count("self-check failed: rank 1 agrees (on rank 1)") == 1 and "not reached" not in out, out
+
+
 @pytest.fixture
 def weights():
     """The MiniLM checkpoint the embed jobs load (looked up here first: skipped where it is not

@@ -312,13 +312,16 @@ class Lesson:
 
         from vtnumba.dist.comm import wait_request
 
-        mine, everyone = np.array([1 if ok else 0], dtype=np.int32), np.zeros(1, dtype=np.int32)
-        wait_request(self.comm.Iallreduce(mine, everyone, op=MPI.MIN), None, f"the self-check {what!r}",
-                     self.args.timeout)
-        all_ok = bool(everyone[0])
-        self.say(f"  check: {what}: {'ok' if all_ok else 'FAILED'}")
-        if not all_ok:
-            raise SystemExit(f"self-check failed: {what}")
+        mine, everyone = np.array([1 if ok else 0], dtype=np.int32), np.zeros(self.comm.Get_size(), dtype=np.int32)
+        wait_request(self.comm.Iallgather(mine, everyone), None, f"the self-check {what!r}", self.args.timeout)
+        failed = [r for r, passed in enumerate(everyone) if not passed]
+        where = "" if not failed or self.comm.Get_size() == 1 else f" (on rank{'s' if len(failed) > 1 else ''} " \
+            f"{', '.join(map(str, failed))})"
+        self.say(f"  check: {what}: {'ok' if not failed else 'FAILED' + where}")
+        if failed:
+            # Every rank leaves with status 1; rank 0 says why, once (each rank's SystemExit
+            # message went to the same terminal, lines running into each other).
+            raise SystemExit(f"self-check failed: {what}{where}" if self.rank == 0 else 1)
 
     @property
     def simulated(self) -> bool:
