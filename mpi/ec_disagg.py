@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds any wait for another rank may take before this rank gives up (default 60)")
     p.add_argument("--max-steps", type=positive_int, default=100000, help="safety limit on engine steps (default 100000)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
-    p.add_argument("--fail-at", type=int, default=None, help=argparse.SUPPRESS)         # test: consumer raises
+    p.add_argument("--fail-at", type=non_negative_int, default=None, help=argparse.SUPPRESS)  # test: consumer raises
     p.add_argument("--consumer-hidden", type=int, default=None, help=argparse.SUPPRESS)  # test: config mismatch
     # Test hook (vtnumba.ec.endpoints.FaultInjection): how:rank:point[@n], e.g. kill:0:created,
     # stop:1:loading@2 -- that rank raises / is killed / stops at that point of an endpoint.
@@ -244,6 +244,9 @@ def consumer(ep, args, entries) -> dict:
                 what="this step's requests and releases")
         if done:
             break
+    if args.fail_at is not None:  # (past the last step: a fault test that would test nothing)
+        raise RuntimeError(f"--fail-at {args.fail_at} never fired: the consumer finished after {step} step(s); "
+                           f"pick a step below {step}")
     ep.stop_followers()
     tp_summaries = [ep.recv(r, what="its summary") for r in ep.followers]
     w = ep.worker.stats["load"]

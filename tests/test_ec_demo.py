@@ -84,6 +84,15 @@ def test_consumer_failure_exits_cleanly_everywhere(n):
     assert shm_files() <= before
 
 
+def test_a_fail_at_past_the_last_step_fails_the_run_instead_of_passing_it():
+    # --fail-at 100000 printed "OK" with status 0: a fault test that tested nothing.
+    p = _run(2, *SMALL, "--fail-at", "100000", "--quiet")
+    assert p.returncode != 0
+    assert re.search(r"\[rank 1\] failed while running: RuntimeError: --fail-at 100000 never fired: the consumer "
+                     r"finished after \d+ step\(s\)", p.stderr), p.stderr
+    assert _run(2, *SMALL, "--fail-at", "-1").returncode == 2
+
+
 def test_config_mismatch_is_reported_by_both_ranks():
     before = shm_files()
     p = _run(2, *SMALL, "--consumer-hidden", "32")

@@ -23,7 +23,7 @@ from vtnumba.apps.processes import (
     one_line_warnings,
     share_cores_between_local_ranks,
 )
-from vtnumba.bench.runner import path_text, positive_seconds
+from vtnumba.bench.runner import non_negative_int, path_text, positive_seconds
 from vtnumba.target import TARGETS, TargetError, select_target
 
 _TARGET_HELP = "execution target (default: $VTNUMBA_TARGET or 'auto' = cuda if a GPU is usable, else cpu)"
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: vtnumba.dist.DEFAULT_TIMEOUT_S = 60); a wait that spans the awaited "
                         "rank's own wait gets that much longer, so the rank waiting directly for a stopped "
                         "one names it")
-    p.add_argument("--fail-at", type=int, default=None, help=argparse.SUPPRESS)  # test hook: consumer raises
+    p.add_argument("--fail-at", type=non_negative_int, default=None, help=argparse.SUPPRESS)  # test: consumer raises
     # Test hook (vtnumba.ec.endpoints.FaultInjection): how:rank:point[@n], e.g. stop:2:loading.
     p.add_argument("--inject", default=None, help=argparse.SUPPRESS)
 

@@ -393,6 +393,9 @@ class _Pipeline:
                 outstanding.discard(h)
                 releases.append(h)
             step += 1
+        if self.args.fail_at is not None:  # (past the last step: a fault test that would test nothing)
+            raise RuntimeError(f"--fail-at {self.args.fail_at} never fired: the consumer finished after {step} "
+                               f"step(s); pick a step below {step + 1}")
         corpus_emb = np.stack([embeddings[h] for h in hashes[:len(self.corpus)]])
         answers = []
         for q in queries:
