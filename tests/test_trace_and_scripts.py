@@ -184,6 +184,22 @@ def test_trace_of_a_command_that_records_nothing_says_so(tmp_path):
     assert proc.stderr.startswith("vtnumba trace: no trace files") and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_trace_of_a_failing_command_gives_its_status_and_leaves_no_stale_picture(tmp_path):
+    # A command killed by SIGKILL made trace exit 247 (256 - 9), not the shell's 137; and the
+    # previous run's merged trace and picture stayed beside the failed run, looking current.
+    (tmp_path / "t.json").write_text("{}")
+    (tmp_path / "t.png").write_bytes(b"old")
+    proc = subprocess.run([sys.executable, "-m", "vtnumba", "trace", "--out", str(tmp_path / "t"), "--",
+                           sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                          capture_output=True, text=True, env=clean_env(), timeout=60)
+    assert proc.returncode == 137 and "the command was killed by signal 9" in proc.stderr, proc.stderr
+    assert not (tmp_path / "t.json").exists() and not (tmp_path / "t.png").exists()
+    failed = subprocess.run([sys.executable, "-m", "vtnumba", "trace", "--out", str(tmp_path / "t"), "--",
+                             sys.executable, "-c", "raise SystemExit(3)"], capture_output=True, text=True,
+                            env=clean_env(), timeout=60)
+    assert failed.returncode == 3 and "the command exited with 3" in failed.stderr
+
+
 def test_trace_says_what_is_wrong_with_what_was_recorded_never_a_traceback(tmp_path):
     # Each of these ended in a Python traceback: a command that queued nothing, a stray file
     # matching the rank-file pattern, rank files that are not traces.  And --out x.json wrote

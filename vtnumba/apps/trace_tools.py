@@ -397,11 +397,16 @@ def run_traced(cmd: list[str], prefix: str) -> int:
     """Run ``cmd`` with ``VTNUMBA_TRACE=<prefix>`` and merge what its ranks recorded."""
     prefix = os.path.abspath(trace_prefix(prefix))
     os.makedirs(os.path.dirname(prefix), exist_ok=True)  # the default prefix lives under out/
-    for old in rank_files(prefix):
-        os.remove(old)  # never merge a previous run's ranks into this one
+    # Never merge a previous run's ranks into this one, nor leave its merged trace and picture
+    # looking like this run's when this one fails.
+    for old in rank_files(prefix) + [p for p in (f"{prefix}.json", f"{prefix}.png") if os.path.exists(p)]:
+        os.remove(old)
     env = dict(os.environ, VTNUMBA_TRACE=prefix)
     rc = subprocess.call(cmd, env=env)
     if rc != 0:
+        if rc < 0:  # killed by a signal: the shell's status for it (SIGKILL: 137), not 256 - signal
+            print(f"vtnumba trace: the command was killed by signal {-rc}", file=sys.stderr)
+            return 128 - rc
         print(f"vtnumba trace: the command exited with {rc}", file=sys.stderr)
         return rc
     try:
