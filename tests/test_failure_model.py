@@ -677,6 +677,42 @@ def test_a_rank_failing_after_the_others_finished_ends_the_job_at_once(tmp_path,
     assert "did not leave" not in out and "Traceback" not in out, out
 
 
+STOPPED_AFTER_THE_EXIT_BARRIER = """
+import os, signal, sys, time
+from mpi4py import MPI
+from vtnumba import dist
+from vtnumba.dist import failures
+rank = MPI.COMM_WORLD.Get_rank()
+leave = failures._leave_together
+
+def leave_then_stop(*args, **kw):
+    code = leave(*args, **kw)
+    if rank == 1:  # through the exit barrier, then stopped before MPI_Finalize
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return code
+
+failures._leave_together = leave_then_stop
+
+def main():
+    dist.barrier(dist.init_distributed())
+    if rank == 0:
+        time.sleep(0.5)  # (rank 0 finishes last, as bench does printing its report)
+    return 0
+
+sys.exit(dist.run_collectively(main, timeout_s=4))
+"""
+
+
+def test_a_rank_stopped_after_it_reached_the_exit_barrier_does_not_hang_the_job(tmp_path):
+    # The others passed the barrier and waited in MPI_Finalize for the stopped rank for good
+    # (bench with a rank stopped while rank 0 printed its report), saying nothing.
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED_AFTER_THE_EXIT_BARRIER)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc, elapsed, out = _job([MPIEXEC, "-n", "2", sys.executable, str(script)], env, timeout=60)
+    assert proc.returncode != 0 and elapsed < 20, (elapsed, out)
+
+
 def test_sys_exit_on_one_rank_is_a_failure_the_others_hear_of(tmp_path):
     # sys.exit(3) on one rank (argparse's error, say) was not caught: the others waited out
     # their timeouts (twice), blaming rank 0, and rank 2 was never named.

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import math
 import os
 import signal
 import socket
@@ -428,10 +429,23 @@ def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
     req = comm.Ibarrier()
     try:
         polling.poll_until(req.Test, timeout_s, lambda waited: "exit barrier")
-        # Every rank arrived, so MPI_Finalize will complete: the program leaves normally
-        # (and a caller that goes on -- a test -- must not be killed later).
+        # Every rank arrived -- but one that arrived early may have been stopped since, while it
+        # waited here for the others (bench: for rank 0's report).  MPI_Finalize would then wait
+        # for it for good, with no deadline and no word: end it now, and the job with it.
+        if end_stopped_peers(board, announce=lambda r: say(
+                f"[rank {comm.Get_rank()}] rank {r} was stopped (SIGSTOP) after it reached the exit barrier, "
+                "where MPI_Finalize would wait for it for good: ending it (SIGKILL)")):
+            sys.stdout.flush()
+            os._exit(code or 1)
+        # The program leaves normally (and a caller that goes on -- a test -- must not be killed
+        # later).  But a rank may still be stopped between this check and MPI_Finalize: the
+        # process's last Python code bounds MPI_Finalize too (see _bound_mpi_finalize).
         faulthandler.cancel_dump_traceback_later()
         _ignore_ctrl_c_while_exiting()
+        global _finalize_bounded
+        if not _finalize_bounded:
+            _finalize_bounded = True
+            atexit.register(_bound_mpi_finalize, timeout_s)
         return code
     except polling.WaitTimeout:
         if succeeded:
@@ -446,6 +460,28 @@ def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
             sys.stdout.flush()
         finally:
             os._exit(code)
+
+
+_finalize_bounded = False
+
+
+def _bound_mpi_finalize(timeout_s: float) -> None:
+    """The last Python code of a process that passed the exit barrier: ``MPI_Finalize`` comes
+    next (mpi4py calls it from C as Python shuts down), and it waits for every rank with no
+    deadline -- for good, if one was stopped after it reached the barrier.  So a stopped peer
+    is ended now; and failing that (one stopped a moment later), an alarm ends this process
+    ``timeout_s`` from now (a healthy MPI_Finalize takes milliseconds), and ``mpiexec`` the job.  (An alarm left to
+    its default action: no Python code runs inside MPI_Finalize, and Python's own timers --
+    faulthandler's -- are shut down before it.)"""
+    rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() and not MPI.Is_finalized() else "?"
+    if end_stopped_peers(_board, announce=lambda r: say(
+            f"[rank {rank}] rank {r} was stopped (SIGSTOP) after it reached the exit barrier, where "
+            "MPI_Finalize would wait for it for good: ending it (SIGKILL)")):
+        sys.stdout.flush()
+        os._exit(1)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(max(1, math.ceil(min(resolve_timeout(timeout_s), 7 * 86400.0))))
 
 
 def ignore_ctrl_c() -> None:
@@ -473,6 +509,8 @@ def end_together(timeout_s: float = DEFAULT, code: int = 0) -> int:
     ``MPI_Finalize`` waiting for good, it ends the stopped peers and leaves without it."""
     code = _leave_together(timeout_s, code, succeeded=True)
     ignore_ctrl_c()  # (the script is ending: see _ignore_ctrl_c_while_exiting)
+    # (Called at exit -- a tutorial's atexit hook -- where a hook registered now may never run.)
+    _bound_mpi_finalize(timeout_s)
     return code
 
 
