@@ -37,6 +37,26 @@ def test_a_text_that_is_not_utf8_is_refused_by_name(ranks):
     assert err.count("vtnumba embed: error:") == 1  # said once (rank 0), though every rank stopped
 
 
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_text_refused_on_one_rank_only_ends_the_job_naming_it(bad_rank):
+    # With mpiexec ... : ... the ranks' texts can differ: the refusal took the "every rank
+    # refuses alike" way out, so the others waited out their timeout and nothing named the rank.
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "VTNUMBA_TARGET")}
+    cmd = [b"mpiexec"]
+    for rank in range(2):
+        cmd += [b":"] if rank else []
+        text = BAD if rank == bad_rank else b"a fine sentence"
+        cmd += [b"-n", b"1", sys.executable.encode(), b"-m", b"vtnumba", b"embed", b"--target", b"cpu",
+                b"--timeout", b"30", text]
+    proc = subprocess.run(cmd, capture_output=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+    out = proc.stdout.decode("utf-8", "replace") + proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 1, out
+    assert f"[rank {bad_rank}] failed while running: ValueError: TEXT argument 1 ('abc\\udcff\\udcfe') is not " \
+           "valid UTF-8 text" in out, out
+    assert f"[rank {1 - bad_rank}] stopped while running, because rank(s) [{bad_rank}] refused their input" in out, out
+    assert "timed out" not in out and "did not leave" not in out, out
+
+
 def test_the_tokenizer_names_the_text_too():
     assert invalid_text("fine, even non-ASCII: \u00e9\u4e2d") is None
     bad = BAD.decode("utf-8", "surrogateescape")

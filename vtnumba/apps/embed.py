@@ -58,16 +58,31 @@ def run_embed(args) -> int:
     from vtnumba.models.tp_runtime import TensorParallelEncoder
 
     group = init_distributed()
+
+    def agree(problem: str) -> None:
+        """Every rank's verdict on its input (``problem``: "" if fine).  The same refusal on every
+        rank -- one command line -- is InputRejected, said once; a refusal on some ranks only
+        (``mpiexec ... : ...``, another environment) is this rank's failure, or its reason to
+        stop, so the job ends naming them."""
+        problems = [b.decode() for b in allgather_bytes(problem.encode(), group)]
+        if problem and len(set(problems)) == 1:
+            raise InputRejected(problem)
+        if problem:
+            raise ValueError(problem)
+        if any(problems):
+            stop = RuntimeError(f"rank(s) {[r for r, p in enumerate(problems) if p]} refused their input")
+            stop.caused_by_peer = True  # (vtnumba.dist.failures: this rank stopped because of them)
+            raise stop
+
     try:
-        # Every rank has the same argv, so every rank decides the same way -- no exchange needed.
-        error = _bad_argument(args.texts)
-        if error is not None:
-            raise InputRejected(error)
+        agree(_bad_argument(args.texts) or "")
         world = MPI.COMM_WORLD
         try:
-            hook = parse_inject(getattr(args, "inject", None), INJECT_POINTS, world.Get_rank(), world.Get_size())
+            hook, problem = parse_inject(getattr(args, "inject", None), INJECT_POINTS, world.Get_rank(),
+                                         world.Get_size()), ""
         except ValueError as exc:
-            raise InputRejected(str(exc)) from None
+            hook, problem = None, str(exc)
+        agree(problem)
         hook = hook or (lambda _point: None)
         # The job's size is the tensor-parallel size: one that does not divide the model's heads
         # is refused by every rank alike, from the config alone -- before loading the weights,
@@ -79,15 +94,7 @@ def run_embed(args) -> int:
                 config, problem = None, str(exc)
             # No model, or a damaged one.  Ranks that read the same files fail alike: then it
             # is said once.  Otherwise each failing rank says its own, and the others stop too.
-            problems = [b.decode() for b in allgather_bytes(problem.encode(), group)]
-            if problem and len(set(problems)) == 1:
-                raise InputRejected(problem)
-            if problem:
-                raise FileNotFoundError(problem)
-            if any(problems):
-                stop = RuntimeError(f"rank(s) {[r for r, p in enumerate(problems) if p]} could not read the model")
-                stop.caused_by_peer = True  # (vtnumba.dist.failures: this rank stopped because of them)
-                raise stop
+            agree(problem)
         try:
             check_tp_size(group.size, config)
         except ValueError as exc:
@@ -115,8 +122,7 @@ def run_embed(args) -> int:
             tokenizer = tpe.encoder.tokenizer
             counts = tokenizer.token_counts(args.texts)
             empty = first_without_pieces_in(counts)
-            if empty is not None:
-                raise InputRejected(f"TEXT argument {empty + 1} ({args.texts[empty]!r}) {NO_PIECES}")
+            agree("" if empty is None else f"TEXT argument {empty + 1} ({args.texts[empty]!r}) {NO_PIECES}")
             # Truncation is said here, by TEXT argument (the tokenizer's warning counts from 0).
             for i, n in enumerate(counts):
                 if n > tokenizer.max_seq_length:
