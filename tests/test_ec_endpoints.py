@@ -172,6 +172,8 @@ def test_roles_and_misuse(be, pair):
         ECConsumer(hidden_size=HIDDEN, backend=be)
     with pytest.raises(TypeError, match="on_point must be callable"):
         ECProducer(hidden_size=HIDDEN, region_bytes=1024, on_point="nope")
+    with pytest.raises(ValueError, match="handle_timeout_s=-1.0 must be a positive"):
+        ECConsumer(hidden_size=HIDDEN, backend=be, handle_timeout_s=-1)  # (checked first of all)
 
 
 @pytest.mark.parametrize("name, exc, match", [

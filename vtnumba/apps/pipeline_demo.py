@@ -203,7 +203,10 @@ class _Pipeline:
                 region_bytes = max(int(0.4 * corpus_rows), MAX_TOKENS) * block
             return ECProducer(self.comm, region_bytes=region_bytes, name="demo", **common)
         if not self.is_encoder:
-            return ECConsumer(self.comm, producer=self.producer, **common)
+            # Encoder rank 0 makes the region after loading the model with the other encoder
+            # ranks: waiting for its handle spans its waits for them (a stopped encoder rank is
+            # named by rank 0, not blamed on it).
+            return ECConsumer(self.comm, producer=self.producer, handle_timeout_s=self.wait_for_encoder, **common)
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ encoder side

@@ -458,14 +458,20 @@ class ECConsumer(_Endpoint):
     On the leader (the lowest consumer rank) it also owns the consumer scheduler:
     :meth:`load` loads granted entries on *every* consumer rank and returns this rank's
     views of them.  The other consumer ranks call :meth:`serve`.  ``handle`` is for
-    ``comm=None`` (a consumer given the producer's handle directly).
+    ``comm=None`` (a consumer given the producer's handle directly).  ``handle_timeout_s``
+    (default: ``timeout_s``) bounds the wait for the producer's handle: make it longer where
+    the producer itself first waits for other ranks -- so that the rank waiting directly for
+    a stopped one times out first, and names it (see the module docstring).
     """
 
     role = "consumer"  #: this side, in failure reports
 
     def __init__(self, comm=None, *, hidden_size: int, dtype="float32", producer: int = 0, consumers=None,
                  handle: ECRegionHandle | None = None, backend=None, compute_queue=None,
-                 timeout_s: float | None = None, pin_memory: bool = True, on_point=None):
+                 timeout_s: float | None = None, pin_memory: bool = True, on_point=None,
+                 handle_timeout_s: float | None = None):
+        if handle_timeout_s is not None:  # (checked before the endpoint takes anything)
+            handle_timeout_s = check_seconds("handle_timeout_s", handle_timeout_s)
         super().__init__(comm, producer=producer, consumers=consumers, timeout_s=timeout_s, on_point=on_point)
         self._followers_stopped = False
         answered = False  # has the producer heard from this rank ("opened")?
@@ -478,7 +484,8 @@ class ECConsumer(_Endpoint):
                 if self.rank not in self.consumers:
                     raise ValueError(f"rank {self.rank} is not one of the consumers {self.consumers}")
                 self.activity = "waiting for the region's handle from the producer"
-                _, handle = self._channel.recv(self.producer, TAG_SETUP, what="the region's handle")
+                _, handle = self._channel.recv(self.producer, TAG_SETUP, what="the region's handle",
+                                               timeout_s=handle_timeout_s)
             self.activity = "opening the region"
             self.region = open_ec_shared_region(handle, hidden_size=hidden_size, dtype=dtype)
             self._passing("opened")
