@@ -39,8 +39,6 @@ def check_arguments(args, world_size: int) -> None:
         raise ValueError(f"--sentences={n}: at most {MAX_SENTENCES} (each is encoded several times per round)")
 
 
-
-
 def _sentence_transformers_rate(sentences, batch: int, threads: int, repeat: int):
     try:
         import torch

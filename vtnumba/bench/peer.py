@@ -67,8 +67,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeat", type=positive_int, default=None, help="timed rounds per size (default 15, quick 5)")
 
 
-
-
 def _busbw_gbs(nbytes: int, seconds: float, n: int) -> float:
     return nbytes / seconds / 1e9 * (n - 1) / n if n > 1 else nbytes / seconds / 1e9
 
@@ -98,8 +96,6 @@ def traffic_factor(case: str, impl: str, n: int) -> int:
             return 2 * (n - 1)
         return 2 * n + (2 if impl == "peer-staged" else 0)
     raise ValueError(f"case={case!r}; expected 'reduce_scatter' or 'all_gather'")
-
-
 
 
 def _copy_ceiling(group, backend, on_device: bool) -> tuple[float, str]:

@@ -182,7 +182,9 @@ def default_hidden_size(preferred: int, ranks: int) -> int:
     8 x the rank count (each rank normalises H / ranks columns, in whole 8-column groups), so
     4096 stays 4096 on 2 and 4 ranks and becomes 4104 on 3."""
     step = 8 * ranks
-    return -(-preferred // step) * step
+    from vtnumba.backend.arrays import cdiv  # (here: the backend loads numba, and the CLI imports this module first)
+
+    return cdiv(preferred, step) * step
 
 
 def check_hidden_split(hidden: int, ranks: int, flag: str = "--hidden") -> None:

@@ -44,6 +44,8 @@ import struct
 
 import numpy as np
 
+from vtnumba.backend.arrays import cdiv
+
 IPC_HANDLE_BYTES = 64
 #: The granularity of an exported allocation (the CUDA Programming Guide: share only
 #: allocations of a 2 MiB-aligned size, or a small one may share its block with others).
@@ -62,7 +64,7 @@ def _check(err, what: str) -> None:
 def ipc_allocation_bytes(nbytes: int) -> int:
     """What an export of ``nbytes`` allocates: ``nbytes`` rounded up to a whole, non-zero number
     of :data:`IPC_ALLOCATION_BYTES` (so the allocation is a block of its own)."""
-    return max(-(-int(nbytes) // IPC_ALLOCATION_BYTES), 1) * IPC_ALLOCATION_BYTES
+    return max(cdiv(nbytes, IPC_ALLOCATION_BYTES), 1) * IPC_ALLOCATION_BYTES
 
 
 class CudaIpcExport:

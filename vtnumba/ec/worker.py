@@ -87,7 +87,7 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.address_ranges import register, unregister
-from vtnumba.backend.arrays import array_kind, check_int, dtype_labels, is_c_contiguous, numeric_dtype
+from vtnumba.backend.arrays import array_kind, cdiv, check_int, dtype_labels, is_c_contiguous, numeric_dtype
 from vtnumba.backend.base import Backend, Buffer, Event, Queue
 from vtnumba.ec.descriptors import (BadBlockId, DescriptorBufferPool, DescriptorBuffers, RepeatedBlockId,
                                     prepare_descriptors)
@@ -369,7 +369,7 @@ class ECWorker:
         # output never reaches get no descriptor (vLLM's worker trims the last run to the
         # output's end the same way).  The address is read before anything of the step's
         # batch is taken: a freed Buffer raises here, leaving the batch as it was.
-        n_used = -(-total_bytes // block_size)  # blocks the output reaches (a ceiling division)
+        n_used = cdiv(total_bytes, block_size)  # blocks the output reaches
         src_addr, src_live = live_address(src, total_bytes) if n_used else (0, True)
 
         bufs = self._save_bufs
