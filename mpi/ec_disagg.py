@@ -39,14 +39,14 @@ import os
 import sys
 from collections import deque
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+
 from vtnumba.apps.processes import RankZeroErrorsParser, choose_target, share_cores_between_local_ranks
 from vtnumba.bench.runner import non_negative_int, positive_int, positive_number
 
 share_cores_between_local_ranks()  # before numpy loads its BLAS
 
 import numpy as np  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 
 PRODUCER, CONSUMER = 0, 1
 MAX_ENTRIES = 100_000  # (a bound on --entries: the sizes of all of them are drawn up front)

@@ -120,7 +120,7 @@ def wait_for_every_rank(req: MPI.Request, what: str, timeout_s: float = DEFAULT)
     """Poll a setup collective's request (:func:`arrive`, :func:`dup_comm`, any other every rank
     must join before anything else runs); after ``timeout_s``, WaitTimeout naming ``what``."""
     poll_until(req.Test, resolve_timeout(timeout_s),
-               lambda waited: f"{what}: not every rank arrived within {waited:.0f} s (one failed, was "
+               lambda waited: f"{what}: not every rank arrived within {waited:.3g} s (one failed, was "
                               "stopped, or took another code path)")
 
 
