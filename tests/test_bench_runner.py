@@ -468,3 +468,16 @@ def test_derived_rows_show_no_spread_and_paired_ratios_do(tmp_path, monkeypatch)
         runner.plot_suite(res, str(tmp_path / "plots"))
     assert "median of 7 samples; bars: 10th to 90th percentile" in titles[0], titles
     assert "median of 9 samples" in titles[1] and "no bar: a count, or a value derived from medians" in titles[1]
+
+
+def test_bench_model_refuses_batches_larger_than_its_sentences():
+    # --batches 1000 --sentences 10 measured batches of 10 and labelled them "batch 1000".
+    from argparse import Namespace
+
+    from vtnumba.bench.model import check_arguments
+
+    with pytest.raises(ValueError, match=r"--batches 1000: larger than the 10 sentences a measurement encodes"):
+        check_arguments(Namespace(sentences=10, batches=[8, 1000], quick=False), 2)
+    with pytest.raises(ValueError, match=r"--batches 100: larger than the 64 sentences"):
+        check_arguments(Namespace(sentences=None, batches=[100], quick=True), 2)
+    check_arguments(Namespace(sentences=None, batches=[256], quick=False), 2)

@@ -33,10 +33,16 @@ MAX_SENTENCES = 100_000
 
 
 def check_arguments(args, world_size: int) -> None:
-    """``--sentences`` above :data:`MAX_SENTENCES`: ValueError naming it, before the suite runs."""
+    """``--sentences`` above :data:`MAX_SENTENCES`, or a ``--batches`` size larger than the
+    sentences measured: ValueError naming the flag, before the suite runs."""
     n = getattr(args, "sentences", None)
     if n is not None and n > MAX_SENTENCES:
         raise ValueError(f"--sentences={n}: at most {MAX_SENTENCES} (each is encoded several times per round)")
+    sentences = n or (64 if getattr(args, "quick", False) else 256)
+    too_big = [b for b in getattr(args, "batches", None) or () if b > sentences]
+    if too_big:  # (the rows would say "batch 1000" for batches of the 10 sentences there are)
+        raise ValueError(f"--batches {' '.join(map(str, too_big))}: larger than the {sentences} sentences a "
+                         f"measurement encodes; pick batch sizes up to {sentences} (or raise --sentences)")
 
 
 def _sentence_transformers_rate(sentences, batch: int, threads: int, repeat: int):
@@ -70,7 +76,7 @@ def run(args) -> dict:
     group = init_distributed()
     quick = bool(getattr(args, "quick", False))
     batches = args.batches or ([16, 64] if quick else [8, 32, 64])
-    n = args.sentences or (64 if quick else 256)
+    n = args.sentences or (64 if quick else 256)  # (check_arguments assumes the same defaults)
     repeat = 2 if quick else 3
     sentences = random_sentences(n, seed=7)
     results, ratios, notes = [], {}, []
