@@ -253,6 +253,16 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_run(argv, says, 
     assert "Traceback" not in proc.stderr and "bench memory: running" not in proc.stderr
 
 
+def test_a_trace_folder_from_vtnumba_out_dir_is_named_as_the_variables():
+    # It said "--out /sys/nope: cannot write there" to a user who gave no --out.
+    env = dict(os.environ, VTNUMBA_OUT_DIR="/proc/nonexistent")
+    proc = subprocess.run([sys.executable, "-m", "vtnumba", "trace", "--", "true"], capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "--out (its default folder, from VTNUMBA_OUT_DIR='/proc/nonexistent') /proc/nonexistent: cannot write" \
+        in proc.stderr, proc.stderr
+
+
 def test_select_target_names_the_argument_its_caller_used():
     # A Python caller passed target='tpu' and was told about a '--target' flag it never used.
     from vtnumba import target

@@ -233,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.out.endswith(os.sep) or os.path.isdir(args.out):
             usage_error(f"--out {args.out}: is a folder; --out is a file name prefix, e.g. {os.path.join(args.out, 'trace')}"
                         " (for trace.rank0.json, trace.rank1.json, ...)")
+        out_dir = os.environ.get("VTNUMBA_OUT_DIR")
+        from_env = out_dir and args.out == os.path.join(out_dir, "vtnumba-trace")  # (the default: the variable's doing)
+        flag = f"--out (its default folder, from VTNUMBA_OUT_DIR={out_dir!r})" if from_env else "--out"
         try:
-            check_output_folder("--out", os.path.dirname(os.path.abspath(args.out)))
+            check_output_folder(flag, os.path.dirname(os.path.abspath(args.out)))
         except ValueError as exc:
             usage_error(str(exc))
         return run_traced(cmd, args.out)
