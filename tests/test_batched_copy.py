@@ -626,3 +626,4 @@ def test_checked_host_copy_checks_only_the_sides_it_is_asked_to(rng):
         null = np.zeros(1, np.uint64)
         assert checked_host_copy(null, d, n, 1, *live_table(), CHECK_DST) == -1  # a null source: still refused
     assert checked_host_copy(s, d, n, 1, *live_table(), CHECK_DST) == -1  # dst no longer live
+

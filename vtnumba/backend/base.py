@@ -61,14 +61,34 @@ QUEUE_PRIORITIES = ("normal", "high")  # see Backend.create_queue
 # process.  Their queued work may touch memory *by address* -- a batched copy's descriptors are
 # plain integers, and it may address any backend's buffers -- so a free keeps the memory until
 # each of them has passed the point of the free (see Backend.free).  A GPU's cuMemFree waits
-# for the device the same way.
-_worker_queues: "weakref.WeakSet[Queue]" = weakref.WeakSet()
+# for the device the same way.  (A dict of weak references under a lock, not a WeakSet: a
+# WeakSet's iteration is Python code, and a queue made or stopped on another thread meanwhile
+# raised "Set changed size during iteration" -- inside free, after the memory was dropped.)
+_worker_queues: dict[int, "weakref.ref[Queue]"] = {}
+_worker_queues_lock = threading.Lock()
+
+
+def add_worker_queue(q: "Queue") -> None:
+    """Count ``q`` (a queue whose work runs later, on a thread of its own) in what a free waits for."""
+    with _worker_queues_lock:
+        _worker_queues[id(q)] = weakref.ref(q)
+
+
+def remove_worker_queue(q: "Queue") -> None:
+    """Stop counting ``q`` (it was stopped)."""
+    with _worker_queues_lock:
+        _worker_queues.pop(id(q), None)
 
 
 def _keep_past_queued_host_work(memory) -> None:
     """Hold ``memory`` (a freed buffer's array) until every busy worker queue has passed here."""
-    for q in list(_worker_queues):
-        if q.busy():
+    with _worker_queues_lock:
+        queues = [ref() for ref in _worker_queues.values()]
+        if None in queues:  # (queues dropped without stop: their workers have ended)
+            for key in [k for k, ref in _worker_queues.items() if ref() is None]:
+                del _worker_queues[key]
+    for q in queues:
+        if q is not None and q.busy():
             q.put("free (memory kept until here)", lambda _kept=memory: None, marker=True)
 
 

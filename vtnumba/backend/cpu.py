@@ -25,7 +25,8 @@ import numpy as np
 
 from vtnumba import trace
 from vtnumba.backend.atomics import load_acquire, store_release
-from vtnumba.backend.base import Backend, Buffer, Capabilities, Event, EventMark, Queue, _worker_queues
+from vtnumba.backend.base import (Backend, Buffer, Capabilities, Event, EventMark, Queue, add_worker_queue,
+                                  remove_worker_queue)
 from vtnumba.backend.device import CPU, Device, DeviceType, as_device
 from vtnumba.backend.polling import WaitTimeout, poll_until
 
@@ -106,7 +107,7 @@ class _CPUQueue(Queue):
                                             name=f"vtnumba-{self.name}", daemon=True)
             self._thread.start()
             weakref.finalize(self, self._ops.put, None)
-            _worker_queues.add(self)  # (a free anywhere keeps its memory past this queue's work)
+            add_worker_queue(self)  # (a free anywhere keeps its memory past this queue's work)
 
     # Work runs either inline (sync mode) or on the worker; both paths trace the same way.
     def _execute(self, name: str, fn, args: dict, marker: bool = False) -> None:
@@ -161,7 +162,7 @@ class _CPUQueue(Queue):
 
     def stop(self) -> None:
         if self._ops is not None:
-            _worker_queues.discard(self)
+            remove_worker_queue(self)
             self._ops.put(None)
             if threading.current_thread() is not self._thread:  # (the worker itself ends after this op)
                 self._thread.join()
