@@ -632,14 +632,8 @@ def test_a_queue_that_waits_for_an_event_inherits_its_flag_waits():
 class _FakeEvent:
     """A stand-in CUDA event: fired or not, at a device time (ms) of our choosing."""
 
-    def __init__(self, log):
-        self.log, self.handle, self.fired, self.ms = log, object(), False, None
-
-    def record(self, stream):
-        self.log.append(("record", stream))
-
-    def synchronize(self):  # tracing must never call this on a launch's events
-        raise AssertionError("a traced launch waited for its event")
+    def __init__(self):
+        self.fired, self.ms, self.destroyed = False, None, False
 
 
 def _fake_gpu(capturing=(), origin=None):
@@ -655,24 +649,26 @@ def _fake_gpu(capturing=(), origin=None):
 
 @pytest.fixture
 def fake_gpu_events(monkeypatch):
-    """_gpu().event() gives _FakeEvents; _event_done and _elapsed_ms read their fields."""
+    """The driver-event helpers of vtnumba.backend.cuda, on _FakeEvents; ``log`` lists the records."""
     from types import SimpleNamespace
 
     from vtnumba.backend import cuda as cuda_mod
 
-    log = []
-    monkeypatch.setattr(cuda_mod, "_gpu", lambda: SimpleNamespace(event=lambda: _FakeEvent(log)))
-    monkeypatch.setattr(cuda_mod, "_event_done", lambda handle, what: next(
-        e.fired for e in events if e.handle is handle))
+    log, events = [], []
+
+    def timing_event():
+        events.append(_FakeEvent())
+        return events[-1]
+
+    def destroy(event):
+        assert not event.destroyed, "an event destroyed twice"
+        event.destroyed = True
+
+    monkeypatch.setattr(cuda_mod, "_timing_event", timing_event)
+    monkeypatch.setattr(cuda_mod, "_record_on", lambda event, stream: log.append(("record", stream)))
+    monkeypatch.setattr(cuda_mod, "_event_done", lambda event, what: event.fired)
     monkeypatch.setattr(cuda_mod, "_elapsed_ms", lambda first, second: second.ms - first.ms)
-    events = []
-    real_event = _FakeEvent.__init__
-
-    def tracked(self, log_):
-        real_event(self, log_)
-        events.append(self)
-
-    monkeypatch.setattr(_FakeEvent, "__init__", tracked)
+    monkeypatch.setattr(cuda_mod, "_destroy_timing_event", destroy)
     return SimpleNamespace(log=log, events=events)
 
 
@@ -687,22 +683,23 @@ def test_tracing_never_waits_for_a_launch_on_a_held_queue(fake_gpu_events):
     from vtnumba import trace
     from vtnumba.backend.cuda import CUDABackend
 
-    origin = _FakeEvent([])
+    origin = _FakeEvent()
     origin.ms = 100.0
     gpu = _fake_gpu(origin=(origin, 5_000_000))
-    q = SimpleNamespace(id=1, name="held", stream="s", flag_waits=[(None, 0, 1, 0.0)])
+    q = SimpleNamespace(id=1, name="held", stream="s", handle="h", flag_waits=[(None, 0, 1, 0.0)])
     launched = []
     with trace.recording(rank=0) as rec:
         CUDABackend._submit(gpu, q, lambda stream: launched.append(stream), "k", {"bytes": 4})
-        assert launched == ["s"] and fake_gpu_events.log == [("record", "s"), ("record", "s")]
-        start, end = fake_gpu_events.events[-2:]  # (the first is the origin)
+        assert launched == ["s"] and fake_gpu_events.log == [("record", "h"), ("record", "h")]
+        start, end = fake_gpu_events.events
         rec.settle()  # not fired yet: nothing to draw
-        assert rec.events == []
+        assert rec.events == [] and not start.destroyed
         start.fired, end.fired, start.ms, end.ms = True, True, 100.25, 100.75
         rec.settle()
         (ev,) = rec.events
         assert ev["name"] == "k" and ev["track"] == "cuda:held" and ev["args"] == {"bytes": 4}
         assert ev["ts"] == (5_000_000 + 250_000) / 1000 and ev["dur"] == 500.0  # microseconds
+        assert start.destroyed and end.destroyed and not origin.destroyed  # (settled: its events go)
         rec.settle()
         assert len(rec.events) == 1  # settled once
 
@@ -713,14 +710,34 @@ def test_a_traced_launch_unfinished_when_the_trace_is_written_shows_its_launch(f
     from vtnumba import trace
     from vtnumba.backend.cuda import CUDABackend
 
-    origin = _FakeEvent([])
+    origin = _FakeEvent()
     origin.ms = 0.0
     gpu = _fake_gpu(origin=(origin, 0))
-    q = SimpleNamespace(id=1, name="held", stream="s", flag_waits=[])
+    q = SimpleNamespace(id=1, name="held", stream="s", handle="h", flag_waits=[])
     with trace.recording(rank=0) as rec:
         CUDABackend._submit(gpu, q, lambda stream: None, "k", {"bytes": 4})
     (ev,) = [e for e in rec.to_json()["traceEvents"] if e.get("ph") == "X"]
     assert ev["args"]["timing"].startswith("host launch (not finished") and ev["args"]["bytes"] == 4
+    assert all(e.destroyed for e in fake_gpu_events.events)
+
+
+def test_a_settle_that_raises_loses_only_its_own_span():
+    # The whole pending batch was dropped, and the error escaped to_json: no trace file at all.
+    from vtnumba import trace
+
+    rec = trace.Recorder("unused", rank=0)
+
+    def broken(final):
+        raise RuntimeError("the event's context is gone")
+
+    def fine(final):
+        rec.add("ok", "queue", "cuda:q", 0, 1)
+        return True
+
+    rec.defer(broken)
+    rec.defer(fine)
+    names = [e["name"] for e in rec.to_json()["traceEvents"] if e["ph"] == "X"]
+    assert names == ["ok"] and not rec._deferred
 
 
 def test_a_launch_captured_into_a_graph_is_traced_as_its_host_launch():
@@ -731,7 +748,7 @@ def test_a_launch_captured_into_a_graph_is_traced_as_its_host_launch():
     from vtnumba.backend.cuda import CUDABackend
 
     gpu = _fake_gpu(capturing={1})
-    q = SimpleNamespace(id=1, name="cap", stream="s", flag_waits=[])
+    q = SimpleNamespace(id=1, name="cap", stream="s", handle="h", flag_waits=[])
     launched = []
     with trace.recording(rank=0) as rec:
         CUDABackend._submit(gpu, q, lambda stream: launched.append(stream), "k", {"bytes": 4})

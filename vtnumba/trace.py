@@ -55,6 +55,8 @@ class Recorder:
         self._lock = threading.Lock()
         self._tracks: dict[str, int] = {}
         self._deferred: list = []  # settle(final) callables of events whose times come later
+        self._settling = threading.Lock()  # one settle at a time (a to_json meanwhile would miss a batch)
+        self._settle_at = 4096  # pending count that makes defer() settle (doubles while none can be)
         self.pid = os.getpid()
 
     def track_id(self, track: str) -> int:
@@ -82,17 +84,27 @@ class Recorder:
         knows now.  Settled at the backend's synchronize and by :meth:`to_json`."""
         with self._lock:
             self._deferred.append(settle)
-            crowded = len(self._deferred) >= 4096
+            crowded = len(self._deferred) >= self._settle_at
         if crowded:  # a program that traces many launches and never synchronizes
             self.settle()
+            with self._lock:  # (still crowded -- a held queue: next time at twice as many, not every call)
+                self._settle_at = max(4096, 2 * len(self._deferred))
 
     def settle(self, final: bool = False) -> None:
-        """Add the deferred events that can be added now (all of them with ``final``)."""
-        with self._lock:
-            pending, self._deferred = self._deferred, []
-        left = [s for s in pending if not s(final)]  # (outside the lock: settle calls add)
-        with self._lock:
-            self._deferred[:0] = left
+        """Add the deferred events that can be added now (all of them with ``final``).  A settle
+        callable that raises is dropped, and the others go on."""
+        with self._settling:
+            with self._lock:
+                pending, self._deferred = self._deferred, []
+            left = []
+            for s in pending:  # (outside self._lock: a settle callable calls add)
+                try:
+                    if not s(final):
+                        left.append(s)
+                except Exception:  # noqa: BLE001 (one event's times cannot be read: the rest still can)
+                    pass
+            with self._lock:
+                self._deferred[:0] = left
 
     def to_json(self) -> dict:
         """This process's trace as a Chrome trace-event document (the rank as ``pid``)."""

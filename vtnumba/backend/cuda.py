@@ -632,17 +632,18 @@ class CUDABackend(Backend):
             return
         origin = self._trace_origin()
         launch_ns = trace.now_ns()
-        start, end = _gpu().event(), _gpu().event()
-        start.record(q.stream)
+        start, end = _timing_event(), _timing_event()
+        _record_on(start, q.handle)
         launch()
-        end.record(q.stream)
+        _record_on(end, q.handle)
         rec.defer(_DeviceSpan(rec, name, f"cuda:{q.name}", trace_args, origin, start, end, launch_ns).settle)
 
     def _trace_origin(self) -> tuple:
         """``(event, host_ns)``: a CUDA event that fired at a known ``perf_counter_ns`` time -- what
         turns a launch's event times into the trace's clock.  Taken on a stream of its own (the
         queues may be held) and renewed every 10 s, as the GPU's and the host's clocks drift
-        apart (by parts per million)."""
+        apart (by parts per million).  (An old origin stays: spans still waiting may use it --
+        one small event per 10 s of tracing.)"""
         origin = self._trace_origin_pair
         if origin is not None and trace.now_ns() - origin[1] < 10_000_000_000:
             return origin
@@ -652,10 +653,11 @@ class CUDABackend(Backend):
         err, handle = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
         _check_cu(err, "cuStreamCreate(CU_STREAM_NON_BLOCKING)")
         try:
-            event = _gpu().event()
+            event = _timing_event()
             before = trace.now_ns()
-            event.record(_gpu().external_stream(int(handle)))
-            event.synchronize()  # an empty stream: it fires at once, between the two readings
+            _record_on(event, handle)
+            (err,) = cu.cuEventSynchronize(event)  # an empty stream: it fires at once, between the readings
+            _check_cu(err, "cuEventSynchronize(the trace's origin)")
             after = trace.now_ns()
         finally:
             self._destroy_stream(handle)
@@ -884,7 +886,9 @@ class _DeviceSpan:
 
     Its times are the events' offsets from the backend's origin event (see
     ``CUDABackend._trace_origin``), on the host's clock.  A launch still unfinished when the
-    trace is written (``final``) is drawn at its launch time and says so.
+    trace is written (``final``) is drawn at its launch time and says so.  The events are the
+    driver's own (cuda.bindings), not numba's: numba destroys its events from its exit hooks,
+    which can run before the trace is written at exit.  Settled, the span destroys them.
     """
 
     __slots__ = ("rec", "name", "track", "args", "origin", "start", "end", "launch_ns")
@@ -894,26 +898,57 @@ class _DeviceSpan:
         self.origin, self.start, self.end, self.launch_ns = origin, start, end, launch_ns
 
     def settle(self, final: bool) -> bool:
+        times = None
         try:
-            fired = _event_done(self.end.handle, "a traced launch's end event")
-        except Exception:  # noqa: BLE001 (the context is gone -- at exit, or after a fatal GPU error)
-            fired = False
-        if fired:
-            origin_event, origin_ns = self.origin
-            t0 = origin_ns + round(_elapsed_ms(origin_event, self.start) * 1e6)
-            t1 = origin_ns + round(_elapsed_ms(origin_event, self.end) * 1e6)
-            self.rec.add(self.name, "queue", self.track, t0, t1, self.args)
-            return True
-        if final:
+            if _event_done(self.end, "a traced launch's end event"):
+                origin_event, origin_ns = self.origin
+                t0 = origin_ns + round(_elapsed_ms(origin_event, self.start) * 1e6)
+                # (The duration from the launch's own two events: an offset from an origin
+                # seconds old is a float32 of milliseconds, good to about a microsecond.)
+                times = t0, t0 + round(_elapsed_ms(self.start, self.end) * 1e6)
+        except Exception:  # noqa: BLE001 (the context is gone -- after a fatal GPU error): as if unfinished
+            pass
+        if times is None and not final:
+            return False
+        if times is not None:
+            self.rec.add(self.name, "queue", self.track, *times, self.args)
+        else:
             self.rec.add(self.name, "queue", self.track, self.launch_ns, self.launch_ns,
                          dict(self.args or {}, timing="host launch (not finished when the trace was written)"))
-            return True
-        return False
+        for event in (self.start, self.end):
+            _destroy_timing_event(event)
+        return True
+
+
+def _timing_event():
+    """A new timing CUDA event, the driver's (see _DeviceSpan)."""
+    from cuda.bindings import driver as cu
+
+    err, event = cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT)
+    _check_cu(err, "cuEventCreate")
+    return event
+
+
+def _record_on(event, stream_handle) -> None:
+    from cuda.bindings import driver as cu
+
+    (err,) = cu.cuEventRecord(event, stream_handle)
+    _check_cu(err, "cuEventRecord")
 
 
 def _elapsed_ms(first, second) -> float:
     """Milliseconds from CUDA event ``first`` to ``second`` (both fired)."""
-    return _gpu().event_elapsed_time(first, second)
+    from cuda.bindings import driver as cu
+
+    err, ms = cu.cuEventElapsedTime(first, second)
+    _check_cu(err, "cuEventElapsedTime")
+    return ms
+
+
+def _destroy_timing_event(event) -> None:
+    from cuda.bindings import driver as cu
+
+    cu.cuEventDestroy(event)  # (an error here -- the context gone -- leaves nothing to release)
 
 
 def _settle_trace() -> None:
