@@ -59,18 +59,18 @@ def run_embed(args) -> int:
 
     group = init_distributed()
 
-    def agree(problem: str) -> None:
+    def agree(problem: str, error=ValueError, what: str = "refused their input") -> None:
         """Every rank's verdict on its input (``problem``: "" if fine).  The same refusal on every
         rank -- one command line -- is InputRejected, said once; a refusal on some ranks only
-        (``mpiexec ... : ...``, another environment) is this rank's failure, or its reason to
-        stop, so the job ends naming them."""
+        (``mpiexec ... : ...``, another environment) is this rank's failure (an ``error``), or
+        its reason to stop (the failing ranks ``what``), so the job ends naming them."""
         problems = [b.decode() for b in allgather_bytes(problem.encode(), group)]
         if problem and len(set(problems)) == 1:
             raise InputRejected(problem)
         if problem:
-            raise ValueError(problem)
+            raise error(problem)
         if any(problems):
-            stop = RuntimeError(f"rank(s) {[r for r, p in enumerate(problems) if p]} refused their input")
+            stop = RuntimeError(f"rank(s) {[r for r, p in enumerate(problems) if p]} {what}")
             stop.caused_by_peer = True  # (vtnumba.dist.failures: this rank stopped because of them)
             raise stop
 
@@ -94,7 +94,7 @@ def run_embed(args) -> int:
                 config, problem = None, str(exc)
             # No model, or a damaged one.  Ranks that read the same files fail alike: then it
             # is said once.  Otherwise each failing rank says its own, and the others stop too.
-            agree(problem)
+            agree(problem, FileNotFoundError, "could not read the model")
         try:
             check_tp_size(group.size, config)
         except ValueError as exc:

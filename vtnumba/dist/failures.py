@@ -466,11 +466,13 @@ _finalize_bounded = False
 
 
 def _bound_mpi_finalize(timeout_s: float) -> None:
-    """The last Python code of a process that passed the exit barrier: ``MPI_Finalize`` comes
-    next (mpi4py calls it from C as Python shuts down), and it waits for every rank with no
-    deadline -- for good, if one was stopped after it reached the barrier.  So a stopped peer
-    is ended now; and failing that (one stopped a moment later), an alarm ends this process
-    ``timeout_s`` from now (a healthy MPI_Finalize takes milliseconds), and ``mpiexec`` the job.  (An alarm left to
+    """For a process that passed the exit barrier, at exit (an atexit hook; run before the
+    hooks registered earlier -- writing the trace, removing shared files): ``MPI_Finalize``
+    comes after all of them (mpi4py calls it from C as Python shuts down), and it waits for
+    every rank with no deadline -- for good, if one was stopped after it reached the barrier.
+    So a stopped peer is ended now; and failing that (one stopped a moment later), an alarm
+    ends this process ``timeout_s +`` :data:`EXIT_GRACE_S` from now -- time for the other exit
+    hooks and a healthy MPI_Finalize, which takes milliseconds -- and ``mpiexec`` the job.  (An alarm left to
     its default action: no Python code runs inside MPI_Finalize, and Python's own timers --
     faulthandler's -- are shut down before it.)"""
     rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() and not MPI.Is_finalized() else "?"
@@ -481,7 +483,7 @@ def _bound_mpi_finalize(timeout_s: float) -> None:
         os._exit(1)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        signal.alarm(max(1, math.ceil(min(resolve_timeout(timeout_s), 7 * 86400.0))))
+        signal.alarm(max(1, math.ceil(min(resolve_timeout(timeout_s) + EXIT_GRACE_S, 7 * 86400.0))))
 
 
 def ignore_ctrl_c() -> None:
@@ -506,10 +508,13 @@ def end_together(timeout_s: float = DEFAULT, code: int = 0) -> int:
     """A *successful* rank's way out, for a script that has no ``main()`` for
     :func:`run_collectively` (a tutorial): the exit barrier, returning ``code`` when every
     rank arrives -- else, a peer being stopped or hung, which would keep this rank's
-    ``MPI_Finalize`` waiting for good, it ends the stopped peers and leaves without it."""
+    ``MPI_Finalize`` waiting for good, it ends the stopped peers and leaves without it.  Call
+    it last: from here, an alarm ends the process ``timeout_s +`` :data:`EXIT_GRACE_S` later
+    (see ``_bound_mpi_finalize``)."""
     code = _leave_together(timeout_s, code, succeeded=True)
     ignore_ctrl_c()  # (the script is ending: see _ignore_ctrl_c_while_exiting)
-    # (Called at exit -- a tutorial's atexit hook -- where a hook registered now may never run.)
+    # The script is ending (a tutorial calls this from its atexit hook, where a hook registered
+    # now may never run): bound MPI_Finalize from here.
     _bound_mpi_finalize(timeout_s)
     return code
 
