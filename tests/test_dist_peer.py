@@ -273,7 +273,9 @@ def test_forced_failure_is_agreed_and_leaves_nothing(group, stage, shm_clean):
 @pytest.mark.parametrize("var", ["VTNUMBA_FAIL_PEER_OPEN", "VTNUMBA_FAIL_PEER_EXPORT"])
 def test_forced_failure_from_the_environment(group, var, monkeypatch, shm_clean):
     monkeypatch.setenv(var, "0")
-    assert dist.PeerBuffers.try_create(64, group, CPUBackend()) is None
+    why = []
+    assert dist.PeerBuffers.try_create(64, group, CPUBackend(), why=why) is None
+    assert len(why) == 1 and "rank 0: forced" in why[0], why  # (the reason, for the caller's message)
     monkeypatch.setenv(var, "zero")
     with pytest.raises(ValueError, match=f"{var}='zero' must be a group rank"):
         dist.PeerBuffers(64, group, CPUBackend())

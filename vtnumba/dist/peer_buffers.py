@@ -285,15 +285,19 @@ class PeerBuffers:
 
     # ------------------------------------------------------------------ public API
     @classmethod
-    def try_create(cls, nbytes: int, group, backend: Backend | None = None, **kwargs) -> "PeerBuffers | None":
+    def try_create(cls, nbytes: int, group, backend: Backend | None = None, *, why: list | None = None,
+                   **kwargs) -> "PeerBuffers | None":
         """Like the constructor, but ``None`` on every rank when peer memory is unavailable.
 
         All ranks agree: if any rank cannot export or open, or the group spans nodes, every
         rank gets ``None`` (and falls back to MPI collectives).  Bad input still raises.
+        ``why``, a list, receives the reason (the same on every rank), for a caller's message.
         """
         try:
             return cls(nbytes, group, backend, **kwargs)
-        except PeerAccessError:
+        except PeerAccessError as exc:
+            if why is not None:
+                why.append(str(exc))
             return None
 
     @property

@@ -192,13 +192,14 @@ class PeerTPSPBackend(TPSPBackend):
                              reason or "another rank declined")
             return None
         rows = self.max_chunk_rows_for(tp_size, max_batched_tokens)
+        why: list[str] = []
         with trace.span("tpsp open", "tpsp", f"tpsp:{group.name}", hidden=hidden_size, rows=rows):
             ws = TPSPWorkspace.try_create(group, hidden_size, rows, exchange=self.exchange,
-                                          backend=self.data_backend, timeout_s=self.timeout_s)
+                                          backend=self.data_backend, timeout_s=self.timeout_s, why=why)
         if ws is None:
             if group.rank == 0:
-                _LOG.warning("TPSP unavailable for %r: peer buffers could not be mapped on every rank of group %r; "
-                             "using the regular forward", name, group.name)
+                _LOG.warning("TPSP unavailable for %r: peer buffers could not be mapped on every rank of group %r "
+                             "(%s); using the regular forward", name, group.name, "; ".join(why) or "no reason given")
             return None
         be = self.data_backend
         # The exchange queue is of high priority: its kernels are queued after the next chunk's

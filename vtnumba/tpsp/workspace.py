@@ -74,12 +74,13 @@ class TPSPWorkspace:
 
     @classmethod
     def try_create(cls, group, hidden_size: int, max_chunk_rows: int, *, exchange: str, backend,
-                   timeout_s: float) -> "TPSPWorkspace | None":
-        """The workspace, or ``None`` on *every* rank if any rank cannot map peer memory."""
+                   timeout_s: float, why: list | None = None) -> "TPSPWorkspace | None":
+        """The workspace, or ``None`` on *every* rank if any rank cannot map peer memory (the
+        reason, the same on every rank, appended to ``why`` if given)."""
         if exchange not in EXCHANGE_MODES:
             raise ValueError(f"exchange={exchange!r} must be one of {EXCHANGE_MODES}")
         xfer, gather = cls.nbytes_for(group.size, hidden_size, max_chunk_rows, exchange)
-        pb = PeerBuffers.try_create(xfer + gather, group, backend, timeout_s=timeout_s)
+        pb = PeerBuffers.try_create(xfer + gather, group, backend, timeout_s=timeout_s, why=why)
         if pb is None:
             return None
         # Pre-fault *before* the next collective step: once a peer is past it, it may write
@@ -87,8 +88,10 @@ class TPSPWorkspace:
         cls._prefault(pb)
         try:
             flags = QueueFlags(group, DEFAULT_NAMES, backend, timeout_s=timeout_s)
-        except PeerAccessError:  # raised on every rank alike
+        except PeerAccessError as exc:  # raised on every rank alike
             pb.close()
+            if why is not None:
+                why.append(str(exc))
             return None
         except BaseException:
             pb.close()
