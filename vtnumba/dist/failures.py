@@ -432,11 +432,7 @@ def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
         # Every rank arrived -- but one that arrived early may have been stopped since, while it
         # waited here for the others (bench: for rank 0's report).  MPI_Finalize would then wait
         # for it for good, with no deadline and no word: end it now, and the job with it.
-        if end_stopped_peers(board, announce=lambda r: say(
-                f"[rank {comm.Get_rank()}] rank {r} was stopped (SIGSTOP) after it reached the exit barrier, "
-                "where MPI_Finalize would wait for it for good: ending it (SIGKILL)")):
-            sys.stdout.flush()
-            os._exit(code or 1)
+        _leave_if_a_peer_stopped_after_the_barrier(board, comm.Get_rank(), code or 1)
         # The program leaves normally (and a caller that goes on -- a test -- must not be killed
         # later).  But a rank may still be stopped between this check and MPI_Finalize: the
         # process's last Python code bounds MPI_Finalize too (see _bound_mpi_finalize).
@@ -465,6 +461,16 @@ def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
 _finalize_bounded = False
 
 
+def _leave_if_a_peer_stopped_after_the_barrier(board, rank, code: int) -> None:
+    """End (SIGKILL) the peers seen stopped, saying so, and leave with ``code`` -- or return
+    if none is: such a peer would keep MPI_Finalize waiting for good."""
+    if end_stopped_peers(board, announce=lambda r: say(
+            f"[rank {rank}] rank {r} was stopped (SIGSTOP) after it reached the exit barrier, where "
+            "MPI_Finalize would wait for it for good: ending it (SIGKILL)")):
+        sys.stdout.flush()
+        os._exit(code)
+
+
 def _bound_mpi_finalize(timeout_s: float) -> None:
     """For a process that passed the exit barrier, at exit (an atexit hook; run before the
     hooks registered earlier -- writing the trace, removing shared files): ``MPI_Finalize``
@@ -476,11 +482,7 @@ def _bound_mpi_finalize(timeout_s: float) -> None:
     its default action: no Python code runs inside MPI_Finalize, and Python's own timers --
     faulthandler's -- are shut down before it.)"""
     rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() and not MPI.Is_finalized() else "?"
-    if end_stopped_peers(_board, announce=lambda r: say(
-            f"[rank {rank}] rank {r} was stopped (SIGSTOP) after it reached the exit barrier, where "
-            "MPI_Finalize would wait for it for good: ending it (SIGKILL)")):
-        sys.stdout.flush()
-        os._exit(1)
+    _leave_if_a_peer_stopped_after_the_barrier(_board, rank, 1)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
         signal.alarm(max(1, math.ceil(min(resolve_timeout(timeout_s) + EXIT_GRACE_S, 7 * 86400.0))))
