@@ -116,6 +116,27 @@ def test_thread_round_trip_times_a_real_hand_off(monkeypatch):
             timing.thread_round_trip(**bad)
 
 
+def test_call_after_copy_times_the_probe_cold_and_warm(monkeypatch):
+    cold, warm = timing.call_after_copy(1 << 16, repeat=5)
+    assert cold.samples == warm.samples == 5
+    assert 0 < cold.median_s < 1.0 and 0 < warm.median_s < 1.0
+    # It times the probe and only the probe: a slowed probe shows in both, the copy in neither.
+    from vtnumba.memory import copy_engine
+
+    real = copy_engine.address_of
+
+    def slow(obj):
+        time.sleep(0.002)
+        return real(obj)
+
+    monkeypatch.setattr(copy_engine, "address_of", slow)
+    cold, warm = timing.call_after_copy(1 << 16, repeat=3)
+    assert cold.median_s >= 0.002 and warm.median_s >= 0.002
+    for bad in ({"nbytes": 0}, {"nbytes": 1 << 16, "repeat": 0}, {"nbytes": 1.5}):
+        with pytest.raises(ValueError, match="expected positive ints"):
+            timing.call_after_copy(**bad)
+
+
 def test_schema_checks_the_optional_fields():
     res = _suite()
     schema.validate_suite(res)

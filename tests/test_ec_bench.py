@@ -26,6 +26,11 @@ def test_quick_run_follows_the_schema():
     # ... and beside them, what they stand on: a hand-off to another thread and back.
     hand_off = [r for r in res["results"] if r["case"] == "thread hand-off"]
     assert len(hand_off) == (res["target"] == "cpu") and all(0 < r["value"] < 1e6 for r in hand_off)
+    # ... and what a copy of each size leaves in the caches: one call right after it, and again.
+    after = {(r["impl"], r["size"]): r for r in res["results"] if r["case"] == "host call after a copy"}
+    assert set(after) == {(f"{w} ({when})", n) for w, when in (("cold", "right after it"), ("warm", "called again"))
+                          for n in (4096, 65536)}
+    assert all(r["metric"] == "us" and 0 < r["value"] < 1e5 for r in after.values()), after
     # The fixed cost per step (ec step minus the same copy), per size and direction, in microseconds.
     fixed = {(r["impl"], r["size"]): r for r in res["results"] if r["case"] == "ec fixed cost per step"}
     assert set(fixed) == {(f"ec {d}", n) for d in ("save", "load") for n in (4096, 65536)}

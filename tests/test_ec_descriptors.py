@@ -58,10 +58,12 @@ def test_what_would_run_the_loop_past_its_arrays_is_refused(count, n_used, total
         bufs.add_block_runs(count, ids, n_used, 10, 0, 0, BLOCK, total, True)
 
 
+@pytest.mark.parametrize("flat_form", ["address", "array"])
 @pytest.mark.parametrize("flat_is_src", [True, False])
-def test_copy_block_runs_builds_what_add_block_runs_builds_and_copies_it(rng, flat_is_src):
+def test_copy_block_runs_builds_what_add_block_runs_builds_and_copies_it(rng, flat_is_src, flat_form):
     """The one-call path of synchronous queues: the same descriptors as add_block_runs, and the
-    bytes the copy engine's reference moves with them -- into a poisoned destination."""
+    bytes the copy engine's reference moves with them -- into a poisoned destination.  The flat
+    side given by its address, or as the array itself (its address read in the compiled call)."""
     from vtnumba.backend.address_ranges import registered
     from vtnumba.backend.cpu import CPUBackend
     from vtnumba.memory.copy_engine import batched_copy_reference
@@ -81,8 +83,8 @@ def test_copy_block_runs_builds_what_add_block_runs_builds_and_copies_it(rng, fl
             region_want, flat_want = region.copy(), flat.copy()
             with registered(region_got), registered(flat_got), registered(region_want), registered(flat_want):
                 got, want = pool.acquire(n), pool.acquire(n)
-                count = got.copy_block_runs(ids, n, 120, region_got.ctypes.data, flat_got.ctypes.data, block, total,
-                                            flat_is_src)
+                flat_arg = flat_got.ctypes.data if flat_form == "address" else flat_got.view(np.uint8)
+                count = got.copy_block_runs(ids, n, 120, region_got.ctypes.data, flat_arg, block, total, flat_is_src)
                 ref = want.add_block_runs(0, ids, n, 120, region_want.ctypes.data, flat_want.ctypes.data, block,
                                           total, flat_is_src)
                 batched_copy_reference(want.src_ptrs[:ref], want.dst_ptrs[:ref], want.sizes[:ref], backend=be)
@@ -178,3 +180,29 @@ def test_add_copies_refuses_what_it_would_have_broadcast_or_wrapped():
 def test_coalesce_runs_refuses_ids_it_would_have_mangled(ids, exc, match):
     with pytest.raises(exc, match=match):
         coalesce_runs(ids)
+
+
+def test_copy_block_runs_given_the_flat_array_checks_the_region_and_the_array_bounds(rng):
+    """The flat side as an array the caller holds (never registered): its size bounds the copy,
+    it must be C-contiguous, and the region side is still checked -- nothing copied otherwise."""
+    from vtnumba.backend.address_ranges import registered
+
+    bufs = DescriptorBufferPool().acquire(8)
+    region = np.full(8 * BLOCK, 7, np.int8)
+    output = rng.integers(-128, 128, (4, BLOCK), dtype=np.int8)  # four rows of one block each
+    ids = np.array([5, 6, 2, 3], np.int64)
+    with registered(region):
+        for bad in (output[:3].view(np.uint8),       # holds 3 blocks, the copy asks for 4
+                    output[:, :BLOCK // 2].view(np.uint8)):  # not C-contiguous
+            with pytest.raises(ValueError, match="flat array"):
+                bufs.copy_block_runs(ids, 4, 8, region.ctypes.data, bad, BLOCK, 4 * BLOCK, True)
+            assert (region == 7).all()
+        with pytest.raises(ValueError, match="dst_ptrs"):  # a region base past live memory
+            bufs.copy_block_runs(ids, 4, 8, region.ctypes.data + 5 * BLOCK, output.view(np.uint8), BLOCK,
+                                 4 * BLOCK, True)
+        assert (region == 7).all()
+        count = bufs.copy_block_runs(ids, 4, 8, region.ctypes.data, output.view(np.uint8), BLOCK, 4 * BLOCK, True)
+    assert count == 2  # runs [5, 6] and [2, 3]
+    blocks = region.reshape(8, BLOCK)
+    np.testing.assert_array_equal(blocks[[5, 6, 2, 3]], output)
+    assert (blocks[[0, 1, 4, 7]] == 7).all()

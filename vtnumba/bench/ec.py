@@ -42,7 +42,8 @@ import time
 import numpy as np
 
 from vtnumba.bench import schema
-from vtnumba.bench.timing import Stats, measure_interleaved, memcpy_bandwidth_gbs, stats_from_times, thread_round_trip
+from vtnumba.bench.timing import (Stats, call_after_copy, measure_interleaved, memcpy_bandwidth_gbs, stats_from_times,
+                                  thread_round_trip)
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
@@ -458,6 +459,13 @@ def run(args) -> dict:
                     ratios[f"{d} {_label(n)} / {ceiling_name[d]}"] = gbs[f"ec {d}"] / ceiling[d]
             if per_step > 1 and n <= BATCHED_MAX:
                 _batched_rows(backend, n, per_step, repeat, results, ratios)
+            if backend.capabilities.host_addressable and n <= BATCHED_MAX:
+                # Why the fixed cost grows with the entry: the caches a copy of its size leaves behind.
+                cold, warm = call_after_copy(n, 30 if quick else 100)
+                results.append(schema.row("host call after a copy", "cold (right after it)", n, "bytes", "us",
+                                          cold.median_s * 1e6, cold))
+                results.append(schema.row("host call after a copy", "warm (called again)", n, "bytes", "us",
+                                          warm.median_s * 1e6, warm))
         frag = 1 * MiB
         if not quick or frag in sizes:
             r = _bench_size(backend, frag, 5 if quick else 20, True, "frag")
@@ -485,6 +493,13 @@ def run(args) -> dict:
                  f"MiB cannot hide; 'ec step size for {AIM:g} x memcpy' = the bytes a step must move for its copy to "
                  f"hide that cost down to {AIM:g} of memcpy (fixed cost x memcpy bandwidth x {AIM / (1 - AIM):g}): "
                  "batch entries into steps at least that large")
+    if backend.capabilities.host_addressable:
+        notes.append("'host call after a copy' = one address_of() (a Python function, a numpy view, a compiled "
+                     "call: the kind of operation a step makes a few dozen of) right after a memcpy of the row's "
+                     "size, and again at once: a copy larger than a core's L2 cache evicts the interpreter's code "
+                     "and data, so every operation of a waited-for step around it costs more than it would warm, "
+                     "the more the larger the copy -- why the fixed cost per step grows with the entry, and why "
+                     "batching entries (one step's Python for several) is what brings small entries to copy speed")
     if per_step > 1:
         notes.append(f"'{per_step} entries/step' = a step saving (then loading) {per_step} entries of the row's size "
                      "together: one batched copy per direction for all of them, against one np.copyto of the "

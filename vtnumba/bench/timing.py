@@ -265,6 +265,38 @@ def thread_round_trip(rounds: int = 200, repeat: int = 5) -> Stats:
     return stats_from_times(times[1:])
 
 
+def call_after_copy(nbytes: int, repeat: int = 100) -> tuple[Stats, Stats]:
+    """``(cold, warm)``: one host call right after a memcpy of ``nbytes`` went through the CPU's
+    caches, and the same call again at once.  The call is :func:`vtnumba.memory.copy_engine.address_of`
+    of a numpy array -- a Python function, a numpy view and a compiled call: the kind of
+    operation a waited-for encoder-cache step makes a few dozen of around its copy.
+
+    A copy larger than a core's L2 cache evicts what the interpreter had cached -- its own
+    code, the objects the step touches -- and every operation after it reloads them: the
+    fixed cost of a step grows with the size of the copy it waits for (on the 2-core virtual
+    machine this was written on: 8 us at 64 KiB, about 40 us at 1-2 MiB).  Measured in the same run as the
+    rows it explains, since it depends on the machine's caches, not on the code.
+    """
+    from vtnumba.memory.copy_engine import address_of
+
+    if type(nbytes) is not int or nbytes < 1 or type(repeat) is not int or repeat < 1:
+        raise ValueError(f"nbytes={nbytes!r}, repeat={repeat!r}; expected positive ints")
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    probe = np.zeros((4, 4), np.float32)
+    address_of(probe)  # (compiled, or loaded from numba's cache, before anything is timed)
+    cold, warm = [], []
+    for _ in range(repeat):
+        np.copyto(dst, src)
+        t0 = time.perf_counter()
+        address_of(probe)
+        t1 = time.perf_counter()
+        address_of(probe)
+        warm.append(time.perf_counter() - t1)
+        cold.append(t1 - t0)
+    return stats_from_times(cold), stats_from_times(warm)
+
+
 def time_on_queue(backend, q, fn: Callable[[], object], *, repeat: int = 10, inner: int = 1, warmup: int = 2,
                   max_time_s: float = 30.0, host_s: list | None = None) -> Stats:
     """Per-call time of ``fn``, which enqueues work on queue ``q`` of ``backend``.

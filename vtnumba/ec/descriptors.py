@@ -156,6 +156,18 @@ def _fill_and_copy(ids, n_used, num_blocks, region_base, flat_base, block_size, 
     return count, checked_host_copy(src, dst, sizes, count, starts, reach, sides)
 
 
+@numba.njit(nogil=True, cache=True)
+def _fill_and_copy_array(flat, ids, n_used, num_blocks, region_base, block_size, total_bytes, src, dst, sizes,
+                         flat_is_src, marks, epoch, starts, reach):  # pragma: no cover - compiled
+    # _fill_and_copy with the flat side given as an array (a byte view) the caller holds: its
+    # address is read here -- no separate call for it -- and its size bounds the copy, so only
+    # the region's side needs the live-range check.
+    if not flat.flags.c_contiguous or total_bytes > flat.size * flat.itemsize:
+        return _DOES_NOT_FIT, 0
+    return _fill_and_copy(ids, n_used, num_blocks, region_base, flat.ctypes.data, block_size, total_bytes, src, dst,
+                          sizes, flat_is_src, marks, epoch, starts, reach, CHECK_DST if flat_is_src else CHECK_SRC)
+
+
 class BadBlockId(ValueError):
     """A block id outside the region (raised by :meth:`DescriptorBuffers.add_block_runs`)."""
 
@@ -188,6 +200,13 @@ def prepare_descriptors() -> None:
     frozen.flags.writeable = False
     _fill_block_runs(frozen, 1, 1, 0, 0, 1, 1, out, out.copy(), out.copy(), 0, True, True, NO_MARKS, 1)
     _fill_and_copy(frozen, 0, 1, 0, 0, 1, 0, out, out.copy(), out.copy(), True, NO_MARKS, 1, out, out, CHECK_BOTH)
+    # The array form takes an output's byte view: [rows, row bytes], writeable or not.
+    rows = np.zeros((1, 1), np.uint8)
+    for flat in (rows, rows.view()):
+        for block_ids in (ids, frozen):
+            _fill_and_copy_array(flat, block_ids, 0, 1, 0, 1, 0, out, out.copy(), out.copy(), True, NO_MARKS, 1, out,
+                                 out)
+        flat.flags.writeable = False
 
 
 class DescriptorBuffers(NamedTuple):
@@ -268,9 +287,9 @@ class DescriptorBuffers(NamedTuple):
             self._refused(new, ids, count, n_used, num_blocks, block_size, total_bytes)
         return new
 
-    def copy_block_runs(self, ids: np.ndarray, n_used: int, num_blocks: int, region_base: int, flat_base: int,
-                        block_size: int, total_bytes: int, flat_is_src: bool, marks: np.ndarray = NO_MARKS,
-                        epoch: int = 1, check_flat: bool = True) -> int:
+    def copy_block_runs(self, ids: np.ndarray, n_used: int, num_blocks: int, region_base: int,
+                        flat_base: int | np.ndarray, block_size: int, total_bytes: int, flat_is_src: bool,
+                        marks: np.ndarray = NO_MARKS, epoch: int = 1, check_flat: bool = True) -> int:
         """One entry's block runs -- as :meth:`add_block_runs` writes them from slot 0 -- copied at once,
         on the host, by this thread; returns the number of descriptors.
 
@@ -281,12 +300,22 @@ class DescriptorBuffers(NamedTuple):
         ValueError for a descriptor outside live memory, and then nothing was copied.
         ``check_flat=False``: the flat side is an array the caller holds (``flat_base`` read
         from it, ``total_bytes`` within it), so only the region side is checked -- an output
-        the copy engine has never heard of needs no registration.
+        the copy engine has never heard of needs no registration.  ``flat_base`` may also *be*
+        that array (C-contiguous; a ``uint8`` view of a float16 one, which compiled code cannot
+        type): its address is then read inside the compiled call -- one call instead of two,
+        and after a large copy has evicted the CPU's caches each costs microseconds -- its
+        size bounds ``total_bytes``, and ``check_flat`` is moot.
         """
-        sides = CHECK_BOTH if check_flat else (CHECK_DST if flat_is_src else CHECK_SRC)
-        count, total = _fill_and_copy(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
-                                      self.src_ptrs, self.dst_ptrs, self.sizes, flat_is_src, marks, epoch,
-                                      *live_table(), sides)
+        if type(flat_base) is np.ndarray:
+            sides = CHECK_DST if flat_is_src else CHECK_SRC
+            count, total = _fill_and_copy_array(flat_base, ids, n_used, num_blocks, region_base, block_size,
+                                                total_bytes, self.src_ptrs, self.dst_ptrs, self.sizes, flat_is_src,
+                                                marks, epoch, *live_table())
+        else:
+            sides = CHECK_BOTH if check_flat else (CHECK_DST if flat_is_src else CHECK_SRC)
+            count, total = _fill_and_copy(ids, n_used, num_blocks, region_base, flat_base, block_size, total_bytes,
+                                          self.src_ptrs, self.dst_ptrs, self.sizes, flat_is_src, marks, epoch,
+                                          *live_table(), sides)
         if count < 0:
             self._refused(count, ids, 0, n_used, num_blocks, block_size, total_bytes)
         if total < 0:
@@ -300,7 +329,8 @@ class DescriptorBuffers(NamedTuple):
             raise ValueError(f"add_block_runs: n_used={n_used}, count={count}, total_bytes={total_bytes} do not fit "
                              f"{ids.shape[0]} ids of {block_size} bytes and {self.sizes.shape[0]} descriptor slots; "
                              "expected n_used <= len(ids), count + n_used <= capacity, the last used block "
-                             f"partly filled, and marks (if given) of num_blocks={num_blocks} entries")
+                             f"partly filled, marks (if given) of num_blocks={num_blocks} entries, and a flat "
+                             "array (if given) C-contiguous and holding total_bytes")
         i = -1 - code  # i < len(ids): a bad id; beyond it, an id already written this step
         if i >= ids.shape[0]:
             raise RepeatedBlockId(i - ids.shape[0], int(ids[i - ids.shape[0]]))

@@ -309,6 +309,10 @@ class LoadDestinations:
         else:
             self.backend.free(dest.memory)
 
+    def live_count(self) -> int:
+        """How many buffers are not freed yet (the length of :meth:`pending`, without the copy)."""
+        return len(self._live)
+
     def pending(self) -> list[LoadDestination]:
         """The buffers not freed yet."""
         with self._lock:

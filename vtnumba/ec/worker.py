@@ -64,8 +64,9 @@ short, each piece on purpose:
   each direction keeps one descriptor buffer for all its steps; and on the cpu target,
   where a copy queue would only run the copy on the spot, the worker runs it itself
   (:func:`~vtnumba.memory.copy_engine.runs_inline`): no queue, the address check and the
-  copy in one compiled call -- for a one-entry load, together with building the
-  descriptors (:meth:`~vtnumba.ec.DescriptorBuffers.copy_block_runs`).  The rules are the same --
+  copy in one compiled call -- for a step's one entry, together with building the
+  descriptors (:meth:`~vtnumba.ec.DescriptorBuffers.copy_block_runs`), and for a save from a
+  numpy array with reading its address, too.  The rules are the same --
   a completion is still reported by :meth:`build_connector_worker_meta`, after the copy,
   exactly once -- they just need no machinery;
 * on **asynchronous queues** (threaded cpu queues, a real GPU) nothing of that holds, and
@@ -170,6 +171,17 @@ def _bad_load_id(mm_hash: str, exc: BadBlockId) -> ValueError:
     """The error a load reports for a block id outside the region (nothing was copied)."""
     return ValueError(f"loads[{mm_hash!r}] contains block id {exc.block_id}, outside the region's "
                       f"0..{exc.num_blocks - 1}")
+
+
+def _bad_save_id(mm_hash: str, exc: BadBlockId | RepeatedBlockId) -> ValueError:
+    """The error a save reports for a block id outside the region, or one the step already
+    writes (nothing was copied)."""
+    if isinstance(exc, BadBlockId):
+        return ValueError(f"saves[{mm_hash!r}] contains block id {exc.block_id}, outside the region's "
+                          f"0..{exc.num_blocks - 1}")
+    return ValueError(f"saves[{mm_hash!r}] writes block {exc.block_id} (index {exc.index}) that this step already "
+                      "writes -- for this entry or another: one entry's rows would silently replace the other's; "
+                      "every saved block must be distinct")
 
 
 def _block_id_array(block_ids, mm_hash: str, kind: str) -> np.ndarray:
@@ -364,6 +376,9 @@ class ECWorker:
         ids = _block_id_array(block_ids, mm_hash, "saves")
         region = self._region
         total_bytes = _check_output(src, mm_hash, region, ids.size)
+        if self._save_bufs is None and len(saves) == 1 and type(src) is np.ndarray and self.synchronous \
+                and runs_inline(self.backend):
+            return self._save_now(mm_hash, src, ids, total_bytes, t0)
         block_size = self.block_size
         # Entries may be sized by placeholder count, larger than the output: blocks the
         # output never reaches get no descriptor (vLLM's worker trims the last run to the
@@ -383,11 +398,9 @@ class ECWorker:
             bufs = self._save_bufs = self._acquire_descriptors(0, sum(map(len, saves.values())))
             self._save_t0 = t0
         count = self._save_count
-        # The step's one save, on the cpu target: copied now (see the docstring).  An output the
-        # copy engine does not know is fine here: it is a numpy array held during the copy, and
-        # _check_output bounded the bytes read by its shape -- only the region side needs checking.
-        copy_now = fresh and len(saves) == 1 and (src_live or type(src) is np.ndarray) and self.synchronous \
-            and runs_inline(self.backend)
+        # The step's one save, from a live Buffer, on the cpu target: copied now (see the
+        # docstring; a numpy output took _save_now above).
+        copy_now = fresh and len(saves) == 1 and src_live and self.synchronous and runs_inline(self.backend)
         try:
             if count + ids.size > len(bufs.sizes):
                 raise RuntimeError(f"save_caches({mm_hash!r}): this step's saves need more than the "
@@ -406,13 +419,8 @@ class ECWorker:
         except BaseException as exc:
             if fresh:  # nothing of this step is in the batch yet: give its resources back
                 self._release_save_batch()
-            if isinstance(exc, BadBlockId):
-                raise ValueError(f"saves[{mm_hash!r}] contains block id {exc.block_id}, outside the region's "
-                                 f"0..{exc.num_blocks - 1}") from None
-            if isinstance(exc, RepeatedBlockId):
-                raise ValueError(f"saves[{mm_hash!r}] writes block {exc.block_id} (index {exc.index}) that this "
-                                 "step already writes -- for this entry or another: one entry's rows would "
-                                 "silently replace the other's; every saved block must be distinct") from None
+            if isinstance(exc, (BadBlockId, RepeatedBlockId)):
+                raise _bad_save_id(mm_hash, exc) from None
             raise
         if not src_live and not copy_now:
             # The copy runs later, by address, and the copy engine checks every address it
@@ -422,6 +430,31 @@ class ECWorker:
         self._save_bytes += total_bytes
         self._save_mm_hashes.append(mm_hash)
         self._save_sources.append(src)
+
+    def _save_now(self, mm_hash: str, src: np.ndarray, ids: np.ndarray, total_bytes: int, t0: int) -> None:
+        """The usual step on the cpu target's synchronous queues -- one save, from a numpy array --
+        copied on the spot: reading the output's address, building its descriptors, checking the
+        region's side and copying are one compiled call (:meth:`~vtnumba.ec.DescriptorBuffers.copy_block_runs`
+        given the output's bytes).  The output side needs no check: its address and size come
+        from the array itself, which this call holds.  The batch is then this one save, already
+        copied, and :meth:`flush_saves` only files it."""
+        region = self._region
+        block_size = self.block_size
+        marks = self._save_marks
+        if marks is None:  # (4 bytes a block, allocated by the first save: loaders need none)
+            marks = self._save_marks = np.zeros(region.num_blocks, np.uint32)
+        self._save_epoch = epoch = self._save_epoch % 0xFFFFFFFF + 1  # (see save_caches)
+        bufs = self._acquire_descriptors(0, ids.size)
+        c0 = perf_counter_ns()
+        try:
+            n = bufs.copy_block_runs(ids, cdiv(total_bytes, block_size), region.num_blocks, region.base_ptr,
+                                     src.view(np.uint8), block_size, total_bytes, True, marks=marks, epoch=epoch)
+        except (BadBlockId, RepeatedBlockId) as exc:  # (nothing was copied; the step's batch is still empty)
+            raise _bad_save_id(mm_hash, exc) from None
+        self._save_copy_ns = perf_counter_ns() - c0
+        self._save_bufs, self._save_count, self._save_copied = bufs, n, n
+        self._save_bytes, self._save_t0 = total_bytes, t0
+        self._save_mm_hashes.append(mm_hash)
 
     def _release_save_batch(self) -> None:
         """Give the step's save batch back -- descriptors, queue, output registrations -- and
@@ -721,8 +754,12 @@ class ECWorker:
                 self._collect_finished(self._inflight_saves, saves)
             if self._inflight_loads:
                 self._collect_finished(self._inflight_loads, loads)
-            # Load buffers whose views (and compute-queue reads) are done go back.
-            self._destinations.reclaim()
+            # Load buffers whose views (and compute-queue reads) are done go back -- but on
+            # synchronous queues one buffer alone would only become the spare, kept for the
+            # next load as it is now, which takes it back in place: nothing to do for it.
+            dests = self._destinations
+            if not (self.synchronous and dests.live_count() == 1):
+                dests.reclaim()
         if not saves and not loads:
             return None
         meta = ECWorkerMetadata(completed_saves=saves, completed_loads=loads, load_ranks=[self.tp_rank] * len(loads))
