@@ -519,6 +519,69 @@ def test_host_functions_and_flags_are_refused_while_capturing(backend):
     backend.destroy_queue(q)
 
 
+@pytest.mark.cuda
+def test_copies_a_graph_cannot_hold_are_refused_while_capturing(device_backend):
+    # A host-to-host copy runs on the host (keeping queue order would synchronize the capturing
+    # stream, which invalidates the capture); pageable host memory is staged by the driver on
+    # this thread.  Both are refused at the call, and the capture goes on.
+    be = device_backend
+    src = np.arange(64, dtype=np.float32)
+    dev_buf, pinned = be.alloc(src.nbytes), be.alloc_pinned(src.nbytes)
+    q = be.create_queue("capturing")
+    be.copy(q, dev_buf, src, src.nbytes)
+    be.synchronize(q)
+    be.begin_capture(q)
+    try:
+        with pytest.raises(RuntimeError, match="both sides are host memory"):
+            be.copy(q, np.empty_like(src), src, src.nbytes)
+        with pytest.raises(RuntimeError, match="pageable memory"):
+            be.copy(q, np.empty_like(src), dev_buf, src.nbytes)
+        be.copy(q, pinned, dev_buf, src.nbytes)  # pinned: captured like any device copy
+        graph = be.end_capture_graph(q)
+    except BaseException:
+        with contextlib.suppress(RuntimeError):
+            be.end_capture_graph(q)
+        raise
+    be.replay_graph(q, graph)
+    be.synchronize(q)
+    np.testing.assert_array_equal(be.to_host(pinned.view(np.float32, (64,))), src)
+    be.destroy_graph(graph)
+    be.destroy_queue(q)
+    be.free(dev_buf)
+    be.free(pinned)
+
+
+@pytest.mark.simulator_only
+def test_copies_a_graph_cannot_hold_are_refused_before_the_driver_is_asked(device_backend, monkeypatch):
+    # The rule above without a GPU: the CUDA backend's copy path, with a capture entered by hand
+    # (the simulator has no graphs) and the driver's answers stood in for.
+    from vtnumba.backend import cuda as cuda_backend
+
+    be = device_backend
+    q = be.create_queue("capturing")
+    src = np.arange(64, dtype=np.float32)
+    dev_arr = be.asarray(src)
+    monkeypatch.setattr(be, "simulator", False)
+    monkeypatch.setattr(cuda_backend, "_gpu", lambda: pytest.fail("the driver was reached"))
+    monkeypatch.setattr(be, "_synchronize", lambda q: pytest.fail("a capturing queue was synchronized"))
+    be._capturing[q.id] = (q, None)
+    try:
+        with pytest.raises(RuntimeError, match="both sides are host memory"):
+            be._copy(q, np.empty_like(src), src, src.nbytes, 0, 0)
+        monkeypatch.setattr(cuda_backend, "_page_locked", lambda host: False)
+        with pytest.raises(RuntimeError, match="pageable memory"):
+            be._copy(q, np.empty_like(src), dev_arr, src.nbytes, 0, 0)
+        with pytest.raises(RuntimeError, match="pageable memory"):
+            be._copy(q, dev_arr, src, src.nbytes, 0, 0)
+        monkeypatch.setattr(cuda_backend, "_page_locked", lambda host: True)
+        with pytest.raises(pytest.fail.Exception, match="the driver was reached"):  # pinned: on to the driver
+            be._copy(q, dev_arr, src, src.nbytes, 0, 0)
+    finally:
+        be._capturing.clear()
+    monkeypatch.undo()
+    be.destroy_queue(q)
+
+
 def test_a_capturing_queue_is_never_idle_and_the_driver_is_not_asked(monkeypatch):
     # cuStreamQuery on a capturing stream is an error that also invalidates the capture (the
     # hazard checker asks at every free).  Capture needs a GPU; the bookkeeping is the base

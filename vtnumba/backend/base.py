@@ -904,7 +904,9 @@ class Backend(abc.ABC):
         compiles, and compiling would try to synchronize inside the capture.  While ``q``
         captures, :meth:`launch_host_func` (on a GPU), :meth:`write_value32` and
         :meth:`wait_value32` on it are refused: every replay would repeat them where the host
-        cannot see them.
+        cannot see them.  So are, on a GPU, copies a graph cannot hold: host to host (numpy's,
+        on this thread) and between the device and pageable host memory (staged by the
+        driver) -- capture copies with pinned memory (:meth:`alloc_pinned`).
         """
         self._check_queue(q)
         if not self.supports_graph_capture():

@@ -343,8 +343,10 @@ class CUDABackend(Backend):
             dh, sh = sim_host_view(d), sim_host_view(s)
             self._run_sim(q, "copy", lambda: np.copyto(dh, sh), {"bytes": nbytes})
             return
-        _gpu()  # (numba's copies call the driver directly: this thread needs the context current)
         d_dev, s_dev = is_device_array(d), is_device_array(s)
+        if q.id in self._capturing:
+            self._refuse_host_copy_in_capture(q, d, s, d_dev, s_dev)
+        _gpu()  # (numba's copies call the driver directly: this thread needs the context current)
         if not d_dev and not s_dev:
             self._synchronize(q)  # H2H must still respect queue order (flag waits under their deadlines)
             with trace.span("copy", "queue", f"cuda:{q.name}", bytes=nbytes):  # (the host's copy: a host span)
@@ -359,6 +361,23 @@ class CUDABackend(Backend):
             self._traced(q, "copy", {"bytes": nbytes}, lambda: d.copy_to_device(s, stream=q.stream))  # H2D or D2D
         else:
             self._traced(q, "copy", {"bytes": nbytes}, lambda: s.copy_to_host(d, stream=q.stream))  # D2H
+
+    @staticmethod
+    def _refuse_host_copy_in_capture(q, d, s, d_dev: bool, s_dev: bool) -> None:
+        """A copy a graph cannot hold, on a capturing queue: refused before anything reaches the driver.
+
+        A host-to-host copy is numpy's, run by this thread -- there is nothing to capture, and
+        keeping queue order would mean synchronizing a capturing stream, an error that also
+        invalidates the capture.  A copy between the device and *pageable* host memory is
+        staged by the driver through a bounce buffer on the calling thread; capture refuses it
+        the same way.  Pinned host memory is captured like any device copy."""
+        if not d_dev and not s_dev:
+            raise RuntimeError(f"copy on {q} while it is capturing a graph: both sides are host memory, so the "
+                               "copy runs on the host and cannot be captured; copy outside the capture")
+        host = s if d_dev else d
+        if d_dev != s_dev and not _page_locked(host):
+            raise RuntimeError(f"copy on {q} while it is capturing a graph: its host side is pageable memory, which "
+                               "a graph cannot copy; use pinned memory (backend.alloc_pinned) for copies you capture")
 
     # ---------------------------------------------------------------- queues
     # Streams are recycled.  The GPU runs streams on a few hardware work queues
