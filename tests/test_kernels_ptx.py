@@ -6,6 +6,8 @@ subprocesses with the real numba.cuda; test_kernels_wide reads the same PTX.  NV
 pip with the test extra ``numba-cuda[cu13]``.
 """
 
+import io
+import os
 import re
 
 import pytest
@@ -187,6 +189,25 @@ def test_bench_kernels_keeps_its_ptxas_report_until_the_kernels_or_compilers_cha
     # Another command (or kernel source, or compiler version) is another key.
     cmd = runs[0]
     assert bench_kernels._ptxas_cache_path(cmd) != bench_kernels._ptxas_cache_path(cmd + ["--sass"])
+    # Every file a reported kernel is built from is part of the key -- the flag kernels' module,
+    # outside vtnumba/kernels, too (an edit there once left a stale report called current).
+    from vtnumba.backend import cuda_flags
+    from vtnumba.kernels import _async_copy_cuda, matmul_cuda, ptx
+
+    sources = ptx.kernel_source_files()
+    for mod in (cuda_flags, matmul_cuda, _async_copy_cuda):
+        assert os.path.abspath(mod.__file__) in sources
+    real_open, key = open, bench_kernels._ptxas_cache_path(cmd)
+
+    def edited(path, *a, **k):
+        f = real_open(path, *a, **k)
+        if os.path.abspath(path) == os.path.abspath(cuda_flags.__file__):
+            return io.BytesIO(f.read() + b"# an edit\n")
+        return f
+
+    monkeypatch.setattr("builtins.open", edited)
+    assert bench_kernels._ptxas_cache_path(cmd) != key
+    monkeypatch.setattr("builtins.open", real_open)
     # A failed report is not kept: the next run tries again.
     monkeypatch.setattr(runner, "OUT_DIR", str(tmp_path / "other"))
     report["results"][0]["ptxas"] = {"arch": "sm_90", "error": "no ptxas"}

@@ -430,15 +430,13 @@ def _ptxas_cache_path(cmd: list[str]) -> str:
     import importlib.metadata
     import os
 
-    import vtnumba.kernels
     from vtnumba.bench.runner import OUT_DIR
+    from vtnumba.kernels.ptx import kernel_source_files
 
     h = hashlib.sha256(" ".join(cmd[1:]).encode())
-    folder = os.path.dirname(vtnumba.kernels.__file__)
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as f:
-                h.update(name.encode() + f.read())
+    for path in kernel_source_files():
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + f.read())
     for dist in ("numba", "numba-cuda", "cuda-bindings", "cuda-toolkit", "nvidia-nvjitlink", "nvidia-cuda-nvcc",
                  "nvidia-cuda-nvrtc"):
         try:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import re
@@ -50,11 +51,28 @@ import tempfile
 import types
 
 
-def _cuda_modules():
-    from vtnumba.backend import cuda_flags
-    from vtnumba.kernels import activation_cuda, attention_cuda, matmul_cuda, norm_cuda, peer_cuda, reduce_cuda
+#: The modules whose kernels the report covers (their PTX_SIGNATURES); one lives outside
+#: ``vtnumba/kernels``, and :func:`kernel_source_files` must know of it too.
+CUDA_MODULES = ("vtnumba.kernels.matmul_cuda", "vtnumba.kernels.norm_cuda", "vtnumba.kernels.peer_cuda",
+                "vtnumba.kernels.reduce_cuda", "vtnumba.kernels.activation_cuda", "vtnumba.kernels.attention_cuda",
+                "vtnumba.backend.cuda_flags")
 
-    return [matmul_cuda, norm_cuda, peer_cuda, reduce_cuda, activation_cuda, attention_cuda, cuda_flags]
+
+def _cuda_modules():
+    return [importlib.import_module(name) for name in CUDA_MODULES]
+
+
+def kernel_source_files() -> list[str]:
+    """Every source file the reported kernels are built from: the modules of :data:`CUDA_MODULES`
+    and every module of ``vtnumba/kernels`` (where their device functions live) -- found
+    without importing them (importing ``numba.cuda`` here would fix the target of the caller's
+    process).  What a cache of the report must be keyed by."""
+    import importlib.util
+
+    folder = os.path.dirname(os.path.abspath(__file__))
+    files = {os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".py")}
+    files.update(importlib.util.find_spec(name).origin for name in CUDA_MODULES)
+    return sorted(files)
 
 
 def kernel_signatures() -> list[tuple[str, object, str]]:
