@@ -232,8 +232,10 @@ def test_bad_call_arguments_raise_clear_errors(backend, group, case):
             kw["out"], words = np.empty((8, 4 * group.size), np.float32), "out has shape"
         elif case == "sm_count_on_host":
             kw["config"], words = TPSPConfig(4, sm_count_target=8), "GPUs only"
-        with pytest.raises(exc, match=words):
+        with pytest.raises(exc, match=words) as info:
             _call(backend, h, a, **kw)
+        # ... and the error says what it did to the handle, where the caller first looks.
+        assert any("unusable on every rank" in note for note in getattr(info.value, "__notes__", [])), info.value
         # The failed call poisoned the handle on every rank: a clear error, then close works.
         with pytest.raises(RuntimeError, match="unusable after a failed call"):
             _call(backend, h, _inputs(group))

@@ -17,8 +17,11 @@ every rank gets ``None`` and uses the regular forward.
 **A failed call poisons the handle.**  If a fused call fails on one rank (bad arguments,
 a peer with different shapes, a timeout), that rank stamps an abort into its flags so the
 peers waiting on it fail at once instead of timing out, and every rank marks the handle
-unusable: the ranks' chunk counters may no longer agree.  Close it (collective) and open
-a new one.
+unusable: the ranks' chunk counters may no longer agree.  That holds for an argument the
+call refuses before queueing anything, too (a peer whose arguments passed is already
+waiting on this rank) -- the error says so in a note.  Close it (collective) and open a new
+one; :class:`~vtnumba.tpsp.TPSPOp` checks the common case first (a batch past
+``max_batched_tokens`` takes the regular forward).
 """
 
 from __future__ import annotations
@@ -334,6 +337,13 @@ class PeerTPSPBackend(TPSPBackend):
             h.broken = f"{type(exc).__name__} on rank {h.rank}: {exc}"
             if not ws.closed:
                 ws.flags.fail((h.compute_queue, h.exchange_queue))
+            # Even an argument refused here, before anything was queued: a peer whose own
+            # arguments passed is already in the handshake, and fails on this rank's abort --
+            # so no rank may go on with the handle (their chunk counters could disagree).
+            # Said on the error itself, where the caller first looks.
+            if isinstance(exc, Exception):
+                exc.add_note(f"TPSP handle {h.name!r} is now unusable on every rank (a failed fused call leaves "
+                             "it so): close it and open a new one")
             raise
         h.calls += 1
         return out, new_residual
