@@ -221,6 +221,9 @@ def run(args) -> dict:
             # The size measured: S rounded to whole rows (at least one per rank), which busbw
             # uses -- so the rows and ratio keys name it, not the size asked for.
             size_mib = S / MIB
+            # The ratios name the size as the table's rows print it ("1008KiB" for the whole rows
+            # of 1 MiB over 3 ranks, not "0.984375MiB").
+            at = "@" + schema.format_bytes(S).replace(" ", "")
             bw = {}
             for (case, impl), ts in times.items():
                 st = stats_from_times(ts)
@@ -237,14 +240,14 @@ def run(args) -> dict:
             for case, impl, base in pairs:
                 if (case, base) in bw and (case, impl) in bw:
                     r = bw[(case, impl)] / bw[(case, base)]
-                    ratios[f"{case} {impl}/{base} @{size_mib:g}MiB"] = r
+                    ratios[f"{case} {impl}/{base} {at}"] = r
                     per_pair.setdefault(f"{case} {impl}/{base} geomean", []).append(r)
             for (case, impl), value in bw.items():
                 if impl.startswith("peer"):
-                    ratios[f"{case} {impl} busbw / copy traffic @{size_mib:g}MiB"] = value / ceiling_gbs
+                    ratios[f"{case} {impl} busbw / copy traffic {at}"] = value / ceiling_gbs
                     if n > 1:  # the memory traffic the call moved per second, against the copy's
                         algbw = value * n / (n - 1)
-                        ratios[f"{case} {impl} memory traffic / copy traffic @{size_mib:g}MiB"] = \
+                        ratios[f"{case} {impl} memory traffic / copy traffic {at}"] = \
                             traffic_factor(case, impl, n) * algbw / ceiling_gbs
         for key, values in per_pair.items():
             ratios[key] = float(np.exp(np.mean(np.log(values))))
