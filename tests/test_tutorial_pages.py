@@ -338,3 +338,42 @@ def test_a_two_rank_lesson_on_one_rank_is_a_usage_error(name):
                           capture_output=True, text=True, env=env, timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2, proc.stderr
     assert "error: this lesson needs 2 or more processes, got 1: mpiexec -n 2 python " in proc.stderr, proc.stderr
+
+
+def test_a_perf_plot_keeps_its_note_clear_of_the_legend(tmp_path, monkeypatch):
+    # The simulator's warning sat in the axes' top-left corner, where the legend went too
+    # (lines that start low leave that corner free): the legend covered it.
+    import argparse
+
+    pytest.importorskip("matplotlib")
+    from vtnumba.apps.tutorial import SIMULATOR_NOTE, Lesson
+
+    lesson = Lesson(comm=None, rank=0, size=2, target="cudasim", args=argparse.Namespace(), name="t",
+                    out_root=tmp_path)
+    drawn = {}
+
+    def keep(name, caption, draw):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        drawn["fig"] = draw(plt)
+
+    monkeypatch.setattr(lesson, "figure", keep)
+    series = {f"rung {k}": [(x, (x * (k + 1), x * (k + 0.5), x * (k + 2))) for x in (1 << 10, 1 << 16, 1 << 22)]
+              for k in range(5)}
+    lesson.perf_plot("p.png", "caption", series, xlabel="bytes", ylabel="GB/s", title="a ladder", note="more words")
+    fig = drawn["fig"]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    notes = [t for t in fig.texts if SIMULATOR_NOTE in t.get_text()]
+    assert len(notes) == 1 and "more words" in notes[0].get_text()
+    note_box, legend_box = notes[0].get_window_extent(renderer), ax.get_legend().get_window_extent(renderer)
+    assert not note_box.overlaps(legend_box)
+    assert not note_box.overlaps(ax.get_tightbbox(renderer))  # under the plot and its labels
+    assert note_box.x0 >= 0 and note_box.y0 >= 0  # and inside the figure
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

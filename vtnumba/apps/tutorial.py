@@ -416,8 +416,12 @@ class Lesson:
                                title_fontsize=7.5)
             legend.get_title().set_color("#555555")
             if note:
-                ax.text(0.01, 0.98, note, transform=ax.transAxes, va="top", fontsize=7.5, color="#b22222")
-            fig.tight_layout()
+                # Under the plot, in a strip of its own: inside the axes the legend (placed where
+                # the lines leave room) could cover it.
+                fig.text(0.01, 0.01, note, va="bottom", fontsize=7.5, color="#b22222", wrap=True)
+                fig.tight_layout(rect=(0, 0.07, 1, 1))
+            else:
+                fig.tight_layout()
             return fig
 
         return self.figure(name, caption, draw)
