@@ -632,12 +632,13 @@ def test_bench_peer_runs_under_mpi_and_follows_the_schema(tp):
         assert d["ranks"] == tp.size and d["target"] == ("cuda" if ON_GPU else "cpu")
         assert all(r["value"] > 0 and r["samples"] == 2 for r in d["results"])
         # The size measured: 0.25 MiB rounded to whole 16 KiB rows, a multiple of the rank count
-        # (16 rows on 2 ranks; 15 = 0.234375 MiB on 3) -- the rows and the ratio keys name it.
+        # (16 rows on 2 ranks; 15 = 240 KiB on 3) -- the rows and the ratio keys name it, the
+        # keys as the table prints it.
         rows = 16 // tp.size * tp.size
-        mib = f"{rows * 16 / 1024:g}"
+        at = {16: "@256KiB", 15: "@240KiB"}[rows]
         assert {r["size"] for r in d["results"]} == {rows * 16 / 1024}
-        for key in (f"reduce_scatter peer-in-buffer/mpi4py @{mib}MiB", "all_gather peer-in-place/mpi4py geomean",
-                    f"reduce_scatter peer-in-buffer-queued/peer-in-buffer @{mib}MiB",
+        for key in (f"reduce_scatter peer-in-buffer/mpi4py {at}", "all_gather peer-in-place/mpi4py geomean",
+                    f"reduce_scatter peer-in-buffer-queued/peer-in-buffer {at}",
                     "all_gather peer-in-place-queued/peer-in-place geomean"):
             assert d["ratios"][key] > 0, key
         # The fraction of the memory limit: the bytes each call moves (all ranks) per second against
@@ -645,8 +646,8 @@ def test_bench_peer_runs_under_mpi_and_follows_the_schema(tp):
         n = tp.size
         for case, impl in (("reduce_scatter", "peer-in-buffer"), ("all_gather", "peer-in-place"),
                            ("reduce_scatter", "peer-in-buffer-queued"), ("all_gather", "peer-in-place-queued")):
-            busbw = d["ratios"][f"{case} {impl} busbw / copy traffic @{mib}MiB"]
-            traffic = d["ratios"][f"{case} {impl} memory traffic / copy traffic @{mib}MiB"]
+            busbw = d["ratios"][f"{case} {impl} busbw / copy traffic {at}"]
+            traffic = d["ratios"][f"{case} {impl} memory traffic / copy traffic {at}"]
             assert traffic == pytest.approx(busbw * peer.traffic_factor(case, impl, n) * n / (n - 1))
 
     collectively(body)
