@@ -467,3 +467,39 @@ def test_outputs_sharing_memory_are_refused(request, rng, where):
     ref = np.asarray(x.copy_to_host() if on_device else x, np.float64) @ \
         np.asarray(w.copy_to_host() if on_device else w, np.float64).T
     assert np.allclose(got, ref, atol=1e-4)
+
+
+def test_the_default_rung_is_named_by_the_environment(dev, host, rng, monkeypatch):
+    """``$VTNUMBA_MATMUL_VARIANT`` picks the rung every matmul without a ``variant`` runs -- the
+    model's, TPSP's (through queue_linear_rows_to) and the benchmarks' matmul alone at once;
+    a named variant still wins, and a bad value is refused naming the variable."""
+    from vtnumba.kernels import matmul_cuda
+    from vtnumba.kernels.matmul import DEFAULT_VARIANT, VARIANT_ENV, default_variant, queue_linear_rows_to
+
+    seen = []
+    real = matmul_cuda.launch_matmul_rows
+
+    def spy(variant, *args):
+        seen.append(variant)
+        return real(variant, *args)
+
+    monkeypatch.setattr(matmul_cuda, "launch_matmul_rows", spy)
+    a = rng.standard_normal((5, 7)).astype(np.float32)
+    w = rng.standard_normal((6, 7)).astype(np.float32)
+    monkeypatch.delenv(VARIANT_ENV, raising=False)
+    assert default_variant() in ("naive", DEFAULT_VARIANT)  # (naive in the simulator)
+    for rung in ("smem", "wide"):
+        monkeypatch.setenv(VARIANT_ENV, rung)
+        assert default_variant() == rung
+        np.testing.assert_allclose(host(linear(dev(a), dev(w))), a @ w.T, rtol=1e-5, atol=1e-5)
+        assert seen[-1] == rung
+        dests = [dev(np.full((3, 6), np.nan, np.float32)) for _ in range(2)]  # TPSP's epilogue, two ranks' rows
+        queue_linear_rows_to("device", dev(a), dev(w), None, dests, 3)
+        got = np.concatenate([host(d) for d in dests])
+        np.testing.assert_allclose(got[:5], a @ w.T, rtol=1e-5, atol=1e-5)
+        assert (got[5:] == 0).all() and seen[-2:] == [rung, rung]
+    linear(dev(a), dev(w), variant="naive")
+    assert seen[-1] == "naive"
+    monkeypatch.setenv(VARIANT_ENV, "fastest")
+    with pytest.raises(ValueError, match=f"{VARIANT_ENV}='fastest' is not a matmul variant; expected one of naive"):
+        linear(dev(a), dev(w))

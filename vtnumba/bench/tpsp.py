@@ -305,6 +305,11 @@ def _run_on(group, args) -> dict:
                      "they show that the code path runs, and compare nothing")
     notes.append(f"shapes: K={K_total} over {tp} ranks, H={H}, float32, RMSNorm; TPSP chunk {chunk} rows/rank, "
                  f"exchange={backend.exchange}; times are the slowest rank's, {repeat} interleaved rounds per T")
+    if target != "cpu":
+        from vtnumba.kernels.matmul import VARIANT_ENV, default_variant
+
+        notes.append(f"matmul kernel: {default_variant()} for the fused op, the matmul alone and the baseline alike "
+                     f"(${VARIANT_ENV} picks another rung for all three)")
     return schema.suite("tpsp", target, tp, results, ratios, {}, notes, paired=paired)
 
 

@@ -47,13 +47,15 @@ from vtnumba.kernels.activation import (
     fast_erf,
 )
 from vtnumba.kernels.attention import AttentionWorkspace, attention, attention_host
-from vtnumba.kernels.matmul import DEFAULT_VARIANT, VARIANTS, linear, linear_rows_to, matmul, matmul_rows_host
+from vtnumba.kernels.matmul import (DEFAULT_VARIANT, VARIANT_ENV, VARIANTS, default_variant, linear, linear_rows_to,
+                                    matmul, matmul_rows_host)
 from vtnumba.kernels.norm import add_norm_rows_host, fused_add_layer_norm, fused_add_rms_norm
 from vtnumba.kernels.peer import NORMS, gather_rows, gather_rows_host, peer_reduce_norm, peer_reduce_norm_rows_host
 from vtnumba.memory.copy_engine import batched_copy, batched_copy_reference
 
 __all__ = [
-    "VARIANTS", "DEFAULT_VARIANT", "matmul", "linear", "linear_rows_to", "matmul_rows_host",
+    "VARIANTS", "DEFAULT_VARIANT", "VARIANT_ENV", "default_variant", "matmul", "linear", "linear_rows_to",
+    "matmul_rows_host",
     "fused_add_rms_norm", "fused_add_layer_norm", "add_norm_rows_host",
     "NORMS", "peer_reduce_norm", "gather_rows", "peer_reduce_norm_rows_host", "gather_rows_host",
     "batched_copy", "batched_copy_reference",

@@ -19,8 +19,9 @@ reference :func:`matmul_rows_host` -- numpy's BLAS, as the design asks ("do not 
 what numpy does"); device arrays run one step of the CUDA ladder in
 :mod:`vtnumba.kernels.matmul_cuda`, chosen by ``variant`` -- one of :data:`VARIANTS`, in
 ladder order ``"naive"`` | ``"smem"`` | ``"regtile"`` | ``"wide"`` | ``"warptile"`` | ``"dbuf"`` |
-``"async"``, each described in one line by :data:`LADDER`; :data:`DEFAULT_VARIANT` when not given.  The
-ladder's docstring explains each step.
+``"async"``, each described in one line by :data:`LADDER`; when not given, :func:`default_variant`
+(``$VTNUMBA_MATMUL_VARIANT`` if set, else :data:`DEFAULT_VARIANT`).  The ladder's docstring
+explains each step.
 
 **One launch per destination** in :func:`linear_rows_to`: a CUDA launch takes a fixed list
 of array arguments, and TPSP's destinations are separate allocations (a peer's inbox is
@@ -33,6 +34,7 @@ the blocks one big launch would (plus at most one partial tile row per destinati
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
@@ -55,6 +57,11 @@ VARIANTS = tuple(LADDER)
 #: GPU so far (the H200 run of issue 17); the rungs above it are verified in the simulator and
 #: compile without spills, but have not been timed yet -- the default moves once they have.
 DEFAULT_VARIANT = "regtile"
+#: The environment variable that names the variant every device matmul runs when none is named -- the
+#: model's projections, TPSP's fused op and its regular forward, and the benchmarks' "matmul
+#: alone" at once -- so a GPU run can put the fastest rung it measured behind all of them and
+#: still compare like with like.  (The ladder's own rows name their rungs: it does not move them.)
+VARIANT_ENV = "VTNUMBA_MATMUL_VARIANT"
 _IN_DTYPES = (np.float32, np.float16)
 _OUT_DTYPES = (np.float32,)
 
@@ -87,14 +94,28 @@ def matmul_rows_host(a, b, bias, c, m0: int, m_valid: int, trans_b: bool) -> Non
 
 
 # ---------------------------------------------------------------------------- validation
-def _check_variant(variant) -> str:
-    if variant is None:
-        # The ladder's speed order holds on a GPU.  numba's simulator runs every GPU thread
-        # as a Python thread and every syncthreads as a thread barrier, so there the
-        # barrier-free naive kernel is the fastest (6x192 @ 192x384: 2.4 s vs 16 s regtile).
-        from vtnumba.backend.cuda import simulator_active
+def default_variant() -> str:
+    """The variant a matmul on device arrays runs when none is named: ``$VTNUMBA_MATMUL_VARIANT``
+    (:data:`VARIANT_ENV`) if set, else :data:`DEFAULT_VARIANT` on a GPU and ``"naive"`` in the
+    simulator.  Read at every call, so a program (or a test) may change it between calls."""
+    chosen = os.environ.get(VARIANT_ENV)
+    if chosen:
+        if chosen not in VARIANTS:
+            raise ValueError(f"{VARIANT_ENV}={chosen!r} is not a matmul variant; expected one of {', '.join(VARIANTS)} "
+                             "(or unset, for the default)")
+        return chosen
+    # The ladder's speed order holds on a GPU.  numba's simulator runs every GPU thread as a
+    # Python thread and every syncthreads as a thread barrier, so there the barrier-free naive
+    # kernel is the fastest (6x192 @ 192x384: 2.4 s vs 16 s regtile).
+    from vtnumba.backend.cuda import simulator_active
 
-        return "naive" if simulator_active() else DEFAULT_VARIANT
+    return "naive" if simulator_active() else DEFAULT_VARIANT
+
+
+def _check_variant(variant, kind: str) -> str:
+    if variant is None:
+        # (Host arrays run numpy's BLAS whatever the rung: the environment is not read for them.)
+        return DEFAULT_VARIANT if kind == HOST else default_variant()
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} is not a matmul variant; expected one of {', '.join(VARIANTS)}")
     return variant
@@ -128,8 +149,8 @@ def _launch(variant, a, b, bias, c, m0, m_valid, trans_b, stream):
 
 
 def _matmul_into(name, a_name, a, b_name, b, trans_b, bias, out, queue, backend, variant):
-    variant = _check_variant(variant)
     kind = common_kind({a_name: a, b_name: b, "bias": bias, "out": out})
+    variant = _check_variant(variant, kind)
     M, K, N = _check_inputs(a_name, a, b_name, b, trans_b, bias)
     if out is None:
         out = empty(kind, (M, N), np.float32)
@@ -167,7 +188,6 @@ def linear_rows_to(x, w, bias, dests, rows_per_dest: int, queue=None, backend=No
     ``len(dests) * R >= M``; rows of a destination past the end of ``x`` are set to zero.
     Returns ``dests``.  See the module docstring for why this is one launch per destination.
     """
-    variant = _check_variant(variant)
     if not is_int(rows_per_dest) or rows_per_dest < 1:
         raise ValueError(f"rows_per_dest={rows_per_dest!r} must be a positive int")
     R = int(rows_per_dest)
@@ -177,6 +197,7 @@ def linear_rows_to(x, w, bias, dests, rows_per_dest: int, queue=None, backend=No
     arrays = {"x": x, "w": w, "bias": bias}
     arrays.update({f"dests[{d}]": dest for d, dest in enumerate(dests)})
     kind = common_kind(arrays)
+    variant = _check_variant(variant, kind)
     M, K, N = _check_inputs("x", x, "w", w, True, bias)
     if len(dests) * R < M:
         raise ValueError(f"dests hold len(dests) * rows_per_dest = {len(dests)} * {R} = {len(dests) * R} rows "
@@ -194,7 +215,7 @@ def queue_linear_rows_to(kind: str, x, w, bias, dests: list, rows_per_dest: int,
     once and queues this per chunk over slices it derived (the TPSP strategies; see the same
     pair in :mod:`vtnumba.kernels.peer`).  ``kind``: "host" or "device" (see ``common_kind``);
     a wrong argument here is not named, it is a bug."""
-    variant = _check_variant(variant)
+    variant = _check_variant(variant, kind)
     R = rows_per_dest
     M, K = x.shape
     N = w.shape[0]
@@ -217,5 +238,6 @@ def queue_linear_rows_to(kind: str, x, w, bias, dests: list, rows_per_dest: int,
         host_fn=host_fn, launch_fn=launch_fn, flops=2 * M * N * K, dests=len(dests))
 
 
-__all__ = ["LADDER", "VARIANTS", "DEFAULT_VARIANT", "matmul", "linear", "linear_rows_to", "queue_linear_rows_to",
+__all__ = ["LADDER", "VARIANTS", "DEFAULT_VARIANT", "VARIANT_ENV", "default_variant", "matmul", "linear",
+           "linear_rows_to", "queue_linear_rows_to",
            "matmul_rows_host"]
