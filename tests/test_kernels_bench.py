@@ -31,6 +31,13 @@ def test_quick_run_follows_schema():
     impls = {(r["case"], r["impl"]) for r in result["results"]}
     assert ("rmsnorm", "vtnumba-fused-host") in impls and ("linear_fp32", "numpy-blas") in impls
     assert result["baselines"]["memcpy traffic GB/s (read + write)"] > 0
+    # The norms' ceiling is the copy split over the host threads as they split their rows (it
+    # was the one-thread copy, which two-thread norms outran: "fractions" above 1).
+    split = result["baselines"]["memcpy traffic GB/s (norm arrays, split like the norms)"]
+    fused = next(r["value"] for r in result["results"] if (r["case"], r["impl"]) == ("rmsnorm", "vtnumba-fused-host"))
+    assert result["ratios"]["rmsnorm fused GB/s / memcpy traffic GB/s"] == pytest.approx(fused / split)
+    assert any(r["case"] == "memcpy" and r["impl"].startswith("numpy.copyto split like the norms")
+               for r in result["results"])
 
 
 def _run_device_part(device_backend):
