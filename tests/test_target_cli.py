@@ -62,11 +62,13 @@ def test_the_cuda_target_without_a_gpu_is_a_usage_error_said_once_before_anythin
     ("VTNUMBA_CHECK_HAZARDS", "abc", "VTNUMBA_CHECK_HAZARDS='abc' is not understood; expected 1/raise, record, or 0"),
     ("VTNUMBA_CPU_QUEUES", "bogus", "VTNUMBA_CPU_QUEUES='bogus' is not understood; expected sync or threaded"),
     ("VTNUMBA_DEVICE", "gpu1", "VTNUMBA_DEVICE='gpu1' is not a device; expected 'local'"),
+    ("VTNUMBA_MATMUL_VARIANT", "fastest", "VTNUMBA_MATMUL_VARIANT='fastest' is not a matmul variant; expected one of"),
 ])
 @pytest.mark.parametrize("command", [("embed", "--target", "cpu", "hi"), ("info", "--target", "cpu")])
 def test_a_bad_switch_in_the_environment_is_a_usage_error_said_once(variable, value, says, command):
     # VTNUMBA_CHECK_HAZARDS=abc was a traceback per rank as a module loaded; VTNUMBA_CPU_QUEUES=bogus
-    # silently gave synchronous queues; VTNUMBA_DEVICE=gpu1 was ignored off a GPU; info took them all.
+    # silently gave synchronous queues; VTNUMBA_DEVICE=gpu1 was ignored off a GPU; info took them all;
+    # VTNUMBA_MATMUL_VARIANT=fastest was ignored on the cpu target and failed mid-run on a device.
     proc = run_cli(*command, env_extra={variable: value}, mpiexec=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out

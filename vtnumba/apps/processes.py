@@ -104,8 +104,9 @@ def end_the_job(comm, code: int):
 def check_environment(parser: argparse.ArgumentParser) -> None:
     """Read now the ``VTNUMBA_*`` switches the library reads deep inside -- where a bad value
     was a traceback per rank as a module loaded (``VTNUMBA_CHECK_HAZARDS``), was taken for
-    the default (``VTNUMBA_CPU_QUEUES``), or was ignored off the GPU (``VTNUMBA_DEVICE``): a
-    usage error naming the variable, said once.  (Called by :func:`choose_target` and by
+    the default (``VTNUMBA_CPU_QUEUES``), was ignored off the GPU (``VTNUMBA_DEVICE``,
+    ``VTNUMBA_MATMUL_VARIANT``) or failed mid-run on it: a usage error naming the variable,
+    said once.  (Called by :func:`choose_target` and by
     ``vtnumba info``, after the target is chosen: these modules load numba.)"""
     try:
         from vtnumba.memory.hazards import mode_from_env  # (a bad value raises as it loads, too)
@@ -117,6 +118,9 @@ def check_environment(parser: argparse.ArgumentParser) -> None:
         from vtnumba.device_rule import requested_device
 
         requested_device()
+        from vtnumba.kernels.matmul import variant_from_env  # (read at every device matmul, deep in a run)
+
+        variant_from_env()
     except ValueError as exc:
         parser.error(str(exc))
 

@@ -94,15 +94,24 @@ def matmul_rows_host(a, b, bias, c, m0: int, m_valid: int, trans_b: bool) -> Non
 
 
 # ---------------------------------------------------------------------------- validation
+def variant_from_env() -> str | None:
+    """The rung ``$VTNUMBA_MATMUL_VARIANT`` names, None when it is unset or empty; ValueError
+    naming the variable for anything else (the programs check it at start-up, a usage error)."""
+    chosen = os.environ.get(VARIANT_ENV)
+    if not chosen:
+        return None
+    if chosen not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV}={chosen!r} is not a matmul variant; expected one of {', '.join(VARIANTS)} "
+                         "(or unset, for the default)")
+    return chosen
+
+
 def default_variant() -> str:
     """The variant a matmul on device arrays runs when none is named: ``$VTNUMBA_MATMUL_VARIANT``
     (:data:`VARIANT_ENV`) if set, else :data:`DEFAULT_VARIANT` on a GPU and ``"naive"`` in the
     simulator.  Read at every call, so a program (or a test) may change it between calls."""
-    chosen = os.environ.get(VARIANT_ENV)
-    if chosen:
-        if chosen not in VARIANTS:
-            raise ValueError(f"{VARIANT_ENV}={chosen!r} is not a matmul variant; expected one of {', '.join(VARIANTS)} "
-                             "(or unset, for the default)")
+    chosen = variant_from_env()
+    if chosen is not None:
         return chosen
     # The ladder's speed order holds on a GPU.  numba's simulator runs every GPU thread as a
     # Python thread and every syncthreads as a thread barrier, so there the barrier-free naive
