@@ -176,18 +176,19 @@ def _bench_host_norms(cfg, results, ratios, baselines):
                              repeat=1 if cfg["quick"] else max(1, cfg["repeat"] // 3))
     copy_gbs = 2 * elem / st["memcpy"].median_s / 1e9  # traffic: read n + write n
     results.append(schema.row("memcpy", "numpy.copyto", rows * h, "elements", "GB/s (traffic)", copy_gbs,
-                              st["memcpy"]))
+                              st["memcpy"], shape=(rows, h)))
     baselines["memcpy traffic GB/s (norm arrays, interleaved)"] = copy_gbs
     split_gbs = 2 * elem / st["memcpy split"].median_s / 1e9
     results.append(schema.row("memcpy", f"numpy.copyto split like the norms ({host_threads()} thread(s))", rows * h,
-                              "elements", "GB/s (traffic)", split_gbs, st["memcpy split"]))
+                              "elements", "GB/s (traffic)", split_gbs, st["memcpy split"], shape=(rows, h)))
     baselines["memcpy traffic GB/s (norm arrays, split like the norms)"] = split_gbs
     # traffic: read y, residual (+ peer); write new_residual, out
     for case, traffic in (("rmsnorm", 4 * elem), ("layernorm", 4 * elem), ("peer_reduce_rmsnorm_tp2", 5 * elem)):
         fused, base = st[case], st[f"{case} numpy"]
         gbs = traffic / fused.median_s / 1e9
-        results.append(schema.row(case, "vtnumba-fused-host", rows * h, "elements", "GB/s", gbs, fused))
-        results.append(schema.row(case, "numpy", rows * h, "elements", "GB/s", traffic / base.median_s / 1e9, base))
+        results.append(schema.row(case, "vtnumba-fused-host", rows * h, "elements", "GB/s", gbs, fused, shape=(rows, h)))
+        results.append(schema.row(case, "numpy", rows * h, "elements", "GB/s", traffic / base.median_s / 1e9, base,
+                                  shape=(rows, h)))
         ratios[f"{case} fused / numpy (speed-up)"] = base.median_s / fused.median_s
         ratios[f"{case} fused GB/s / memcpy traffic GB/s"] = gbs / split_gbs
 
@@ -352,7 +353,7 @@ def bench_device(cfg, backend, results, ratios, baselines, notes, *, simulator: 
         for case, impl, traffic, fn in memory_bound:
             st = timed(fn, case)
             gbs = traffic / st.median_s / 1e9
-            results.append(schema.row(case, impl, rows * h, "elements", "GB/s", gbs, st))
+            results.append(schema.row(case, impl, rows * h, "elements", "GB/s", gbs, st, shape=(rows, h)))
             kind = "fused cuda" if case != "gather_rows" else "cuda"
             ratios[f"{case} {kind} GB/s / device copy traffic GB/s"] = gbs / copy_gbs
 
