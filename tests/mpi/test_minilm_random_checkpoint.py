@@ -240,8 +240,11 @@ def test_ranks_given_different_tpsp_options_are_refused_together(group, weights)
     # the others' open: "given different texts" from the demo, a timeout from embed.
     def body():
         with pytest.raises(ValueError, match=r"were given different options -- rank 0: use_tpsp=False.*rank 1: "
-                                             r"use_tpsp=True"):
+                                             r"use_tpsp=True") as info:
             TensorParallelEncoder(group, use_tpsp=group.rank != 0, weights=weights, timeout_s=60)
+        # ... in the constructor's terms: it named --search, which embed and the demo do not have.
+        assert "use_tpsp, search and max_batched_tokens must be the same on every rank" in str(info.value)
+        assert "--search" not in str(info.value)
 
     collectively(body)
 

@@ -58,7 +58,8 @@ class TensorParallelEncoder:
         if len(set(everyone)) > 1:
             raise ValueError(f"TensorParallelEncoder: the ranks of group {self.group.name!r} were given different "
                              "options -- " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(everyone))
-                             + " (--no-tpsp and --search must be on every rank's command line or on none)")
+                             + " (use_tpsp, search and max_batched_tokens must be the same on every rank: a "
+                             "program's option such as --no-tpsp goes on every rank's command line or on none)")
 
     def _open_tpsp(self, search: bool) -> None:
         from vtnumba.backend import default_device
