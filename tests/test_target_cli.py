@@ -277,3 +277,19 @@ def test_select_target_names_the_argument_its_caller_used():
         target.select_target("tpu")
     with pytest.raises(target.TargetError, match=r"^--target='tpu' is not a target"):
         target.select_target("tpu", source="--target")
+
+
+@pytest.mark.parametrize("args, prefix", [
+    (("embed", "--bogus", "hi"), "vtnumba embed: error: unrecognized arguments: --bogus"),
+    (("bench", "memory", "--nope"), "vtnumba bench memory: error: unrecognized arguments: --nope"),
+    (("info", "--x"), "vtnumba info: error: unrecognized arguments: --x"),
+    (("--zzz",), "vtnumba: error: unrecognized arguments: --zzz"),
+])
+def test_an_unknown_option_is_said_under_its_commands_usage(args, prefix):
+    # argparse's parse_args sends an option no subparser knows up to the top level: "usage:
+    # vtnumba [-h] ... COMMAND", where every other bad argument of a command gets its own.
+    proc = run_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count(prefix) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    command = prefix.split(": error")[0]
+    assert f"usage: {command} " in proc.stderr, proc.stderr

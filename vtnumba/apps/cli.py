@@ -134,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     share_cores_between_local_ranks()  # before anything loads numpy's BLAS
     one_line_warnings("vtnumba")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # (parse_known_args: an option no parser knows is said under the usage line of the command
+    # it was given to -- argparse's own parse_args sends it up to the top level's.)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2
