@@ -392,9 +392,7 @@ class ECWorker:
         if fresh:
             # The first save of the step: descriptors for every scheduled block of the step,
             # and a new epoch for the marks of the blocks it writes.
-            if self._save_marks is None:  # (4 bytes a block, allocated by the first save: loaders need none)
-                self._save_marks = np.zeros(region.num_blocks, np.uint32)
-            self._save_epoch = self._save_epoch % 0xFFFFFFFF + 1  # 1 .. 2**32-1 (0 is "never")
+            self._new_save_epoch()
             bufs = self._save_bufs = self._acquire_descriptors(0, sum(map(len, saves.values())))
             self._save_t0 = t0
         count = self._save_count
@@ -431,6 +429,14 @@ class ECWorker:
         self._save_mm_hashes.append(mm_hash)
         self._save_sources.append(src)
 
+    def _new_save_epoch(self) -> tuple[np.ndarray, int]:
+        """A step's first save: a new epoch for the marks of the blocks the step writes (see
+        add_block_runs); ``(marks, epoch)``."""
+        if self._save_marks is None:  # (4 bytes a block, allocated by the first save: loaders need none)
+            self._save_marks = np.zeros(self._region.num_blocks, np.uint32)
+        self._save_epoch = self._save_epoch % 0xFFFFFFFF + 1  # 1 .. 2**32-1 (0 is "never")
+        return self._save_marks, self._save_epoch
+
     def _save_now(self, mm_hash: str, src: np.ndarray, ids: np.ndarray, total_bytes: int, t0: int) -> None:
         """The usual step on the cpu target's synchronous queues -- one save, from a numpy array --
         copied on the spot: reading the output's address, building its descriptors, checking the
@@ -440,10 +446,7 @@ class ECWorker:
         copied, and :meth:`flush_saves` only files it."""
         region = self._region
         block_size = self.block_size
-        marks = self._save_marks
-        if marks is None:  # (4 bytes a block, allocated by the first save: loaders need none)
-            marks = self._save_marks = np.zeros(region.num_blocks, np.uint32)
-        self._save_epoch = epoch = self._save_epoch % 0xFFFFFFFF + 1  # (see save_caches)
+        marks, epoch = self._new_save_epoch()
         bufs = self._acquire_descriptors(0, ids.size)
         c0 = perf_counter_ns()
         try:
