@@ -352,6 +352,40 @@ def test_gpu_check_benchmarks_run_at_the_sizes_of_the_aims():
         kernels._settings(argparse.Namespace(quick=True, device_matmul_sizes=[4096, 0]))
 
 
+def test_gpu_check_runs_tpsp_on_the_fastest_rung_it_measured(tmp_path):
+    # The TPSP overlap aim is judged on the matmul rung the kernels suite has just measured
+    # fastest at 4096^3 (a slower rung would hide the exchange more easily): gpu_check.sh reads
+    # it from the suite's JSON, as the runner writes it, and falls back to the default rung.
+    import json
+
+    from vtnumba.kernels.matmul import DEFAULT_VARIANT, VARIANTS
+
+    script = ROOT / "scripts" / "gpu_check.sh"
+    text = script.read_text()
+    assert f"\nDEFAULT_RUNG={DEFAULT_VARIANT} " in text, "gpu_check.sh's DEFAULT_RUNG is not DEFAULT_VARIANT"
+    function = text[text.index("fastest_rung() {"):]
+    function = function[:function.index("\n}\n") + 3]
+    fast = [v for v in VARIANTS if v != DEFAULT_VARIANT][-1]
+    ratios = {"matmul_fp32 n=2048 best rung (naive) / cuBLAS": 0.9,   # another size: not the aim's
+              f"matmul_fp32 n=4096 best rung ({fast}) / cuBLAS": 0.4,
+              f"matmul_fp32 n=4096 {fast} / cuBLAS": 0.4}
+    suite = tmp_path / "bench-kernels.json"
+    suite.write_text(json.dumps({"machine": {}, "suites": [{"suite": "kernels", "ratios": ratios}]}, indent=2))
+
+    def rung(path):
+        proc = subprocess.run(["bash", "-c", function + 'fastest_rung "$1"', "-", str(path)],
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    assert rung(suite) == fast
+    assert rung(tmp_path / "missing.json") == ""  # the kernels suite failed: the default rung
+    for needed in ('export VTNUMBA_MATMUL_VARIANT=$best_rung', 'unset VTNUMBA_MATMUL_VARIANT  # (the tests'):
+        assert needed in text
+    assert text.index("export VTNUMBA_MATMUL_VARIANT") < text.index('run_bench "bench tpsp (2 ranks)"') \
+        < text.index("unset VTNUMBA_MATMUL_VARIANT  # (the tests")
+
+
 def _gpu_check_merge_program() -> str:
     """The Python program gpu_check.sh runs (as a heredoc) to merge the suites' JSON and judge the aims."""
     lines = (ROOT / "scripts" / "gpu_check.sh").read_text().splitlines()
