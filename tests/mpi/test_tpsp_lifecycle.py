@@ -395,8 +395,10 @@ def test_profile_is_active_range_and_regular_fallback(backend, group):
         ctx = backend.profile([TPSPOpsGroup("down", proj, norm)], max_batched_tokens=32, threshold_tokens=8)
         assert ctx is not None and ctx.profile.threshold_tokens == 8 and ctx.report.parity_max_err < 1e-4
         op = TPSPOp(ctx, "down", norm=norm)
-        with pytest.raises(ValueError, match="max_batched_tokens=32"):
-            op.uses_tpsp(33)
+        # A batch past the workspace runs the regular forward, and uses_tpsp says so (it raised).
+        assert not op.uses_tpsp(33) and op.uses_tpsp(32) and not op.uses_tpsp(7)
+        with pytest.raises(TypeError, match="num_tokens=8.0 must be an int"):
+            op.uses_tpsp(8.0)
         for T in (3, 8, 32):  # below the threshold: regular; from it on: fused
             rng = np.random.default_rng(T)
             x = rng.standard_normal((T, proj.input_size_per_partition), dtype=np.float32)

@@ -4,9 +4,10 @@ A model should not care whether a batch runs fused: it calls ::
 
     gathered, new_residual = op(x, W, bias, residual_shard, norm_weight, eps, norm_bias=None)
 
-and the op asks the context's :class:`~vtnumba.tpsp.config.TPSPProfile` whether ``T`` tokens
-are worth fusing (``profile.is_active(T)``; a batch above the profile's ``max_batched_tokens``,
-which the fused op's workspace is sized for, is not).  If so it runs the backend's fused call on the
+and the op asks :meth:`TPSPOp.uses_tpsp` whether ``T`` tokens run fused: a batch above the
+profile's ``max_batched_tokens``, which the fused op's workspace is sized for, never does;
+below that the context's :class:`~vtnumba.tpsp.config.TPSPProfile` says whether ``T`` tokens
+are worth fusing (``profile.is_active(T)``).  If so it runs the backend's fused call on the
 ops group's handle, otherwise :func:`~vtnumba.tpsp.regular.regular_matmul_rs_norm_ag` --
 same inputs, same outputs, same sharded residual.  With no context at all (``profile``
 declined on every rank) every call takes the regular path.  Every rank sees the same ``T``
@@ -15,6 +16,7 @@ and the same profile, so every rank takes the same path.
 
 from __future__ import annotations
 
+from vtnumba.backend.arrays import is_int
 from vtnumba.backend.polling import WaitTimeout
 from vtnumba.dist.comm import DEFAULT
 from vtnumba.dist.queue_flags import QueueFlagsError
@@ -53,8 +55,16 @@ class TPSPOp:
         self.regular_calls = 0
 
     def uses_tpsp(self, num_tokens: int) -> bool:
-        """Will a call with ``num_tokens`` rows of ``x`` run fused?  False without a context."""
-        return self.context is not None and self.context.profile.is_active(num_tokens)
+        """Will a call with ``num_tokens`` rows of ``x`` run fused?  False without a context, and
+        for a batch above the profile's ``max_batched_tokens`` (the fused op's workspace holds no
+        more: such a call runs the regular forward); otherwise the profile's answer
+        (:meth:`~vtnumba.tpsp.TPSPProfile.is_active`, which refuses a count below 1 or not an int)."""
+        if self.context is None:
+            return False
+        profile = self.context.profile
+        if is_int(num_tokens) and num_tokens > profile.max_batched_tokens:
+            return False
+        return profile.is_active(num_tokens)
 
     def __call__(self, x, w, bias, residual, norm_weight, eps, norm_bias=None, *, out=None, new_residual=None):
         T = _tokens(x)
@@ -64,8 +74,7 @@ class TPSPOp:
         # A batch larger than the handle's workspace (max_batched_tokens) cannot run fused: it
         # takes the regular forward, which has no such limit (and agrees on T with the other
         # ranks first) -- it raised here, and later broke the handle in the fused call.
-        fused = T is not None and (self.context is None or T <= self.context.profile.max_batched_tokens) \
-            and self.uses_tpsp(T)
+        fused = T is not None and self.uses_tpsp(T)
         try:
             if fused:
                 self.fused_calls += 1
