@@ -1,9 +1,12 @@
 """Waiting for something another thread, process or device will do -- with a deadline, always.
 
-Every wait in vtnumba is a poll: "is the MPI request done?", "has the peer raised its
-flag?", "has the queue passed this event?".  Polling (instead of a blocking call) is what
-lets a wait *end*: after ``timeout_s`` it raises an error that names what it waited for,
-so one rank that crashed or hangs can never leave the others waiting forever.
+Every wait in vtnumba on another rank, process or device is a poll: "is the MPI request
+done?", "has the peer raised its flag?", "has the GPU passed this event?".  Polling (instead
+of a blocking call) is what lets a wait *end*: after ``timeout_s`` it raises an error that
+names what it waited for, so one rank that crashed or hangs can never leave the others
+waiting forever.  (The cpu backend's waits for its own queue threads -- an event, a queue
+drain -- block on a ``threading`` primitive instead: that work is local and ends by itself,
+and any wait *it* makes on a peer is one of these polls.)
 
 How a waiter spends the time between two polls matters as much as the deadline:
 

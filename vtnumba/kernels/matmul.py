@@ -20,7 +20,8 @@ what numpy does"); device arrays run one step of the CUDA ladder in
 :mod:`vtnumba.kernels.matmul_cuda`, chosen by ``variant`` -- one of :data:`VARIANTS`, in
 ladder order ``"naive"`` | ``"smem"`` | ``"regtile"`` | ``"wide"`` | ``"warptile"`` | ``"dbuf"`` |
 ``"async"``, each described in one line by :data:`LADDER`; when not given, :func:`default_variant`
-(``$VTNUMBA_MATMUL_VARIANT`` if set, else :data:`DEFAULT_VARIANT`).  The ladder's docstring
+(``$VTNUMBA_MATMUL_VARIANT`` if set, else :data:`DEFAULT_VARIANT` on a GPU and ``"naive"`` in
+the simulator); host arrays take no variant.  The ladder's docstring
 explains each step.
 
 **One launch per destination** in :func:`linear_rows_to`: a CUDA launch takes a fixed list

@@ -32,9 +32,11 @@ A kernel with :data:`MAX_SOURCES` = 8 array parameters plus a count covers every
 tensor-parallel size inside one NVLink node in a single launch; unused slots repeat the
 first source and are never read (the ``nsrc`` tests are uniform across the block, so they
 cost no divergence).  Larger ``tp`` stays correct: :func:`launch_peer_reduce_norm` first
-folds the extra sources into ``new_residual`` with :func:`sum_sources_kernel` -- the
-residual is just one more term of the sum, so it is the natural accumulator -- then runs
-the fused kernel over the last ones.  The gather uses the same scheme for destinations.
+folds the first :data:`MAX_SOURCES` sources (and the residual) into ``new_residual`` with
+:func:`sum_sources_kernel` -- the residual is just one more term of the sum, so it is the
+natural accumulator -- then runs the fused kernel over the rest.  The terms are then added in
+another order than the host reference's (bias joins after the first eight sources), so the
+last bits may differ.  The gather uses the same scheme for destinations.
 """
 
 from __future__ import annotations
@@ -132,7 +134,8 @@ def peer_reduce_norm_kernel(s0, s1, s2, s3, s4, s5, s6, s7, nsrc, bias, has_bias
     for r in range(r0 + cuda.blockIdx.x, r1, cuda.gridDim.x):  # uniform in the block: syncs stay legal
         # Pass 1a, source by source (a short loop per source keeps every loop unrolled, and zc in
         # registers): each source's loads all issued before the first add that needs one of
-        # them, and all loads before the first store.  The sum runs in the host reference's order.
+        # them, and all loads before the first store.  The sum runs in the host reference's order
+        # (up to MAX_SOURCES sources: see the module docstring for more).
         load_cached(s0, r, zc, wide)
         if has_residual:
             load_cached(residual, r, xc, wide)

@@ -34,7 +34,8 @@ from vtnumba.tpsp.config import TPSPConfig, TPSPContext
 class TPSPBackend(abc.ABC):
     """Abstract TPSP backend for the process group ``group_name`` on ``device``."""
 
-    #: Microchunk sizes the measured profile tries are multiples of this (token rows per rank).
+    #: Microchunk sizes the measured profile tries are this times powers of two, plus the whole
+    #: shard (token rows per rank; :func:`vtnumba.tpsp.profiling.chunk_candidates`).
     tpsp_chunk_granularity: int = 64
     #: Largest microchunk in tokens over all ranks (caps the workspace), or None for no cap.
     tpsp_max_microchunk_tokens: int | None = 16_384

@@ -4,7 +4,8 @@ The same chunk pipeline as on a GPU (:mod:`vtnumba.tpsp.pipeline`), with host pa
 :class:`HostChunkStrategy`):
 
 * the projection is numpy's BLAS (``np.matmul(..., out=...)`` inside
-  :func:`vtnumba.kernels.linear_rows_to`): *one* call for all ``T`` rows;
+  :func:`vtnumba.kernels.linear_rows_to`): *one* call for all ``T`` rows when the call is one
+  chunk, else one per destination per chunk;
 * the reduce + bias + residual + norm is the ``@numba.njit`` host twin of the CUDA kernel
   (:func:`vtnumba.kernels.peer_reduce_norm`), one pass over the rows;
 * the slots live in shared-memory segments every rank maps (:class:`vtnumba.dist.PeerBuffers`:

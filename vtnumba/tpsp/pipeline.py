@@ -19,7 +19,7 @@ ranks, :class:`~vtnumba.dist.QueueFlags`)::
                                z = sum of partials + bias + residual; new_residual = z;
                                normed = norm(z) -> this rank's rows of out and the gather slots
                                signal gather_ready = g+1 to every rank
-    collect  (exchange queue)  wait  gather_ready >= g+1 from every rank
+    collect  (exchange queue)  wait  gather_ready >= g+1 from every peer
                                copy every peer's normalised rows into out
                                signal consumed = g+1 to every rank
 
@@ -47,7 +47,7 @@ queued behind it.
 norm (one handshake per call, on the host flags: :meth:`ChunkPipeline.agree`), queues the
 steps in the order ``compute(0), compute(1), [reduce(0), collect(0), compute(2)],
 [reduce(1), collect(1), compute(3)], ...`` -- chunk i+1's matmul queued before chunk i's
-exchange, so on asynchronous queues they overlap -- and then :meth:`ChunkPipeline.finish`
+exchange, so on asynchronous queues they overlap -- and then :meth:`vtnumba.dist.QueueFlags.finish`
 waits for the queues with a deadline, failing fast (and releasing every queued wait) if a
 peer gave up.  On a GPU the host is never between two chunks: the flags are stream memory
 operations.
