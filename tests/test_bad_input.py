@@ -134,7 +134,7 @@ def test_init_distributed_takes_a_numpy_integer():
 
 
 def test_a_segment_tag_and_size_are_checked():
-    with pytest.raises(ValueError, match="tag='my seg' must be a short name of letters, digits"):
+    with pytest.raises(ValueError, match="tag='my seg' must be a name of 1 to 64 letters, digits"):
         ShmSegment.create(8, tag="my seg")
     seg = ShmSegment.create(64, tag="probe")
     try:

@@ -3,7 +3,7 @@
 tp = 1 runs through the public :class:`MiniLMEncoder`.  tp = 2, 3, 4 run here in one process,
 one thread per rank, with the ranks' partial sums combined through a thread barrier -- once
 with a regular all-reduce and once through :class:`TPSPReduceNorm` around a reference TPSP op
-that follows DESIGN.md's semantics (reduce-scatter over token rows, norm, all-gather).  The
+that follows TPSP's semantics (docs/concepts/tpsp.rst) (reduce-scatter over token rows, norm, all-gather).  The
 same checks under real MPI ranks (with :func:`vtnumba.tpsp.regular.regular_matmul_ar_norm`
 and the real TPSP op) are in tests/mpi/test_minilm_tp.py and test_minilm_random_checkpoint.py.
 """
@@ -214,7 +214,7 @@ def _regular_op(group, rank):
 
 
 def _reference_tpsp_op(group, rank):
-    """DESIGN.md's TPSP semantics, written plainly (not the optimised op under test elsewhere)."""
+    """TPSP's semantics (docs/concepts/tpsp.rst), written plainly (not the optimised op under test elsewhere)."""
 
     def op(x, W, bias, residual_shard, norm_weight, eps, norm_bias=None):
         R, H = residual_shard.shape

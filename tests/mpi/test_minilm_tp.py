@@ -69,7 +69,7 @@ def test_regular_forward_matches_reference(weights, ref):
 
 
 def _mpi_reference_tpsp_op(comm):
-    """DESIGN.md's TPSP semantics over plain MPI collectives (a stand-in for the fused op)."""
+    """TPSP's semantics (docs/concepts/tpsp.rst) over plain MPI collectives (a stand-in for the fused op)."""
     tp = comm.Get_size()
 
     def op(x, W, bias, residual_shard, norm_weight, eps, norm_bias=None):

@@ -35,7 +35,7 @@ with the host clock at that moment (so ``query_event`` is True and ``elapsed_ms`
 real host time between the two records); each queue keeps its own identity; and a
 process-wide lock serialises launches.  Device memory is host memory wrapped in the
 simulator's ``FakeCUDAArray``, which kernels see *without* copying -- plain numpy
-arguments would be copied in and back (see the shared notes), which breaks peer buffers.
+arguments would be copied in and back (docs/troubleshooting.rst), which breaks peer buffers.
 """
 
 from __future__ import annotations

@@ -8,10 +8,12 @@ through a collective that every rank is already making, and then *all* ranks rai
 fall back) together.
 
 Everything here runs on ``group.cpu_comm`` -- a communicator of its own, so these small
-control messages never interleave with data traffic on ``group.comm``.
+control messages never interleave with data traffic on ``group.comm`` -- except
+:func:`agree_on_call`, which runs on ``group.comm`` itself, just before the data collectives
+it guards.
 
 Every wait is non-blocking underneath (``Ibarrier``/``Iallreduce``/``Iallgather`` plus
-polling), so a peer that never arrives produces a clear ``RuntimeError`` after
+polling; only ``agree_on_call(timeout_s=None)`` asks for a blocking wait), so a peer that never arrives produces a clear ``RuntimeError`` after
 ``timeout_s`` instead of a hang.  MPI cannot cancel a collective that a peer never joined,
 so after such a timeout the communicator is unusable: the error says so, and the right
 reaction is to abort the job (``python -m mpi4py`` does that for an uncaught exception).
@@ -203,9 +205,10 @@ def agree_errors(error: BaseException | str | None, group, *, context: str = "",
 
     Each rank passes the exception it caught (or a message, or None when it is fine).  The
     messages are allgathered, so every rank builds an identical text naming each failing
-    rank, and raises it with the type of the lowest failing rank's exception (ValueError
-    stays ValueError, so bad input reads as bad input everywhere; other types become
-    ``default_type``), or always with ``exc_type`` when given.  Returns normally on every
+    rank, and raises it with the type of the lowest failing rank's exception when that is
+    ValueError, TypeError, RuntimeError, KeyError or IndexError (so bad input reads as bad
+    input everywhere; other types become ``default_type``), or always with ``exc_type`` when
+    given.  Returns normally on every
     rank when no rank failed.
     """
     if error is None:

@@ -25,8 +25,8 @@ Four rules from the CUDA documentation shape the code:
 
 Why not numba's ``get_ipc_handle`` + pickle: with cuda-bindings 13.5 ``CUipcMemHandle``
 became opaque (only ``getPtr()``), and numba-cuda 0.30.4 still reads ``.reserved`` when
-pickling, so ``pickle.dumps(IpcArrayHandle)`` and ``open_ipc_array`` raise AttributeError
-(see the shared notes, section 5).  We copy the 64 raw bytes out of the handle with
+pickling, so ``pickle.dumps(IpcArrayHandle)`` and ``open_ipc_array`` raise AttributeError.
+We copy the 64 raw bytes out of the handle with
 ``ctypes.string_at(handle.getPtr(), 64)`` and back into a fresh handle with
 ``ctypes.memmove`` -- a format that depends on no Python library's pickling -- and open it
 with numba's own ``IpcHandle.open_array`` (``source_info=None`` selects the direct path;

@@ -414,7 +414,8 @@ def exit_after_failure(timeout_s: float = DEFAULT, code: int = 1, *, interrupted
 
 def _leave_together(timeout_s, code: int, succeeded: bool = False) -> int:
     """Every rank's last collective step, after a failure or a success alike: one barrier of
-    the board's communicator.  (A rank that succeeds joins it too: a peer that fails after
+    the exit communicator (``_exit_comm``, duplicated with the first board; without one, the
+    board's own or the world).  (A rank that succeeds joins it too: a peer that fails after
     the others finished -- in its last check, or its report -- then finds them in the barrier,
     instead of waiting out its timeout for ranks already inside ``MPI_Finalize``.)"""
     global _deferred

@@ -249,7 +249,8 @@ class QueueFlags:
         Three things end the call with an error instead, after :meth:`fail` (stamp this rank's
         abort, release every wait, drain ``queues``): a peer aborted this call
         (QueueFlagsError), the deadline passed (QueueFlagsError naming the missing flags), or
-        a queued operation of this rank failed (its error, re-raised).
+        a queued operation of this rank failed (a RuntimeError chained to its error; a
+        QueueFlagsError if it was a host queue's wait that ran out of time).
         """
         be = self.backend
         events = self._record(queues)

@@ -118,8 +118,8 @@ class ShmSegment:
             raise ValueError(f"nbytes={nbytes!r} must be a positive int for a shared-memory segment")
         nbytes = int(nbytes)
         if not isinstance(tag, str) or not _TAG.fullmatch(tag):
-            raise ValueError(f"tag={tag!r} must be a short name of letters, digits, '_' and '-' (it goes into the "
-                             "segment's name)")
+            raise ValueError(f"tag={tag!r} must be a name of 1 to 64 letters, digits, '_', '.' and '-' (it goes "
+                             "into the segment's name)")
         name = _check_name(f"{NAME_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(16)}")
         if not named:
             fd = os.memfd_create(name, os.MFD_CLOEXEC)

@@ -15,8 +15,10 @@ advances in lockstep with the region; only the region side ever has to be split.
 
 :class:`DescriptorBuffers` are the three ``uint64`` arrays (source addresses, destination
 addresses, byte counts) a batched copy reads; :class:`DescriptorBufferPool` recycles them
-across steps, because a batched copy may read them after the call returned (see
-:mod:`vtnumba.memory.copy_engine`) and they may only be reused once its end event fired.
+across steps, so that a step allocates nothing.  The worker hands a step's buffers back when
+its transfer completes -- the seed's lifetime, stricter than vtnumba needs:
+:func:`~vtnumba.memory.copy_engine.batched_copy` takes the descriptors at the call (a copy
+for a cpu queue's thread, Python lists for the driver), so the queued copy never reads them.
 
 :meth:`DescriptorBuffers.add_block_runs` is what the worker calls once per entry: one compiled
 (``numba.njit``) pass over the entry's block ids that checks every id against the region,

@@ -126,7 +126,8 @@ class LoadDestinations:
         #: stream's work queued by then, as well as the compute queue's.
         self.follow_default_stream = follow_default_stream
         # The backend declares what its memory is: host-addressable memory (cpu, simulator)
-        # gets exact view tracking through numpy; a real GPU's gets a finalizer per view.
+        # gets exact view tracking through numpy; a real GPU's gets one views pointer per
+        # buffer, whose finalizer runs when the last array cut from any of its views is gone.
         caps = backend.capabilities
         self._host = caps.host_addressable
         self._simulator = caps.simulator

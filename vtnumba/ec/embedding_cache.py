@@ -26,8 +26,9 @@ thousands of rows).  vLLM's pops a LIFO stack, which gives descending ids -- one
 descriptor per block.
 
 Every public method takes one lock, so scheduler threads and a read-serving thread can
-share one cache.  Unknown keys raise ``KeyError`` naming the key; state violations (pin a
-not-ready entry, unpin an unpinned one, ...) raise ``RuntimeError``.
+share one cache.  Unknown keys raise ``KeyError`` naming the key; allocating a key that
+already has an entry is a ``ValueError``; state violations (pin a not-ready entry, unpin an
+unpinned one, ...) raise ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -286,7 +287,7 @@ class EmbeddingCache:
         entry._pin_count += 1
 
     def _make_evictable(self, entry: CacheEntry) -> None:
-        # Re-entering the free list puts the entry at the young end: an entry that was just
+        # Re-entering the eviction order puts the entry at the young end: an entry that was just
         # read is the last one we want to evict.
         self._evictable[entry.key] = None
         self._evictable_blocks += entry.num_blocks

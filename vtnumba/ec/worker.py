@@ -22,8 +22,9 @@ Upstream: vLLM's ``ECCPUWorker`` (``ec_connector/cpu/worker``), behaviour kept l
   only after the default stream's reads (no-ops off a real GPU).
 * **Completions** (``build_connector_worker_meta``): a transfer is reported only once its
   *own* end event fired, front of the queue first, each exactly once; its queue, events
-  and descriptor buffers go back to their pools at that moment.  Until then the
-  descriptors (read when the copy runs) and the saved outputs stay referenced.
+  and descriptor buffers go back to their pools at that moment.  Until then the saved
+  outputs (read when the copy runs) and the descriptors (the seed's lifetime: see
+  :mod:`vtnumba.ec.descriptors`) stay referenced.
 * ``shutdown`` waits for every in-flight transfer and releases the pools.
 
 Differences from vLLM's, each for a reason: the worker is given its region (so tests and
@@ -118,7 +119,7 @@ class Transfer:
     start_event: Event             #: recorded just before the batched copy
     end_event: Event               #: recorded just after it: done when it fires
     completions: list              #: what to report then: mm_hashes (saves) or transfer ids (loads)
-    bufs: DescriptorBuffers        #: the descriptors the copy reads
+    bufs: DescriptorBuffers        #: the step's descriptors, back to the pool when it completes
     queue: Queue                   #: the pooled copy queue it runs on
     num_bytes: int                 #: bytes moved
     num_descriptors: int           #: copy descriptors (block runs)
@@ -787,8 +788,7 @@ class ECWorker:
             # Transfers on one direction finish in any order (separate pooled queues), so
             # wait for all but the newest max_inflight.
             for t in pending[:max(len(pending) - max_inflight, 0)]:
-                if t.end_event is not None:  # None: a synchronous copy, done on issue
-                    self.backend.synchronize_event(t.end_event)
+                self.backend.synchronize_event(t.end_event)  # (a synchronous copy never becomes a Transfer)
 
     # ------------------------------------------------------------------ teardown
     def shutdown(self) -> None:

@@ -20,8 +20,8 @@ How it works (the same design as PyTorch's CUDA caching allocator):
   ``free`` returns its pieces to that queue's pool.  The next ``allocate`` on the *same*
   queue may reuse the memory at once, even if kernels that used it are still queued:
   queue order guarantees the new owner's work runs after the old owner's.  When a queue is
-  destroyed (which waits for its work), its segments go to the next queue that finds its own
-  pool empty: queue ids never come back, so a pool per short-lived queue would never be reused.
+  destroyed (which waits for its work), its segments go to the next queue whose own pool
+  has no piece that fits: queue ids never come back, so a pool per short-lived queue would never be reused.
 * **record_stream.**  That guarantee covers only the allocating queue.  If a block was also
   used on another queue (a copy on a side queue, a read by a second stream), the caller
   must say so with :meth:`CachingAllocator.record_stream`.  At ``free`` the allocator then

@@ -1,7 +1,7 @@
 """The thread's "current queue": a stream for code that is not handed one.
 
 Most vtnumba code passes queues explicitly.  Some code cannot: numba's external memory
-manager interface calls ``memalloc(size)`` with *no* stream (see the shared notes, §6), so
+manager interface calls ``memalloc(size)`` with *no* stream (NBEP 7; docs/concepts/memory.rst), so
 a stream-ordered allocator behind it has to learn the stream some other way.  The usual
 answer (PyTorch's "current stream") is a thread-local that the runtime sets around the
 work it submits::

@@ -2,7 +2,7 @@
 
 With the plugin installed, every ``numba.cuda.device_array`` -- and so every device
 allocation vtnumba's CUDA backend makes -- is a block of a :class:`CachingAllocator`.
-What numba's plugin interface gives, and what it does not (shared notes §6, NBEP 7):
+What numba's plugin interface gives, and what it does not (NBEP 7; docs/concepts/memory.rst):
 
 * ``memalloc(size)`` gets **no stream**.  A stream-ordered allocator must still pick a
   pool, so the plugin takes the thread's current queue (:func:`using_queue`); without one,
