@@ -677,6 +677,37 @@ def test_the_flag_kernels_load_before_any_stream_waits(device_backend):
     load_flag_kernels()
 
 
+@pytest.mark.simulator_only
+@pytest.mark.parametrize("seen,value", [(5, 5), (6, 5), (4, 5), (0xFFFFFFFF, 5), (3, 0xFFFFFFFE),
+                                        (0x80000004, 5), (0x80000005, 5), (0, 0xFFFFFFFF)])
+def test_the_wait_kernel_compares_like_its_host_twin(device_backend, seen, value):
+    # wait_flag_kernel's cyclic >= against flag_reached (the host twin's test), across the
+    # 32-bit wrap-around: a flag that has passed the wanted value -- even by wrapping -- lets the
+    # stream go on; one that has not keeps the kernel polling until the word is written.
+    # (Simulator only: there a spinning kernel is a thread, and a host write releases it.)
+    from numba import cuda
+
+    from vtnumba.backend.cuda import SIM_LAUNCH_LOCK
+    from vtnumba.backend.cuda_flags import launch_wait_flag, launch_write_flag
+
+    def launch(kernel, *args):
+        with SIM_LAUNCH_LOCK:  # a raw launch: the simulator runs one at a time per process
+            kernel(*args)
+
+    word = cuda.to_device(np.zeros(1, np.uint32))
+    launch(launch_write_flag, word, 0, seen, 0)
+    assert int(word.copy_to_host()[0]) == seen
+    waiter = threading.Thread(target=launch, args=(launch_wait_flag, word, 0, value, 0), daemon=True)
+    waiter.start()
+    waiter.join(10 if flag_reached(seen, value) else 0.3)  # (a reached flag may take its time on a busy machine)
+    returned = not waiter.is_alive()
+    if not returned:
+        word[0] = value  # release it, so that no kernel is left spinning
+        waiter.join(10)
+        assert not waiter.is_alive(), "the wait kernel did not see the flag written after it started"
+    assert returned == flag_reached(seen, value), (hex(seen), hex(value))
+
+
 def test_a_queue_that_waits_for_an_event_inherits_its_flag_waits():
     # On a GPU, queue_wait_event makes q wait for the event -- and so for the flag waits the
     # event fires after: q's synchronize must keep those deadlines too (not block in the driver).

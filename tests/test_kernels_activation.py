@@ -16,7 +16,9 @@ from vtnumba.kernels import ACTIVATIONS, activation, add_bias, bias_gelu_
 from vtnumba.kernels.activation import CODES, activation_rows_host, add_bias_host
 
 SHAPES = [(1, 1), (1, 7), (7, 33), (33, 65), (65, 7)]
-DEVICE_SHAPES = [(1, 1), (7, 33), (3, 65)]  # the simulator runs ~7,000 GPU threads per second
+# The simulator runs ~7,000 GPU threads per second; (3, 101) is 303 elements, more than one
+# block of activation_cuda.THREADS = 256 (the grid-stride's second block).
+DEVICE_SHAPES = [(1, 1), (7, 33), (3, 65), (3, 101)]
 _ERF = np.vectorize(math.erf)
 
 
@@ -86,7 +88,7 @@ def test_kernel_in_place_and_allocating(device_backend, rng):
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows, cols", [(1, 1), (7, 33)])
+@pytest.mark.parametrize("rows, cols", [(1, 1), (7, 33), (3, 101)])
 def test_add_bias_host_and_kernel(device_backend, rng, rows, cols):
     x, bias = _inputs(rng, rows, cols, True)
     host = x.copy()

@@ -138,6 +138,51 @@ def test_more_sources_than_one_launch_takes(rng, where, H):
     assert np.isnan(out[0]).all()
 
 
+@pytest.mark.parametrize("nsrc,residual,H", [(1, "none", 7), (3, "given", 5), (MAX_SOURCES, "acc", 8),
+                                             (5, "none", 12)])
+def test_sum_sources_kernel_matches_its_host_reference(dev, host, rng, nsrc, residual, H):
+    # The fold of tp > MAX_SOURCES (launch_sum_sources) against its host twin, bit for bit:
+    # both add the sources in order, then the residual.  "acc": the residual *is* the output,
+    # as in the fold's second round.  Rows outside [1, 4) keep their poison.
+    from vtnumba.backend.cuda import SIM_LAUNCH_LOCK
+    from vtnumba.kernels.peer import sum_sources_rows_host
+    from vtnumba.kernels.peer_cuda import launch_sum_sources
+
+    R = 6
+    sources = [make(rng, (R, H)) for _ in range(nsrc)]
+    res = make(rng, (R, H))
+    want = full((R, H)) if residual != "acc" else res.copy()
+    d_acc = dev(want.copy())
+    d_sources = [dev(s) for s in sources]
+    d_res = d_acc if residual == "acc" else dev(res) if residual == "given" else None
+    sum_sources_rows_host(sources, want if residual == "acc" else res if residual == "given" else None, want, 1, 4)
+    with SIM_LAUNCH_LOCK:  # a raw launch: the simulator runs one at a time per process
+        launch_sum_sources(d_sources, d_res, d_acc, 1, 4, 0)
+    got = host(d_acc)
+    np.testing.assert_array_equal(got, want)
+    expected = np.sum(np.stack(sources)[:, 1:4].astype(np.float64), axis=0) + (res[1:4] if residual != "none" else 0)
+    assert rel_err(got[1:4], expected) <= 1e-6
+    if residual == "none":
+        assert np.isnan(got[[0, 4, 5]]).all()
+    with pytest.raises(ValueError, match=f"sources: {MAX_SOURCES + 1} arrays; one launch sums 1..{MAX_SOURCES}"):
+        launch_sum_sources(d_sources[:1] * (MAX_SOURCES + 1), None, d_acc, 0, R, 0)
+
+
+def test_two_folds_without_a_residual(rng, where):
+    # tp > 2 * MAX_SOURCES and no residual: the first fold starts new_residual from the sources
+    # alone, the second adds to it, and the norm runs over the rest.
+    wrap, unwrap = where
+    tp, R, H = 2 * MAX_SOURCES + 1, 3, 6
+    p = problem(rng, tp, R, H, True, residual=False)
+    ref, z = reference(p["sources"], p["bias"], None, p["weight"], p["norm_bias"], EPS, True)
+    d_out, d_res = wrap(full((R, H))), wrap(full((R, H)))
+    peer_reduce_norm([wrap(s) for s in p["sources"]], wrap(p["bias"]), None, wrap(p["weight"]), wrap(p["norm_bias"]),
+                     EPS, d_out, d_res, norm="layer", rows=(1, 3))
+    out, res = unwrap(d_out), unwrap(d_res)
+    assert rel_err(out[1:], ref[1:]) <= 1e-5 and rel_err(res[1:], z[1:]) <= 1e-6
+    assert np.isnan(out[0]).all() and np.isnan(res[0]).all()
+
+
 def test_no_residual_no_bias_device_matches_host(dev, host, rng):
     p = problem(rng, 3, 5, 20, True, bias=False, residual=False)
     on_host = [full((5, 20)) for _ in range(2)]

@@ -172,6 +172,14 @@ def test_runtime_demo_under_mpiexec():
     assert len(rows) == 2 and all(" False " in r for r in rows)
 
 
+def test_runtime_demo_on_the_simulator():
+    # The tour's CUDA kernel (scale_kernel, one thread per element over many blocks) against
+    # its numpy answer, on poisoned output: the one place the tests launch it.
+    proc = run_cli("demo", "runtime", "--target", "cudasim")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT: PASS" in proc.stdout and "CUDABackend(simulator)" in proc.stdout
+
+
 def test_demo_options_that_would_be_ignored_are_refused():
     proc = run_cli("demo", "runtime", "--no-tpsp", "--region-mib", "2")
     assert proc.returncode == 2 and "demo runtime takes none of the pipeline's options (--region-mib, --no-tpsp)" \

@@ -99,6 +99,21 @@ def peer_reduce_norm_rows_host(sources, bias, residual, weight, norm_bias, eps, 
     split_rows(lambda a, b: _reduce_add_norm_rows(*args, a, b, stream), r0, r1, nbytes=written + read)
 
 
+def sum_sources_rows_host(sources, residual, acc, r0, r1) -> None:
+    """Host reference of :func:`vtnumba.kernels.peer_cuda.launch_sum_sources` (its arguments, minus
+    the stream): ``acc[r] = sources[0][r] + ... (+ residual[r])`` over rows ``[r0, r1)``, added in
+    the kernel's order -- the sources first, the residual last -- so float32 rounds alike."""
+    r0, r1 = int(r0), int(r1)
+    if r1 <= r0:
+        return
+    z = sources[0][r0:r1].copy()
+    for src in sources[1:]:
+        z += src[r0:r1]
+    if residual is not None:
+        z += residual[r0:r1]
+    acc[r0:r1] = z  # (last: acc may be residual itself)
+
+
 def gather_rows_host(src, dests, row_offset: int) -> None:
     """``dest[row_offset : row_offset + n] = src`` for every destination (numpy copies)."""
     n = src.shape[0]
@@ -264,4 +279,4 @@ def queue_gather_rows(kind: str, src, dests: list, row_offset: int, queue, backe
 
 
 __all__ = ["NORMS", "peer_reduce_norm", "gather_rows", "queue_peer_reduce_norm", "queue_gather_rows",
-           "peer_reduce_norm_rows_host", "gather_rows_host"]
+           "peer_reduce_norm_rows_host", "sum_sources_rows_host", "gather_rows_host"]

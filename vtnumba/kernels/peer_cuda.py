@@ -245,10 +245,7 @@ def launch_peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, is_
     # More than MAX_SOURCES: fold the surplus into new_residual first (see module docstring).
     while len(sources) > MAX_SOURCES:
         head, sources = sources[:MAX_SOURCES], sources[MAX_SOURCES:]
-        wide = wide_ok(*head, residual, new_residual)
-        sum_sources_kernel[copy_blocks(nrows, h, max_blocks), _COPY_THREADS, stream](
-            *_pad(head, MAX_SOURCES), len(head), residual if has_residual else new_residual, int(has_residual),
-            new_residual, int(r0), int(r1), int(wide))
+        launch_sum_sources(head, residual if has_residual else None, new_residual, r0, r1, stream, max_blocks)
         residual, has_residual = new_residual, True  # the running sum now lives in new_residual
     wide = wide_ok(*sources, bias, residual, weight, norm_bias, out, new_residual)
     blocks = nrows if max_blocks is None else max(1, min(nrows, int(max_blocks)))
@@ -258,6 +255,23 @@ def launch_peer_reduce_norm(sources, bias, residual, weight, norm_bias, eps, is_
         residual if has_residual else new_residual, int(has_residual),
         weight, weight if norm_bias is None else norm_bias, int(norm_bias is not None),
         float(eps), int(bool(is_layer)), out, new_residual, int(r0), int(r1), int(wide))
+
+
+def launch_sum_sources(sources, residual, acc, r0, r1, stream, max_blocks: int | None = None) -> None:
+    """Launch ``acc[r] = sources[0][r] + ... + sources[n-1][r] (+ residual[r])`` over rows ``[r0, r1)``,
+    for up to :data:`MAX_SOURCES` sources (``acc`` may be ``residual`` itself); the fold of
+    :func:`launch_peer_reduce_norm` (host twin: :func:`vtnumba.kernels.peer.sum_sources_rows_host`)."""
+    sources = list(sources)
+    nrows, h = int(r1) - int(r0), acc.shape[1]
+    if not 1 <= len(sources) <= MAX_SOURCES:
+        raise ValueError(f"sources: {len(sources)} arrays; one launch sums 1..{MAX_SOURCES}")
+    if nrows <= 0 or h == 0:
+        return
+    has_residual = residual is not None
+    wide = wide_ok(*sources, residual, acc)
+    sum_sources_kernel[copy_blocks(nrows, h, max_blocks), _COPY_THREADS, stream](
+        *_pad(sources, MAX_SOURCES), len(sources), residual if has_residual else acc, int(has_residual),
+        acc, int(r0), int(r1), int(wide))
 
 
 def launch_gather_rows(src, dests, row_offset, stream, max_blocks: int | None = None) -> None:
