@@ -3,7 +3,7 @@
 
     mpiexec -n 2 python mpi/tpsp_model.py [--target cpu] [--layers 4] [--tokens 512]
                                           [--hidden 1024] [--ffn 4096] [--norm rms|layer]
-                                          [--chunk C | --search] [--repeat 3]
+                                          [--chunk C] [--search] [--repeat 3]
 
 The model is :class:`vtnumba.nn.ParallelMLPStack`: an input norm and L blocks of
 column-parallel up-projection -> activation -> row-parallel down-projection, each
@@ -16,8 +16,9 @@ down-projection fused with the next norm.  Random weights, identical on every ra
   (:mod:`vtnumba.tpsp`), configured by a static profile (``--chunk``) or a measured one
   (``--search``).
 
-It prints the largest difference between the two final hidden states and residuals (the
-TPSP residual shards are gathered for the comparison), each forward's time on the
+It prints the largest absolute difference between the two final hidden states and the
+largest relative difference between their residuals (the TPSP residual shards are gathered
+for the comparison), each forward's time on the
 slowest rank, and their ratio; it exits with status 1 if the outputs disagree.
 
 Failures end the job (``docs/failure_model``): the ranks first check they were started with

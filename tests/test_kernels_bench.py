@@ -43,7 +43,7 @@ def test_quick_run_follows_schema():
 def _run_device_part(device_backend):
     results, ratios, baselines, notes = [], {}, {}, []
     # --device-matmul-sizes reaches the ladder: 8, not the simulator's default 16 (one block either way).
-    cfg = bench._settings(argparse.Namespace(quick=True, sizes=None, norm_shape=None, device_matmul_sizes=[8]))
+    cfg = bench._settings(argparse.Namespace(quick=True, host_matmul_sizes=None, norm_shape=None, device_matmul_sizes=[8]))
     bench.bench_device(cfg, device_backend, results, ratios, baselines, notes, simulator=True)
     return results, ratios, baselines, notes
 
@@ -118,7 +118,7 @@ def test_a_failing_rung_stops_the_ladder_only_when_the_device_is_lost(device_bac
     monkeypatch.setattr(kernels, "matmul", matmul)
     monkeypatch.setattr(bench, "_device_still_usable", lambda: usable)
     results, ratios, baselines, notes = [], {}, {}, []
-    cfg = bench._settings(argparse.Namespace(quick=True, sizes=None, norm_shape=None, device_matmul_sizes=[8, 16]))
+    cfg = bench._settings(argparse.Namespace(quick=True, host_matmul_sizes=None, norm_shape=None, device_matmul_sizes=[8, 16]))
     bench.bench_device(cfg, device_backend, results, ratios, baselines, notes, simulator=True)
     rows = {(r["impl"], r["size"]) for r in results if r["case"] == "matmul_fp32"}
     failed = [n for n in notes if "FAILED" in n]
@@ -305,4 +305,4 @@ def test_bad_matmul_sizes_name_their_flag():
 
 def test_bad_norm_shape():
     with pytest.raises(ValueError, match=r"--norm-shape='12' must look like ROWSxH"):
-        bench._settings(argparse.Namespace(quick=True, sizes=None, norm_shape="12"))
+        bench._settings(argparse.Namespace(quick=True, host_matmul_sizes=None, norm_shape="12"))

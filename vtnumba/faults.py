@@ -76,7 +76,7 @@ class FaultInjection:
         passed (None: as often as the run has steps).  Every rank can work this out for every
         rank, so every rank refuses the same spec alike, before any of them waits for another.
         An ``@n`` that only the run's length decides is checked at the end instead
-        (:attr:`FaultHook.fired`).
+        (:meth:`FaultHook.check_fired`).
         """
         if self.rank >= world_size:
             raise ValueError(f"--inject={self._text()!r}: rank {self.rank} does not exist; the job has ranks "

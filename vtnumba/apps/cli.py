@@ -2,7 +2,8 @@
 
 Every command takes ``--target auto|cuda|cudasim|cpu`` (default: ``$VTNUMBA_TARGET`` or
 ``auto``), before or after the command name (``vtnumba --target cpu info`` and
-``vtnumba info --target cpu`` are the same).  The target is chosen *before* any command
+``vtnumba info --target cpu`` are the same; for ``bench``, after the suite's name:
+``vtnumba bench memory --target cpu``).  The target is chosen *before* any command
 module is imported, because the simulator must be switched on before ``numba.cuda`` is
 imported (see :mod:`vtnumba.target`).  This module only parses and dispatches: each command
 lives in a module of its own in :mod:`vtnumba.apps`, the benchmarks in :mod:`vtnumba.bench`.

@@ -150,7 +150,8 @@ def _print_lines(merged: dict) -> None:
 
 
 def print_info(as_json: bool = False, timeout_s: float | None = None) -> int:
-    """Print what this job runs on, from rank 0 only; returns the exit status (1 on error, on every rank).
+    """Print what this job runs on, from rank 0 only; returns the exit status: 1 on a rank that
+    had an error itself, and on rank 0 if any rank had one; else 0.
 
     Under ``mpiexec`` the ranks send their :func:`collect_info` to rank 0, which prints the
     values they share once and, for a value that differs, one line per rank (aligned

@@ -304,7 +304,8 @@ class Lesson:
     def check(self, ok: bool, what: str) -> None:
         """A self-check every rank agrees on: all ranks pass, or the lesson fails on all.
 
-        The agreement is a non-blocking all-reduce with the lesson's deadline (``--timeout``),
+        The agreement is a non-blocking all-gather (so every rank learns which ranks failed) with
+        the lesson's deadline (``--timeout``),
         which also watches the failure board: a rank that failed ends the others' wait here.
         """
         import numpy as np

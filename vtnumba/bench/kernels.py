@@ -3,9 +3,9 @@
 On every target (the host references are what the ``cpu`` target runs):
 
 * **fused add + norm** (RMSNorm and LayerNorm) vs. the same math in plain numpy: the
-  speed-up, and the fused kernel's bandwidth as a fraction of measured memcpy bandwidth
-  (the fused loop splits large calls over this process's cores, numpy and ``np.copyto`` run
-  on one, so that fraction may exceed 1);
+  speed-up, and the fused kernel's bandwidth as a fraction of a copy's, ``np.copyto`` split
+  over the same host threads as the fused norm's rows (the one-thread copy is reported
+  beside it);
 * **peer reduce + norm** (tp = 2) vs. numpy summing the sources and then normalising;
 * **host matmul** GFLOP/s (``linear``, float32 and float16 inputs) vs. numpy's BLAS ``x @ w.T``.
 
@@ -116,8 +116,7 @@ def check_arguments(args, world_size: int) -> None:
 def _settings(args) -> dict:
     quick = bool(getattr(args, "quick", False))
     shape = getattr(args, "norm_shape", None)
-    # (--sizes: the same, as the standalone ``python -m vtnumba.bench.kernels`` spells it.)
-    sizes = getattr(args, "host_matmul_sizes", None) or getattr(args, "sizes", None)
+    sizes = getattr(args, "host_matmul_sizes", None)
     device_sizes = getattr(args, "device_matmul_sizes", None)
     for flag, given in (("--device-matmul-sizes", device_sizes), ("--host-matmul-sizes", sizes)):
         for n in given or ():

@@ -104,7 +104,8 @@ def run(args) -> dict:
                 results.append(schema.row("tokens/s", impl, batch, "batch", "tokens/s", tokens / st.median_s, st))
             ratios[f"TPSP / regular sentences/s, batch {batch}"] = rates[("tpsp", batch)] / rates[("regular", batch)]
         if not tpe.tpsp_enabled:
-            notes.append("TPSP declined on this group (see warnings); both rows ran the regular forward")
+            notes.append("TPSP declined on this group (TensorParallelEncoder.tpsp_enabled is False); both rows ran the "
+                         "regular forward")
     st_rate = None
     if group.rank == 0:
         threads = int(os.environ.get("OPENBLAS_NUM_THREADS", "1")) * group.size

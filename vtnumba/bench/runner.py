@@ -108,7 +108,8 @@ def default_plot_dir(quick: bool = False) -> str:
 
 
 def add_common_arguments(p) -> None:
-    """The flags every suite takes (``--json``, ``--plot``, ``--quick``)."""
+    """The flags every suite takes (``--json``, ``--plot``, ``--quick``, ``--timeout``, and the
+    hidden ``--inject``); each suite's parser adds ``--target`` itself."""
     p.add_argument("--json", metavar="PATH", nargs="?", const=AUTO, default=None, type=path_text,
                    help=f"write the results as JSON to PATH ('-' for stdout; no PATH: {OUT_DIR}/bench-SUITE.json, "
                         "or bench-SUITE-quick.json with --quick)")
@@ -381,7 +382,7 @@ def estimate_line(module, sargs, ranks: int, key: str) -> str:
 def suite_args(name: str, args):
     """The namespace a suite's ``run`` gets: its own flags' defaults under the common flags.
 
-    ``vtnumba bench all`` parses only the common flags (--quick, --json, --plot); each
+    ``vtnumba bench all`` parses only the common flags (--quick, --json, --plot, --timeout); each
     suite still sees every attribute its ``add_arguments`` defines."""
     import argparse
 

@@ -7,13 +7,14 @@ A suite result is a dict::
       "target": "cpu",                        # the process target it ran on
       "ranks": 1,                             # MPI ranks that took part
       "results": [                            # one row per (case, implementation, size)
-        {"case": "rmsnorm", "impl": "vtnumba-fused", "size": 4096,
-         "size_unit": "rows", "metric": "GB/s", "value": 23.1,
+        {"case": "rmsnorm", "impl": "vtnumba-fused-host", "size": 1048576,
+         "size_unit": "elements", "metric": "GB/s", "value": 23.1,
          "median_s": 0.0012, "p10_s": 0.0011, "p90_s": 0.0013, "samples": 10,
-         "value_p10": 21.3, "value_p90": 25.2},          # optional, see below
+         "value_p10": 21.3, "value_p90": 25.2,           # optional, see below
+         "shape": [1024, 1024]},                         # optional, see below
         ...
       ],
-      "ratios": {"rmsnorm fused / numpy": 5.2, ...},   # vtnumba vs. the stock baseline
+      "ratios": {"rmsnorm fused / numpy (speed-up)": 5.2, ...},   # vtnumba vs. the stock baseline
       "baselines": {"memcpy GB/s": 27.0},            # measured in the same run
       "notes": ["..."],
       "paired": [...]                                # optional, see below

@@ -84,7 +84,7 @@ def _settings(args, tp: int, target: str) -> tuple[list[int], int, int, int]:
     from vtnumba.bench.runner import default_hidden_size
 
     quick = bool(getattr(args, "quick", False))
-    given_tokens = getattr(args, "tokens", None) or getattr(args, "sizes", None)
+    given_tokens = getattr(args, "tokens", None)
     given = (given_tokens, getattr(args, "hidden", None), getattr(args, "k_total", None), getattr(args, "repeat", None))
     # np.percentile interpolates: with n rounds the p10 lies 0.1 * (n - 1) of the way from the
     # fastest round to the next, so --quick takes seven rounds: one odd round cannot set p10/p90 alone.

@@ -18,8 +18,9 @@ here is how one block of ``blockDim.x`` threads computes ``out[i, head h]``:
    V bias is added once at the end (the probabilities sum to 1).
 
 **Block size.**  Any size works (every loop strides by ``blockDim.x``).  On a GPU it is
-the next power of two >= the longest sentence, at most 128 (:func:`block_threads`): every key
-has its own thread in step 2.  In numba's simulator every GPU thread is a Python thread and
+the next power of two >= the longest sentence, at most 128 (:func:`block_threads`): up to
+128 tokens every key has its own thread in step 2, and a longer sentence's keys are strided
+over the block's threads.  In numba's simulator every GPU thread is a Python thread and
 every ``syncthreads`` a barrier between them, so there the blocks have at most 8 threads
 (each taking several keys) -- an order of magnitude faster, and the same arithmetic.
 

@@ -82,7 +82,7 @@ def _sig(n_arrays: int, t: str) -> str:
 
 
 #: (name, kernel, signature) for :mod:`vtnumba.kernels.ptx`: float32 (the collectives' usual
-#: dtype) and float16 (the models').
+#: dtype) and float16 (half-precision data, such as the encoder cache's default).
 PTX_SIGNATURES = [(name, kernel, _sig(3 if name == "add_rows" else 2, t))
                   for name, kernel in KERNELS.items() for t in ("float32", "float16")]
 

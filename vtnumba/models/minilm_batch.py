@@ -3,11 +3,12 @@
 The dense layers of a transformer treat every token alike, so a batch of sentences is one
 matrix ``[T, H]`` with ``T`` = the total number of *real* tokens -- no padding rows, so no
 FLOPs are spent on padding (sentence-transformers pads every sentence to the longest one).
-Only attention needs to know where each sentence starts and ends (``offsets``): it copies
-the packed rows into padded per-head blocks ``[B, heads, L, d]`` (``L`` = the longest
-sentence), gives padded keys zero weight (``-inf`` before the exponential), and copies the
-real rows back.  Padded *queries* produce rows that are never copied back, so padding
-cannot touch a real output.
+Only attention needs to know where each sentence starts and ends (``offsets``).  On the
+host it copies the packed rows into padded per-head blocks ``[B, heads, L, d]`` (``L`` = the
+longest sentence), gives padded keys zero weight (``-inf`` before the exponential), and
+copies the real rows back; padded *queries* produce rows that are never copied back, so
+padding cannot touch a real output.  The CUDA kernel reads each sentence's packed rows
+directly, with no padding at all (:mod:`vtnumba.kernels.attention`).
 
 The token-parallel exchanges (all-reduce, or TPSP's reduce-scatter over token rows) see
 the same packed ``[T, H]`` on every rank, so ``T`` here is the ``T`` of the TPSP op.
