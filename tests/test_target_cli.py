@@ -219,7 +219,30 @@ def test_target_before_or_after_the_command():
     after = json.loads(run_cli("info", "--json", "--target", "cudasim").stdout)
     assert before["target"] == after["target"] == "cudasim"
     both = run_cli("--target", "cpu", "info", "--target", "cudasim")
-    assert both.returncode == 2 and "--target is given twice with different values" in both.stderr
+    assert both.returncode == 2 and "--target is given more than once with different values ('cpu' before " \
+        "the command, 'cudasim' after it)" in both.stderr
+
+
+@pytest.mark.parametrize("argv", [["--target", "cudasim", "bench", "memory"], ["bench", "--target", "cudasim", "memory"],
+                                  ["bench", "memory", "--target", "cudasim"],
+                                  ["--target", "cudasim", "bench", "--target", "cudasim", "memory"]])
+def test_bench_takes_the_target_before_or_after_the_suite(argv):
+    # `vtnumba bench --target cpu memory` was a usage error ("invalid choice: 'cpu'").
+    import argparse
+
+    from vtnumba.apps.cli import _chosen_target, build_parser
+
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    assert not unknown and args.suite == "memory" and _chosen_target(parser, args) == "cudasim"
+    args, _ = parser.parse_known_args(["bench", "--target", "cpu", "memory", "--target", "cudasim"])
+    with pytest.raises(SystemExit):
+        _chosen_target(argparse.ArgumentParser(prog="vtnumba"), args)
+
+
+def test_bench_refuses_two_different_targets():
+    proc = run_cli("bench", "--target", "cpu", "memory", "--target", "cudasim")
+    assert proc.returncode == 2 and "('cpu' before the suite, 'cudasim' after it)" in proc.stderr
 
 
 def test_closed_pipe_is_not_a_traceback():

@@ -2,8 +2,8 @@
 
 Every command takes ``--target auto|cuda|cudasim|cpu`` (default: ``$VTNUMBA_TARGET`` or
 ``auto``), before or after the command name (``vtnumba --target cpu info`` and
-``vtnumba info --target cpu`` are the same; for ``bench``, after the suite's name:
-``vtnumba bench memory --target cpu``).  The target is chosen *before* any command
+``vtnumba info --target cpu`` are the same; for ``bench``, before or after the suite's name
+as well).  The target is chosen *before* any command
 module is imported, because the simulator must be switched on before ``numba.cuda`` is
 imported (see :mod:`vtnumba.target`).  This module only parses and dispatches: each command
 lives in a module of its own in :mod:`vtnumba.apps`, the benchmarks in :mod:`vtnumba.bench`.
@@ -35,12 +35,16 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 
 def _chosen_target(parser: argparse.ArgumentParser, args) -> str | None:
-    """``--target`` given before the command or after it (two names: a subcommand's default would hide the other)."""
-    before, after = getattr(args, "target_before_command", None), getattr(args, "target", None)
-    if before is not None and after is not None and before != after:
-        parser.error(f"--target is given twice with different values ({before!r} before the command, {after!r} "
-                     "after it); give it once")
-    return after if after is not None else before
+    """``--target`` given before the command, before a bench suite's name, or after it (one name
+    each: a subcommand's default would hide the others)."""
+    given = [(getattr(args, dest, None), where) for dest, where in
+             (("target_before_command", "before the command"), ("target_before_suite", "before the suite"),
+              ("target", "after it"))]
+    given = [(value, where) for value, where in given if value is not None]
+    if len({value for value, _ in given}) > 1:
+        shown = ", ".join(f"{value!r} {where}" for value, where in given)
+        parser.error(f"--target is given more than once with different values ({shown}); give it once")
+    return given[-1][0] if given else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks against stock baselines (numpy/BLAS, mpi4py, memcpy)",
                        description="Each suite measures vtnumba against its stock baseline in the same run. "
                                    "Multi-rank suites (peer, tpsp, model) need mpiexec -n 2 or more.")
+    p.add_argument("--target", dest="target_before_suite", choices=TARGETS, default=None, help=_TARGET_HELP)
     suites = p.add_subparsers(dest="suite", metavar="SUITE", required=True)
     p.commands = suites.choices
     for name in BENCH_SUITES + ("all",):
