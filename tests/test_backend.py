@@ -717,9 +717,15 @@ def test_query_queue_says_whether_everything_submitted_has_finished(threaded):
         assert b.query_queue(q)
     with pytest.raises(TypeError):
         b.query_queue("qq")
+    b.flush_pending(q)  # submission is immediate on cpu: nothing batched up, nothing to do
+    b.flush_pending()
+    with pytest.raises(TypeError, match="q must be a Queue, got str"):
+        b.flush_pending("qq")
     b.destroy_queue(q)
     with pytest.raises((RuntimeError, ValueError)):
         b.query_queue(q)
+    with pytest.raises((RuntimeError, ValueError)):
+        b.flush_pending(q)
     b.close()
 
 

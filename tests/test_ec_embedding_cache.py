@@ -49,6 +49,7 @@ def test_pinned_and_not_ready_entries_are_never_evicted():
     c.pin("pinned")
     c.alloc("saving", 2)  # not ready
     ready(c, "old", 2)
+    assert c.num_evictable_blocks == 2  # only "old": ready and unpinned
     assert c.alloc("new", 2) is not None  # only "old" can go
     assert "pinned" in c and "saving" in c and "old" not in c
     assert c.alloc("more", 1) is None  # nothing evictable left

@@ -471,6 +471,18 @@ def test_shutdown_drains_inflight_transfers(threaded, env_factory, rng):
         env.worker.flush_saves()
 
 
+def test_a_worker_as_a_context_manager_shuts_down_on_exit(threaded, env_factory, rng):
+    # `with ECWorker(...) as w:` drains what is in flight on the way out, as shutdown does.
+    env = env_factory(threaded)
+    out = rng.standard_normal((2, env.hidden)).astype(np.float32)
+    with ECWorker(env.region, backend=threaded) as w:
+        w.save_caches({"e": out}, "e", ECConnectorMetadata(saves={"e": [5, 6]}))  # (a host output)
+        w.flush_saves()
+    np.testing.assert_array_equal(env.region.blocks[5:7].reshape(-1), as_bytes(out))
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        w.flush_saves()
+
+
 # ------------------------------------------------------------------------------ completion ordering
 def test_save_is_not_reported_before_the_copy_ran(threaded, env_factory, rng):
     env = env_factory(threaded)

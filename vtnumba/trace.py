@@ -179,11 +179,6 @@ def disable() -> None:
     RECORDER = None
 
 
-def enabled() -> bool:
-    """Whether a recorder is active."""
-    return RECORDER is not None
-
-
 @contextlib.contextmanager
 def recording(rank: int | None = None, path: str = "vtnumba-trace"):
     """Record the operations of a ``with`` block into a fresh :class:`Recorder` (yielded).

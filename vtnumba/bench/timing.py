@@ -23,7 +23,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
 import numpy as np
@@ -41,29 +41,6 @@ class Stats:
     p90_s: float
     #: How many calls were timed.
     samples: int
-
-    @property
-    def spread(self) -> float:
-        """Relative spread (p90 - p10) / median: how much to trust the median."""
-        return (self.p90_s - self.p10_s) / self.median_s if self.median_s > 0 else 0.0
-
-    @property
-    def below(self) -> float:
-        """How far the 10th percentile lies below the median, relative to it (0.05 = 5%)."""
-        return (self.median_s - self.p10_s) / self.median_s if self.median_s > 0 else 0.0
-
-    @property
-    def above(self) -> float:
-        """How far the 90th percentile lies above the median, relative to it.  Timings have a
-        long upper tail (a preempted call takes twice as long, none takes half), so this side
-        is usually the larger one; the two are reported separately rather than summed."""
-        return (self.p90_s - self.median_s) / self.median_s if self.median_s > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        """The fields and the spread as a plain dict (for JSON)."""
-        d = asdict(self)
-        d["spread"] = self.spread
-        return d
 
 
 def measure(fn: Callable[[], object], *, repeat: int = 10, warmup: int = 2, min_time_s: float = 0.0,

@@ -276,10 +276,6 @@ class MiniLMModel:
                 cur = self._layer(i, cur, step)
             return step.rows(cur)
 
-    def embed(self, batch: PackedBatch):
-        """The hidden state after the embeddings and their LayerNorm (``forward_view`` with no layers)."""
-        return self.forward_view(batch, num_layers=0)
-
     def forward(self, batch: PackedBatch, num_layers: int | None = None) -> np.ndarray:
         """``last_hidden_state`` of the packed batch, ``[T, H]`` float32 numpy in memory of its own
         (``num_layers``: run only the first n).  On a device this is the forward's one download."""

@@ -44,11 +44,6 @@ class PackedBatch:
         """``T``, the number of real tokens of all sentences together."""
         return int(self.ids.size)
 
-    @property
-    def lengths(self) -> np.ndarray:
-        """``[B]`` tokens per sentence."""
-        return np.diff(self.offsets)
-
     def split(self, rows: np.ndarray) -> list[np.ndarray]:
         """Per-sentence views of a packed ``[T, ...]`` array."""
         return [rows[self.offsets[b] : self.offsets[b + 1]] for b in range(self.num_sentences)]
