@@ -669,12 +669,28 @@ def test_defer_frees_is_a_context_manager_on_every_backend(device_backend):
             backend.free(buf)  # freeing inside is allowed: only the return to the device waits
 
 
-def test_the_flag_kernels_load_before_any_stream_waits(device_backend):
+def test_the_flag_kernels_load_before_any_stream_waits(device_backend, monkeypatch):
     # The fallback for drivers without stream memory operations compiles and loads both kernels
-    # up front (a first load while a stream waits could wait for the whole GPU).
-    from vtnumba.backend.cuda_flags import load_flag_kernels
+    # up front (a first load while a stream waits could wait for the whole GPU): the driver's
+    # first NOT_SUPPORTED switches the backend to the kernels and loads them, once, before the
+    # caller launches its wait kernel; any other answer is a memory operation queued, or an error.
+    from types import SimpleNamespace
 
-    load_flag_kernels()
+    from cuda.bindings import driver as cu
+
+    from vtnumba.backend import cuda_flags
+    from vtnumba.backend.cuda import CUDABackend
+
+    cuda_flags.load_flag_kernels()  # they compile and run (here: on the device target)
+    loads = []
+    monkeypatch.setattr(cuda_flags, "load_flag_kernels", lambda: loads.append("loaded"))
+    gpu = SimpleNamespace(_memops_ok=True)
+    assert CUDABackend._memop_done(gpu, cu.CUresult.CUDA_SUCCESS, "cuStreamWaitValue32")
+    assert gpu._memops_ok and loads == []
+    assert not CUDABackend._memop_done(gpu, cu.CUresult.CUDA_ERROR_NOT_SUPPORTED, "cuStreamWaitValue32")
+    assert not gpu._memops_ok and loads == ["loaded"]
+    with pytest.raises(RuntimeError, match="cuStreamWriteValue32"):
+        CUDABackend._memop_done(gpu, cu.CUresult.CUDA_ERROR_INVALID_VALUE, "cuStreamWriteValue32")
 
 
 @pytest.mark.simulator_only

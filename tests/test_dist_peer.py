@@ -109,14 +109,18 @@ def test_a_descriptor_that_is_not_the_segment_is_refused(tmp_path):
 
 
 def test_a_symlink_or_a_foreign_file_at_a_segment_name_is_refused(shm_clean, tmp_path):
+    import errno
+
     secret = tmp_path / "secret"
     secret.write_bytes(b"x" * 64)
+    os.chmod(secret, 0o600)  # a file the mode check would accept: only O_NOFOLLOW refuses it
     name = f"{shm.NAME_PREFIX}planted-{os.getpid()}-{'a' * 32}"
     link = os.path.join(shm.SHM_DIR, name)
     os.symlink(secret, link)
     try:
-        with pytest.raises(OSError):  # O_NOFOLLOW: a planted symlink is never followed
+        with pytest.raises(OSError) as refused:  # O_NOFOLLOW: a planted symlink is never followed
             shm.ShmSegment.attach(f"name:{name}", 64)
+        assert refused.value.errno == errno.ELOOP, refused.value
     finally:
         os.unlink(link)
     fd = os.open(link, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)

@@ -472,17 +472,23 @@ def test_embed_refuses_a_bad_inject_spec():
     assert proc.returncode == 2 and out.count("rank 2 does not exist; the job has ranks 0..1") == 1, out
 
 
-def test_a_huge_timeout_still_arms_the_exit_watchdog():
+def test_a_huge_timeout_still_arms_the_exit_watchdog(monkeypatch):
     # --timeout 1e10 made faulthandler's timer overflow, and every failure report became an
     # OverflowError traceback; the watchdog is capped instead.
     import faulthandler
 
-    from vtnumba.dist.failures import arm_exit_watchdog
+    from vtnumba.dist import failures
 
+    armed = []
+    real = faulthandler.dump_traceback_later
+    monkeypatch.setattr(faulthandler, "dump_traceback_later",
+                        lambda timeout, **kw: (armed.append((timeout, kw)), real(timeout, **kw)))
     try:
-        arm_exit_watchdog(1e10)
+        failures.arm_exit_watchdog(1e10)
+        failures.arm_exit_watchdog(5)
     finally:
         faulthandler.cancel_dump_traceback_later()
+    assert armed == [(7 * 86400.0, {"exit": True}), (5 + failures.EXIT_GRACE_S, {"exit": True})]
 
 
 def test_a_failure_without_a_message_says_what_it_was():
