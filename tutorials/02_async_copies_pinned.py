@@ -107,6 +107,9 @@ w_dev = w_buf.view(np.float32, (H,))
 for buf in (y_buf, z_buf):  # their first touch, here, not inside the pipeline (see above)
     backend.memset(compute_q, buf, 0, nbytes)
 fused_add_rms_norm(x_rows[:1], None, w_dev, 1e-6, out=y_rows[:1], new_residual=z_rows[:1], queue=compute_q)
+# (x still holds the round trip's copy of the same data: cleared, a chunk the norm read
+# before its copy landed would show in the check below.)
+backend.memset(compute_q, dev, 0, nbytes)
 backend.synchronize(compute_q)  # a warm-up call: the first one loads (or compiles) the kernel
 copied, computed = [backend.create_event() for _ in range(CHUNKS)], [backend.create_event() for _ in range(CHUNKS)]
 with lesson.timeline("pipeline.png",

@@ -105,8 +105,9 @@ except ValueError as exc:
 # --------------------------
 #
 # How fast is the host path?  The wrapper adds only argument checks to numpy's ``a @ b``,
-# so its line should lie on numpy's wherever a product takes more than a few
-# microseconds; at 64^3 (a few microseconds) the checks are a visible share.  Both are timed in interleaved rounds
+# so its line should lie on numpy's wherever a product takes more than a few hundred
+# microseconds (from about 256^3); below that the wrapper's 10-20 microseconds of checks are
+# a visible share.  Both are timed in interleaved rounds
 # (both ranks time at once and share the machine; under ``mpiexec -n 2`` each rank's BLAS
 # has half the cores, so the numbers are per rank).  The figure shows GFLOP/s -- ``2 S^3``
 # floating-point operations per ``S x S`` product -- with the median and the p10-p90
@@ -131,7 +132,7 @@ for S in SIZES:
 lesson.check(np.allclose(C, A @ B, rtol=1e-4, atol=1e-3), "the timed host matmul is still right")
 lesson.perf_plot("host_matmul.png", "The host path across sizes (rank 0): vtnumba's matmul on numpy arrays is "
                  "numpy's BLAS plus argument checks, so the lines meet once a product takes more than a few "
-                 "microseconds; below that the checks are a visible share of each call.", host_series, xlabel="square matrix size S (S x S times S x S)",
+                 "hundred microseconds; below that the checks are a visible share of each call.", host_series, xlabel="square matrix size S (S x S times S x S)",
                  ylabel="GFLOP/s per rank", title="04: host matmul, numpy vs vtnumba", xfmt=lambda s: f"{s}^3")
 
 # %%
@@ -325,8 +326,9 @@ lesson.say("done")
 #   size until BLAS is compute-bound (per rank, sharing the machine with the other rank).
 # * On ``cpu``, the PTX table and figure: ``fma per shared load`` 0.5 for ``smem`` and 4.0
 #   for ``regtile`` (``naive`` has no shared memory).  On ``cudasim``, one line per rung at
-#   8 and 16 -- labelled as simulator times, which mean nothing for a GPU.  On ``cuda``, the
-#   rungs climb: each is several times faster than the one before at 2048 and up.
+#   8 and 16 -- labelled as simulator times, which mean nothing for a GPU.  On ``cuda``,
+#   naive -> smem -> regtile climb by several times at 2048 and up; the rungs above regtile
+#   have not been timed on a GPU yet (``docs/benchmarks.rst``).
 # * The routed rows of ``linear_rows_to`` match ``linear()`` and the padding rows are zero.
 #
 # Common issues

@@ -254,9 +254,9 @@ lesson.say("done")
 #   float32; LayerNorm with mean 1000 shows the one-pass variance's error (``1e-1`` or
 #   worse) next to the fused kernel's two-pass one.
 # * The figure: the fused line above numpy's at every size -- about 1.5-3x for arrays that
-#   fit in the caches (numpy's passes hit the cache too), 4-7x at 16 MiB -- and below the
-#   memcpy line, or at it (the ceiling; how close a host loop gets depends on the machine and
-#   on what else runs: between half of it and all of it at 16 MiB on a 2-core machine).  numpy and
+#   fit in the caches (numpy's passes hit the cache too), about 3-7x at 4-16 MiB -- and below
+#   the memcpy line, or at it (the ceiling; how close a host loop gets depends on the machine
+#   and on what else runs: between a third of it and all of it at 16 MiB on a 2-core machine).  numpy and
 #   memcpy run faster on arrays that fit in the caches.  The exact figures move from run to
 #   run on a small, shared machine; the order of the lines does not.
 # * On ``cudasim``: ``max |device - host|`` around ``1e-7``; on ``cuda``, the fused kernel
@@ -280,5 +280,6 @@ lesson.say("done")
 # 1. Add a third input to the numpy version (a second residual) and to the traffic count:
 #    how far does numpy fall behind now, and why does the fused loop barely notice?
 # 2. Run with ``--target cudasim`` and change ``MAX_THREADS`` in
-#    :mod:`vtnumba.kernels.norm_cuda` to 32: the result is still exact (every thread loops
-#    over its share of the row), only the reduction tree is shorter.
+#    :mod:`vtnumba.kernels.norm_cuda` to 8 (the lesson's rows of 80 already take 32 threads,
+#    one per quad): the result is still exact -- every thread now loops over several quads of
+#    the row -- and only the reduction tree is shorter.

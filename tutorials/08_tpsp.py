@@ -350,8 +350,8 @@ lesson.say("done: the fused op equals the float64 layer and the regular forward,
 #
 # * Relative errors around ``1e-7`` for the regular forward and the fused op, chunked or
 #   not; the chunk sweep's results agree with one step to ``1e-6``.
-# * The chunk sweep: 150 steps at chunk 1 take several times longer than one step of 150
-#   rows; the figure's line falls as the chunks grow.
+# * The chunk sweep: 150 steps at chunk 1 take about a hundred times longer than one step of
+#   150 rows; the figure's line falls as the chunks grow.
 # * The timeline: on each rank the compute queue's four matmuls and the exchange queue's
 #   reduces, gathers and flag writes, one after another, with red waits wherever one rank
 #   got ahead of the other.
@@ -368,14 +368,14 @@ lesson.say("done: the fused op equals the float64 layer and the regular forward,
 # Common issues
 # -------------
 #
-# * ``this lesson needs two or more processes``: run it under ``mpiexec -n 2``.
+# * ``this lesson needs 2 or more processes, got 1``: run it under ``mpiexec -n 2``.
 # * ``TPSPShapeMismatch``: the ranks called the op with different T, H, norm or eps; every
 #   rank must make the same call (the message shows each rank's arguments).
 # * A microchunk larger than this rank's shard of the call is simply cut to the shard.  One
 #   larger than the workspace slot -- ``max_batched_tokens / tp`` rows, capped at
-#   ``tpsp_max_microchunk_tokens / tp`` (16384 tokens over all ranks) -- is refused with the
-#   capacity in the message: choose a smaller chunk (a larger ``max_batched_tokens`` does not
-#   help past the cap).
+#   ``tpsp_max_microchunk_tokens / tp`` (16384 tokens over all ranks) -- is cut to the slot:
+#   a step never moves more than a slot holds (a larger ``max_batched_tokens`` does not help
+#   past the cap).
 # * On a laptop the fused op is not faster than the regular forward: that is expected (see
 #   above); measure on a GPU with ``vtnumba bench tpsp``.
 #

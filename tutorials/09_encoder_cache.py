@@ -356,7 +356,7 @@ lesson.say("done")
 # Common issues
 # -------------
 #
-# * ``this lesson needs two processes``: run it under ``mpiexec -n 2`` (or more: every rank
+# * ``this lesson needs 2 or more processes, got 1``: run it under ``mpiexec -n 2`` (or more: every rank
 #   after rank 1 is another consumer rank and loads each entry too).
 # * ``ChannelTimeout: rank R gave up waiting for rank P after 60 s``: a rank stopped
 #   answering (or was stopped in a debugger for longer than the endpoints' ``timeout_s``);

@@ -149,7 +149,7 @@ host_out, _ = fused_add_rms_norm(y, res, w, EPS)
 lin_host = linear(y, wm)
 dev_host = np.empty_like(y)
 lin_back = np.empty_like(lin_host)
-with lesson.timeline("queue.png", f"What the lesson's queue ran on the {target} target (both ranks): the copies in, "
+with lesson.timeline("queue.png", f"What the lesson's queue ran on the {target} target (both ranks): "
                      "three calls each of fused_add_rms_norm and linear, the copies out.  A hatched bar is a first "
                      "call that took far longer than the later ones: loading or compiling the kernel.",
                      title=f"10: one queue on the {target} target", labels=True):
@@ -320,8 +320,8 @@ lesson.say("done")
 # * On ``cpu``: ``CPUBackend``, ``supports_graph_capture=False``, ``buffer.view`` gives a
 #   ``numpy.ndarray``, transport ``'shm'``, ``begin_capture`` refused with a clear error, and
 #   ``bash scripts/gpu_check.sh -> exit 0: no GPU ...`` (a dry run).
-# * The timeline: one row per rank for the queue ``lesson10``: four copies in, then three
-#   ``fused_add_rms_norm`` and three ``linear`` calls, the copies out; a first call that
+# * The timeline: one row per rank for the queue ``lesson10``: three ``fused_add_rms_norm``
+#   and three ``linear`` calls, then the two copies out (the copies in ran before it); a first call that
 #   took far longer than the other two is hatched ("1st call").
 # * On ``cudasim``: a ``FakeCUDAArray``, transport ``'shm-sim'``, the same answers.  On
 #   ``cuda``: a ``DeviceNDArray``, ``'cuda_ipc'``, and a graph replay much cheaper per
@@ -341,8 +341,9 @@ lesson.say("done")
 #   simulator for the whole process: ``auto`` then never finds the GPU.
 # * numba's IPC pickling is broken with cuda-bindings 13.5 (an ``AttributeError`` about
 #   ``reserved``); vtnumba sends the raw 64 handle bytes instead.
-# * Inside a graph capture: no first-call compilation, no host arrays, no synchronize --
-#   each makes ``cuStreamEndCapture`` fail.  Warm up, use device buffers, capture again.
+# * Inside a graph capture: no first-call compilation and no host arrays -- each makes
+#   ``cuStreamEndCapture`` fail (vtnumba refuses a host copy, and a ``synchronize`` of the
+#   capturing queue, at once with a RuntimeError).  Warm up, use device buffers, capture again.
 # * Several ranks on one GPU share it: per-rank timings are lower than one process's.
 #
 # Try next
