@@ -7,7 +7,8 @@
 #
 # Needs only Python >= 3.11 and network access to PyPI: the environment (.venv), every
 # Python package and the MPI library itself (the `mpich` wheel, which brings mpiexec) are
-# installed here.  Re-running skips the install when pyproject.toml has not changed.
+# installed here.  Re-running skips the install when neither pyproject.toml nor this script
+# has changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)

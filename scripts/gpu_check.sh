@@ -80,10 +80,12 @@ START=$SECONDS
 # The summary is written after every stage and once more on the way out, even when the
 # run is stopped from outside (TERM: exit through the EXIT trap).
 trap 'write_summary; rm -rf "$WORK"' EXIT
-trap 'exit 143' TERM INT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
-# The simulator would hide the GPU; this script is about the real one.
-unset NUMBA_ENABLE_CUDASIM
+# The simulator would hide the GPU; this script is about the real one.  The matmul rung is
+# the script's to choose (the TPSP bench below), not the caller's shell's.
+unset NUMBA_ENABLE_CUDASIM VTNUMBA_MATMUL_VARIANT
 export PYTHONUNBUFFERED=1
 # Small test launches trigger numba's low-occupancy warning thousands of times; it drowns the logs.
 export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
@@ -176,6 +178,11 @@ else
   IMAGE_PY=${PYTHON:-}
   if [ -z "$IMAGE_PY" ]; then
     if [ -x /opt/torch/.venv/bin/python3 ]; then IMAGE_PY=/opt/torch/.venv/bin/python3; else IMAGE_PY=python3; fi
+  fi
+  # A bare name becomes its path: PATH gets the folder beside python below ("." would put
+  # this checkout first, and look for mpiexec in it).
+  if [ "${IMAGE_PY#*/}" = "$IMAGE_PY" ] && command -v "$IMAGE_PY" >/dev/null; then
+    IMAGE_PY=$(command -v "$IMAGE_PY")
   fi
   log "python: the machine's $IMAGE_PY ($("$IMAGE_PY" --version 2>&1)); venv $VENV"
   PY="$VENV/bin/python"
@@ -348,9 +355,11 @@ run_bench() {  # run_bench NAME WANT_S RANKS SUITE ARGS...: a `vtnumba bench` su
   shift 4
   local cmd=("$PY" -m vtnumba bench "$suite" --target cuda --quick --json "$WORK/bench-$suite.json" "$@")
   [ "$ranks" -gt 1 ] && cmd=(mpiexec -n "$ranks" "${cmd[@]}")
+  rm -f "$WORK/bench-$suite.json"  # only this run's results may be merged (a failed run may have written some)
   if bench "$name" "$want" "${cmd[@]}"; then rc=0; else rc=$?; fi
-  st_last_bench=FAILED
+  st_last_bench="not run"
   if [ "${BENCH_SECS+x}" ]; then
+    st_last_bench=FAILED
     [ $rc -eq 0 ] && st_last_bench=ok
     note "$name" "$st_last_bench" "$BENCH_SECS" "$([ $rc -eq 0 ] || echo "exit $rc")"
     unset BENCH_SECS
@@ -384,11 +393,12 @@ else
 fi
 [ -n "$best_rung" ] && [ "$best_rung" != "$DEFAULT_RUNG" ] && export VTNUMBA_MATMUL_VARIANT=$best_rung
 run_bench "bench tpsp (2 ranks)" 75 2 tpsp "${TPSP_AIM_ARGS[@]}"
-if [ "$st_last_bench" != ok ] && [ -n "${VTNUMBA_MATMUL_VARIANT:-}" ]; then
+if [ "$st_last_bench" = FAILED ] && [ -n "${VTNUMBA_MATMUL_VARIANT:-}" ]; then
   echo "TPSP failed on rung $VTNUMBA_MATMUL_VARIANT; again on the default rung" >> "$WORK/figures.txt"
   unset VTNUMBA_MATMUL_VARIANT
   run_bench "bench tpsp (2 ranks, default rung)" 75 2 tpsp "${TPSP_AIM_ARGS[@]}"
 fi
+unset VTNUMBA_MATMUL_VARIANT  # everything after TPSP's bench (the model stage, the tests) runs the default rung
 run_bench "bench peer (2 ranks)" 45 2 peer "${PEER_AIM_ARGS[@]}"
 run_bench "bench ec" 45 1 ec
 
@@ -498,7 +508,6 @@ if [ "${BENCH_SECS+x}" ]; then
 fi
 
 # ================================================================================ MPI tests
-unset VTNUMBA_MATMUL_VARIANT  # (the tests name the rungs they check; the rest run the default)
 t0=$SECONDS
 lim=$(limit 120)
 if [ "$lim" -eq 0 ]; then

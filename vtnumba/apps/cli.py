@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     # is how to find out why cuda is not usable: it takes the cuda target as it is, and says.)
     if args.command in ("info", "trace"):  # (trace only passes the choice on: its command checks it)
         try:
-            select_target(_chosen_target(parser, args), source="--target")
+            select_target(_chosen_target(_command_parser(parser, args), args), source="--target")
         except TargetError as exc:
             parser.error(str(exc))
         if args.command == "info":  # (info reports what a program would run with: bad switches first)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
             check_environment(_command_parser(parser, args))
     else:
-        choose_target(parser, _chosen_target(parser, args))
+        choose_target(parser, _chosen_target(_command_parser(parser, args), args))
 
     usage_error = _command_parser(parser, args).error
     if args.command == "info":
