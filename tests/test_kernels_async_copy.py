@@ -124,3 +124,34 @@ def test_a_misaligned_source_is_refused_in_the_simulator(dev):
     src = dev(np.zeros((ROWS, COLS + 4), np.float32))
     with pytest.raises(ValueError, match="not 16-byte aligned"):
         _launch(_copy_from, src, 1, dev(np.zeros(1, np.float32)))
+
+
+@cuda.jit
+def _issue_and_leave(src, sh_out):
+    # A GPU thread that ends with its copy still in flight (no wait): into a global array
+    # standing in for shared memory, so the test can see when it lands.
+    copy_quad_to_shared(sh_out, 0, 0, src, 0, 0)
+    commit_copies()
+
+
+@cuda.jit
+def _wait_for_nothing(flag):
+    wait_all_copies()
+    flag[0] = 1.0
+
+
+@pytest.mark.simulator_only
+def test_copies_left_in_flight_land_when_their_thread_ends(dev, host, rng):
+    # The simulator keeps a thread's copies in flight per Python thread, and reuses Python
+    # threads for the next GPU threads: a copy a GPU thread never waited for landed only when
+    # a *later* kernel on the same Python thread waited.  On a GPU it completes anyway; now
+    # it lands when its GPU thread ends, and nothing carries into the next launch.
+    src = rng.standard_normal((1, 4)).astype(np.float32)
+    target = dev(np.zeros((1, 4), np.float32))
+    with SIM_LAUNCH_LOCK:
+        _issue_and_leave[1, 1](dev(src), target)
+    np.testing.assert_array_equal(host(target), src)
+    host(target)[:] = 0  # (the simulator's device array is this numpy array)
+    with SIM_LAUNCH_LOCK:
+        _wait_for_nothing[1, 1](dev(np.zeros(1, np.float32)))
+    np.testing.assert_array_equal(host(target), np.zeros((1, 4), np.float32))

@@ -261,12 +261,27 @@ def test_split_rows_covers_the_range_once_and_raises_errors(monkeypatch):
     _common.split_rows(lambda a, b: seen.append((a, b)), 5, 12, nbytes=_common.PARALLEL_MIN_BYTES - 1)
     assert seen == [(5, 12)]  # small calls stay on the calling thread
 
-    def fail_late(a, b):
-        if a > 5:
-            raise RuntimeError(f"rows {a}..{b}")
+    import threading
+    import time
 
-    with pytest.raises(RuntimeError, match="rows"):
-        _common.split_rows(fail_late, 5, 12, nbytes=_common.PARALLEL_MIN_BYTES)
+    finished = []
+
+    def fail_early_finish_late(a, b):
+        if a == 7:
+            raise RuntimeError(f"rows {a}..{b}")
+        if a == 9:
+            time.sleep(0.2)  # still writing when the range before it has failed
+        finished.append((a, threading.get_ident()))
+
+    # The first error in range order is raised, and only once every range has finished: no
+    # thread may still be writing the caller's arrays after the call returned.
+    with pytest.raises(RuntimeError, match=r"rows 7\.\.9"):
+        _common.split_rows(fail_early_finish_late, 5, 12, nbytes=_common.PARALLEL_MIN_BYTES)
+    assert sorted(a for a, _ in finished) == [5, 9]
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "2")  # (an explicit BLAS setting of any of the three wins)
+    assert _common.host_threads() == 2
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["rms", "layer"])

@@ -208,6 +208,10 @@ def test_dtypes():
     assert DType.BFLOAT16 in supported_dtypes("cuda", (9, 0))
     with pytest.raises(TypeError, match="numba's simulator has no bfloat16"):
         check_dtype_supported("bf16", "cudasim")
+    with pytest.raises(TypeError, match=r"no compute capability was given \(bfloat16 needs 8.0 or newer\)"):
+        check_dtype_supported("bf16", "cuda")
+    with pytest.raises(TypeError, match=r"compute capability \(7, 5\) < 8.0"):
+        check_dtype_supported("bf16", "cuda", (7, 5))
     with pytest.raises(TypeError, match="bfloat16 has no numpy dtype"):
         DType.BFLOAT16.to_numpy()
     with pytest.raises(TypeError, match="dtype=.*int8.* is not supported"):

@@ -58,8 +58,9 @@ def node_local_rank(environ=None) -> tuple[int, str] | None:
 def requested_device(environ=None) -> int | None:
     """The device index ``VTNUMBA_DEVICE`` names, or None for ``local`` (the default).
 
-    ValueError naming the variable for anything else -- checked on every target, so a typo
-    shows on the laptop that runs the simulator, not first on the GPU machine.
+    ValueError naming the variable for anything else -- checked on the cuda and cudasim
+    targets (and by the command-line programs on every target), so a typo shows on the laptop
+    that runs the simulator, not first on the GPU machine.
     """
     environ = os.environ if environ is None else environ
     asked = environ.get("VTNUMBA_DEVICE", "local").strip().lower() or "local"

@@ -54,8 +54,9 @@ _choice: TargetChoice | None = None
 
 
 class TargetError(ValueError):
-    """An unknown target name (``--target`` or ``VTNUMBA_TARGET``), or, for ``auto`` on a
-    machine with a GPU, a ``VTNUMBA_DEVICE`` that names no GPU there."""
+    """An unknown target name (``--target`` or ``VTNUMBA_TARGET``); for ``auto`` on a machine
+    with a GPU, a ``VTNUMBA_DEVICE`` that names no GPU there; for ``cudasim``, a malformed
+    ``VTNUMBA_DEVICE``."""
 
 
 def _validate(name: str, where: str) -> str:
@@ -202,7 +203,7 @@ def select_target(name: str | None = None, *, source: str = "target") -> TargetC
     command-line flag (``"--target"``) for a program.
 
     Calling it again with the same resolved target is harmless; asking for a different one
-    after kernels were set up raises, because numba cannot switch simulator mode in place.
+    once a target has been chosen raises, because numba cannot switch simulator mode in place.
     """
     global _choice
     source = source if name is not None else "VTNUMBA_TARGET"

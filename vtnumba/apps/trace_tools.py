@@ -133,8 +133,8 @@ def merge_traces(paths: list[str]) -> dict:
 def validate_trace(trace: dict) -> None:
     """Check the structure Perfetto needs; raise ValueError naming the first problem.
 
-    Per queue ("thread"), operations must not overlap and must appear in start order: a
-    queue runs its work one after another.
+    Per queue ("thread"), operations must not overlap (taken in start order): a queue runs
+    its work one after another.
     """
     if "traceEvents" not in trace or not isinstance(trace["traceEvents"], list):
         raise ValueError("trace has no 'traceEvents' list")
@@ -145,7 +145,7 @@ def validate_trace(trace: dict) -> None:
                 raise ValueError(f"traceEvents[{i}] lacks {key!r}")
         if ev["ph"] == "X":
             if ev.get("dur", -1) < 0 or "ts" not in ev:
-                raise ValueError(f"traceEvents[{i}] ({ev['name']}) has end < start")
+                raise ValueError(f"traceEvents[{i}] ({ev['name']}) lacks 'ts' or has a negative 'dur'")
             by_track.setdefault((ev["pid"], ev["tid"]), []).append(ev)
     for (pid, tid), evs in by_track.items():
         if evs and evs[0].get("cat") != "queue":

@@ -4,7 +4,7 @@ Reading order (one concept per module):
 
 * :mod:`~vtnumba.backend.device` / :mod:`~vtnumba.backend.dtype` -- where memory lives, what it holds;
 * :mod:`~vtnumba.backend.arrays`   -- the array kinds of the three targets and the argument checks
-  every layer uses (the only module that looks inside numba's arrays);
+  every layer uses (where the package looks inside numba's arrays);
 * :mod:`~vtnumba.backend.base`     -- the Backend seam (vllm.cpp: ``vt/backend.h``), Buffer, Queue,
   Event, and :class:`Capabilities`;
 * :mod:`~vtnumba.backend.atomics` / :mod:`~vtnumba.backend.polling` -- acquire/release flag words

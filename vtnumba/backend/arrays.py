@@ -14,9 +14,11 @@ Kernels dispatch on the first two categories only -- :data:`HOST` (numpy: run th
 reference) and :data:`DEVICE` (numba device arrays, real or simulated: launch the
 ``@cuda.jit`` kernel); whether a device array is *host-addressable* (simulated) is a
 property of the backend that made it (:class:`vtnumba.backend.Capabilities`), not something
-the upper layers should probe.  This module is the only one that looks inside numba's
-simulator (its ``FakeCUDAArray`` keeps the numpy array in a private ``_ary`` attribute) or
-at ``__cuda_array_interface__``; everything else asks here.
+the upper layers should probe.  This module is where the package looks inside numba's
+simulator (its ``FakeCUDAArray`` keeps the numpy array in a private ``_ary`` attribute) and
+at ``__cuda_array_interface__``; the rest asks here, except a few low-level modules that
+must read the interface or the simulator themselves (the CUDA backend, the memory plugin,
+the timing code, the wide loads' simulator twins, the simulator fixes).
 
 It also holds the argument checks every layer uses, so that "an int but not a bool", "a
 positive number of seconds" or "a C-contiguous 2-D float32 array" read -- and fail -- the

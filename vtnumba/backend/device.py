@@ -1,4 +1,5 @@
-"""Devices and dtypes: *where* memory lives and *what* it holds (mirrors vllm.cpp's ``vt::Device``).
+"""Devices: *where* memory lives (mirrors vllm.cpp's ``vt::Device``; *what* it holds, the dtypes,
+is :mod:`vtnumba.backend.dtype`).
 
 A :class:`Device` is a ``(DeviceType, index)`` pair.  ``Device(t, 0)`` shares the type-level
 registry slot (see :mod:`vtnumba.backend.registry`).  Which CUDA device a process uses by

@@ -15,7 +15,8 @@ _chosen: DeviceChoice | None = None
 
 
 def process_cuda_device() -> DeviceChoice:
-    """This process's choice, made once: on the ``cuda`` target from the visible GPUs, else device 0.
+    """This process's choice, made once (not kept while no GPU is usable): on the ``cuda`` target
+    from the visible GPUs, else device 0.
 
     Asks numba for the device count only on the ``cuda`` target, so the other targets never
     touch the driver.

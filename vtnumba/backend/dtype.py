@@ -79,6 +79,7 @@ def check_dtype_supported(dtype, target: str, compute_capability: tuple[int, int
     dt = as_dtype(dtype)
     if dt not in supported_dtypes(target, compute_capability):
         where = {"cpu": "numpy has no bfloat16", "cudasim": "numba's simulator has no bfloat16"}.get(
-            target, f"compute capability {compute_capability} < 8.0")
+            target, f"compute capability {compute_capability} < 8.0" if compute_capability is not None else
+            "no compute capability was given (bfloat16 needs 8.0 or newer)")
         raise TypeError(f"dtype={dt.value} is not supported on target {target!r}: {where}")
     return dt

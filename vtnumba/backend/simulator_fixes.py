@@ -72,8 +72,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-__all__ = ["apply_simulator_fixes", "make_barriers_event_driven", "make_device_calls_lock_free",
-           "make_shared_arrays_thread_safe"]
+__all__ = ["apply_simulator_fixes", "make_barriers_event_driven", "make_block_threads_reusable",
+           "make_device_calls_lock_free", "make_shared_arrays_thread_safe", "GPU_THREAD_END_HOOKS"]
 
 _lock = threading.Lock()
 _applied: set[str] = set()
@@ -298,6 +298,12 @@ class _ThreadPool:
             self._idle.append(thread)
 
 
+#: Called, without arguments, on a reused thread each time a GPU thread it ran has ended: where
+#: per-thread state kept in ``threading.local`` (as a GPU thread's registers would be) is
+#: finished off before the same Python thread becomes another GPU thread.
+GPU_THREAD_END_HOOKS: list = []
+
+
 def _reusable_block_thread(EventDrivenBlockThread, BlockThread, Dim3):
     """A simulator thread that runs one GPU thread after another (fix 3 of the module docstring):
     fix 2's thread class, made to wait for its next binding instead of ending."""
@@ -335,6 +341,8 @@ def _reusable_block_thread(EventDrivenBlockThread, BlockThread, Dim3):
                     # numba's BlockThread.run: the GPU thread, its exception kept in
                     # self.exception (Thread.run drops _target afterwards).
                     BlockThread.run(self)
+                    for hook in GPU_THREAD_END_HOOKS:  # before this Python thread is another GPU thread
+                        hook()
                 except BaseException:
                     self._pool = None  # numba's threads die of these: not reused either
                     raise
@@ -433,7 +441,7 @@ def _restoring_kernel_context(original_push):
 
 def make_device_calls_lock_free() -> bool:
     """Swap a device function's module globals once per launch instead of on every call
-    (fix 3 of the module docstring).  Idempotent; True when in place, False when the
+    (fix 4 of the module docstring).  Idempotent; True when in place, False when the
     simulator is not the one it was written for."""
     from numba.cuda.simulator import kernel
 

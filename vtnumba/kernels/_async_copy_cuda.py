@@ -160,7 +160,11 @@ def _make_intrinsics():
 #: stage that other threads are still reading.  A correct kernel gives the same result with
 #: both (the tests run the async rung both ways).
 SIMULATED_LANDING = "wait"
-_pending = threading.local()  # per simulated GPU thread: .groups (committed), .open (not yet committed)
+# A GPU thread's copies in flight: .groups (committed), .open (not yet committed).  Kept per
+# Python thread, and the simulator's reused threads run one GPU thread after another, so
+# what a GPU thread leaves in flight lands when it ends (a GPU's copies complete too):
+# nothing carries over into the next GPU thread, or the next launch.
+_pending = threading.local()
 
 
 def _state():
@@ -207,9 +211,18 @@ def _wait_all_copies_sim():
     st.groups, st.open = [], []
 
 
+def _land_leftovers() -> None:
+    if getattr(_pending, "groups", None) or getattr(_pending, "open", None):
+        _wait_all_copies_sim()
+
+
 if simulator_active():
+    from vtnumba.backend.simulator_fixes import GPU_THREAD_END_HOOKS
+
     copy_quad_to_shared, commit_copies = _copy_quad_to_shared_sim, _commit_copies_sim
     wait_copies, wait_all_copies = _wait_copies_sim, _wait_all_copies_sim
+    if _land_leftovers not in GPU_THREAD_END_HOOKS:
+        GPU_THREAD_END_HOOKS.append(_land_leftovers)
 else:
     copy_quad_to_shared, commit_copies, wait_copies, wait_all_copies = _make_intrinsics()
 

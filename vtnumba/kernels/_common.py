@@ -104,7 +104,7 @@ def host_threads() -> int:
     ``OPENBLAS_NUM_THREADS``), and a host kernel takes the same share; otherwise every core
     this process may run on.
     """
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         value = os.environ.get(var, "")
         if value.isdigit() and int(value) > 0:
             return int(value)
@@ -151,11 +151,20 @@ def split_rows(fn: Callable[[int, int], None], r0: int, r1: int, nbytes: int) ->
         pool = _pool
     bounds = [int(r0) + n * i // k for i in range(k + 1)]
     futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, k)]
+    error = None
     try:
         fn(bounds[0], bounds[1])
-    finally:
-        for f in futures:
+    except BaseException as exc:  # noqa: BLE001 - raised below, once every range has finished
+        error = exc
+    # Every range finishes before anything is raised: none may still be writing the caller's
+    # arrays after the call returned.  The first error in range order is the one raised.
+    for f in futures:
+        try:
             f.result()
+        except BaseException as exc:  # noqa: BLE001
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 def _resolve_backend(kind: str, queue, backend):
