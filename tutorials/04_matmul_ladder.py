@@ -132,7 +132,8 @@ for S in SIZES:
 lesson.check(np.allclose(C, A @ B, rtol=1e-4, atol=1e-3), "the timed host matmul is still right")
 lesson.perf_plot("host_matmul.png", "The host path across sizes (rank 0): vtnumba's matmul on numpy arrays is "
                  "numpy's BLAS plus argument checks, so the lines meet once a product takes more than a few "
-                 "hundred microseconds; below that the checks are a visible share of each call.", host_series, xlabel="square matrix size S (S x S times S x S)",
+                 "hundred microseconds; below that the checks are a visible share of each call.", host_series,
+                 xlabel="square matrix size S (S x S times S x S)",
                  ylabel="GFLOP/s per rank", title="04: host matmul, numpy vs vtnumba", xfmt=lambda s: f"{s}^3")
 
 # %%

@@ -309,7 +309,6 @@ class Lesson:
         which also watches the failure board: a rank that failed ends the others' wait here.
         """
         import numpy as np
-        from mpi4py import MPI
 
         from vtnumba.dist.comm import wait_request
 

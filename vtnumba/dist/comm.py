@@ -13,8 +13,8 @@ control messages never interleave with data traffic on ``group.comm`` -- except
 it guards.
 
 Every wait is non-blocking underneath (``Ibarrier``/``Iallreduce``/``Iallgather`` plus
-polling; only ``agree_on_call(timeout_s=None)`` asks for a blocking wait), so a peer that never arrives produces a clear ``RuntimeError`` after
-``timeout_s`` instead of a hang.  MPI cannot cancel a collective that a peer never joined,
+polling; only ``agree_on_call(timeout_s=None)`` asks for a blocking wait), so a peer that
+never arrives produces a clear ``RuntimeError`` after ``timeout_s`` instead of a hang.  MPI cannot cancel a collective that a peer never joined,
 so after such a timeout the communicator is unusable: the error says so, and the right
 reaction is to abort the job (``python -m mpi4py`` does that for an uncaught exception).
 The group remembers it (``ProcessGroup.unusable``): every later collective on it raises at

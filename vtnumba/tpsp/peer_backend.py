@@ -4,9 +4,9 @@ Everything vLLM's ``CudaTPSPBackend`` checks happens here, once, for both target
 the backend and the handle must be open, a handle must come from this backend, and the
 arguments must fit the handle (hidden size, ``max_batched_tokens``, the residual shard's
 shape, the norm, the dtype); a microchunk larger than the shard or a workspace slot is
-shrunk to fit.  What differs per target is small and lives in the subclasses: which :class:`~vtnumba.backend.Backend` owns
-the memory and queues, which arrays are acceptable (numpy vs device arrays), how
-weights reach that memory, and the default exchange mode.
+shrunk to fit.  What differs per target is small and lives in the subclasses: which
+:class:`~vtnumba.backend.Backend` owns the memory and queues, which arrays are acceptable
+(numpy vs device arrays), how weights reach that memory, and the default exchange mode.
 
 **Agreement.**  ``open`` is collective: argument errors are compared across ranks
 (:func:`~vtnumba.dist.agree_errors`: the same exception everywhere), and every reason to
