@@ -627,3 +627,50 @@ def test_checked_host_copy_checks_only_the_sides_it_is_asked_to(rng):
         assert checked_host_copy(null, d, n, 1, *live_table(), CHECK_DST) == -1  # a null source: still refused
     assert checked_host_copy(s, d, n, 1, *live_table(), CHECK_DST) == -1  # dst no longer live
 
+
+
+def test_a_check_racing_an_unregister_never_sees_the_old_table():
+    # unregister() has returned, another thread is applying it, and a lock-free check must not
+    # find the old table (which still lists the freed range) beside an empty queue of removals:
+    # a copy into just-freed memory would pass.  The removal is held right after it left the
+    # queue -- where the table used to be dropped only afterwards.
+    import threading
+    from collections import deque
+
+    from vtnumba.backend.address_ranges import AddressRanges
+
+    buf = np.zeros(64, np.uint8)
+    ranges = AddressRanges()
+    token = ranges.register(buf.ctypes.data, 64, "buf")
+    ptrs, sizes = np.array([buf.ctypes.data], np.uint64), np.array([64], np.uint64)
+    ranges.check("dst", ptrs, sizes)  # the table is built
+    popped, release = threading.Event(), threading.Event()
+
+    class HeldQueue(deque):
+        def popleft(self):
+            item = super().popleft()
+            popped.set()
+            release.wait(10)
+            return item
+
+    ranges._removed = HeldQueue()
+    ranges.unregister(token)
+    writer = threading.Thread(target=ranges._table)
+    writer.start()
+    assert popped.wait(10)
+    seen = []
+
+    def check():
+        try:
+            ranges.check("dst", ptrs, sizes)
+            seen.append("accepted")
+        except ValueError:
+            seen.append("refused")
+
+    reader = threading.Thread(target=check)
+    reader.start()
+    reader.join(0.2)  # (the old code answered at once, from the old table)
+    release.set()
+    writer.join(10)
+    reader.join(10)
+    assert seen == ["refused"]

@@ -120,6 +120,24 @@ def test_a_consumer_scheduler_refuses_a_cache_it_would_not_use():
         ECScheduler("consumer", 4, cache=EmbeddingCache(4))
 
 
+def test_two_schedulers_can_share_one_cache(monkeypatch):
+    # EmbeddingCache is shared by design ("scheduler threads ... can share one cache"):
+    # - an empty shared cache was replaced by a private one (`cache or ...`: empty is falsy);
+    # - two schedulers asking for the same entry at once: each looked the key up under its own
+    #   lock, and the later alloc raised ValueError ("already has an entry") instead of None.
+    from vtnumba.ec import EmbeddingCache
+
+    shared = EmbeddingCache(8)
+    a, b = ECScheduler("producer", 8, cache=shared), ECScheduler("producer", 8, cache=shared)
+    assert a.cache is shared and b.cache is shared
+    assert list(a.request_save("img", 2)) == [0, 1]
+    # b's lookup ran just before a's alloc (the race, made deterministic):
+    monkeypatch.setattr(shared, "lookup", lambda key: None)
+    assert b.request_save("img", 2) is None
+    with pytest.raises(ValueError, match="can never fit"):  # a real refusal still raises
+        b.request_save("huge", 9)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="role='encoder'"):
         ECScheduler("encoder", 4)

@@ -51,9 +51,12 @@ class AddressRanges:
     def _apply_removals(self) -> None:
         # Under the lock.  A removal queued while this runs (by a finalizer the allocations
         # below set off) stays queued for the next caller: the deque is never left stale.
+        # The table is dropped *before* the token leaves the deque: a lock-free reader that
+        # finds the deque empty then also finds no stale table (see _table).
         while self._removed:
-            if self._ranges.pop(self._removed.popleft(), None) is not None:
+            if self._ranges.pop(self._removed[0], None) is not None:
                 self._sorted = None
+            self._removed.popleft()
 
     def register(self, start: int, nbytes: int, what: str) -> int:
         """Declare ``nbytes`` at ``start`` live; returns a token for :meth:`unregister`."""
@@ -74,12 +77,15 @@ class AddressRanges:
         self._removed.append(token)
 
     def _table(self) -> tuple:
-        table = self._sorted
-        if table is not None and not self._removed:
-            # The common case, read without the lock (one attribute read is atomic): every
-            # batched copy asks, and the table changes only when memory comes or goes.  A
-            # change racing with this read is no different from one right after it.
-            return table
+        if not self._removed:
+            table = self._sorted
+            if table is not None:
+                # The common case, read without the lock (one attribute read is atomic): every
+                # batched copy asks, and the table changes only when memory comes or goes.  The
+                # order matters: an unregister() that returned before this call is either still
+                # queued (and we take the lock) or applied, its table dropped before its token
+                # left the queue -- never an old table with an empty queue.
+                return table
         with self._lock:
             self._apply_removals()
             if self._sorted is None:

@@ -74,7 +74,8 @@ class ECScheduler:
             raise ValueError("cache= is for a producer or both scheduler; a consumer has none (the producer "
                              "owns the blocks and the pins)")  # (it was ignored)
         # A consumer-only scheduler has no cache: the producer owns the blocks and the pins.
-        self.cache = (cache or EmbeddingCache(self.num_blocks)) if self.is_producer else None
+        # (not ``cache or ...``: an empty cache is falsy, and a shared one starts empty)
+        self.cache = (cache if cache is not None else EmbeddingCache(self.num_blocks)) if self.is_producer else None
         self.expected_load_reports = int(expected_load_reports)
         self._lock = threading.Lock()
         self._pending_saves: dict[str, np.ndarray] = {}
@@ -109,7 +110,12 @@ class ECScheduler:
         with self._lock:
             if mm_hash in self._pending_saves or self.cache.lookup(mm_hash) is not None:
                 return None
-            entry = self.cache.alloc(mm_hash, num_rows)
+            try:
+                entry = self.cache.alloc(mm_hash, num_rows)
+            except ValueError:
+                if mm_hash in self.cache:  # another scheduler sharing the cache took it since the lookup
+                    return None
+                raise
             if entry is None:
                 self.stats["saves_without_room"] += 1
                 return None
