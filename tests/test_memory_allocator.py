@@ -128,6 +128,31 @@ def test_destroyed_side_queue_needs_no_event(backend):
     assert a.stats()["blocks_waiting_on_events"] == 0
 
 
+def test_a_side_queue_destroyed_during_the_free_needs_no_event(backend, monkeypatch):
+    # Another thread destroys the side queue between free's check of it and its event: free
+    # raised "q=side was destroyed" with the block half-freed (out of the live set, its piece
+    # never back in a pool).  A queue destroyed meanwhile was drained: nothing to wait for.
+    a = CachingAllocator(backend)
+    main, side = backend.create_queue("main"), backend.create_queue("side")
+    b = a.allocate(100, main)
+    where = b.ptr
+    a.record_stream(b, side)
+    real_record = backend.record_event
+
+    def record_after_a_destroy(ev, q):
+        if q is side and not side.destroyed:
+            backend.destroy_queue(side)  # (what the other thread did, just now)
+        return real_record(ev, q)
+
+    monkeypatch.setattr(backend, "record_event", record_after_a_destroy)
+    a.free(b)
+    assert a.stats()["blocks_waiting_on_events"] == 0
+    a.check_invariants()
+    again = a.allocate(100, main)  # the piece is back in main's pool
+    assert again.ptr == where
+    a.free(again)
+
+
 def test_a_destroyed_queues_memory_goes_to_the_next_queue_that_needs_it(backend, holder):
     # Pools are per queue and queue ids never come back: a queue per step cached each step's
     # memory in a pool nobody asked again -- 50 steps reserved 50 segments (100 MiB of large

@@ -572,7 +572,7 @@ class Backend(abc.ABC):
         finally:
             with self._lock:
                 self._queues.pop(q.id, None)
-            q.destroyed = True
+                q.destroyed = True  # (with the pop: whoever finds the queue gone also finds it destroyed)
             self._destroy_queue(q)
 
     def synchronize(self, q: Queue | None = None) -> None:

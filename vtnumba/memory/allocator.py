@@ -289,15 +289,28 @@ class CachingAllocator:
                 queues.append(block.queue)
             if self.backend.closed:
                 queues = []  # close() drained every queue: nothing left to wait for (and no events to make)
+            events = []
+            try:
+                for q in queues:
+                    ev = self.backend.create_event(timing=False)  # orders only: never timed
+                    try:
+                        self.backend.record_event(ev, q)
+                    except RuntimeError:
+                        self.backend.destroy_event(ev)
+                        if not q.destroyed:
+                            raise
+                        # Destroyed by another thread since the filter above: destroy_queue
+                        # drains a queue before it goes, so there is nothing left to wait for.
+                        continue
+                    events.append(ev)
+            except BaseException:
+                for ev in events:  # the block stays live, as it was: nothing of this free happened
+                    self.backend.destroy_event(ev)
+                raise
             self._forget_live(block)
-            if not queues:
+            if not events:
                 self._return_to_pool(piece)
                 return
-            events = []
-            for q in queues:
-                ev = self.backend.create_event(timing=False)  # orders only: never timed
-                self.backend.record_event(ev, q)
-                events.append(ev)
             self._c["events_recorded"] += len(events)
             piece.state = _WAITING
             piece.events = tuple(events)

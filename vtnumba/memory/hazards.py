@@ -181,10 +181,21 @@ class HazardChecker:
                 # still read "not fired" until the queue got to it -- on a threaded queue, or a
                 # GPU stream a few microseconds later -- and the next allocation would report a
                 # hazard that is not there.)
-                if q.destroyed or backend.closed or backend.query_queue(q):
+                if q.destroyed or backend.closed:
                     continue  # (a closed backend drained every queue: its frees stay legal)
-                ev = backend.create_event(timing=False)  # orders only: never timed
-                backend.record_event(ev, q)
+                try:
+                    if backend.query_queue(q):
+                        continue
+                    ev = backend.create_event(timing=False)  # orders only: never timed
+                    try:
+                        backend.record_event(ev, q)
+                    except BaseException:
+                        backend.destroy_event(ev)
+                        raise
+                except RuntimeError:
+                    if q.destroyed:
+                        continue  # destroyed by another thread meanwhile: drained, its uses complete
+                    raise
                 recorded.append((q, ev, qid in uses.covered))
             if recorded:
                 self._retired.setdefault(block.segment_id, []).append(
