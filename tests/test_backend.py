@@ -858,3 +858,26 @@ def test_asarray_keeps_the_shape_and_contents_of_any_array(backend, shape):
 def test_asarray_refuses_what_device_memory_cannot_hold_like_empty(backend, bad):
     with pytest.raises(TypeError, match=r"host.dtype=.* cannot be held in device memory; expected a number type"):
         backend.asarray(bad)
+
+
+def test_a_threaded_backend_dropped_without_close_leaves_no_worker_queue_entries():
+    # Each threaded queue is counted (weakly) in what every free waits for; a backend dropped
+    # without close() left its entries behind until some later free swept them, so every free
+    # meanwhile took the slow path (found by a leak probe: ~2.5 entries a cycle).
+    import gc
+
+    from vtnumba.backend import base
+
+    before = len(base._worker_queues)
+    for _ in range(5):
+        b = CPUBackend(threaded=True)
+        q = b.create_queue("dropped")
+        b.launch_host_func(q, lambda: None)
+        b.synchronize(q)
+        del b, q
+    for _ in range(100):  # (the workers notice their queues are gone, then end)
+        gc.collect()
+        if len(base._worker_queues) <= before:
+            break
+        time.sleep(0.02)
+    assert len(base._worker_queues) <= before

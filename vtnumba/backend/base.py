@@ -70,8 +70,15 @@ _worker_queues_lock = threading.Lock()
 
 def add_worker_queue(q: "Queue") -> None:
     """Count ``q`` (a queue whose work runs later, on a thread of its own) in what a free waits for."""
+    key = id(q)
+
+    def forget(ref, key=key):  # q was dropped without stop (its worker has ended): drop its entry too
+        with _worker_queues_lock:
+            if _worker_queues.get(key) is ref:
+                del _worker_queues[key]
+
     with _worker_queues_lock:
-        _worker_queues[id(q)] = weakref.ref(q)
+        _worker_queues[key] = weakref.ref(q, forget)
 
 
 def remove_worker_queue(q: "Queue") -> None:
@@ -176,7 +183,10 @@ class Buffer:
         self._owner = owner  # whatever keeps the memory alive (a larger slab, a numba allocation)
         self.freed = False
         # Live bytes are registered so that raw-pointer copies can be checked against them --
-        # until free(), or until the Buffer is garbage-collected (its memory goes with it).
+        # until free().  (The backend keeps every buffer it made until then: one dropped without
+        # free() is a leak that Backend.live_buffers() shows, not memory given back behind a
+        # queue that may still write it by address.  The finalizer covers the buffers nobody
+        # keeps that way: a CachingAllocator's blocks.)
         self._range = None
         if ptr and nbytes:
             token = address_ranges.register(ptr, nbytes, f"buffer #{self.id} on {device}")
