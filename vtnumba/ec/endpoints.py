@@ -16,8 +16,10 @@ that skeleton, written once; a program on top of them says only *what* it moves.
   other consumer ranks -- the consumer's tensor-parallel ranks -- which :meth:`~ECConsumer.serve`.
 
 Both run on an mpi4py communicator (a ``Dup()`` of your world: the endpoints' messages
-must not meet anyone else's) or a :class:`vtnumba.dist.ProcessGroup` (its control
-communicator).  Other ranks of the communicator may exist -- the demo's other encoder
+must not meet anyone else's -- one ``Dup()`` per producer/consumer pair, because ``close()``
+makes no final handshake: a failure a peer reports after this rank closed stays queued on
+the communicator, and a next pair on the same one would receive it) or a
+:class:`vtnumba.dist.ProcessGroup` (its control communicator).  Other ranks of the communicator may exist -- the demo's other encoder
 ranks -- they take no part, but they are told when an endpoint fails.  ``comm=None`` keeps
 everything in this process (a benchmark; a consumer in another process that gets the
 handle some other way).
