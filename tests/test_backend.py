@@ -861,13 +861,16 @@ def test_asarray_refuses_what_device_memory_cannot_hold_like_empty(backend, bad)
 
 
 def test_a_threaded_backend_dropped_without_close_leaves_no_worker_queue_entries():
-    # Each threaded queue is counted (weakly) in what every free waits for; a backend dropped
-    # without close() left its entries behind until some later free swept them, so every free
-    # meanwhile took the slow path (found by a leak probe: ~2.5 entries a cycle).
+    # Each threaded queue is counted (weakly) in what every free waits for; backends dropped
+    # without close() left their entries behind until some free swept them, so they piled up
+    # in a process that made queues but freed nothing (found by a leak probe: ~2.5 entries a
+    # cycle).  Making a queue sweeps them now too -- and no weak-reference callback takes the
+    # lock, which garbage collection may set off on a thread that already holds it.
     import gc
 
     from vtnumba.backend import base
 
+    gc.collect()
     before = len(base._worker_queues)
     for _ in range(5):
         b = CPUBackend(threaded=True)
@@ -875,9 +878,24 @@ def test_a_threaded_backend_dropped_without_close_leaves_no_worker_queue_entries
         b.launch_host_func(q, lambda: None)
         b.synchronize(q)
         del b, q
-    for _ in range(100):  # (the workers notice their queues are gone, then end)
-        gc.collect()
-        if len(base._worker_queues) <= before:
-            break
-        time.sleep(0.02)
-    assert len(base._worker_queues) <= before
+    gc.collect()
+    keep = CPUBackend(threaded=True)
+    keep.create_queue("kept")
+    assert len(base._worker_queues) <= before + 2  # the kept backend's queues, no dropped ones
+    keep.close()
+
+    def collect_inside_the_lock():
+        with base._worker_queues_lock:
+            gc.collect()
+
+    gc.disable()
+    try:
+        b = CPUBackend(threaded=True)
+        b.create_queue("garbage")
+        del b  # (cyclic garbage with a worker queue: collected inside the lock below)
+        t = threading.Thread(target=collect_inside_the_lock, daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "garbage collection inside the lock deadlocked"
+    finally:
+        gc.enable()

@@ -70,15 +70,18 @@ _worker_queues_lock = threading.Lock()
 
 def add_worker_queue(q: "Queue") -> None:
     """Count ``q`` (a queue whose work runs later, on a thread of its own) in what a free waits for."""
-    key = id(q)
-
-    def forget(ref, key=key):  # q was dropped without stop (its worker has ended): drop its entry too
-        with _worker_queues_lock:
-            if _worker_queues.get(key) is ref:
-                del _worker_queues[key]
-
     with _worker_queues_lock:
-        _worker_queues[key] = weakref.ref(q, forget)
+        # Entries of queues dropped without stop (their workers have ended) go here, or at the
+        # next free -- not from a weak reference's callback: that would run inside garbage
+        # collection, perhaps on a thread that holds this very lock.
+        _forget_dropped_worker_queues()
+        _worker_queues[id(q)] = weakref.ref(q)
+
+
+def _forget_dropped_worker_queues() -> None:
+    """Under ``_worker_queues_lock``: drop the entries whose queues are gone."""
+    for key in [k for k, ref in _worker_queues.items() if ref() is None]:
+        del _worker_queues[key]
 
 
 def remove_worker_queue(q: "Queue") -> None:
@@ -92,8 +95,7 @@ def _keep_past_queued_host_work(memory) -> None:
     with _worker_queues_lock:
         queues = [ref() for ref in _worker_queues.values()]
         if None in queues:  # (queues dropped without stop: their workers have ended)
-            for key in [k for k, ref in _worker_queues.items() if ref() is None]:
-                del _worker_queues[key]
+            _forget_dropped_worker_queues()
     for q in queues:
         if q is not None and q.busy():
             q.put("free (memory kept until here)", lambda _kept=memory: None, marker=True)
