@@ -140,7 +140,7 @@ def test_validate_trace_catches_overlap_on_one_queue():
     with pytest.raises(ValueError, match="lacks 'pid'"):
         validate_trace({"traceEvents": [{"name": "a", "ph": "X", "tid": 1}]})
     for bad in ({"dur": -1.0, "ts": 0.0}, {"dur": 1.0}):
-        with pytest.raises(ValueError, match=r"traceEvents\[0\] \(a\) lacks 'ts' or has a negative 'dur'"):
+        with pytest.raises(ValueError, match=r"traceEvents\[0\] \(a\) lacks 'ts' or 'dur', or has a negative 'dur'"):
             validate_trace({"traceEvents": [{"name": "a", "ph": "X", "pid": 0, "tid": 1, **bad}]})
     late = {"name": "c", "ph": "X", "pid": 0, "tid": 1, "ts": 20.0, "dur": 1.0, "cat": "queue"}
     validate_trace({"traceEvents": [late, evs[0]]})  # listed out of order, not overlapping: fine

@@ -145,7 +145,7 @@ def validate_trace(trace: dict) -> None:
                 raise ValueError(f"traceEvents[{i}] lacks {key!r}")
         if ev["ph"] == "X":
             if ev.get("dur", -1) < 0 or "ts" not in ev:
-                raise ValueError(f"traceEvents[{i}] ({ev['name']}) lacks 'ts' or has a negative 'dur'")
+                raise ValueError(f"traceEvents[{i}] ({ev['name']}) lacks 'ts' or 'dur', or has a negative 'dur'")
             by_track.setdefault((ev["pid"], ev["tid"]), []).append(ev)
     for (pid, tid), evs in by_track.items():
         if evs and evs[0].get("cat") != "queue":

@@ -187,8 +187,8 @@ class Buffer:
         # Live bytes are registered so that raw-pointer copies can be checked against them --
         # until free().  (The backend keeps every buffer it made until then: one dropped without
         # free() is a leak that Backend.live_buffers() shows, not memory given back behind a
-        # queue that may still write it by address.  The finalizer covers the buffers nobody
-        # keeps that way: a CachingAllocator's blocks.)
+        # queue that may still write it by address.  A CachingAllocator keeps its live blocks
+        # the same way.  The finalizer runs only when the keeper itself is collected.)
         self._range = None
         if ptr and nbytes:
             token = address_ranges.register(ptr, nbytes, f"buffer #{self.id} on {device}")

@@ -228,8 +228,8 @@ def check_fits_in_memory(nbytes: float, what: str) -> None:
 
 def block_id_array(block_ids, what: str = "block_ids") -> np.ndarray:
     """``block_ids`` as a 1-D C-contiguous int64 array; TypeError unless they are a sequence
-    of whole numbers (a ragged nested list is not), ValueError for a regular multi-dimensional
-    one or an id beyond int64.  (Not their range: see
+    of whole numbers (a ragged nested list is not), ValueError for a scalar, a regular
+    multi-dimensional one or an id beyond int64.  (Not their range: see
     :meth:`ECSharedRegion.check_block_ids`.)"""
     try:
         raw = np.asarray(block_ids)

@@ -815,11 +815,10 @@ class ECWorker:
         if live:
             self._destinations.drain()
             if self._own_allocator:
-                # drain()'s frees wait (record_stream) on events they have just recorded: let
-                # them fire first, or empty_cache would release nothing and the allocator's
+                # drain()'s frees wait (record_stream) on events they have just recorded: wait
+                # for them (bounded), or empty_cache would release nothing and the allocator's
                 # segments and events would outlive the worker, in the backend, for good.
-                self.backend.synchronize(self.compute_queue)
-                self.allocator.empty_cache(wait_s=10.0)  # (bounded; views still alive keep their own bytes)
+                self.allocator.empty_cache(wait_s=10.0)  # (views still alive keep their own bytes)
         for q in self._all_queues:
             self.backend.destroy_queue(q)  # (after close() as well: only released then)
         self._all_queues.clear()
